@@ -1,0 +1,186 @@
+"""One typed, validated configuration per run.
+
+Every process loads the same TOML file (path from `--config`, else `$ROLLOUTS_CONFIG`, else
+`rollouts.toml` in the working directory). Environment variables override single fields:
+`ROLLOUTS_<SECTION>__<FIELD>` (`ROLLOUTS_TRAINER__LR=1e-5`, `ROLLOUTS_REDIS_URL=...`). A value
+that does not fit fails at start-up with an error naming the dotted field.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "ROLLOUTS_"
+ENV_CONFIG_FILE = "ROLLOUTS_CONFIG"  # names the TOML file; not a field
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range; the message names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    # Local HF checkpoint directory; "" means the built-in default model
+    # (SmolLM2-135M-Instruct, prepared by `rollouts prepare-model`).
+    path: str = ""
+    # Weights' dtype in every process; float32 is the only one the CPU paths are tested with.
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class TaskConfig(_Section):
+    # Built-in synthetic task the producer draws prompts from.
+    name: Literal["arithmetic"] = "arithmetic"
+    # Seed of the task's prompt sequence: same seed, same prompts in the same order.
+    seed: int = 0
+    # Operands are drawn from [0, max_operand].
+    max_operand: int = Field(20, ge=1)
+    # Operators to draw from.
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+
+
+class RolloutConfig(_Section):
+    # Completions sampled per prompt (the GRPO group).
+    group_size: int = Field(4, ge=2)
+    # Prompts (groups) in one trainer step.
+    prompts_per_step: int = Field(8, ge=1)
+    # Largest allowed `trainer version - sample version`; 0 with sync_every=1 is on-policy.
+    max_staleness: int = Field(1, ge=0)
+    # Sampling: the trainer uses the same temperature for its log-probs.
+    temperature: float = Field(1.0, gt=0.0)
+    max_new_tokens: int = Field(32, ge=1)
+
+
+class GeneratorConfig(_Section):
+    engine: Literal["hf"] = "hf"
+    # Prompts taken from the stream and sampled together in one engine call.
+    batch_prompts: int = Field(4, ge=1)
+    # A prompt pending this long in another generator's list is reclaimed (that one is dead).
+    claim_idle_s: float = Field(120.0, gt=0.0)
+    # Heartbeat hash lifetime; a generator silent this long is gone from `status`.
+    heartbeat_ttl_s: int = Field(30, ge=1)
+    # torch intra-op threads; 0 leaves torch's default.
+    threads: int = Field(0, ge=0)
+    # Seed of the sampler; each generator offsets it by a hash of its id.
+    seed: int = 0
+
+
+class TrainerConfig(_Section):
+    lr: float = Field(1e-6, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    # PPO clip range of the ratio: [1 - clip_low, 1 + clip_high].
+    clip_low: float = Field(0.2, ge=0.0)
+    clip_high: float = Field(0.2, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    # Sequences per forward/backward pass; gradients accumulate over a step.
+    micro_batch_size: int = Field(8, ge=1)
+    # Publish weights (and acknowledge the groups they hold) every this many steps.
+    sync_every: int = Field(1, ge=1)
+    # Stop after this many optimizer steps; 0 runs until stopped.
+    max_steps: int = Field(0, ge=0)
+    # Published checkpoints kept on disk (the newest ones).
+    keep_checkpoints: int = Field(3, ge=2)
+    threads: int = Field(0, ge=0)
+    seed: int = 0
+
+
+class Config(_Section):
+    # Run name: every Redis key of the run starts with `rollouts:{run}:`.
+    run: str = Field("demo", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    # Redis URL, password or ACL user included (`redis://user:pass@host:port/db`, `rediss://`).
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Where checkpoints (`checkpoints/step_N`) and `metrics.jsonl` land.
+    output_dir: str = "runs/demo"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _check_redis_url(self) -> Config:
+        scheme = self.redis_url.split("://", 1)[0]
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        return self
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.output_dir) / "checkpoints"
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.output_dir) / "metrics.jsonl"
+
+
+def _parse_env_value(raw: str) -> Any:
+    """A TOML literal where the text is one (`1e-5`, `true`, `["+"]`), else the text itself."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _env_overrides(env: dict[str, str]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
+            continue
+        path = name[len(ENV_PREFIX) :].lower().split("__")
+        node = overrides
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{name}: {'.'.join(path)} conflicts with another variable")
+        node[path[-1]] = _parse_env_value(raw)
+    return overrides
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"  {field}: {msg} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict[str, Any], *, source: str = "dict") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, source)) from None
+
+
+def load_config(path: str | os.PathLike | None = None, *, env: dict[str, str] | None = None) -> Config:
+    """The run's config: the TOML file, then environment overrides on top."""
+    env = dict(os.environ) if env is None else env
+    path = path or env.get(ENV_CONFIG_FILE) or ("rollouts.toml" if Path("rollouts.toml").exists() else None)
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {err}") from None
+    source = f"{path or 'defaults'} + environment"
+    return config_from_dict(_merge(data, _env_overrides(env)), source=source)

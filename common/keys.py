@@ -1,0 +1,83 @@
+"""Every Redis key and consumer group of a run, declared once.
+
+All keys of one run share the prefix `rollouts:{run}:` so several runs can share a server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Consumer groups.
+GENERATORS_GROUP = "generators"  # on the prompts stream, one consumer per generator
+TRAINER_GROUP = "trainer"  # on the samples stream, one consumer per trainer rank
+
+# The single field under which every stream entry carries its MessagePack payload.
+PAYLOAD = b"m"
+
+METRICS_MAXLEN = 10_000  # the metrics stream is capped to about this many entries
+
+
+@dataclass(frozen=True)
+class Keys:
+    run: str
+
+    def _k(self, name: str) -> str:
+        return f"rollouts:{self.run}:{name}"
+
+    @property
+    def prompts(self) -> str:
+        """Stream of PromptTask; group `generators`."""
+        return self._k("prompts")
+
+    @property
+    def prompts_dead(self) -> str:
+        """Prompt entries that failed to decode, with the reason."""
+        return self._k("prompts:dead")
+
+    @property
+    def samples(self) -> str:
+        """Stream of SampleGroup; group `trainer`."""
+        return self._k("samples")
+
+    @property
+    def samples_dead(self) -> str:
+        """Sample entries that failed to decode or validate, with the reason."""
+        return self._k("samples:dead")
+
+    @property
+    def weights(self) -> str:
+        """Stream of WeightVersion, one entry per published checkpoint."""
+        return self._k("weights")
+
+    @property
+    def weights_latest(self) -> str:
+        """String: the newest WeightVersion's payload."""
+        return self._k("weights:latest")
+
+    @property
+    def producer(self) -> str:
+        """Hash: dataset position (`epoch`, `offset`, `seed`) and `admitted`."""
+        return self._k("producer")
+
+    @property
+    def trainer(self) -> str:
+        """Hash: `step`, `version` (published), counters of trained and dropped groups."""
+        return self._k("trainer")
+
+    @property
+    def trained(self) -> str:
+        """Set of group ids whose update is in a published checkpoint (never trained twice)."""
+        return self._k("trainer:trained")
+
+    @property
+    def metrics(self) -> str:
+        """Capped stream of per-step metrics."""
+        return self._k("metrics")
+
+    def generator(self, generator_id: str) -> str:
+        """Heartbeat hash of one generator, with a TTL."""
+        return self._k(f"generator:{generator_id}")
+
+    @property
+    def generator_pattern(self) -> str:
+        return self._k("generator:*")

@@ -1,0 +1,253 @@
+"""Wire messages, schema 1: PromptTask, SampleGroup, WeightVersion.
+
+Each stream entry carries one MessagePack map under the field `keys.PAYLOAD`. Every map has
+`v` (schema version) and `t` (message type). Token ids travel as packed little-endian int32,
+log-probs as packed little-endian float32, loss masks as packed uint8; nothing is pickle.
+
+A decoder returns a valid message or raises `MessageError` naming what was wrong; the caller
+dead-letters the entry with that reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+SCHEMA = 1
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # refuse to unpack anything larger
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class MessageError(ValueError):
+    """An entry that is not a valid message of the expected type; the text says why."""
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTask:
+    id: str  # deterministic: "{dataset}:{epoch}:{index}"; the group made from it reuses it
+    messages: list[dict[str, str]] | None  # chat messages (role, content); None when `text` is set
+    text: str | None  # raw prompt text; None when `messages` is set
+    meta: dict[str, Any]  # what the reward needs (ground truth under "answer"), and the source
+    n: int  # completions wanted (the group size)
+    admitted_at: int  # trainer version when the producer admitted it
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    ids: list[int]  # sampled token ids (eos included when finish == "stop")
+    logprobs: list[float]  # behaviour log-prob of each sampled id, as the trainer computes it
+    reward: float  # scalar reward used for the advantage
+    rewards: dict[str, float]  # named reward components (the scalar's parts)
+    finish: str  # "stop" (eos), "length" (max_new_tokens), "abort"
+    text: str  # decoded completion
+    loss_mask: list[int] | None = None  # 1 where the token is trained on; None means all
+
+
+@dataclass(frozen=True, slots=True)
+class SampleGroup:
+    id: str  # deterministic from the prompt: a redelivered group is recognised
+    prompt_id: str  # PromptTask.id it was made from
+    prompt_ids: list[int]  # prompt token ids, chat template applied
+    version: int  # weight version the tokens were sampled with
+    generator: str  # id of the generator that made it
+    engine: str  # "hf" or "vllm"
+    completions: list[Completion]
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: "generate", "reward"
+
+
+@dataclass(frozen=True, slots=True)
+class WeightVersion:
+    version: int  # optimizer steps behind these weights
+    step: int  # trainer step that published them
+    path: str  # HF-format safetensors checkpoint directory
+    format: str  # "safetensors"
+    checksums: dict[str, str]  # file name -> sha256 hex, for every file in `path`
+    created_at: float  # unix seconds
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def _pack_ints(xs: list[int]) -> bytes:
+    return np.asarray(xs, dtype="<i4").tobytes()
+
+
+def _pack_floats(xs: list[float]) -> bytes:
+    return np.asarray(xs, dtype="<f4").tobytes()
+
+
+def _unpack(blob: Any, dtype: str, what: str) -> np.ndarray:
+    if not isinstance(blob, bytes):
+        raise MessageError(f"{what}: expected packed bytes, got {type(blob).__name__}")
+    size = np.dtype(dtype).itemsize
+    if len(blob) % size:
+        raise MessageError(f"{what}: {len(blob)} bytes is not a whole number of {dtype} items")
+    return np.frombuffer(blob, dtype=dtype)
+
+
+def _dump(d: dict[str, Any]) -> bytes:
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def encode(msg: PromptTask | SampleGroup | WeightVersion) -> bytes:
+    if isinstance(msg, PromptTask):
+        return _dump({"v": SCHEMA, "t": "prompt", "id": msg.id, "messages": msg.messages,
+                      "text": msg.text, "meta": msg.meta, "n": msg.n,
+                      "admitted_at": msg.admitted_at})
+    if isinstance(msg, SampleGroup):
+        return _dump({
+            "v": SCHEMA, "t": "group", "id": msg.id, "prompt_id": msg.prompt_id,
+            "prompt_ids": _pack_ints(msg.prompt_ids), "version": msg.version,
+            "generator": msg.generator, "engine": msg.engine, "timings": msg.timings,
+            "completions": [
+                {"ids": _pack_ints(c.ids), "logprobs": _pack_floats(c.logprobs),
+                 "reward": c.reward, "rewards": c.rewards, "finish": c.finish, "text": c.text,
+                 "loss_mask": None if c.loss_mask is None else bytes(c.loss_mask)}
+                for c in msg.completions
+            ],
+        })
+    if isinstance(msg, WeightVersion):
+        return _dump({"v": SCHEMA, "t": "weights", "version": msg.version, "step": msg.step,
+                      "path": msg.path, "format": msg.format, "checksums": msg.checksums,
+                      "created_at": msg.created_at})
+    raise TypeError(f"not a wire message: {type(msg).__name__}")
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _load(blob: Any, kind: str, max_bytes: int) -> dict[str, Any]:
+    if not isinstance(blob, bytes | bytearray):
+        raise MessageError(f"payload is {type(blob).__name__}, not bytes")
+    if len(blob) > max_bytes:
+        raise MessageError(f"payload of {len(blob)} bytes exceeds the limit of {max_bytes}")
+    try:
+        d = msgpack.unpackb(bytes(blob), raw=False, strict_map_key=True,
+                            max_bin_len=max_bytes, max_str_len=max_bytes)
+    except Exception as err:  # msgpack raises several unrelated types for malformed input
+        raise MessageError(f"not MessagePack: {type(err).__name__}: {err}") from None
+    if not isinstance(d, dict):
+        raise MessageError(f"payload is a {type(d).__name__}, not a map")
+    if d.get("v") != SCHEMA:
+        raise MessageError(f"schema version {d.get('v')!r}, expected {SCHEMA}")
+    if d.get("t") != kind:
+        raise MessageError(f"message type {d.get('t')!r}, expected {kind!r}")
+    return d
+
+
+def _get(d: dict[str, Any], key: str, types: type | tuple[type, ...], what: str) -> Any:
+    if key not in d:
+        raise MessageError(f"{what}: missing field {key!r}")
+    value = d[key]
+    # bool is an int in Python; never accept it where a number is meant.
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise MessageError(f"{what}.{key}: expected {types}, got bool")
+    if not isinstance(value, types):
+        raise MessageError(f"{what}.{key}: expected {types}, got {type(value).__name__}")
+    return value
+
+
+def _finite(x: Any, what: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        raise MessageError(f"{what}: expected a number, got {type(x).__name__}")
+    if not math.isfinite(x):
+        raise MessageError(f"{what}: {x} is not finite")
+    return float(x)
+
+
+def _str_map(d: Any, what: str) -> dict[str, Any]:
+    if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
+        raise MessageError(f"{what}: expected a map with string keys")
+    return d
+
+
+def decode_prompt(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> PromptTask:
+    d = _load(blob, "prompt", max_bytes)
+    w = "prompt"
+    pid = _get(d, "id", str, w)
+    messages, text = d.get("messages"), d.get("text")
+    if (messages is None) == (text is None):
+        raise MessageError(f"prompt {pid}: exactly one of 'messages' and 'text' must be set")
+    if messages is not None:
+        if not isinstance(messages, list) or not messages:
+            raise MessageError(f"prompt {pid}: 'messages' must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise MessageError(f"prompt {pid}: messages[{i}] needs string 'role' and 'content'")
+    if text is not None and (not isinstance(text, str) or not text):
+        raise MessageError(f"prompt {pid}: 'text' must be a non-empty string")
+    n = _get(d, "n", int, w)
+    if n < 1:
+        raise MessageError(f"prompt {pid}: n={n}, expected >= 1")
+    return PromptTask(id=pid, messages=messages, text=text, meta=_str_map(d.get("meta", {}), "meta"),
+                      n=n, admitted_at=_get(d, "admitted_at", int, w))
+
+
+def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,
+                 vocab_size: int | None = None) -> SampleGroup:
+    d = _load(blob, "group", max_bytes)
+    gid = _get(d, "id", str, "group")
+    w = f"group {gid}"
+    prompt_ids = _unpack(_get(d, "prompt_ids", bytes, w), "<i4", f"{w}.prompt_ids")
+    if prompt_ids.size == 0:
+        raise MessageError(f"{w}: empty prompt_ids")
+    raw = _get(d, "completions", list, w)
+    if not raw:
+        raise MessageError(f"{w}: no completions")
+    completions = []
+    for i, c in enumerate(raw):
+        cw = f"{w}.completions[{i}]"
+        if not isinstance(c, dict):
+            raise MessageError(f"{cw}: expected a map")
+        ids = _unpack(_get(c, "ids", bytes, cw), "<i4", f"{cw}.ids")
+        lps = _unpack(_get(c, "logprobs", bytes, cw), "<f4", f"{cw}.logprobs")
+        if ids.size == 0:
+            raise MessageError(f"{cw}: empty completion")
+        if ids.size != lps.size:
+            raise MessageError(f"{cw}: {ids.size} ids but {lps.size} logprobs")
+        if not np.isfinite(lps).all() or (lps > 1e-4).any():
+            raise MessageError(f"{cw}: logprobs must be finite and <= 0")
+        mask = c.get("loss_mask")
+        if mask is not None:
+            mask = _unpack(mask, "u1", f"{cw}.loss_mask")
+            if mask.size != ids.size or (mask > 1).any():
+                raise MessageError(f"{cw}: loss_mask must be 0/1 with one entry per id")
+            mask = mask.tolist()
+        finish = _get(c, "finish", str, cw)
+        if finish not in FINISH_REASONS:
+            raise MessageError(f"{cw}: finish {finish!r} not one of {FINISH_REASONS}")
+        rewards = {k: _finite(v, f"{cw}.rewards.{k}") for k, v in _str_map(c.get("rewards", {}), f"{cw}.rewards").items()}
+        completions.append(Completion(
+            ids=ids.tolist(), logprobs=lps.tolist(), reward=_finite(c.get("reward"), f"{cw}.reward"),
+            rewards=rewards, finish=finish, text=_get(c, "text", str, cw), loss_mask=mask))
+    if vocab_size is not None:
+        top = max(int(prompt_ids.max()), *(max(c.ids) for c in completions))
+        low = min(int(prompt_ids.min()), *(min(c.ids) for c in completions))
+        if low < 0 or top >= vocab_size:
+            raise MessageError(f"{w}: token id out of range [0, {vocab_size}): saw {low}..{top}")
+    version = _get(d, "version", int, w)
+    if version < 0:
+        raise MessageError(f"{w}: negative version {version}")
+    timings = {k: _finite(v, f"{w}.timings.{k}") for k, v in _str_map(d.get("timings", {}), f"{w}.timings").items()}
+    return SampleGroup(id=gid, prompt_id=_get(d, "prompt_id", str, w), prompt_ids=prompt_ids.tolist(),
+                       version=version, generator=_get(d, "generator", str, w),
+                       engine=_get(d, "engine", str, w), completions=completions, timings=timings)
+
+
+def decode_weights(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> WeightVersion:
+    d = _load(blob, "weights", max_bytes)
+    w = "weights"
+    checksums = _str_map(_get(d, "checksums", dict, w), f"{w}.checksums")
+    if not checksums or not all(isinstance(v, str) for v in checksums.values()):
+        raise MessageError(f"{w}: checksums must map file names to sha256 hex strings")
+    return WeightVersion(version=_get(d, "version", int, w), step=_get(d, "step", int, w),
+                         path=_get(d, "path", str, w), format=_get(d, "format", str, w),
+                         checksums=checksums, created_at=_finite(d.get("created_at"), f"{w}.created_at"))

@@ -1,0 +1,57 @@
+"""Redis plumbing every process shares: connecting, consumer groups, dead letters, versions."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from common.keys import PAYLOAD, Keys
+from common.messages import WeightVersion, decode_weights
+
+
+def connect(url: str, *, wait_s: float = 30.0) -> redis.Redis:
+    """A client for `url`, waiting up to `wait_s` for the server to accept connections.
+
+    Processes started together by honcho may come up before Redis does.
+    """
+    client = redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client.ping()
+            return client
+        except redis.exceptions.BusyLoadingError:  # replaying its append-only file
+            pass
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
+def ensure_group(r: redis.Redis, stream: str, group: str) -> None:
+    """Create `group` on `stream` (and the stream) reading from the start, if absent."""
+    try:
+        r.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.exceptions.ResponseError as err:
+        if "BUSYGROUP" not in str(err):
+            raise
+
+
+def dead_letter(pipe: redis.client.Pipeline, *, dead_stream: str, source: str, entry_id: bytes | str,
+                fields: dict, reason: str) -> None:
+    """Queue (on a MULTI pipeline) an entry's move to `dead_stream` with its reason."""
+    blob = fields.get(PAYLOAD, b"")
+    pipe.xadd(dead_stream, {"source": source, "entry_id": entry_id, "reason": reason[:2000],
+                            "payload": blob if isinstance(blob, bytes) else b""})
+
+
+def trainer_version(r: redis.Redis, keys: Keys) -> int:
+    """The newest published weight version (0: the initial weights)."""
+    v = r.hget(keys.trainer, "version")
+    return int(v) if v is not None else 0
+
+
+def latest_weights(r: redis.Redis, keys: Keys) -> WeightVersion | None:
+    blob = r.get(keys.weights_latest)
+    return None if blob is None else decode_weights(blob)
