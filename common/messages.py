@@ -168,6 +168,10 @@ def _str_map(d: Any, what: str) -> dict[str, Any]:
     return d
 
 
+def _finite_map(d: Any, what: str) -> dict[str, float]:
+    return {k: _finite(v, f"{what}.{k}") for k, v in _str_map(d, what).items()}
+
+
 def decode_prompt(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> PromptTask:
     d = _load(blob, "prompt", max_bytes)
     w = "prompt"
@@ -224,7 +228,7 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,
         finish = _get(c, "finish", str, cw)
         if finish not in FINISH_REASONS:
             raise MessageError(f"{cw}: finish {finish!r} not one of {FINISH_REASONS}")
-        rewards = {k: _finite(v, f"{cw}.rewards.{k}") for k, v in _str_map(c.get("rewards", {}), f"{cw}.rewards").items()}
+        rewards = _finite_map(c.get("rewards", {}), f"{cw}.rewards")
         completions.append(Completion(
             ids=ids.tolist(), logprobs=lps.tolist(), reward=_finite(c.get("reward"), f"{cw}.reward"),
             rewards=rewards, finish=finish, text=_get(c, "text", str, cw), loss_mask=mask))
@@ -236,7 +240,7 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,
     version = _get(d, "version", int, w)
     if version < 0:
         raise MessageError(f"{w}: negative version {version}")
-    timings = {k: _finite(v, f"{w}.timings.{k}") for k, v in _str_map(d.get("timings", {}), f"{w}.timings").items()}
+    timings = _finite_map(d.get("timings", {}), f"{w}.timings")
     return SampleGroup(id=gid, prompt_id=_get(d, "prompt_id", str, w), prompt_ids=prompt_ids.tolist(),
                        version=version, generator=_get(d, "generator", str, w),
                        engine=_get(d, "engine", str, w), completions=completions, timings=timings)

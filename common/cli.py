@@ -1,0 +1,79 @@
+"""`rollouts`: the operator's command. `rollouts prepare-model`, `rollouts status`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from common.config import ConfigError, load_config
+
+
+def _group_info(r, stream: str, group: str) -> dict:
+    """Pending and not-yet-delivered counts of `group` on `stream` (zeros if absent)."""
+    if not r.exists(stream):
+        return {"length": 0, "pending": 0, "lag": 0}
+    info = {g["name"].decode(): g for g in r.xinfo_groups(stream)}.get(group, {})
+    return {"length": r.xlen(stream), "pending": info.get("pending", 0), "lag": info.get("lag") or 0}
+
+
+def status_lines(r, run: str) -> list[str]:
+    """What `rollouts status` prints: the run's state as Redis holds it."""
+    from common.keys import GENERATORS_GROUP, TRAINER_GROUP, Keys
+
+    keys = Keys(run)
+
+    def h(key: str) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
+
+    producer, trainer = h(keys.producer), h(keys.trainer)
+    prompts = _group_info(r, keys.prompts, GENERATORS_GROUP)
+    samples = _group_info(r, keys.samples, TRAINER_GROUP)
+    lines = [
+        f"run {run}",
+        f"producer   admitted {producer.get('admitted', 0)}  offset {producer.get('offset', 0)}",
+        f"prompts    waiting {prompts['lag']}  in flight {prompts['pending']}  dead {r.xlen(keys.prompts_dead)}",
+        f"samples    waiting {samples['lag']}  unacknowledged {samples['pending']}  dead {r.xlen(keys.samples_dead)}",
+        f"trainer    step {trainer.get('step', 0)}  version {trainer.get('version', 0)}  "
+        f"trained {trainer.get('groups_trained', 0)}  dropped stale {trainer.get('groups_dropped_stale', 0)}",
+    ]
+    now = time.time()
+    for key in sorted(r.scan_iter(match=keys.generator_pattern)):
+        g = h(key)
+        name = key.decode().rsplit(":", 1)[-1]
+        seen = now - float(g.get("last_seen", now))
+        lines.append(f"generator  {name}  {g.get('engine', '?')}  v{g.get('version', '?')}  "
+                     f"{float(g.get('tokens_per_s', 0)):.1f} tok/s  in flight {g.get('in_flight', 0)}  "
+                     f"seen {seen:.0f}s ago")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rollouts", description="Operate a rollouts run.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare-model", help="convert the built-in default model into the cache (once)")
+    prep.add_argument("--force", action="store_true", help="convert again even if present")
+    st = sub.add_parser("status", help="the run's state, read from Redis")
+    st.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
+    st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
+    args = parser.parse_args(argv)
+
+    if args.command == "prepare-model":
+        from common.models import prepare_default_model
+
+        print(prepare_default_model(force=args.force))
+        return
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        sys.exit(f"rollouts: {err}")
+    from common.streams import connect
+
+    r = connect(config.redis_url, wait_s=2.0)
+    while True:
+        out = "\n".join(status_lines(r, config.run))
+        print(("\033[H\033[J" if args.watch else "") + out, flush=True)
+        if not args.watch:
+            return
+        time.sleep(args.watch)

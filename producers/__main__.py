@@ -1,0 +1,27 @@
+"""`python -m producers [--config FILE]`: admit prompts onto the run's prompts stream."""
+
+import argparse
+import sys
+
+from common.config import ConfigError, load_config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m producers", description=__doc__)
+    parser.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
+    args = parser.parse_args()
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        sys.exit(f"producer: {err}")
+
+    from producers.main import ProducerError, run
+
+    try:
+        run(config)
+    except ProducerError as err:
+        sys.exit(f"producer: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Running the project's processes for real in tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spawn(module: str, *args: str, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start `python -m module` as its own OS process, output to `log`."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    full_env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+                    HF_HUB_OFFLINE="1", **env)
+    out = open(log, "ab")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=full_env,
+                            stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for(cond: Callable[[], object], *, timeout: float, what: str, procs=(), poll: float = 0.2):
+    """Poll `cond` until truthy; fail naming `what` (and any process that died) on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        for p in procs:
+            if p.poll() not in (None, 0):
+                raise AssertionError(f"{what}: process {p.args} exited with {p.returncode}")
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

@@ -1,0 +1,61 @@
+import signal
+
+from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
+from common.messages import decode_prompt
+from producers.admission import admission_limit
+from producers.arithmetic import problem
+from tests.helpers import spawn, stop, wait_for
+
+
+def test_admission_limit_follows_the_trainer_version():
+    # (max_staleness + version + 1) * prompts_per_step, plus groups that will never train
+    assert admission_limit(version=0, max_staleness=1, prompts_per_step=4, dropped=0) == 8
+    assert admission_limit(version=3, max_staleness=0, prompts_per_step=4, dropped=0) == 16
+    assert admission_limit(version=3, max_staleness=0, prompts_per_step=4, dropped=2) == 18
+
+
+def test_problems_are_deterministic_and_answers_right():
+    a = problem(seed=1, index=7, max_operand=20, ops=["+", "-", "*"])
+    assert a == problem(seed=1, index=7, max_operand=20, ops=["+", "-", "*"])
+    x, op, y = a.question.split("?")[0].removeprefix("What is ").split()
+    assert a.answer == {"+": int(x) + int(y), "-": int(x) - int(y), "*": int(x) * int(y)}[op]
+    seq = [problem(seed=1, index=i, max_operand=20, ops=["+"]).question for i in range(20)]
+    assert len(set(seq)) > 10
+
+
+def admitted_ids(r, keys):
+    return [decode_prompt(f[PAYLOAD]).id for _, f in r.xrange(keys.prompts)]
+
+
+def test_producer_admits_as_the_trainer_advances_and_resumes_after_sigkill(tmp_path, redis_url, r):
+    keys = Keys("p")
+    env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "p", "ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP": "3",
+           "ROLLOUTS_ROLLOUT__MAX_STALENESS": "1", "ROLLOUTS_ROLLOUT__GROUP_SIZE": "5"}
+    proc = spawn("producers", cwd=tmp_path, env=env, log=tmp_path / "producer.log")
+    try:
+        wait_for(lambda: r.xlen(keys.prompts) == 6, timeout=60, what="6 prompts at version 0", procs=[proc])
+        first = decode_prompt(r.xrange(keys.prompts, count=1)[0][1][PAYLOAD])
+        assert first.n == 5 and first.meta["answer"] == problem(seed=0, index=0, max_operand=20, ops=["+", "-"]).answer
+        r.hset(keys.trainer, mapping={"version": 2, "step": 2})
+        wait_for(lambda: r.xlen(keys.prompts) == 12, timeout=30, what="12 prompts at version 2", procs=[proc])
+
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        r.hset(keys.trainer, mapping={"version": 4, "step": 4})
+        proc = spawn("producers", cwd=tmp_path, env=env, log=tmp_path / "producer.log")
+        wait_for(lambda: r.xlen(keys.prompts) == 18, timeout=60, what="18 prompts at version 4", procs=[proc])
+        assert r.xlen(keys.prompts) == 18, "admitted beyond the limit"
+    finally:
+        assert stop(proc) == 0, (tmp_path / "producer.log").read_text()
+
+    assert admitted_ids(r, keys) == [f"arithmetic:0:{i}" for i in range(18)]
+    assert int(r.hget(keys.producer, "admitted")) == 18
+    assert any(g["name"] == GENERATORS_GROUP.encode() for g in r.xinfo_groups(keys.prompts))
+
+
+def test_producer_refuses_a_changed_seed(tmp_path, redis_url, r):
+    r.hset(Keys("p").producer, mapping={"seed": 0, "offset": 0, "admitted": 0})
+    env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "p", "ROLLOUTS_TASK__SEED": "9"}
+    proc = spawn("producers", cwd=tmp_path, env=env, log=tmp_path / "producer.log")
+    assert proc.wait(timeout=60) != 0
+    assert "task.seed" in (tmp_path / "producer.log").read_text()
