@@ -1,0 +1,103 @@
+"""The whole loop as separate OS processes: redis, producer, two generators, trainer."""
+
+import json
+
+from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
+from common.messages import decode_group
+from tests.helpers import spawn, stop, wait_for
+
+STEPS = 3
+PROMPTS_PER_STEP = 4
+
+
+def write_config(tmp_path, redis_url, model) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(f"""
+run = "e2e"
+redis_url = "{redis_url}"
+output_dir = "{tmp_path / 'run'}"
+[model]
+path = "{model}"
+[rollout]
+group_size = 4
+prompts_per_step = {PROMPTS_PER_STEP}
+max_staleness = 1
+max_new_tokens = 8
+[generator]
+batch_prompts = 2
+threads = 1
+[trainer]
+lr = 1e-3
+sync_every = 1
+max_steps = {STEPS}
+micro_batch_size = 8
+threads = 1
+""")
+    return str(path)
+
+
+def groups_in_stream(r, keys):
+    return [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
+
+
+def group_counts(r, stream, group):
+    info = {g["name"].decode(): g for g in r.xinfo_groups(stream)}[group]
+    return info["pending"], info["lag"] or 0
+
+
+def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_url, r, tiny_model):
+    keys = Keys("e2e")
+    env = {"ROLLOUTS_CONFIG": write_config(tmp_path, redis_url, tiny_model)}
+    log = tmp_path / "logs"
+    log.mkdir()
+    procs = {
+        "producer": spawn("producers", cwd=tmp_path, env=env, log=log / "producer.log"),
+        "g1": spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=log / "g1.log"),
+        "g2": spawn("generators", "--id", "g2", cwd=tmp_path, env=env, log=log / "g2.log"),
+        "trainer": spawn("trainer", cwd=tmp_path, env=env, log=log / "trainer.log"),
+    }
+    try:
+        assert procs["trainer"].wait(timeout=300) == 0, (log / "trainer.log").read_text()
+
+        # Both generators pick up the new weights and stamp the groups they sample after with them.
+        def both_stamped_v2():
+            latest = {}
+            for g in groups_in_stream(r, keys):
+                latest[g.generator] = max(latest.get(g.generator, -1), g.version)
+            return latest.get("g1", -1) >= 2 and latest.get("g2", -1) >= 2
+        wait_for(both_stamped_v2, timeout=180, what="groups stamped with version >= 2 from g1 and g2",
+                 procs=[procs["g1"], procs["g2"]])
+        for gid in ("g1", "g2"):
+            assert int(r.hget(keys.generator(gid), "version")) >= 2
+    finally:
+        codes = {name: stop(p) for name, p in procs.items()}
+    assert codes == {"producer": 0, "g1": 0, "g2": 0, "trainer": 0}, {
+        n: (log / f"{n}.log").read_text()[-3000:] for n, c in codes.items() if c}
+
+    # ---- every trained group came through the samples stream, once
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    trained_per_step = [m["group_ids"] for m in metrics]
+    trained = [gid for ids in trained_per_step for gid in ids]
+    assert len(trained) == STEPS * PROMPTS_PER_STEP
+    assert len(set(trained)) == len(trained), "a group was trained twice"
+    assert {m.decode() for m in r.smembers(keys.trained)} == set(trained)
+    streamed = {g.id: g for g in groups_in_stream(r, keys)}
+    assert set(trained) <= set(streamed)
+    assert {streamed[gid].generator for gid in trained} <= {"g1", "g2"}
+    assert all(m["staleness/max"] <= 1 for m in metrics)
+
+    # ---- the trainer published a checkpoint per step and the run's version says so
+    assert int(r.hget(keys.trainer, "version")) == STEPS
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_1", "step_2", "step_3"]
+
+    # ---- no prompt was lost: admitted = trained + dropped + still pending somewhere
+    admitted = int(r.hget(keys.producer, "admitted"))
+    assert admitted == r.xlen(keys.prompts)
+    prompts_pending, prompts_waiting = group_counts(r, keys.prompts, GENERATORS_GROUP)
+    samples_pending, samples_waiting = group_counts(r, keys.samples, TRAINER_GROUP)
+    t = {k.decode(): int(v) for k, v in r.hgetall(keys.trainer).items() if k.decode().startswith("groups_")}
+    assert t.get("groups_duplicate", 0) == 0 and t.get("groups_dead", 0) == 0
+    assert len(streamed) == r.xlen(keys.samples), "two groups for one prompt"
+    assert admitted == (len(trained) + t.get("groups_dropped_stale", 0) + samples_pending + samples_waiting
+                        + prompts_pending + prompts_waiting)
