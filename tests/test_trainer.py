@@ -1,0 +1,205 @@
+"""The trainer process against a real Redis, fed with sample groups the test writes itself."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.checkpoints import verify_dir
+from common.keys import PAYLOAD, TRAINER_GROUP, Keys
+from common.messages import Completion, SampleGroup, decode_weights, encode
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = "t"
+KEYS = Keys(RUN)
+METRIC_FIELDS = [
+    "step", "reward/mean", "reward/std", "accuracy", "frac_reward_zero_std", "completions/mean_length",
+    "completions/max_length", "clip_ratio", "loss/policy", "grad_norm", "lr", "staleness/mean",
+    "staleness/max", "groups/dropped_stale", "groups/dead", "tokens_per_s", "time/step",
+    "time/wait_data", "time/publish", "version", "group_ids",
+]
+
+
+def make_group(model, gid: str, *, version: int, rng: random.Random, n: int = 4) -> SampleGroup:
+    """A group of random tokens whose behaviour log-probs are the model's own (temperature 1)."""
+    vocab = model.config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(rng.randint(4, 8))]
+    completions = []
+    for i in range(n):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(3, 10))]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        correct = float(i % 2 == 0 if rng.random() < 0.8 else i == 0)
+        completions.append(Completion(ids=ids, logprobs=logprobs.tolist(), reward=correct,
+                                      rewards={"correct": correct}, finish="stop", text=""))
+    return SampleGroup(id=gid, prompt_id=gid, prompt_ids=prompt, version=version, generator="test",
+                       engine="hf", completions=completions)
+
+
+def xadd(r, blob: bytes) -> None:
+    r.xadd(KEYS.samples, {PAYLOAD: blob})
+
+
+def run_trainer(tmp_path: Path, redis_url: str, model_dir: Path, **trainer) -> subprocess.CompletedProcess:
+    settings = {"max_steps": 3, "micro_batch_size": 4, "lr": 1e-3, "threads": 1, "keep_checkpoints": 2,
+                **trainer}
+    toml = "\n".join([
+        f'run = "{RUN}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / "out"}"',
+        "[model]", f'path = "{model_dir}"',
+        "[rollout]", "group_size = 4", "prompts_per_step = 2", "max_staleness = 1",
+        "[trainer]", *(f"{k} = {v}" for k, v in settings.items()),
+    ])
+    (tmp_path / "rollouts.toml").write_text(toml + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    env.update(ROLLOUTS_CONFIG=str(tmp_path / "rollouts.toml"), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "trainer"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, f"trainer exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def test_trainer_trains_publishes_and_dead_letters(tmp_path, redis_url, r, tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    vocab = model.config.vocab_size
+    rng = random.Random(0)
+    good = [make_group(model, f"g{i}", version=0 if i < 4 else 1, rng=rng) for i in range(6)]
+    wrong_schema = msgpack.unpackb(encode(good[0]), raw=False)
+    wrong_schema["v"] = 99
+    out_of_vocab = make_group(model, "oov", version=0, rng=rng)
+    out_of_vocab.completions[1].ids[0] = vocab + 5
+    lonely = make_group(model, "lonely", version=0, rng=rng, n=1)
+    stale = make_group(model, "stale", version=0, rng=rng)
+
+    # Read in this order, two trainable groups per step: step 0 takes g0 g1 (and dead-letters the
+    # two entries between them), step 1 g2 g3 (three more dead, the duplicate of g2 skipped), step 2
+    # drops `stale` (2 - 0 > max_staleness 1) and takes g4 g5.
+    xadd(r, encode(good[0]))
+    xadd(r, b"\xc1 not msgpack")
+    xadd(r, msgpack.packb(wrong_schema, use_bin_type=True))
+    xadd(r, encode(good[1]))
+    xadd(r, encode(out_of_vocab))
+    r.xadd(KEYS.samples, {b"other": b"x"})
+    xadd(r, encode(good[2]))
+    xadd(r, encode(good[2]))
+    xadd(r, encode(lonely))
+    xadd(r, encode(good[3]))
+    xadd(r, encode(stale))
+    xadd(r, encode(good[4]))
+    xadd(r, encode(good[5]))
+
+    proc = run_trainer(tmp_path, redis_url, tiny_model)
+    assert len([line for line in proc.stdout.splitlines() if line.startswith("step ")]) == 3
+
+    # Malformed entries are dead letters whose reason names the problem.
+    reasons = [fields[b"reason"].decode() for _, fields in r.xrange(KEYS.samples_dead)]
+    assert len(reasons) == 5, reasons
+    assert "not MessagePack" in reasons[0]
+    assert "schema version 99" in reasons[1]
+    assert "token id out of range" in reasons[2]
+    assert "no payload field" in reasons[3]
+    assert "at least 2" in reasons[4]
+
+    # Progress, every valid group trained once, nothing left pending.
+    h = {k.decode(): int(v) for k, v in r.hgetall(KEYS.trainer).items()}
+    assert h == {"step": 3, "version": 3, "groups_trained": 6, "groups_dead": 5,
+                 "groups_duplicate": 1, "groups_dropped_stale": 1}
+    assert {m.decode() for m in r.smembers(KEYS.trained)} == {g.id for g in good}
+    assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0
+
+    # Checkpoints: the newest two kept, complete HF directories matching their checksums.
+    ckpt = tmp_path / "out" / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_3"]
+    versions = [decode_weights(fields[PAYLOAD]) for _, fields in r.xrange(KEYS.weights)]
+    assert [v.version for v in versions] == [1, 2, 3]
+    latest = decode_weights(r.get(KEYS.weights_latest))
+    assert latest == versions[-1] and Path(latest.path) == (ckpt / "step_3").resolve()
+    for v in versions[1:]:
+        verify_dir(v.path, v.checksums)
+    trained = AutoModelForCausalLM.from_pretrained(latest.path, dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(latest.path).chat_template
+    before, after = model.state_dict(), trained.state_dict()
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+    # Metrics: one line per step; the first step's ratio is 1 (its behaviour log-probs are ours).
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for m in lines:
+        assert set(METRIC_FIELDS) <= m.keys(), set(METRIC_FIELDS) - m.keys()
+    assert lines[0]["ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert [m["group_ids"] for m in lines] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]
+    assert [m["groups/dead"] for m in lines] == [2, 3, 0]
+    assert [m["groups/duplicate"] for m in lines] == [0, 1, 0]
+    assert [m["groups/dropped_stale"] for m in lines] == [0, 0, 1]
+    assert [m["staleness/max"] for m in lines] == [0, 1, 1]
+    assert r.xlen(KEYS.metrics) == 3
+
+
+def test_restarted_trainer_resumes_and_never_retrains_a_group(tmp_path, redis_url, r, tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(1)
+    first = [make_group(model, f"a{i}", version=0, rng=rng) for i in range(2)]
+    for g in first:
+        xadd(r, encode(g))
+    run_trainer(tmp_path, redis_url, tiny_model, max_steps=1)
+    assert r.hget(KEYS.trainer, "step") == b"1"
+
+    # The same group again (a redelivery), then two new ones: only the new ones are trained.
+    xadd(r, encode(first[0]))
+    for i in range(2):
+        xadd(r, encode(make_group(model, f"b{i}", version=1, rng=rng)))
+    proc = run_trainer(tmp_path, redis_url, tiny_model, max_steps=2)
+    assert "resuming at step 1" in proc.stdout
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["group_ids"]) for m in lines] == [(1, ["a0", "a1"]), (2, ["b0", "b1"])]
+    assert r.hget(KEYS.trainer, "groups_duplicate") == b"1"
+    assert r.hget(KEYS.trainer, "groups_trained") == b"4"
+    assert decode_weights(r.get(KEYS.weights_latest)).version == 2
+    assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0
+
+
+def test_sigterm_publishes_unpublished_steps_and_exits_0(tmp_path, redis_url, r, tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(2)
+    groups = [make_group(model, f"c{i}", version=0, rng=rng) for i in range(4)]
+    for g in groups:
+        xadd(r, encode(g))
+    # sync_every 5 and no step limit: two steps are trained but not yet published when the
+    # trainer waits for data; a stop then publishes them before exiting.
+    toml = "\n".join([
+        f'run = "{RUN}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / "out"}"',
+        "[model]", f'path = "{tiny_model}"', "[rollout]", "prompts_per_step = 2",
+        "[trainer]", "sync_every = 5", "threads = 1",
+    ])
+    (tmp_path / "rollouts.toml").write_text(toml + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    env.update(ROLLOUTS_CONFIG=str(tmp_path / "rollouts.toml"), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "trainer"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) == 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        assert r.hget(KEYS.trainer, "version") == b"0" and r.scard(KEYS.trained) == 0
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "SIGTERM" in stderr and "stopped at step 2" in stdout
+    assert decode_weights(r.get(KEYS.weights_latest)).version == 2
+    assert {m.decode() for m in r.smembers(KEYS.trained)} == {g.id for g in groups}
+    assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0

@@ -1,0 +1,52 @@
+"""Sample groups to training rows: shifting, masks and padding."""
+
+import pytest
+import torch
+
+from common.messages import Completion, SampleGroup
+from trainer.batch import collate, group_rows, micro_batches
+
+
+def completion(ids, logprobs, reward, loss_mask=None):
+    return Completion(ids=ids, logprobs=logprobs, reward=reward, rewards={}, finish="stop", text="",
+                      loss_mask=loss_mask)
+
+
+def group(completions, prompt=(5, 6, 7)):
+    return SampleGroup(id="g", prompt_id="p", prompt_ids=list(prompt), version=0, generator="t",
+                       engine="hf", completions=completions)
+
+
+def test_rows_shift_by_one_and_mask_the_completion():
+    g = group([completion([8, 9], [-0.1, -0.2], 1.0), completion([10], [-0.3], 0.0)])
+    a, b = group_rows(g)
+    # prompt 5 6 7, completion 8 9: inputs 5 6 7 8 predict 6 7 8 9; tokens 8 and 9 are trained.
+    assert a.inputs == [5, 6, 7, 8] and a.targets == [6, 7, 8, 9]
+    assert a.mask == [0, 0, 1, 1]
+    assert a.behaviour_logp == pytest.approx([0.0, 0.0, -0.1, -0.2])
+    assert b.inputs == [5, 6, 7] and b.targets == [6, 7, 10] and b.mask == [0, 0, 1]
+    # rewards 1, 0: mean 0.5, unbiased std = sqrt(0.5) = 0.7071; A = ±0.5 / 0.7071 = ±0.7071.
+    assert a.advantage == pytest.approx(0.70711, abs=1e-4)
+    assert b.advantage == pytest.approx(-0.70711, abs=1e-4)
+
+
+def test_loss_mask_is_applied():
+    g = group([completion([8, 9, 10], [-0.1, -0.2, -0.3], 1.0, loss_mask=[1, 0, 1]),
+               completion([8], [-0.1], 0.0)])
+    assert group_rows(g)[0].mask == [0, 0, 1, 0, 1]
+
+
+def test_collate_right_pads():
+    rows = group_rows(group([completion([8, 9], [-0.1, -0.2], 1.0), completion([10], [-0.3], 0.0)]))
+    mb = collate(rows)
+    assert mb.input_ids.tolist() == [[5, 6, 7, 8], [5, 6, 7, 0]]
+    assert mb.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert mb.mask.tolist() == [[0, 0, 1, 1], [0, 0, 1, 0]]
+    assert mb.advantages.shape == (2,) and mb.behaviour_logp.dtype == torch.float32
+
+
+def test_micro_batches_split_rows_and_count_trained_tokens():
+    groups = [group([completion([8, 9], [-0.1, -0.2], r) for r in (0.0, 1.0, 1.0)]) for _ in range(2)]
+    batches, total = micro_batches(groups, micro_batch_size=4)
+    assert [mb.input_ids.shape[0] for mb in batches] == [4, 2]
+    assert total == 6 * 2

@@ -1,0 +1,33 @@
+"""`python -m trainer [--config FILE]`: GRPO steps on the run's sample groups, publishing weights."""
+
+import argparse
+import sys
+
+from common.config import ConfigError, load_config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    parser.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
+    args = parser.parse_args()
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        print(f"trainer: {err}", file=sys.stderr)
+        sys.exit(2)
+
+    from common.models import ModelError, resolve_model_path
+
+    try:
+        resolve_model_path(config.model.path)
+    except ModelError as err:
+        print(f"trainer: {err}", file=sys.stderr)
+        sys.exit(2)
+
+    from trainer.main import run  # imports torch and transformers
+
+    run(config)
+
+
+if __name__ == "__main__":
+    main()
