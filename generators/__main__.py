@@ -1,0 +1,29 @@
+"""`python -m generators [--config FILE] [--id ID]`: sample and score prompts into groups."""
+
+import argparse
+import os
+import socket
+import sys
+
+from common.config import ConfigError, load_config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m generators", description=__doc__)
+    parser.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
+    parser.add_argument("--id", help="generator id: its consumer name and heartbeat key (default: host-pid)")
+    args = parser.parse_args()
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        print(f"generator: {err}", file=sys.stderr)
+        sys.exit(2)
+    generator_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
+
+    from generators.main import run  # imports torch and transformers
+
+    run(config, generator_id=generator_id)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""The HF transformers engine: sample completions with their behaviour log-probs; reload weights.
+
+Log-probs are computed exactly as the trainer computes them: `log_softmax(logits.float() /
+temperature)` at the sampled token, with no top-k, top-p or other logits processors, so the
+sampling distribution and the trainer's behaviour log-probs are the same distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.checkpoints import CheckpointError
+from common.messages import PromptTask
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    ids: list[int]  # sampled token ids; the eos is included when finish == "stop"
+    logprobs: list[float]  # log_softmax(logits / temperature) of each sampled id, float32
+    finish: str  # "stop" (an eos was sampled) or "length" (max_new_tokens reached)
+
+
+class HFEngine:
+    """A causal LM and its tokenizer, and the weight version they hold."""
+
+    def __init__(self, path: str | Path, *, dtype: str = "float32", seed: int = 0) -> None:
+        assert dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}"
+        self.path = Path(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype]).eval()
+        self.version = 0  # weight version loaded: 0 = the initial checkpoint
+        torch.manual_seed(seed)  # generate() samples from torch's global generator
+        model_eos = self.model.generation_config.eos_token_id
+        model_eos = model_eos if isinstance(model_eos, list) else [model_eos]
+        self.eos_ids = sorted({e for e in [self.tokenizer.eos_token_id, *model_eos] if e is not None})
+        assert self.eos_ids, f"{self.path}: neither the tokenizer nor the model names an eos token"
+        # Longest prompt + completion the model's positions allow.
+        self.context_length = int(self.model.config.get_text_config().max_position_embeddings)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+
+    def prompt_ids(self, task: PromptTask) -> list[int]:
+        """The prompt's token ids: chat template with the generation prompt, or the plain text."""
+        if task.messages is not None:
+            text = self.tokenizer.apply_chat_template(task.messages, tokenize=False,
+                                                      add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        assert task.text is not None, f"prompt {task.id}: neither messages nor text"
+        return self.tokenizer.encode(task.text)
+
+    @torch.no_grad()
+    def sample(self, prompts: list[list[int]], *, n: int, max_new_tokens: int,
+               temperature: float) -> list[list[Sampled]]:
+        """`n` completions of each prompt, sampled in one batch: result[i][j] is prompt i's j-th."""
+        assert prompts and all(prompts), "sample() needs non-empty prompts"
+        assert n >= 1 and max_new_tokens >= 1 and temperature > 0, \
+            f"need n >= 1, max_new_tokens >= 1, temperature > 0; got {n}, {max_new_tokens}, {temperature}"
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])  # (B, L)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask,
+            # Pure temperature sampling: every other processor the model's generation_config
+            # might switch on is switched off here (HF defaults top_k to 50).
+            do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None,
+            typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
+            no_repeat_ngram_size=0, min_length=0, min_new_tokens=None, bad_words_ids=None,
+            suppress_tokens=None, begin_suppress_tokens=None, forced_eos_token_id=None,
+            num_return_sequences=n, max_new_tokens=max_new_tokens,
+            output_scores=True, output_logits=True, return_dict_in_generate=True,
+            pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
+        new = out.sequences[:, width:]  # (B*n, T)
+        scores = torch.stack(out.scores, dim=1).float()  # (B*n, T, V) processed: logits / temperature
+        logits = torch.stack(out.logits, dim=1).float()  # (B*n, T, V) raw
+        assert torch.allclose(scores, logits / temperature), \
+            "generate() applied logits processors beyond temperature: behaviour log-probs would be wrong"
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B*n, T)
+        is_eos = torch.isin(new, torch.tensor(self.eos_ids))
+        samples = []
+        for row in range(new.shape[0]):
+            stops = is_eos[row].nonzero()
+            end = int(stops[0]) + 1 if len(stops) else new.shape[1]
+            samples.append(Sampled(ids=new[row, :end].tolist(), logprobs=logprobs[row, :end].tolist(),
+                                   finish="stop" if len(stops) else "length"))
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @torch.no_grad()
+    def load_weights(self, path: str | Path, *, version: int) -> None:
+        """Load an HF-format safetensors checkpoint in place; raise CheckpointError (model
+        unchanged) when its tensors do not fit the model."""
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"checkpoint {path}: no .safetensors files")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(f))
+        own = self.model.state_dict()
+        tied = {"lm_head.weight"} if self.model.config.get_text_config().tie_word_embeddings else set()
+        missing = sorted(set(own) - set(state) - tied)
+        unexpected = sorted(set(state) - set(own))
+        wrong = [k for k in state if k in own and state[k].shape != own[k].shape]
+        if missing or unexpected or wrong:
+            raise CheckpointError(f"checkpoint {path} does not fit the model: missing {missing[:3]}, "
+                                  f"unexpected {unexpected[:3]}, wrong shapes {wrong[:3]}")
+        # strict unless a tied lm_head is absent (save_pretrained leaves it out; it shares the embedding)
+        self.model.load_state_dict(state, strict=tied <= set(state))
+        self.version = version
