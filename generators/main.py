@@ -1,10 +1,10 @@
 """The generator process: take prompts, sample and score groups, publish them; follow the weights.
 
 Each pass of the loop, top to bottom:
-  1. weights: at a safe point between batches, load a newer published version (checksums first)
-  2. take prompts: this consumer's own pending ones (a restart under the same id), ones idle in a
+  1. take prompts: this consumer's own pending ones (a restart under the same id), ones idle in a
      dead generator's pending list (XAUTOCLAIM), then new ones (XREADGROUP)
-  3. decode and tokenize them; dead-letter (and acknowledge) what does not decode
+  2. decode and tokenize them; dead-letter (and acknowledge) what does not decode
+  3. weights: at this safe point before sampling, load a newer published version (checksums first)
   4. sample n completions of every prompt in one engine call, score each with the reward
   5. per prompt, one MULTI/EXEC: XADD its group to the samples stream + XACK the prompt
   6. heartbeat (also while waiting for prompts)
@@ -23,6 +23,7 @@ from typing import Any
 import redis
 import torch
 from jinja2 import TemplateError
+from transformers.utils import logging as hf_logging
 
 from common import streams
 from common.checkpoints import CheckpointError, verify_dir
@@ -49,6 +50,7 @@ Entry = tuple[bytes, dict[bytes, bytes]]  # (stream entry id, fields)
 
 def run(config: Config, *, generator_id: str) -> None:
     name = f"generator {generator_id}"
+    hf_logging.disable_progress_bar()  # one console line per step, not progress bars
     keys = Keys(config.run)
     gen = config.generator
 
@@ -69,8 +71,20 @@ def run(config: Config, *, generator_id: str) -> None:
           flush=True)
 
     while not stop.is_set():
-        # -------------------------------------------------------------- 1. weights
-        # A late starter loads the newest published weights here, before its first prompt.
+        # -------------------------------------------------------------- 1. take prompts
+        entries, backlog = backlog[:gen.batch_prompts], backlog[gen.batch_prompts:]
+        if len(entries) < gen.batch_prompts:
+            entries += take_prompts(r, stream=keys.prompts, consumer=generator_id,
+                                    count=gen.batch_prompts - len(entries),
+                                    claim_idle_ms=int(gen.claim_idle_s * 1000), wait=not entries)
+
+        # -------------------------------------------------------------- 2. decode, dead-letter
+        work = prepare_prompts(r, engine, entries, keys=keys, name=name,
+                               max_new_tokens=config.rollout.max_new_tokens)
+        # -------------------------------------------------------------- 3. weights
+        # Checked after the prompts are in hand and right before sampling: a prompt admitted at
+        # version v is then sampled with weights >= v, which is what keeps admission control's
+        # staleness bound. A late starter loads the newest weights here, before its first prompt.
         blob = r.get(keys.weights_latest)
         if blob is not None and blob != seen_weights:
             seen_weights = blob
@@ -80,16 +94,6 @@ def run(config: Config, *, generator_id: str) -> None:
                 status["last_refusal"] = refusal
                 print(f"{name}: refused weights: {refusal}", file=sys.stderr, flush=True)
 
-        # -------------------------------------------------------------- 2. take prompts
-        entries, backlog = backlog[:gen.batch_prompts], backlog[gen.batch_prompts:]
-        if len(entries) < gen.batch_prompts:
-            entries += take_prompts(r, stream=keys.prompts, consumer=generator_id,
-                                    count=gen.batch_prompts - len(entries),
-                                    claim_idle_ms=int(gen.claim_idle_s * 1000), wait=not entries)
-
-        # -------------------------------------------------------------- 3. decode, dead-letter
-        work = prepare_prompts(r, engine, entries, keys=keys, name=name,
-                               max_new_tokens=config.rollout.max_new_tokens)
         heartbeat(r, key=keys.generator(generator_id), ttl_s=gen.heartbeat_ttl_s,
                   fields={**status, "version": engine.version, "in_flight": len(work)})
         if not work:

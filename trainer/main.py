@@ -30,6 +30,7 @@ import msgpack
 import redis
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 from common.checkpoints import checksum_dir, verify_dir
 from common.config import Config
@@ -285,6 +286,7 @@ def load_model(path: Path) -> torch.nn.Module:
 
 def run(config: Config) -> None:
     cfg, rollout = config.trainer, config.rollout
+    hf_logging.disable_progress_bar()  # one console line per step, not progress bars
     keys = Keys(config.run)
     torch.manual_seed(cfg.seed)
     if cfg.threads > 0:
