@@ -55,3 +55,19 @@ def trainer_version(r: redis.Redis, keys: Keys) -> int:
 def latest_weights(r: redis.Redis, keys: Keys) -> WeightVersion | None:
     blob = r.get(keys.weights_latest)
     return None if blob is None else decode_weights(blob)
+
+
+def redacted(url: str) -> str:
+    """`url` with any password replaced, fit for logs."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at:
+        return url
+    user = creds.split(":", 1)[0]
+    return f"{scheme}{sep}{user}:***@{host}"
+
+
+def lost_redis(process: str, url: str, err: Exception) -> str:
+    """The one-line message a process exits with when Redis goes away under it."""
+    return (f"{process}: lost Redis at {redacted(url)} ({err}); whatever was not acknowledged "
+            "is still in its stream: start again to resume")

@@ -5,7 +5,10 @@ import os
 import socket
 import sys
 
+import redis
+
 from common.config import ConfigError, load_config
+from common.streams import lost_redis
 
 
 def main() -> None:
@@ -22,7 +25,10 @@ def main() -> None:
 
     from generators.main import run  # imports torch and transformers
 
-    run(config, generator_id=generator_id)
+    try:
+        run(config, generator_id=generator_id)
+    except redis.exceptions.ConnectionError as err:
+        sys.exit(lost_redis("generator", config.redis_url, err))
 
 
 if __name__ == "__main__":

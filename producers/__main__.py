@@ -3,7 +3,10 @@
 import argparse
 import sys
 
+import redis
+
 from common.config import ConfigError, load_config
+from common.streams import lost_redis
 
 
 def main() -> None:
@@ -21,6 +24,8 @@ def main() -> None:
         run(config)
     except ProducerError as err:
         sys.exit(f"producer: {err}")
+    except redis.exceptions.ConnectionError as err:
+        sys.exit(lost_redis("producer", config.redis_url, err))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 import argparse
 import sys
 
+import redis
+
 from common.config import ConfigError, load_config
+from common.streams import lost_redis
 
 
 def main() -> None:
@@ -26,7 +29,10 @@ def main() -> None:
 
     from trainer.main import run  # imports torch and transformers
 
-    run(config)
+    try:
+        run(config)
+    except redis.exceptions.ConnectionError as err:
+        sys.exit(lost_redis("trainer", config.redis_url, err))
 
 
 if __name__ == "__main__":
