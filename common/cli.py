@@ -1,10 +1,11 @@
-"""`rollouts`: the operator's command. `rollouts prepare-model`, `rollouts status`."""
+"""`rollouts`: the operator's command: `prepare-model`, `status`, `plot`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from common.config import ConfigError, load_config
 
@@ -56,6 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     st = sub.add_parser("status", help="the run's state, read from Redis")
     st.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
     st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
+    pl = sub.add_parser("plot", help="PNG charts of a run's per-step metrics")
+    pl.add_argument("--config", help="TOML file whose output_dir holds metrics.jsonl")
+    pl.add_argument("--metrics", help="a metrics.jsonl file (instead of the config's)")
+    pl.add_argument("--out", help="PNG to write (default: metrics.png beside the metrics)")
+    pl.add_argument("--title", default="", help="title above the charts")
     args = parser.parse_args(argv)
 
     if args.command == "prepare-model":
@@ -65,9 +71,23 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     try:
-        config = load_config(args.config)
+        config = load_config(args.config) if args.command == "status" or not args.metrics else None
     except ConfigError as err:
         sys.exit(f"rollouts: {err}")
+
+    if args.command == "plot":
+        from common.plot import plot, read_metrics
+
+        metrics = Path(args.metrics) if args.metrics else config.metrics_path
+        if not metrics.is_file():
+            sys.exit(f"rollouts: no metrics file at {metrics}")
+        try:
+            rows = read_metrics(metrics)
+        except ValueError as err:
+            sys.exit(f"rollouts: {err}")
+        print(plot(rows, args.out or metrics.with_name("metrics.png"), title=args.title))
+        return
+
     from common.streams import connect
 
     r = connect(config.redis_url, wait_s=2.0)
@@ -77,3 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.watch:
             return
         time.sleep(args.watch)
+
+
+if __name__ == "__main__":
+    main()
