@@ -2,6 +2,7 @@
 
 import json
 
+from common.cli import status_lines
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import decode_group
 from tests.helpers import spawn, stop, wait_for
@@ -69,6 +70,9 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
                  procs=[procs["g1"], procs["g2"]])
         for gid in ("g1", "g2"):
             assert int(r.hget(keys.generator(gid), "version")) >= 2
+        screen = "\n".join(status_lines(r, "e2e"))  # what `rollouts status` shows of the live run
+        assert f"step {STEPS}  version {STEPS}" in screen
+        assert "generator  g1  hf" in screen and "generator  g2  hf" in screen
     finally:
         codes = {name: stop(p) for name, p in procs.items()}
     assert codes == {"producer": 0, "g1": 0, "g2": 0, "trainer": 0}, {
