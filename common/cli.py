@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,11 @@ def status_lines(r, run: str) -> list[str]:
         f"trainer    step {trainer.get('step', 0)}  version {trainer.get('version', 0)}  "
         f"trained {trainer.get('groups_trained', 0)}  dropped stale {trainer.get('groups_dropped_stale', 0)}",
     ]
+    evals = {int(v): json.loads(res) for v, res in r.hgetall(keys.evals).items()}
+    if evals:
+        newest = evals[max(evals)]
+        scores = "  ".join(f"{k[5:]} {v:.3f}" for k, v in newest.items() if k.startswith("eval/pass"))
+        lines.append(f"eval       v{newest['version']}  {scores}  ({len(evals)} checkpoints evaluated)")
     now = time.time()
     for key in sorted(r.scan_iter(match=keys.generator_pattern)):
         g = h(key)

@@ -91,6 +91,20 @@ class TrainerConfig(_Section):
     seed: int = 0
 
 
+class EvalConfig(_Section):
+    # Enqueue an evaluation of every this many published versions; 0 turns evaluation off.
+    every: int = Field(0, ge=0)
+    # Held-out arithmetic problems scored per checkpoint (drawn with `seed`, not the task's seed).
+    prompts: int = Field(32, ge=1)
+    seed: int = 1_000_003
+    # Also sample k completions per problem at rollout.temperature and report pass@k; 0 = greedy only.
+    pass_k: int = Field(0, ge=0)
+    # Tries after the first failure before a job lands in RQ's failed registry.
+    retries: int = Field(2, ge=0)
+    # Seconds one evaluation job may run.
+    timeout_s: int = Field(900, ge=1)
+
+
 class Config(_Section):
     # Run name: every Redis key of the run starts with `rollouts:{run}:`.
     run: str = Field("demo", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
@@ -103,6 +117,7 @@ class Config(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _check_redis_url(self) -> Config:

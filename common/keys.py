@@ -74,6 +74,16 @@ class Keys:
         """Capped stream of per-step metrics."""
         return self._k("metrics")
 
+    @property
+    def eval_queue(self) -> str:
+        """Name of the RQ queue of checkpoint evaluations (RQ adds its own `rq:` keys)."""
+        return self._k("eval")
+
+    @property
+    def evals(self) -> str:
+        """Hash: published version -> JSON of its evaluation result."""
+        return self._k("evals")
+
     def generator(self, generator_id: str) -> str:
         """Heartbeat hash of one generator, with a TTL."""
         return self._k(f"generator:{generator_id}")

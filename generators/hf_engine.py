@@ -62,9 +62,8 @@ class HFEngine:
         assert prompts and all(prompts), "sample() needs non-empty prompts"
         assert n >= 1 and max_new_tokens >= 1 and temperature > 0, \
             f"need n >= 1, max_new_tokens >= 1, temperature > 0; got {n}, {max_new_tokens}, {temperature}"
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])  # (B, L)
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        input_ids, attention_mask = self._left_pad(prompts)
+        width = input_ids.shape[1]
         out = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask,
             # Pure temperature sampling: every other processor the model's generation_config
@@ -90,6 +89,26 @@ class HFEngine:
             samples.append(Sampled(ids=new[row, :end].tolist(), logprobs=logprobs[row, :end].tolist(),
                                    finish="stop" if len(stops) else "length"))
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])  # (B, L)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # (B, L)
+        return input_ids, attention_mask
+
+    @torch.no_grad()
+    def greedy(self, prompts: list[list[int]], *, max_new_tokens: int) -> list[list[int]]:
+        """The greedy completion of each prompt (eos included where one was reached)."""
+        assert prompts and all(prompts), "greedy() needs non-empty prompts"
+        input_ids, attention_mask = self._left_pad(prompts)
+        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                  top_k=None, top_p=None, temperature=None, max_new_tokens=max_new_tokens,
+                                  pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
+        completions = []
+        for row in out[:, input_ids.shape[1]:].tolist():
+            stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+            completions.append(row if stop is None else row[:stop + 1])
+        return completions
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,53 @@
+import json
+import zlib
+
+import msgpack
+from rq.registry import FailedJobRegistry
+
+from common.checkpoints import checksum_dir
+from common.config import config_from_dict
+from common.keys import PAYLOAD, Keys
+from common.messages import WeightVersion
+from evaluator.queue import enqueue_eval, eval_queue
+from tests.helpers import spawn
+
+RUN = "ev"
+
+
+def config(redis_url, **eval_fields):
+    return config_from_dict({"run": RUN, "redis_url": redis_url, "rollout": {"max_new_tokens": 6},
+                             "eval": {"every": 1, "prompts": 4, "retries": 1, **eval_fields}})
+
+
+def burst_worker(tmp_path, redis_url) -> int:
+    proc = spawn("evaluator", "--burst", cwd=tmp_path, env={"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": RUN},
+                 log=tmp_path / "evaluator.log")
+    return proc.wait(timeout=180)
+
+
+def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(tmp_path, redis_url, r, tiny_model):
+    wv = WeightVersion(version=3, step=3, path=str(tiny_model), format="safetensors",
+                       checksums=checksum_dir(tiny_model), created_at=0.0)
+    job = enqueue_eval(r, config(redis_url, pass_k=2), wv)
+    # The job travels as JSON, not pickle.
+    assert json.loads(zlib.decompress(r.hget(f"rq:job:{job.id}", "data")))
+
+    assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
+    [(_, fields)] = r.xrange(Keys(RUN).metrics)
+    result = msgpack.unpackb(fields[PAYLOAD])
+    assert result["kind"] == "eval" and result["version"] == 3 and result["eval/prompts"] == 4
+    assert 0.0 <= result["eval/pass@1"] <= result["eval/pass@2"] <= 1.0
+    assert json.loads(r.hget(Keys(RUN).evals, "3")) == result
+
+
+def test_failing_eval_job_lands_in_the_failed_registry_after_its_retries(tmp_path, redis_url, r):
+    wv = WeightVersion(version=1, step=1, path=str(tmp_path / "gone"), format="safetensors",
+                       checksums={"model.safetensors": "0" * 64}, created_at=0.0)
+    job = enqueue_eval(r, config(redis_url), wv)
+    assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
+    queue = eval_queue(r, Keys(RUN))
+    assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
+    job.refresh()
+    assert job.retries_left == 0
+    assert "does not exist" in job.latest_result().exc_string
+    assert r.xlen(Keys(RUN).metrics) == 0
