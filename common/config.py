@@ -73,22 +73,64 @@ class GeneratorConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    # Peak learning rate (AdamW); the schedule scales it.
     lr: float = Field(1e-6, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
+    # "constant" or "cosine" (to 0 at total_steps), after a linear warm-up; counted in trainer steps.
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    # Trainer steps of linear warm-up from lr / (warmup_steps + 1) to lr; 0: none.
+    warmup_steps: int = Field(0, ge=0)
+    # Length of the cosine schedule in trainer steps (warm-up included); 0 with "cosine": max_steps.
+    total_steps: int = Field(0, ge=0)
+    # Advantage estimator: "grpo" (group mean and std), "dr_grpo" (mean only), "rloo" (leave-one-out).
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     # PPO clip range of the ratio: [1 - clip_low, 1 + clip_high].
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.2, ge=0.0)
+    # "token": a ratio per token (PPO/GRPO); "sequence": GSPO's geometric-mean ratio per sequence,
+    # clipped per sequence (GSPO uses tiny clip ranges, e.g. clip_low 3e-4, clip_high 4e-4).
+    ratio_level: Literal["token", "sequence"] = "token"
+    # "token_mean": loss summed over the step's tokens / its token count (DAPO, Dr. GRPO);
+    # "seq_mean": mean over each sequence's tokens, then mean over the step's sequences (GRPO paper).
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    # Optimizer steps taken on each trainer step's batch. Above 1, a no-grad pass at the start of
+    # the step gives the "old" log-probs the PPO ratio is taken against.
+    updates_per_batch: int = Field(1, ge=1)
+    # With one update: take the PPO ratio against a no-grad pass of the current policy (true) or
+    # against the generator's behaviour log-probs (false: old == behaviour, no extra pass).
+    recompute_old_logp: bool = False
+    # Truncated importance sampling: each token's loss is weighted by
+    # min(exp(old_logp - behaviour_logp), tis_cap); 0 turns it off (weight 1).
+    tis_cap: float = Field(2.0, ge=0.0)
+    # KL penalty to the frozen initial model, per token; 0: no reference model is kept.
+    kl_coef: float = Field(0.0, ge=0.0)
+    # Estimator of the KL (Schulman's note): "k1" (log-ratio), "k2" (half squared), "k3" (r - 1 - log r).
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    # Completions cut at max_new_tokens (finish == "length"): "none" trains on them as they are,
+    # "mask" excludes their tokens from the loss, "penalty" subtracts overlong_penalty from their reward.
+    overlong: Literal["none", "mask", "penalty"] = "none"
+    overlong_penalty: float = Field(1.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
     # Sequences per forward/backward pass; gradients accumulate over a step.
     micro_batch_size: int = Field(8, ge=1)
+    # Padded tokens (rows x longest row) per forward/backward pass, besides micro_batch_size; 0: no limit.
+    micro_batch_tokens: int = Field(0, ge=0)
     # Publish weights (and acknowledge the groups they hold) every this many steps.
     sync_every: int = Field(1, ge=1)
     # Stop after this many optimizer steps; 0 runs until stopped.
     max_steps: int = Field(0, ge=0)
-    # Published checkpoints kept on disk (the newest ones).
+    # Published checkpoints kept on disk (the newest ones), each with its trainer state for resume.
     keep_checkpoints: int = Field(3, ge=2)
     threads: int = Field(0, ge=0)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> TrainerConfig:
+        if self.lr_schedule == "cosine" and not (self.total_steps or self.max_steps):
+            raise ValueError("lr_schedule = \"cosine\" needs total_steps (or max_steps) > 0")
+        if self.lr_schedule == "cosine" and self.warmup_steps >= (self.total_steps or self.max_steps):
+            raise ValueError("warmup_steps must be below total_steps (or max_steps) with a cosine schedule")
+        return self
 
 
 class EvalConfig(_Section):

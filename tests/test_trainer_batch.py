@@ -47,6 +47,6 @@ def test_collate_right_pads():
 
 def test_micro_batches_split_rows_and_count_trained_tokens():
     groups = [group([completion([8, 9], [-0.1, -0.2], r) for r in (0.0, 1.0, 1.0)]) for _ in range(2)]
-    batches, total = micro_batches(groups, micro_batch_size=4)
+    batches, total, seqs = micro_batches(groups, micro_batch_size=4)
     assert [mb.input_ids.shape[0] for mb in batches] == [4, 2]
-    assert total == 6 * 2
+    assert total == 6 * 2 and seqs == 6

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from common.messages import SampleGroup
-from trainer.grpo import group_advantages
+from trainer.grpo import Estimator, group_advantages
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +32,20 @@ class MicroBatch:
     advantages: Tensor  # (B,) float32
 
 
-def group_rows(group: SampleGroup) -> list[Row]:
-    """A group's completions as rows; advantages from the group's scalar rewards."""
+def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: str = "none",
+               overlong_penalty: float = 0.0) -> list[Row]:
+    """A group's completions as rows; advantages from the group's scalar rewards.
+
+    Overlong completions (finish == "length"): "mask" keeps them in the advantage baseline but
+    trains on none of their tokens; "penalty" subtracts `overlong_penalty` from their reward
+    before the advantages are computed.
+    """
     assert len(group.completions) >= 2, f"group {group.id}: {len(group.completions)} completions, need >= 2"
-    rewards = torch.tensor([[c.reward for c in group.completions]], dtype=torch.float32)  # (1, n)
-    advantages = group_advantages(rewards)[0].tolist()
+    assert overlong in ("none", "mask", "penalty"), f"overlong must be none, mask or penalty, got {overlong!r}"
+    penalty = overlong_penalty if overlong == "penalty" else 0.0
+    rewards = torch.tensor([[c.reward - (penalty if c.finish == "length" else 0.0) for c in group.completions]],
+                           dtype=torch.float32)  # (1, n)
+    advantages = group_advantages(rewards, estimator)[0].tolist()
     prompt = group.prompt_ids
     rows = []
     for c, adv in zip(group.completions, advantages, strict=True):
@@ -44,6 +53,8 @@ def group_rows(group: SampleGroup) -> list[Row]:
         n_prompt, n_done = len(prompt), len(c.ids)
         # Completion token i is predicted at input position n_prompt - 1 + i.
         done_mask = [1] * n_done if c.loss_mask is None else list(c.loss_mask)
+        if overlong == "mask" and c.finish == "length":
+            done_mask = [0] * n_done
         rows.append(Row(inputs=full[:-1], targets=full[1:],
                         mask=[0] * (n_prompt - 1) + done_mask,
                         behaviour_logp=[0.0] * (n_prompt - 1) + list(c.logprobs),
@@ -69,10 +80,38 @@ def collate(rows: list[Row]) -> MicroBatch:
     )
 
 
-def micro_batches(groups: list[SampleGroup], *, micro_batch_size: int) -> tuple[list[MicroBatch], int]:
-    """The step's micro-batches of at most `micro_batch_size` rows, and its trained-token count."""
+def split_rows(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: int = 0) -> list[list[Row]]:
+    """Consecutive runs of `rows`, each at most `micro_batch_size` rows and, where
+    `micro_batch_tokens` > 0, at most that many padded tokens (rows x longest row); a row longer
+    than the budget goes alone. Order is kept, so the step's update does not depend on the split.
+    """
     assert micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}"
-    rows = [row for group in groups for row in group_rows(group)]
+    assert micro_batch_tokens >= 0, f"micro_batch_tokens must be >= 0, got {micro_batch_tokens}"
+    out: list[list[Row]] = []
+    current: list[Row] = []
+    width = 0
+    for row in rows:
+        w = max(width, len(row.inputs))
+        too_many = len(current) >= micro_batch_size
+        too_big = micro_batch_tokens > 0 and (len(current) + 1) * w > micro_batch_tokens
+        if current and (too_many or too_big):
+            out.append(current)
+            current, w = [], len(row.inputs)
+        current.append(row)
+        width = w
+    if current:
+        out.append(current)
+    return out
+
+
+def micro_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int = 0,
+                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
+                  ) -> tuple[list[MicroBatch], int, int]:
+    """The step's micro-batches, its trained-token count and its count of trained sequences."""
+    rows = [row for group in groups for row in group_rows(group, estimator=estimator, overlong=overlong,
+                                                           overlong_penalty=overlong_penalty)]
     total_tokens = sum(sum(row.mask) for row in rows)
-    batches = [collate(rows[i : i + micro_batch_size]) for i in range(0, len(rows), micro_batch_size)]
-    return batches, total_tokens
+    total_seqs = sum(1 for row in rows if any(row.mask))
+    batches = [collate(part) for part in split_rows(rows, micro_batch_size=micro_batch_size,
+                                                    micro_batch_tokens=micro_batch_tokens)]
+    return batches, total_tokens, total_seqs

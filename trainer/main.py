@@ -1,7 +1,8 @@
 """The trainer: reads scored sample groups, takes GRPO steps, publishes weights, acknowledges.
 
-Versions. `step` counts optimizer steps done; the published weight `version` is the step that
-wrote them, so with sync_every = 1 the two are equal after every step. A sample's staleness is
+Versions. `step` counts trainer steps done (each is `updates_per_batch` optimizer steps on one
+batch of groups; the lr schedule also counts trainer steps); the published weight `version` is
+the step that wrote them, so with sync_every = 1 the two are equal after every step. A sample's staleness is
 `step - sample.version`: how many optimizer steps the policy has moved since the weights that
 sampled it (this is the DESIGN's "trainer version − sample version", counting unpublished steps
 too, which is what the importance ratio has to bridge). The trainer hash holds both `step`
@@ -10,9 +11,10 @@ admit against `version`.
 
 Delivery. Groups are acknowledged, and added to the `trained` set, in the same transaction that
 publishes the checkpoint holding their update. A restarted trainer loads the newest published
-checkpoint, continues from its step, and first re-reads its own pending entries, so it trains on
-what an uninterrupted run would have. Entries it will never train on (undecodable, duplicate,
-too stale) are acknowledged at once and counted.
+checkpoint and the trainer state saved beside it (optimizer, scheduler, RNG: trainer/state.py),
+continues from its step, and first re-reads its own pending entries in stream order, so it
+trains on what an uninterrupted run would have and ends with the same weights. Entries it will
+never train on (undecodable, duplicate, too stale) are acknowledged at once and counted.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import msgpack
@@ -39,9 +41,22 @@ from common.messages import MessageError, SampleGroup, WeightVersion, decode_gro
 from common.models import resolve_model_path
 from common.streams import connect, dead_letter, ensure_group, latest_weights
 from trainer.batch import micro_batches
-from trainer.grpo import grpo_loss, token_logprobs
+from trainer.grpo import Estimator, LossOptions, grpo_loss, token_entropy, token_logprobs
+from trainer.parallel import (
+    all_max,
+    all_sum,
+    any_rank,
+    finish,
+    full_state_dict,
+    gather,
+    init_distributed,
+    is_main,
+    parallelize,
+    world_size,
+)
+from trainer.schedule import build_scheduler
+from trainer.state import load_state, save_state, state_dir
 
-CONSUMER = "rank0"  # one consumer per trainer rank; world size 1 for now
 BLOCK_MS = 1000  # longest wait on the samples stream before checking for a stop request
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 
@@ -78,7 +93,7 @@ class Collected:
     wait_s: float = 0.0  # seconds blocked on the stream with nothing to read
 
 
-def read_entries(r: redis.Redis, keys: Keys, *, cursor: bytes | None, count: int
+def read_entries(r: redis.Redis, keys: Keys, *, consumer: str, cursor: bytes | None, count: int
                  ) -> tuple[list[tuple[bytes, dict]], bytes | None]:
     """Up to `count` entries, and the cursor to read from next.
 
@@ -87,11 +102,11 @@ def read_entries(r: redis.Redis, keys: Keys, *, cursor: bytes | None, count: int
     entries (">"), blocking up to BLOCK_MS.
     """
     if cursor is not None:
-        reply = r.xreadgroup(TRAINER_GROUP, CONSUMER, {keys.samples: cursor}, count=count)
+        reply = r.xreadgroup(TRAINER_GROUP, consumer, {keys.samples: cursor}, count=count)
         entries = reply[0][1] if reply else []
         if entries:
             return [(eid, fields or {}) for eid, fields in entries], entries[-1][0]
-    reply = r.xreadgroup(TRAINER_GROUP, CONSUMER, {keys.samples: ">"}, count=count, block=BLOCK_MS)
+    reply = r.xreadgroup(TRAINER_GROUP, consumer, {keys.samples: ">"}, count=count, block=BLOCK_MS)
     return [(eid, fields or {}) for eid, fields in (reply[0][1] if reply else [])], None
 
 
@@ -122,7 +137,7 @@ def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, counter: str,
 
 
 def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: int, vocab_size: int,
-            unpublished: set[str], cursor: bytes | None, shutdown: Shutdown
+            unpublished: set[str], consumer: str, cursor: bytes | None, shutdown: Shutdown
             ) -> tuple[Collected | None, bytes | None]:
     """`want` trainable groups (None if a stop was requested first), and the next read cursor."""
     got = Collected()
@@ -131,7 +146,7 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
         if shutdown.requested:
             return None, cursor
         t0 = time.monotonic()
-        entries, cursor = read_entries(r, keys, cursor=cursor, count=want - len(got.groups))
+        entries, cursor = read_entries(r, keys, consumer=consumer, cursor=cursor, count=want - len(got.groups))
         if not entries:
             got.wait_s += time.monotonic() - t0
         for entry_id, fields in entries:
@@ -161,28 +176,70 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
-               micro_batch_size: int, temperature: float, clip_low: float, clip_high: float,
+               loss: LossOptions, ref_model: torch.nn.Module | None, temperature: float,
+               estimator: Estimator, overlong: str, overlong_penalty: float, micro_batch_size: int,
+               micro_batch_tokens: int, updates: int, recompute_old_logp: bool,
                max_grad_norm: float) -> dict[str, float]:
-    """One optimizer step of GRPO over `groups`, gradients accumulated over micro-batches."""
-    batches, total_tokens = micro_batches(groups, micro_batch_size=micro_batch_size)
+    """`updates` optimizer steps of the GRPO family over `groups`, gradients accumulated over micro-batches.
+
+    The PPO ratio is taken against the policy at the start of the step: a no-grad pass when
+    `updates` > 1 or `recompute_old_logp`, else the behaviour log-probs stand in for it. Stats
+    are averaged over the updates; entropy is that of the policy that started the step.
+
+    Under torchrun each rank passes its own groups: token and sequence counts are summed over the
+    ranks, so the loss is normalised by the global count and any world size gives the same
+    update (FSDP averages gradients over ranks: the loss is scaled by the world size to undo it).
+    Ranks run the same number of micro-batches (FSDP's collectives pair up); a rank short of
+    them repeats its last one with an empty mask, which adds nothing.
+    """
+    batches, total_tokens, total_seqs = micro_batches(
+        groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+        estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty)
+    tokens_in = sum(int(mb.attention_mask.sum()) for mb in batches)
+    world = world_size()
+    total_tokens, total_seqs, tokens_in = (int(x) for x in all_sum([total_tokens, total_seqs, tokens_in]))
+    empty = replace(batches[-1], mask=torch.zeros_like(batches[-1].mask))
+    batches += [empty] * (all_max(len(batches)) - len(batches))
+    base = {"tokens/trained": float(total_tokens), "tokens/forward": 0.0}
+    if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
+        return {**base, "loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0, "kl": 0.0,
+                "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0,
+                "ratio/mean": 1.0, "tis/mean": 1.0}
+
+    def forward_logp(m: torch.nn.Module, mb) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = m(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        return token_logprobs(logits, mb.targets, temperature), logits  # (B, T), (B, T, V)
+
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    stats: dict[str, float] = {"loss/policy": 0.0}
-    tokens_in = 0
-    for mb in batches:
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        logp = token_logprobs(logits, mb.targets, temperature)  # (B, T)
-        loss, mb_stats = grpo_loss(logp, mb.behaviour_logp, mb.advantages, mb.mask, clip_low=clip_low,
-                                   clip_high=clip_high, total_tokens=total_tokens)
-        loss.backward()
-        stats["loss/policy"] += loss.item()
-        for k, v in mb_stats.items():  # each is a share of total_tokens: they add up
-            stats[k] = stats.get(k, 0.0) + v
-        tokens_in += int(mb.attention_mask.sum())
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    return {**stats, "grad_norm": float(grad_norm), "tokens/trained": float(total_tokens),
-            "tokens/forward": float(tokens_in)}
+    with torch.no_grad():
+        old = [forward_logp(model, mb)[0] for mb in batches] if updates > 1 or recompute_old_logp \
+            else [None] * len(batches)
+        ref = [forward_logp(ref_model, mb)[0] for mb in batches] if ref_model is not None \
+            else [None] * len(batches)
+    stats: dict[str, float] = {"loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0}
+    for update in range(updates):
+        optimizer.zero_grad(set_to_none=True)
+        for mb, old_logp, ref_logp in zip(batches, old, ref, strict=True):
+            logp, logits = forward_logp(model, mb)
+            mb_loss, mb_stats = grpo_loss(
+                logp, mb.behaviour_logp, mb.advantages, mb.mask, old_logp=old_logp, ref_logp=ref_logp,
+                total_tokens=total_tokens, total_seqs=total_seqs, clip_low=loss.clip_low,
+                clip_high=loss.clip_high, ratio_level=loss.ratio_level, aggregation=loss.aggregation,
+                tis_cap=loss.tis_cap, kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator)
+            (mb_loss * world).backward()
+            stats["loss/policy"] += mb_loss.item() / updates
+            for k, v in mb_stats.items():  # each is a share of total_tokens: they add up
+                stats[k] = stats.get(k, 0.0) + v / updates
+            if update == 0:
+                stats["entropy"] += (token_entropy(logits, temperature) * mb.mask).sum().item() / total_tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+            grad_norm = grad_norm.full_tensor()
+        optimizer.step()
+        stats["grad_norm"] += float(grad_norm) / world / updates  # summed over ranks below
+    names = sorted(stats)
+    stats = dict(zip(names, all_sum([stats[k] for k in names]), strict=True))  # shares of global counts
+    return {**stats, **base, "tokens/forward": float(tokens_in * updates)}
 
 
 # --------------------------------------------------------------------------- publishing
@@ -196,13 +253,17 @@ def copy_tokenizer_files(source: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
-def save_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, source_dir: Path) -> Path:
-    """Write `checkpoint_dir/step_{step}` as a complete HF directory: temporary name, then rename."""
+def save_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, source_dir: Path,
+                    state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write `checkpoint_dir/step_{step}` as a complete HF directory: temporary name, then rename.
+
+    `state_dict`: the gathered weights of a sharded model; None saves the model's own.
+    """
     tmp = checkpoint_dir / f".step_{step}.tmp"
     final = checkpoint_dir / f"step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     copy_tokenizer_files(source_dir, tmp)
     if final.exists():  # written by a run that crashed before publishing it: never seen by anyone
         shutil.rmtree(final)
@@ -218,10 +279,22 @@ def prune_checkpoints(checkpoint_dir: Path, *, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, *, step: int, checkpoint_dir: Path,
-            source_dir: Path, keep: int, entry_ids: list[bytes], group_ids: list[str]) -> WeightVersion:
-    """Checkpoint on disk, then in one transaction: announce it and acknowledge the groups it holds."""
-    path = save_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir)
+def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int, checkpoint_dir: Path,
+            state_root: Path, source_dir: Path, keep: int, entry_ids: list[bytes],
+            group_ids: list[str]) -> WeightVersion | None:
+    """Checkpoint and trainer state on disk, then in one transaction: announce it and
+    acknowledge the groups it holds (every rank's: `entry_ids` and `group_ids` are global).
+
+    Every rank takes part (gathering the weights, writing its state shards); rank 0 writes the
+    checkpoint and talks to Redis, and alone returns the WeightVersion.
+    """
+    weights = full_state_dict(model)
+    path = save_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
+                           state_dict=weights) if is_main() else None
+    save_state(model, optimizer, scheduler, step=step, state_root=state_root, keep=keep)
+    if not is_main():
+        return None
     wv = WeightVersion(version=step, step=step, path=str(path), format="safetensors",
                        checksums=checksum_dir(path), created_at=time.time())
     blob = encode(wv)
@@ -274,7 +347,7 @@ def summary_line(m: dict) -> str:
     acc = "  -  " if m["accuracy"] is None else f"{m['accuracy']:.3f}"
     return (f"step {m['step']:4d} | reward {m['reward/mean']:.3f} | acc {acc} | "
             f"len {m['completions/mean_length']:5.1f} | stale {m['staleness/mean']:.1f}/{m['staleness/max']} | "
-            f"loss {m['loss/policy']:+.4f} | {m['time/step']:.2f}s")
+            f"loss {m['loss/policy']:+.4f} | ent {m['entropy']:.3f} | lr {m['lr']:.2e} | {m['time/step']:.2f}s")
 
 
 # --------------------------------------------------------------------------- the run
@@ -287,14 +360,25 @@ def load_model(path: Path) -> torch.nn.Module:
 def run(config: Config) -> None:
     cfg, rollout = config.trainer, config.rollout
     hf_logging.disable_progress_bar()  # one console line per step, not progress bars
+    rank, world = init_distributed()
+    assert rollout.prompts_per_step % world == 0, (
+        f"rollout.prompts_per_step = {rollout.prompts_per_step} must be a multiple of the world size {world}")
+    consumer = f"rank{rank}"  # each rank its own consumer in the trainer group
+
+    def say(line: str) -> None:  # the console is rank 0's
+        if rank == 0:
+            print(line, flush=True)
+
     keys = Keys(config.run)
     torch.manual_seed(cfg.seed)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     source_dir = resolve_model_path(config.model.path)
     checkpoint_dir = config.checkpoint_dir
-    for tmp in checkpoint_dir.glob(".step_*.tmp"):  # half-written by a trainer that was killed
-        shutil.rmtree(tmp, ignore_errors=True)
+    state_root = Path(config.output_dir) / "trainer_state"  # DCP trainer state beside each checkpoint
+    if rank == 0:
+        for tmp in checkpoint_dir.glob(".step_*.tmp"):  # half-written by a trainer that was killed
+            shutil.rmtree(tmp, ignore_errors=True)
     shutdown = Shutdown()
 
     # ---- connect, and resume from the newest published checkpoint if this run has one
@@ -306,79 +390,111 @@ def run(config: Config) -> None:
         verify_dir(latest.path, latest.checksums)
         model = load_model(Path(latest.path))
         step = latest.step
-        print(f"trainer: resuming at step {step} from {latest.path} "
-              "(optimizer state is not restored yet: AdamW starts fresh)", flush=True)
     else:
         if step > 0:
-            print(f"trainer: run {config.run!r} reached step {step} but published no weights; "
-                  "starting again from the initial model", flush=True)
+            say(f"trainer: run {config.run!r} reached step {step} but published no weights; "
+                "starting again from the initial model")
             step = 0
         model = load_model(source_dir)
     version = step  # the newest published weights (the initial ones are version 0)
-    r.hset(keys.trainer, mapping={"step": step, "version": version})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if rank == 0:
+        r.hset(keys.trainer, mapping={"step": step, "version": version})
     vocab_size = model.config.vocab_size
-    print(f"trainer: run {config.run!r}, model {source_dir}, step {step}, "
-          f"{rollout.prompts_per_step} groups per step", flush=True)
+    model = parallelize(model)  # FSDP2 under torchrun; as it is in a single process
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = build_scheduler(optimizer, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
+                                total_steps=cfg.total_steps or cfg.max_steps)
+    if latest is not None:
+        state = state_dir(state_root, step)
+        if state.is_dir():
+            load_state(model, optimizer, scheduler, path=state)
+            say(f"trainer: resuming at step {step} from {latest.path} with its trainer state")
+        else:
+            say(f"trainer: resuming at step {step} from {latest.path}; no trainer state at {state}, "
+                "so AdamW and the lr schedule start fresh")
+    ref_model = None
+    if cfg.kl_coef > 0:  # the frozen reference: the initial model
+        ref_model = load_model(source_dir).eval().requires_grad_(False)
+    loss = LossOptions(clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_level=cfg.ratio_level,
+                       aggregation=cfg.loss_agg, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
+                       kl_estimator=cfg.kl_estimator)
+    say(f"trainer: run {config.run!r}, model {source_dir}, step {step}, "
+        f"{rollout.prompts_per_step} groups per step, {world} rank(s)")
 
     # ---- steps: collect groups, update, publish every sync_every steps
     cursor: bytes | None = b"0"  # first re-read our own pending entries
     unpublished_entries: list[bytes] = []
     unpublished_ids: list[str] = []
-    while not (cfg.max_steps and step >= cfg.max_steps) and not shutdown.requested:
+    # Every decision that leads to a collective (stop, train, publish) is agreed by all ranks.
+    while not (cfg.max_steps and step >= cfg.max_steps) and not any_rank(shutdown.requested):
         t_step = time.monotonic()
-        got, cursor = collect(r, keys, want=rollout.prompts_per_step, step=step,
+        got, cursor = collect(r, keys, want=rollout.prompts_per_step // world, step=step,
                               max_staleness=rollout.max_staleness, vocab_size=vocab_size,
-                              unpublished=set(unpublished_ids), cursor=cursor, shutdown=shutdown)
-        if got is None:
+                              unpublished=set(unpublished_ids), consumer=consumer, cursor=cursor,
+                              shutdown=shutdown)
+        if any_rank(got is None):  # a stop while waiting: what this rank read stays pending
             break
-        staleness = [step - g.version for g in got.groups]
+        everyone = gather(got)  # every rank's groups, for the acknowledgement and the metrics
+        all_groups = [g for c in everyone for g in c.groups]
+        staleness = [step - g.version for g in all_groups]
 
         t_train = time.monotonic()
-        stats = train_step(model, optimizer, got.groups, micro_batch_size=cfg.micro_batch_size,
-                           temperature=rollout.temperature, clip_low=cfg.clip_low,
-                           clip_high=cfg.clip_high, max_grad_norm=cfg.max_grad_norm)
+        lr = optimizer.param_groups[0]["lr"]
+        stats = train_step(model, optimizer, got.groups, loss=loss, ref_model=ref_model,
+                           temperature=rollout.temperature, estimator=cfg.advantage,
+                           overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
+                           micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
+                           updates=cfg.updates_per_batch, recompute_old_logp=cfg.recompute_old_logp,
+                           max_grad_norm=cfg.max_grad_norm)
+        scheduler.step()
         train_s = time.monotonic() - t_train
         step += 1
-        unpublished_entries += got.entry_ids
-        unpublished_ids += [g.id for g in got.groups]
+        unpublished_entries += [e for c in everyone for e in c.entry_ids]
+        unpublished_ids += [g.id for g in all_groups]
 
         t_publish = time.monotonic()
-        last = shutdown.requested or (cfg.max_steps > 0 and step >= cfg.max_steps)
+        last = any_rank(shutdown.requested) or (cfg.max_steps > 0 and step >= cfg.max_steps)
         if step % cfg.sync_every == 0 or last:
             version = step
-            publish(r, keys, model, step=step, checkpoint_dir=checkpoint_dir, source_dir=source_dir,
-                    keep=cfg.keep_checkpoints, entry_ids=unpublished_entries, group_ids=unpublished_ids)
+            publish(r, keys, model, optimizer, scheduler, step=step, checkpoint_dir=checkpoint_dir,
+                    state_root=state_root, source_dir=source_dir, keep=cfg.keep_checkpoints,
+                    entry_ids=unpublished_entries, group_ids=unpublished_ids)
             unpublished_entries, unpublished_ids = [], []
-        else:
+        elif rank == 0:
             r.hset(keys.trainer, "step", step)
         publish_s = time.monotonic() - t_publish
+        if rank != 0:
+            continue
 
         metrics = {
             "step": step,
-            **step_metrics(got.groups, step=step, staleness=staleness),
+            **step_metrics(all_groups, step=step, staleness=staleness),
             "clip_ratio": stats["clip_ratio/region_mean"],
-            **{k: v for k, v in stats.items() if k.startswith(("clip_ratio/", "ratio/"))},
+            **{k: v for k, v in stats.items() if k.startswith(("clip_ratio/", "ratio/", "tis/"))},
             "loss/policy": stats["loss/policy"],
+            "kl": stats["kl"],
+            "entropy": stats["entropy"],
             "grad_norm": stats["grad_norm"],
-            "lr": optimizer.param_groups[0]["lr"],
-            "groups/dropped_stale": got.stale,
-            "groups/dead": got.dead,
-            "groups/duplicate": got.duplicate,
+            "lr": lr,  # the rate this step's updates used
+            "groups/dropped_stale": sum(c.stale for c in everyone),
+            "groups/dead": sum(c.dead for c in everyone),
+            "groups/duplicate": sum(c.duplicate for c in everyone),
             "tokens/trained": stats["tokens/trained"],
             "tokens_per_s": stats["tokens/forward"] / train_s,  # prompt + completion tokens through the model
             "time/step": time.monotonic() - t_step,
-            "time/wait_data": got.wait_s,
+            "time/wait_data": max(c.wait_s for c in everyone),
             "time/train": train_s,
             "time/publish": publish_s,
             "version": version,
-            "group_ids": [g.id for g in got.groups],
+            "group_ids": [g.id for g in all_groups],
         }
         record(r, keys, metrics, path=config.metrics_path)
         print(summary_line(metrics), flush=True)
 
     # ---- a stop while waiting for data: publish what was trained since the last checkpoint
     if unpublished_ids:
-        publish(r, keys, model, step=step, checkpoint_dir=checkpoint_dir, source_dir=source_dir,
-                keep=cfg.keep_checkpoints, entry_ids=unpublished_entries, group_ids=unpublished_ids)
-    print(f"trainer: stopped at step {step}", flush=True)
+        publish(r, keys, model, optimizer, scheduler, step=step, checkpoint_dir=checkpoint_dir,
+                state_root=state_root, source_dir=source_dir, keep=cfg.keep_checkpoints,
+                entry_ids=unpublished_entries, group_ids=unpublished_ids)
+    say(f"trainer: stopped at step {step}")
+    finish()

@@ -1,0 +1,242 @@
+"""The GRPO family's options (advantage estimators, aggregation, GSPO, TIS, KL, entropy,
+overlong handling), the lr schedule and token-budget micro-batches, against numbers worked out
+by hand."""
+
+import math
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.messages import Completion, SampleGroup
+from tests.test_trainer import make_group
+from trainer.batch import group_rows, micro_batches, split_rows
+from trainer.grpo import LossOptions, group_advantages, grpo_loss, kl_penalty, token_entropy
+from trainer.main import train_step
+from trainer.schedule import lr_factor
+
+REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 2.0]])
+
+
+def test_dr_grpo_advantage_is_reward_minus_group_mean():
+    # Means 0.5 and 2; no division by the std.
+    want = torch.tensor([[0.5, -0.5, -0.5, 0.5], [1.0, -1.0, 0.0, 0.0]])
+    torch.testing.assert_close(group_advantages(REWARDS, "dr_grpo"), want)
+
+
+def test_rloo_advantage_is_reward_minus_mean_of_the_others():
+    # Group 0: 1 - (0 + 0 + 1) / 3 = 2/3; 0 - (1 + 0 + 1) / 3 = -2/3.
+    # Group 1: 3 - (1 + 2 + 2) / 3 = 4/3; 1 - (3 + 2 + 2) / 3 = -4/3; 2 - (3 + 1 + 2) / 3 = 0.
+    want = torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [4 / 3, -4 / 3, 0.0, 0.0]])
+    torch.testing.assert_close(group_advantages(REWARDS, "rloo"), want)
+
+
+def _case():
+    # As in test_grpo: row 0 (A = +1) ratios 1.5, 0.9, [padding]; row 1 (A = -1) ratios 0.5, 1.1, 1.0.
+    ratios = torch.tensor([[1.5, 0.9, 1.0], [0.5, 1.1, 1.0]])
+    behaviour = torch.full((2, 3), -2.0)
+    logp = (behaviour + ratios.log()).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    return logp, behaviour, torch.tensor([1.0, -1.0]), mask
+
+
+def test_seq_mean_averages_each_sequence_then_the_sequences():
+    logp, behaviour, adv, mask = _case()
+    loss, _ = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5,
+                        aggregation="seq_mean", total_seqs=2)
+    # Per-token losses (test_grpo): row 0 -1.3, -0.9 -> mean -1.1; row 1 0.8, 1.1, 1.0 -> mean 2.9/3.
+    # (-1.1 + 0.966667) / 2 = -0.0666667.
+    assert loss.item() == pytest.approx((-1.1 + 2.9 / 3) / 2, abs=1e-6)
+    # d/d logp = -r A / (n_i * 2) where the clip is inactive: row 0 token 2: -0.9 / 4;
+    # row 1 tokens 2, 3: 1.1 / 6, 1.0 / 6.
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.9 / 4, 0.0], [0.0, 1.1 / 6, 1.0 / 6]]))
+
+
+def test_seq_mean_micro_batches_add_up():
+    logp, behaviour, adv, mask = _case()
+    kw = dict(clip_low=0.2, clip_high=0.3, total_tokens=5, aggregation="seq_mean", total_seqs=2)
+    whole, _ = grpo_loss(logp, behaviour, adv, mask, **kw)
+    parts = [grpo_loss(logp[i : i + 1], behaviour[i : i + 1], adv[i : i + 1], mask[i : i + 1], **kw)[0]
+             for i in range(2)]
+    # Row 0: -1.1 / 2 = -0.55; row 1: (2.9 / 3) / 2 = 0.483333.
+    assert parts[0].item() == pytest.approx(-0.55, abs=1e-6)
+    assert parts[1].item() == pytest.approx(2.9 / 6, abs=1e-6)
+    assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), abs=1e-6)
+
+
+def test_gspo_sequence_ratio_is_the_geometric_mean():
+    logp, behaviour, adv, mask = _case()
+    loss, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5,
+                            ratio_level="sequence")
+    # Row 0: s = sqrt(1.5 * 0.9) = 1.161895, inside [0.8, 1.3], A = +1: -1.161895 on each of 2 tokens.
+    # Row 1: s = (0.5 * 1.1 * 1.0)^(1/3) = 0.819321, inside, A = -1: +0.819321 on each of 3 tokens.
+    s0, s1 = math.sqrt(1.35), 0.55 ** (1 / 3)
+    assert loss.item() == pytest.approx((-2 * s0 + 3 * s1) / 5, abs=1e-6)  # 0.0268346
+    assert stats["ratio/mean"] == pytest.approx((2 * s0 + 3 * s1) / 5, abs=1e-6)
+    # d s_i / d logp_t = s_i / n_i, so row 0's tokens get -(2/5) * s0 / 2 = -s0 / 5, row 1's +s1 / 5.
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-s0 / 5, -s0 / 5, 0.0], [s1 / 5, s1 / 5, s1 / 5]]))
+
+
+def test_gspo_clips_whole_sequences():
+    logp, behaviour, adv, mask = _case()
+    loss, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=0.1, clip_high=0.1, total_tokens=5,
+                            ratio_level="sequence")
+    # Range [0.9, 1.1]: row 0's s = 1.162 > 1.1 with A > 0 -> -1.1 per token (clipped);
+    # row 1's s = 0.819 < 0.9 with A < 0 -> -min(-0.819, -0.9) = 0.9 per token (clipped).
+    # (2 * -1.1 + 3 * 0.9) / 5 = 0.1; every token's sequence is clipped, so no gradient.
+    assert loss.item() == pytest.approx(0.1, abs=1e-6)
+    assert stats["clip_ratio/high_mean"] == pytest.approx(2 / 5)
+    assert stats["clip_ratio/low_mean"] == pytest.approx(3 / 5)
+    loss.backward()
+    assert torch.count_nonzero(logp.grad) == 0
+
+
+def test_ratio_is_against_old_logp_and_tis_weights_by_the_behaviour_gap():
+    # Two tokens, A = +1. old - behaviour = ln 3, ln 0.5 -> TIS weights min(3, 2) = 2 and 0.5.
+    # logp = old: ratio 1 (not the 3 and 0.5 a ratio against behaviour would give), pg -1 each.
+    behaviour = torch.tensor([[-2.0, -2.0]])
+    old = behaviour + torch.tensor([[math.log(3.0), math.log(0.5)]])
+    logp = old.clone().requires_grad_()
+    loss, stats = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), clip_low=0.2,
+                            clip_high=0.2, total_tokens=2, old_logp=old, tis_cap=2.0)
+    # (2 * -1 + 0.5 * -1) / 2 = -1.25; d/d logp = -w r A / 2 = -1, -0.25.
+    assert loss.item() == pytest.approx(-1.25, abs=1e-6)
+    assert stats["ratio/mean"] == pytest.approx(1.0) and stats["tis/mean"] == pytest.approx(1.25)
+    assert stats["clip_ratio/region_mean"] == 0.0
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, -0.25]]))
+
+
+def test_tis_is_one_when_old_is_behaviour():
+    logp, behaviour, adv, mask = _case()
+    plain, _ = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5)
+    tis, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5,
+                           tis_cap=2.0)
+    assert tis.item() == pytest.approx(plain.item()) and stats["tis/mean"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(("estimator", "value", "grad"), [
+    # log r = ln(0.25 / 0.5) = -ln 2. k1 = ln 2 = 0.693147, d/d logp = 1.
+    ("k1", math.log(2), 1.0),
+    # k2 = (ln 2)^2 / 2 = 0.240227, d/d logp = -log r = ln 2.
+    ("k2", math.log(2) ** 2 / 2, math.log(2)),
+    # k3 = (0.5 - 1) + ln 2 = 0.193147, d/d logp = 1 - r = 0.5.
+    ("k3", -0.5 + math.log(2), 0.5),
+])
+def test_kl_estimators_by_hand(estimator, value, grad):
+    logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+    ref = torch.tensor([[math.log(0.25)]])
+    assert kl_penalty(logp, ref, estimator).item() == pytest.approx(value, abs=1e-6)
+    # In the loss, with A = 0 (no policy term) and kl_coef 0.1: 0.1 * k, gradient 0.1 * dk.
+    loss, stats = grpo_loss(logp, logp.detach(), torch.tensor([0.0]), torch.ones(1, 1), clip_low=0.2,
+                            clip_high=0.2, total_tokens=1, ref_logp=ref, kl_coef=0.1, kl_estimator=estimator)
+    assert loss.item() == pytest.approx(0.1 * value, abs=1e-6)
+    assert stats["kl"] == pytest.approx(value, abs=1e-6)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(0.1 * grad, abs=1e-6)
+
+
+def test_entropy_by_hand():
+    # softmax([0, ln 3]) = [1/4, 3/4]: H = 1/4 ln 4 + 3/4 ln(4/3) = 0.346574 + 0.215762 = 0.562335.
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])
+    assert token_entropy(logits, 1.0).item() == pytest.approx(0.562335, abs=1e-6)
+    # Uniform over 2: ln 2.
+    assert token_entropy(torch.zeros(1, 1, 2), 0.7).item() == pytest.approx(math.log(2), abs=1e-6)
+
+
+def _group(finishes, rewards):
+    completions = [Completion(ids=[8, 9], logprobs=[-0.1, -0.2], reward=r, rewards={}, finish=f, text="")
+                   for f, r in zip(finishes, rewards, strict=True)]
+    return SampleGroup(id="g", prompt_id="p", prompt_ids=[5, 6, 7], version=0, generator="t", engine="hf",
+                       completions=completions)
+
+
+def test_overlong_penalty_lowers_the_reward_before_advantages():
+    g = _group(["stop", "length"], [1.0, 1.0])
+    # Rewards 1, 1 - 0.5 = 0.5: dr_grpo advantages ±0.25. Without the penalty both are 0.
+    rows = group_rows(g, estimator="dr_grpo", overlong="penalty", overlong_penalty=0.5)
+    assert [r.advantage for r in rows] == pytest.approx([0.25, -0.25])
+    assert [r.advantage for r in group_rows(g, estimator="dr_grpo")] == [0.0, 0.0]
+
+
+def test_overlong_mask_drops_the_tokens_but_keeps_the_baseline():
+    g = _group(["stop", "length"], [1.0, 0.0])
+    rows = group_rows(g, estimator="dr_grpo", overlong="mask")
+    assert [r.advantage for r in rows] == pytest.approx([0.5, -0.5])
+    assert rows[0].mask == [0, 0, 1, 1] and rows[1].mask == [0, 0, 0, 0]
+    _, total_tokens, total_seqs = micro_batches([g], micro_batch_size=8, overlong="mask")
+    assert (total_tokens, total_seqs) == (2, 1)
+
+
+def test_split_rows_by_token_budget():
+    rows = [group_rows(_group(["stop"] * 2, [0.0, 1.0]))[0]] * 4
+    rows = [type(rows[0])(inputs=[0] * n, targets=[0] * n, mask=[1] * n, behaviour_logp=[0.0] * n, advantage=0.0)
+            for n in (4, 3, 6, 2)]
+    # Budget 8 padded tokens: [4, 3] -> 2 x 4 = 8; adding 6 would be 3 x 6; [6] alone (2 x 6 = 12 with
+    # the 2); [2]. A row over the budget (6 > 5) still goes, alone.
+    lengths = lambda parts: [[len(r.inputs) for r in p] for p in parts]  # noqa: E731
+    assert lengths(split_rows(rows, micro_batch_size=8, micro_batch_tokens=8)) == [[4, 3], [6], [2]]
+    assert lengths(split_rows(rows, micro_batch_size=8, micro_batch_tokens=5)) == [[4], [3], [6], [2]]
+    assert lengths(split_rows(rows, micro_batch_size=3, micro_batch_tokens=0)) == [[4, 3, 6], [2]]
+    assert lengths(split_rows(rows, micro_batch_size=1, micro_batch_tokens=100)) == [[4], [3], [6], [2]]
+
+
+def test_lr_schedule_by_hand():
+    # Warm-up 2: steps 0, 1 get 1/3, 2/3; then the peak.
+    assert [lr_factor(s, schedule="constant", warmup_steps=2, total_steps=0) for s in range(4)] == \
+        pytest.approx([1 / 3, 2 / 3, 1.0, 1.0])
+    # Cosine over steps 2..6: progress 0, 1/4, 1/2, 3/4, 1 -> (1 + cos(pi p)) / 2 = 1, 0.853553, 0.5,
+    # 0.146447, 0; and 0 after the end.
+    got = [lr_factor(s, schedule="cosine", warmup_steps=2, total_steps=6) for s in range(8)]
+    assert got == pytest.approx([1 / 3, 2 / 3, 1.0, 0.853553, 0.5, 0.146447, 0.0, 0.0], abs=1e-6)
+
+
+# --------------------------------------------------------------------------- whole steps, in-process
+
+
+@pytest.fixture
+def steps(tiny_model):
+    """Run one train_step from the same initial weights with the given options; return the parameters."""
+    torch.set_num_threads(1)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(5)
+    groups = [make_group(base, f"g{i}", version=0, rng=rng) for i in range(3)]
+
+    def run(**kw):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient itself
+        args = dict(loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
+                    overlong_penalty=0.0, micro_batch_size=16, micro_batch_tokens=0, updates=1,
+                    recompute_old_logp=False, max_grad_norm=1e9)
+        stats = train_step(model, opt, groups, **{**args, **kw})
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), stats
+
+    return run
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+def test_micro_batching_does_not_change_the_update(steps, agg):
+    loss = LossOptions(aggregation=agg)
+    whole, _ = steps(loss=loss)
+    for split in (dict(micro_batch_size=1), dict(micro_batch_size=5), dict(micro_batch_tokens=40)):
+        part, _ = steps(loss=loss, **split)
+        # Float sums in another order and padding widths: agreement to float32 rounding.
+        torch.testing.assert_close(part, whole, atol=2e-6, rtol=0)
+
+
+def test_updates_per_batch_recomputes_old_logp(steps, tiny_model):
+    # The groups' behaviour log-probs are the initial model's: the recomputed old log-probs match
+    # them, so TIS is 1 and the first update equals the plain one.
+    one, plain = steps()
+    one_recomputed, st = steps(recompute_old_logp=True)
+    torch.testing.assert_close(one_recomputed, one, atol=1e-6, rtol=0)
+    assert st["tis/mean"] == pytest.approx(1.0, abs=1e-4) and st["entropy"] > 0
+    two, st2 = steps(updates=2)
+    assert not torch.allclose(two, one)  # a second optimizer step moved it further
+    assert st2["tokens/forward"] == 2 * plain["tokens/forward"]
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).requires_grad_(False)
+    _, st3 = steps(ref_model=ref, loss=LossOptions(kl_coef=0.1))
+    assert st3["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before its first update

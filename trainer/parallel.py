@@ -1,0 +1,102 @@
+"""Data parallelism under torchrun: FSDP2 sharding and the few collectives the trainer needs.
+
+Started by `torchrun --nproc-per-node N -m trainer`, every rank joins a process group (gloo on
+CPU, NCCL on GPU) and its model is sharded with `fully_shard` per transformer block, then the
+root; the model code knows nothing of it. Started as plain `python -m trainer`, there is no
+process group and every function here is the identity: a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size); joins the process group when started by torchrun."""
+    if "WORLD_SIZE" not in os.environ or dist.is_initialized():
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if distributed() else 1
+
+
+def is_main() -> bool:
+    return not distributed() or dist.get_rank() == 0
+
+
+def parallelize(model: torch.nn.Module) -> torch.nn.Module:
+    """Shard `model` over all ranks: each transformer block, then the root (FSDP2)."""
+    if not distributed():
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world_size(),))
+    blocks = model.get_decoder().layers
+    assert len(blocks) > 0, "model has no transformer blocks to shard"
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The whole model's state dict on CPU (every rank takes part; None: not sharded, use the model)."""
+    if not distributed():
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def all_sum(values: list[float]) -> list[float]:
+    """Element-wise sums over the ranks."""
+    if not distributed():
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_max(value: int) -> int:
+    if not distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is true on any (every rank must call it)."""
+    return all_max(int(flag)) > 0
+
+
+def gather(obj: object) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not distributed():
+        return [obj]
+    out: list = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
+
+
+def finish() -> None:
+    """Leave the process group (a barrier first: without it gloo sometimes aborts at exit)."""
+    if distributed():
+        dist.barrier()
+        dist.destroy_process_group()
