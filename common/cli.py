@@ -33,7 +33,9 @@ def status_lines(r, run: str) -> list[str]:
     samples = _group_info(r, keys.samples, TRAINER_GROUP)
     lines = [
         f"run {run}",
-        f"producer   admitted {producer.get('admitted', 0)}  offset {producer.get('offset', 0)}",
+        f"producer   admitted {producer.get('admitted', 0)}  skipped rows {producer.get('rows_skipped', 0)}  "
+        + "  ".join(f"{k.removesuffix(':offset')} at {producer.get(k[:-7] + ':epoch', 0)}:{v}"
+                    for k, v in sorted(producer.items()) if k.endswith(":offset")),
         f"prompts    waiting {prompts['lag']}  in flight {prompts['pending']}  dead {r.xlen(keys.prompts_dead)}",
         f"samples    waiting {samples['lag']}  unacknowledged {samples['pending']}  dead {r.xlen(keys.samples_dead)}",
         f"trainer    step {trainer.get('step', 0)}  version {trainer.get('version', 0)}  "

@@ -9,6 +9,7 @@ that does not fit fails at start-up with an error naming the dotted field.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -36,14 +37,116 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    # Built-in synthetic task the producer draws prompts from.
-    name: Literal["arithmetic"] = "arithmetic"
-    # Seed of the task's prompt sequence: same seed, same prompts in the same order.
+    # The built-in task of a run whose [[data.sources]] is empty: its one source, named after it.
+    name: Literal["arithmetic", "countdown"] = "arithmetic"
+    # Seed of the run's prompt sequence, for every source: synthetic problems, each epoch's
+    # shuffle and the mixture's choice of source. Same seed, same prompts in the same order.
     seed: int = 0
-    # Operands are drawn from [0, max_operand].
+    # arithmetic: operands are drawn from [0, max_operand].
     max_operand: int = Field(20, ge=1)
-    # Operators to draw from.
+    # arithmetic: operators to draw from.
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+    # countdown: numbers given per problem, each drawn from [1, max_number].
+    numbers: int = Field(4, ge=2, le=6)
+    max_number: int = Field(25, ge=2)
+
+
+# Built-in reward of each source kind, used when a source names none.
+DEFAULT_REWARDS = {"arithmetic": "generators.rewards:arithmetic",
+                   "countdown": "generators.rewards:countdown",
+                   "dataset": "generators.rewards:final_answer"}
+
+
+class SourceConfig(_Section):
+    # Name of the source: prompt ids are "{name}:{epoch}:{index}" and meta["source"] = name.
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    # "arithmetic" and "countdown": built-in synthetic tasks (endless, no download);
+    # "dataset": rows of a Hugging Face `datasets` data set (local file, directory or hub name).
+    kind: Literal["arithmetic", "countdown", "dataset"] = "dataset"
+    # Share of the prompts drawn from this source, relative to the other sources' weights.
+    weight: float = Field(1.0, gt=0.0)
+    # Reward of this source's prompts, "module:function"; "" = the kind's built-in
+    # (arithmetic: exact integer; countdown: expression reaches the target; dataset: final answer).
+    reward: str = Field("", pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+    # ---- arithmetic and countdown (see [task] for what they mean)
+    max_operand: int = Field(20, ge=1)
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+    numbers: int = Field(4, ge=2, le=6)
+    max_number: int = Field(25, ge=2)
+
+    # ---- dataset
+    # Local JSONL/JSON, Parquet, CSV or Arrow file (or a directory of them, or a glob),
+    # a `save_to_disk` directory, or a hub name (needs a network).
+    path: str = ""
+    # Split to read ("train", "test", ...); a save_to_disk DatasetDict needs one too.
+    split: str = "train"
+    # File format; "auto" infers it from the path (extension, save_to_disk directory, else hub).
+    format: Literal["auto", "json", "parquet", "csv", "arrow", "disk", "hub"] = "auto"
+    # Hub config name (the second argument of load_dataset); "" = none.
+    subset: str = ""
+    # Stream rows instead of loading the data set: for data too large for memory. Epochs then
+    # reshuffle with a buffer of shuffle_buffer rows rather than a full permutation.
+    streaming: bool = False
+    shuffle_buffer: int = Field(10_000, ge=1)
+    # Reshuffle every epoch (a permutation of the row indices from (seed, epoch)); false keeps
+    # the file's order.
+    shuffle: bool = True
+    # Column holding the prompt text (plain text). One of prompt_column, messages_column or
+    # template is needed.
+    prompt_column: str = ""
+    # Column holding a chat prompt: a list of {role, content} maps. Excludes prompt_column.
+    messages_column: str = ""
+    # Python format string over the row's columns making the user message, e.g.
+    # "{question}\nAnswer with just the number."; "" = the prompt_column's text as it is.
+    template: str = ""
+    # System message put before the user message ("" = none); not added to a messages_column
+    # conversation that already starts with one.
+    system_prompt: str = ""
+    # Send the prompt as chat messages (the generator applies the chat template); false sends
+    # plain text (system prompt, blank line, user message) for base models.
+    chat: bool = True
+    # Column with the ground truth the reward compares against (meta["answer"]); "" = none.
+    answer_column: str = ""
+    # How to get the ground truth from answer_column: "none" (as it is, as text), "gsm8k"
+    # (the number after "####"), "boxed" (the last \boxed{...}).
+    answer_extractor: Literal["none", "gsm8k", "boxed"] = "none"
+    # Further columns copied into meta under their own names, for a custom reward.
+    meta_columns: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_dataset(self) -> SourceConfig:
+        if self.kind != "dataset":
+            return self
+        if not self.path:
+            raise ValueError("path: a dataset source needs a path (file, directory or hub name)")
+        if not (self.prompt_column or self.messages_column or self.template):
+            raise ValueError("prompt_column: a dataset source needs prompt_column, messages_column "
+                             "or template")
+        if self.messages_column and (self.prompt_column or self.template):
+            raise ValueError("messages_column: excludes prompt_column and template")
+        if self.answer_extractor != "none" and not self.answer_column:
+            raise ValueError("answer_extractor: needs answer_column")
+        return self
+
+    @property
+    def reward_name(self) -> str:
+        """The "module:function" of this source's reward."""
+        return self.reward or DEFAULT_REWARDS[self.kind]
+
+
+class DataConfig(_Section):
+    # Where prompts come from: one [[data.sources]] table per source, mixed by weight.
+    # Empty = the single built-in [task].
+    sources: list[SourceConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_names(self) -> DataConfig:
+        names = [s.name for s in self.sources]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"sources: names must be unique, {dup} repeat")
+        return self
 
 
 class RolloutConfig(_Section):
@@ -156,6 +259,7 @@ class Config(_Section):
     output_dir: str = "runs/demo"
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -167,6 +271,15 @@ class Config(_Section):
         if scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         return self
+
+    @property
+    def sources(self) -> list[SourceConfig]:
+        """The run's prompt sources: [[data.sources]], else the one built-in [task]."""
+        if self.data.sources:
+            return list(self.data.sources)
+        t = self.task
+        return [SourceConfig(name=t.name, kind=t.name, max_operand=t.max_operand, ops=t.ops,
+                             numbers=t.numbers, max_number=t.max_number)]
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -215,6 +328,10 @@ def _describe(err: ValidationError, source: str) -> str:
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        # A section's own check says "field: why"; name that field in full.
+        named = re.match(r"^Value error, (\w+): (.*)$", msg, re.S)
+        if named:
+            field, msg = f"{field}.{named[1]}" if e["loc"] else named[1], named[2]
         lines.append(f"  {field}: {msg} (got {e.get('input')!r})")
     return "\n".join(lines)
 

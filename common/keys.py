@@ -56,7 +56,9 @@ class Keys:
 
     @property
     def producer(self) -> str:
-        """Hash: dataset position (`epoch`, `offset`, `seed`) and `admitted`."""
+        """Hash: `seed`, `admitted` (prompts, the mixture's draw index), each source's position
+        `{source}:epoch` and `{source}:offset`, and bad rows: `rows_skipped`,
+        `{source}:rows_skipped`, `last_skipped` (the row's id and why)."""
         return self._k("producer")
 
     @property

@@ -27,6 +27,9 @@ def main() -> None:
 
     try:
         run(config, generator_id=generator_id)
+    except ConfigError as err:
+        print(f"generator: {err}", file=sys.stderr)
+        sys.exit(2)
     except redis.exceptions.ConnectionError as err:
         sys.exit(lost_redis("generator", config.redis_url, err))
 

@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from common import streams
 from common.checkpoints import CheckpointError, verify_dir
-from common.config import Config
+from common.config import Config, ConfigError
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import (
     Completion,
@@ -39,8 +39,9 @@ from common.messages import (
     encode,
 )
 from common.models import resolve_model_path
+from generators import rewards as reward_fns
 from generators.hf_engine import HFEngine, Sampled
-from generators.rewards import RewardFn, arithmetic, score
+from generators.rewards import RewardFn, score
 
 ENGINE = "hf"
 BLOCK_MS = 1000  # longest wait for new prompts before the loop comes round (heartbeat, weights)
@@ -55,6 +56,7 @@ def run(config: Config, *, generator_id: str) -> None:
     gen = config.generator
 
     # ------------------------------------------------------------------ start-up
+    rewards = load_rewards(config)  # each source's reward; a bad name fails before the model loads
     if gen.threads > 0:
         torch.set_num_threads(gen.threads)
     r = streams.connect(config.redis_url)
@@ -62,7 +64,6 @@ def run(config: Config, *, generator_id: str) -> None:
     engine = HFEngine(resolve_model_path(config.model.path), dtype=config.model.dtype,
                       seed=gen.seed + zlib.crc32(generator_id.encode()))
     stop = install_shutdown(name)
-    reward_fn: RewardFn = arithmetic
     status: dict[str, Any] = {"engine": ENGINE, "tokens_per_s": 0.0, "in_flight": 0, "groups": 0,
                               "reward_errors": 0, "weights_refused": 0, "last_refusal": ""}
     seen_weights: bytes | None = None  # the weights:latest payload last acted on
@@ -104,7 +105,7 @@ def run(config: Config, *, generator_id: str) -> None:
         groups, reward_errors = make_groups(
             engine, [(task, ids) for _, task, ids in work], generator_id=generator_id,
             max_new_tokens=config.rollout.max_new_tokens,
-            temperature=config.rollout.temperature, reward_fn=reward_fn)
+            temperature=config.rollout.temperature, rewards=rewards)
         for err in reward_errors[:1]:
             print(f"{name}: reward error ({len(reward_errors)} in this batch): {err}",
                   file=sys.stderr, flush=True)
@@ -212,9 +213,36 @@ def prompt_text(task: PromptTask) -> str:
     return users[-1] if users else task.messages[-1]["content"]
 
 
+def load_rewards(config: Config) -> dict[str, RewardFn]:
+    """{source name: its reward function}, named in the config only, never by a message."""
+    loaded = {}
+    for i, source in enumerate(config.sources):
+        try:
+            loaded[source.name] = reward_fns.load(source.reward_name)
+        except ValueError as err:
+            raise ConfigError(f"data.sources.{i}.reward: {err}") from None
+    return loaded
+
+
+def reward_for(task: PromptTask, rewards: dict[str, RewardFn]) -> RewardFn:
+    """The reward of the task's source (meta["source"]); a prompt without one takes the only
+    configured reward. An unknown source scores 0 with a recorded reward error."""
+    source = task.meta.get("source")
+    if source is None and len(rewards) == 1:
+        return next(iter(rewards.values()))
+    fn = rewards.get(source) if isinstance(source, str) else None
+    if fn is not None:
+        return fn
+
+    def unknown(**_: Any) -> dict[str, float]:
+        raise LookupError(f"no reward configured for source {source!r} (have {sorted(rewards)})")
+
+    return unknown
+
+
 def make_groups(engine: HFEngine, prompts: list[tuple[PromptTask, list[int]]], *, generator_id: str,
                 max_new_tokens: int, temperature: float,
-                reward_fn: RewardFn) -> tuple[list[SampleGroup], list[str]]:
+                rewards: dict[str, RewardFn]) -> tuple[list[SampleGroup], list[str]]:
     """One scored SampleGroup per (task, prompt ids), and the reward errors met on the way."""
     version = engine.version  # the weights these tokens are sampled with
     t0 = time.perf_counter()
@@ -231,14 +259,15 @@ def make_groups(engine: HFEngine, prompts: list[tuple[PromptTask, list[int]]], *
     for (task, ids), samples in zip(prompts, sampled, strict=True):
         t1 = time.perf_counter()
         completions = []
+        reward_fn = reward_for(task, rewards)
         for s in samples:
             text = engine.decode(s.ids)
-            reward, rewards, err = score(reward_fn, prompt=prompt_text(task), completion=text,
-                                         completion_ids=s.ids, meta=task.meta)
+            reward, parts, err = score(reward_fn, prompt=prompt_text(task), completion=text,
+                                       completion_ids=s.ids, meta=task.meta)
             if err is not None:
                 errors.append(f"prompt {task.id}: {err}")
             completions.append(Completion(ids=s.ids, logprobs=s.logprobs, reward=reward,
-                                          rewards=rewards, finish=s.finish, text=text))
+                                          rewards=parts, finish=s.finish, text=text))
         groups.append(SampleGroup(
             id=task.id, prompt_id=task.id, prompt_ids=ids, version=version,
             generator=generator_id, engine=ENGINE, completions=completions,

@@ -18,11 +18,12 @@ def main() -> None:
     except ConfigError as err:
         sys.exit(f"producer: {err}")
 
+    from producers.data import DataError
     from producers.main import ProducerError, run
 
     try:
         run(config)
-    except ProducerError as err:
+    except (ProducerError, DataError) as err:
         sys.exit(f"producer: {err}")
     except redis.exceptions.ConnectionError as err:
         sys.exit(lost_redis("producer", config.redis_url, err))

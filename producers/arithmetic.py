@@ -21,3 +21,13 @@ def problem(*, seed: int, index: int, max_operand: int, ops: list[str]) -> Probl
     op = rng.choice(ops)
     answer = {"+": a + b, "-": a - b, "*": a * b}[op]
     return Problem(question=f"What is {a} {op} {b}? {INSTRUCTION}", answer=answer)
+
+
+def dataset(*, size: int, seed: int = 0, max_operand: int = 20, ops: list[str] | None = None):
+    """A `datasets.Dataset` of `size` problems (columns question, answer), to save as a file and
+    train on as a dataset source, or to look at."""
+    from datasets import Dataset
+
+    ps = [problem(seed=seed, index=i, max_operand=max_operand, ops=ops or ["+", "-"])
+          for i in range(size)]
+    return Dataset.from_dict({"question": [p.question for p in ps], "answer": [p.answer for p in ps]})

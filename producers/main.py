@@ -1,8 +1,9 @@
-"""The producer: admits prompts of the task onto the prompts stream, as fast as staleness allows."""
+"""The producer: admits prompts of its sources onto the prompts stream, as fast as staleness allows."""
 
 from __future__ import annotations
 
 import signal
+import sys
 import time
 
 import redis
@@ -12,7 +13,7 @@ from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import PromptTask, encode
 from common.streams import connect, ensure_group, trainer_version
 from producers.admission import admission_limit
-from producers.arithmetic import problem
+from producers.data import Skipped, Source, choose
 
 POLL_S = 0.2
 MAX_PER_TRANSACTION = 64
@@ -28,31 +29,47 @@ def dropped_groups(r: redis.Redis, keys: Keys) -> int:
     return int(stale or 0) + int(dead or 0) + r.xlen(keys.prompts_dead)
 
 
-def load_position(r: redis.Redis, keys: Keys, *, seed: int) -> tuple[int, int]:
-    """(offset, admitted) of this run, checking the stored seed is the configured one."""
-    stored_seed, offset, admitted = r.hmget(keys.producer, "seed", "offset", "admitted")
-    if stored_seed is None:
-        r.hset(keys.producer, mapping={"seed": seed, "epoch": 0, "offset": 0, "admitted": 0})
-        return 0, 0
-    if int(stored_seed) != seed:
-        raise ProducerError(f"task.seed: run {keys.run!r} was started with seed {int(stored_seed)}, "
+def load_positions(r: redis.Redis, keys: Keys, *, seed: int,
+                   names: list[str]) -> tuple[dict[str, tuple[int, int]], int]:
+    """({source: (epoch, offset)}, admitted) of this run, checking the stored seed is the
+    configured one. A fresh run starts every source at (0, 0)."""
+    stored = {k.decode(): v.decode() for k, v in r.hgetall(keys.producer).items()}
+    if "seed" not in stored:
+        r.hset(keys.producer, mapping={"seed": seed, "admitted": 0, "rows_skipped": 0})
+        return {name: (0, 0) for name in names}, 0
+    if int(stored["seed"]) != seed:
+        raise ProducerError(f"task.seed: run {keys.run!r} was started with seed {stored['seed']}, "
                             f"not {seed}; use a new run name to change the seed")
-    return int(offset or 0), int(admitted or 0)
+    if len(names) == 1 and f"{names[0]}:offset" not in stored:  # a run from before sources
+        stored[f"{names[0]}:epoch"], stored[f"{names[0]}:offset"] = stored.get("epoch", 0), stored.get("offset", 0)
+    positions = {name: (int(stored.get(f"{name}:epoch", 0)), int(stored.get(f"{name}:offset", 0)))
+                 for name in names}
+    return positions, int(stored.get("admitted", 0))
 
 
-def admit(r: redis.Redis, keys: Keys, *, config: Config, offset: int, count: int, version: int) -> None:
-    """Push `count` prompts starting at `offset`, moving the position in the same transaction."""
-    task = config.task
+def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[float], seed: int,
+          admitted: int, count: int, n: int, version: int) -> list[tuple[Source, Skipped]]:
+    """Push `count` prompts, the `admitted`-th onwards, each from the source the mixture picks;
+    every source's position moves forward in the same transaction. Returns the rows skipped."""
     pipe = r.pipeline(transaction=True)
-    for index in range(offset, offset + count):
-        p = problem(seed=task.seed, index=index, max_operand=task.max_operand, ops=task.ops)
-        msg = PromptTask(id=f"{task.name}:0:{index}", messages=[{"role": "user", "content": p.question}],
-                         text=None, meta={"answer": p.answer, "source": task.name},
-                         n=config.rollout.group_size, admitted_at=version)
+    skipped = []
+    for index in range(admitted, admitted + count):
+        source = sources[choose(seed=seed, index=index, weights=weights)]
+        made = source.take()
+        while isinstance(made, Skipped):
+            skipped.append((source, made))
+            made = source.take()
+        msg = PromptTask(id=made.id, messages=made.messages, text=made.text, meta=made.meta,
+                         n=n, admitted_at=version)
         pipe.xadd(keys.prompts, {PAYLOAD: encode(msg)})
-    pipe.hset(keys.producer, mapping={"epoch": 0, "offset": offset + count})
+    pipe.hset(keys.producer, mapping={k: v for s in sources for k, v in s.position().items()})
     pipe.hincrby(keys.producer, "admitted", count)
+    for source, row in skipped:
+        pipe.hincrby(keys.producer, "rows_skipped", 1)
+        pipe.hincrby(keys.producer, f"{source.name}:rows_skipped", 1)
+        pipe.hset(keys.producer, "last_skipped", f"{row.id}: {row.reason}"[:500])
     pipe.execute()
+    return skipped
 
 
 def run(config: Config) -> None:
@@ -70,8 +87,14 @@ def run(config: Config) -> None:
 
     r = connect(config.redis_url)
     ensure_group(r, keys.prompts, GENERATORS_GROUP)
-    offset, admitted = load_position(r, keys, seed=config.task.seed)
-    print(f"producer: run {config.run!r}, task {config.task.name}, resuming at offset {offset}", flush=True)
+    seed = config.task.seed
+    positions, admitted = load_positions(r, keys, seed=seed, names=[s.name for s in config.sources])
+    sources = [Source(s, seed=seed, field=f"data.sources.{i}" if config.data.sources else "task",
+                      epoch=positions[s.name][0], offset=positions[s.name][1])
+               for i, s in enumerate(config.sources)]
+    weights = [s.weight for s in config.sources]
+    where = ", ".join(f"{s.name} epoch {s.epoch} offset {s.offset}" for s in sources)
+    print(f"producer: run {config.run!r}, resuming after {admitted} prompts at {where}", flush=True)
 
     while not stop:
         # ---- how many prompts the trainer's version allows
@@ -84,7 +107,11 @@ def run(config: Config) -> None:
             time.sleep(POLL_S)
             continue
         # ---- admit them; the position moves forward in the same transaction
-        admit(r, keys, config=config, offset=offset, count=count, version=version)
-        offset, admitted = offset + count, admitted + count
+        skipped = admit(r, keys, sources=sources, weights=weights, seed=seed, admitted=admitted,
+                        count=count, n=config.rollout.group_size, version=version)
+        for source, row in skipped:
+            print(f"producer: skipped row {row.id} of {source.config.path or source.name}: {row.reason}",
+                  file=sys.stderr, flush=True)
+        admitted += count
         print(f"producer: admitted {admitted} prompts (limit {limit} at version {version})", flush=True)
     print("producer: stopped", flush=True)

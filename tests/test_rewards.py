@@ -1,3 +1,5 @@
+import pytest
+
 from generators.rewards import arithmetic, score
 
 
@@ -46,3 +48,93 @@ def test_components_sum_to_the_reward():
 
     assert score(two, prompt="p", completion="c", completion_ids=[1], meta={}) == \
         (1.5, {"correct": 1.0, "format": 0.5}, None)
+
+
+# ---------------------------------------------------------------------- final answer (GSM8K)
+
+
+def final(text: str, answer) -> float:
+    from generators.rewards import final_answer
+
+    return final_answer(prompt="p", completion=text, completion_ids=[1], meta={"answer": answer})["correct"]
+
+
+def test_final_answer_reads_hashes_boxed_and_the_last_number():
+    assert final("3 + 4 = 7\n#### 7", "7") == 1.0
+    assert final("so the total is \\boxed{1,234}.", "1234") == 1.0
+    assert final("\\boxed{\\frac{1}{2}} no wait \\boxed{42}", 42) == 1.0  # the last box counts
+    assert final("#### 42.0", "42") == 1.0 and final("It costs $18.", "18") == 1.0
+    assert final("#### 41", "42") == 0.0 and final("no number here", "42") == 0.0
+    assert final("42 is wrong, \\boxed{43}", "42") == 0.0  # the box wins over a bare number
+
+
+# ---------------------------------------------------------------------- countdown
+
+
+def cd(text: str, target: int, numbers: list[int]) -> float:
+    from generators.rewards import countdown
+
+    return countdown(prompt="p", completion=text, completion_ids=[1],
+                     meta={"target": target, "numbers": numbers})["correct"]
+
+
+def test_countdown_checks_the_value_and_the_numbers_used():
+    assert cd("(25 - 5) * 2", 40, [25, 5, 2, 7]) == 1.0
+    assert cd("I'd try: <answer>100 / (7 - 2)</answer>", 20, [100, 7, 2]) == 1.0
+    assert cd("Working...\n25 * 2 - 4 = 46", 46, [25, 2, 4]) == 1.0  # "= target" is fine
+    assert cd("(25 - 5) * 2", 41, [25, 5, 2]) == 0.0  # wrong value
+    assert cd("5 * 5 + 2", 27, [5, 2]) == 0.0  # 5 used twice
+    assert cd("6 * 9", 54, [6, 8]) == 0.0  # 9 not given
+    assert cd("7 / (2 - 2)", 1, [7, 2, 2]) == 0.0  # division by zero
+    assert cd("2 ** 3", 8, [2, 3]) == 0.0 and cd("-2 + 10", 8, [2, 10]) == 0.0  # not + - * /
+    assert cd("__import__('os').system('true')", 0, [1]) == 0.0  # never evaluated
+    assert cd("no expression", 3, [1, 2]) == 0.0
+
+
+def test_countdown_expressions_are_parsed_never_evaluated():
+    from generators.rewards import evaluate
+
+    assert evaluate("(3 + 5) * 2 / 4") == (4, [3, 5, 2, 4])
+    for bad in ("abs(-3)", "x + 1", "1.5 + 1", "3 % 2", "[1]"):
+        with pytest.raises(ValueError):
+            evaluate(bad)
+
+
+def test_every_countdown_problem_is_solved_by_its_own_solution():
+    from generators.rewards import countdown as reward
+    from producers.countdown import problem
+
+    for i in range(100):
+        p = problem(seed=5, index=i, numbers=4, max_number=25)
+        meta = {"target": p.target, "numbers": p.numbers}
+        assert reward(prompt=p.question, completion=p.solution, completion_ids=[1], meta=meta) == {"correct": 1.0}
+
+
+# ---------------------------------------------------------------------- rewards by source
+
+
+def test_each_source_gets_its_configured_reward():
+    from common.config import ConfigError, config_from_dict
+    from common.messages import PromptTask
+    from generators import rewards
+    from generators.main import load_rewards, reward_for
+
+    config = config_from_dict({"data": {"sources": [
+        {"name": "a", "kind": "arithmetic"},
+        {"name": "c", "kind": "countdown"},
+        {"name": "g", "path": "x.jsonl", "prompt_column": "q", "reward": "generators.rewards:arithmetic"}]}})
+    loaded = load_rewards(config)
+    assert loaded == {"a": rewards.arithmetic, "c": rewards.countdown, "g": rewards.arithmetic}
+
+    def task(meta):
+        return PromptTask(id="x:0:0", messages=None, text="t", meta=meta, n=2, admitted_at=0)
+
+    assert reward_for(task({"source": "c"}), loaded) is rewards.countdown
+    total, parts, err = score(reward_for(task({"source": "zzz"}), loaded), prompt="p", completion="1",
+                              completion_ids=[1], meta={})
+    assert total == 0.0 and "no reward configured for source 'zzz'" in err
+    assert reward_for(task({}), load_rewards(config_from_dict({}))) is rewards.arithmetic  # one source
+
+    bad = config_from_dict({"data": {"sources": [{"name": "c", "kind": "countdown", "reward": "nope.mod:fn"}]}})
+    with pytest.raises(ConfigError, match=r"data\.sources\.0\.reward: reward 'nope.mod:fn' cannot be loaded"):
+        load_rewards(bad)
