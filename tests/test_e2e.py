@@ -33,6 +33,9 @@ sync_every = 1
 max_steps = {STEPS}
 micro_batch_size = 8
 threads = 1
+[eval]
+every = 2
+prompts = 4
 """)
     return str(path)
 
@@ -56,6 +59,7 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
         "g1": spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=log / "g1.log"),
         "g2": spawn("generators", "--id", "g2", cwd=tmp_path, env=env, log=log / "g2.log"),
         "trainer": spawn("trainer", cwd=tmp_path, env=env, log=log / "trainer.log"),
+        "evaluator": spawn("evaluator", cwd=tmp_path, env=env, log=log / "evaluator.log"),
     }
     try:
         assert procs["trainer"].wait(timeout=300) == 0, (log / "trainer.log").read_text()
@@ -70,12 +74,16 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
                  procs=[procs["g1"], procs["g2"]])
         for gid in ("g1", "g2"):
             assert int(r.hget(keys.generator(gid), "version")) >= 2
+        # The trainer queued an evaluation of version 2 (every = 2); the evaluator scored it.
+        wait_for(lambda: r.hexists(keys.evals, "2"), timeout=120, what="evaluation of version 2",
+                 procs=[procs["evaluator"]])
         screen = "\n".join(status_lines(r, "e2e"))  # what `rollouts status` shows of the live run
         assert f"step {STEPS}  version {STEPS}" in screen
         assert "generator  g1  hf" in screen and "generator  g2  hf" in screen
+        assert "eval       v2  pass@1" in screen
     finally:
         codes = {name: stop(p) for name, p in procs.items()}
-    assert codes == {"producer": 0, "g1": 0, "g2": 0, "trainer": 0}, {
+    assert codes == {"producer": 0, "g1": 0, "g2": 0, "trainer": 0, "evaluator": 0}, {
         n: (log / f"{n}.log").read_text()[-3000:] for n, c in codes.items() if c}
 
     # ---- every trained group came through the samples stream, once

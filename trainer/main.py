@@ -40,6 +40,7 @@ from common.keys import METRICS_MAXLEN, PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import MessageError, SampleGroup, WeightVersion, decode_group, encode
 from common.models import resolve_model_path
 from common.streams import connect, dead_letter, ensure_group, latest_weights
+from evaluator.queue import enqueue_eval
 from trainer.batch import micro_batches
 from trainer.grpo import Estimator, LossOptions, grpo_loss, token_entropy, token_logprobs
 from trainer.parallel import (
@@ -456,10 +457,12 @@ def run(config: Config) -> None:
         last = any_rank(shutdown.requested) or (cfg.max_steps > 0 and step >= cfg.max_steps)
         if step % cfg.sync_every == 0 or last:
             version = step
-            publish(r, keys, model, optimizer, scheduler, step=step, checkpoint_dir=checkpoint_dir,
-                    state_root=state_root, source_dir=source_dir, keep=cfg.keep_checkpoints,
-                    entry_ids=unpublished_entries, group_ids=unpublished_ids)
+            wv = publish(r, keys, model, optimizer, scheduler, step=step, checkpoint_dir=checkpoint_dir,
+                         state_root=state_root, source_dir=source_dir, keep=cfg.keep_checkpoints,
+                         entry_ids=unpublished_entries, group_ids=unpublished_ids)
             unpublished_entries, unpublished_ids = [], []
+            if wv is not None and config.eval.every and wv.version % config.eval.every == 0:
+                enqueue_eval(r, config, wv)  # the evaluator process scores it on held-out problems
         elif rank == 0:
             r.hset(keys.trainer, "step", step)
         publish_s = time.monotonic() - t_publish
