@@ -218,14 +218,25 @@ class TrainerConfig(_Section):
     micro_batch_size: int = Field(8, ge=1)
     # Padded tokens (rows x longest row) per forward/backward pass, besides micro_batch_size; 0: no limit.
     micro_batch_tokens: int = Field(0, ge=0)
-    # Publish weights (and acknowledge the groups they hold) every this many steps.
+    # Publish weights for the generators every this many steps.
     sync_every: int = Field(1, ge=1)
+    # Save the resumable trainer state (optimizer included) every this many steps, a multiple of
+    # sync_every; 0: with every publish. Groups are acknowledged only then. A restart re-trains the
+    # steps since the last save from the unacknowledged groups, in order, reproducing the weights
+    # published meanwhile.
+    state_every: int = Field(0, ge=0)
     # Stop after this many optimizer steps; 0 runs until stopped.
     max_steps: int = Field(0, ge=0)
     # Published checkpoints kept on disk (the newest ones), each with its trainer state for resume.
     keep_checkpoints: int = Field(3, ge=2)
     threads: int = Field(0, ge=0)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_state_every(self) -> TrainerConfig:
+        if self.state_every and self.state_every % self.sync_every:
+            raise ValueError(f"state_every ({self.state_every}) must be a multiple of sync_every ({self.sync_every})")
+        return self
 
     @model_validator(mode="after")
     def _check_schedule(self) -> TrainerConfig:

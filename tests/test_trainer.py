@@ -112,7 +112,7 @@ def test_trainer_trains_publishes_and_dead_letters(tmp_path, redis_url, r, tiny_
 
     # Progress, every valid group trained once, nothing left pending.
     h = {k.decode(): int(v) for k, v in r.hgetall(KEYS.trainer).items()}
-    assert h == {"step": 3, "version": 3, "groups_trained": 6, "groups_dead": 5,
+    assert h == {"step": 3, "version": 3, "state_step": 3, "groups_trained": 6, "groups_dead": 5,
                  "groups_duplicate": 1, "groups_dropped_stale": 1}
     assert {m.decode() for m in r.smembers(KEYS.trained)} == {g.id for g in good}
     assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0

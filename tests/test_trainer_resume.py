@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -21,14 +22,17 @@ from tests.test_trainer import make_group
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_config(tmp_path: Path, run: str, redis_url: str, model_dir: Path) -> Path:
-    # sync_every 2: steps 2 and 4 are published, step 3 is not. A cosine schedule with warm-up and
+def write_config(tmp_path: Path, run: str, redis_url: str, model_dir: Path, *, sync_every: int = 2,
+                 state_every: int = 2) -> Path:
+    # state_every 2: the trainer state of steps 2 and 4 is saved, step 3's is not (with sync_every 1
+    # step 3's weights are published all the same; with 2 they are not). A cosine schedule with warm-up and
     # two updates per batch make the resume depend on the scheduler and AdamW state, not only weights.
     toml = "\n".join([
         f'run = "{run}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / run}"',
         "[model]", f'path = "{model_dir}"',
         "[rollout]", "group_size = 4", "prompts_per_step = 2", "max_staleness = 10",
-        "[trainer]", "max_steps = 4", "sync_every = 2", "lr = 1e-3", "lr_schedule = \"cosine\"",
+        "[trainer]", "max_steps = 4", f"sync_every = {sync_every}", f"state_every = {state_every}",
+        "lr = 1e-3", "lr_schedule = \"cosine\"",
         "warmup_steps = 1", "updates_per_batch = 2", "micro_batch_size = 4", "threads = 1",
         "keep_checkpoints = 2",
     ])
@@ -55,8 +59,9 @@ def metrics(tmp_path: Path, run: str) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.parametrize("sync_every", [2, 1])
 def test_sigkill_between_checkpoints_then_restart_matches_an_uninterrupted_run(tmp_path, redis_url, r,
-                                                                               tiny_model):
+                                                                               tiny_model, sync_every):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rng = random.Random(7)
     blobs = [encode(make_group(model, f"g{i}", version=0, rng=rng)) for i in range(8)]
@@ -70,7 +75,7 @@ def test_sigkill_between_checkpoints_then_restart_matches_an_uninterrupted_run(t
     keys = Keys("b")
     for blob in blobs[:6]:
         r.xadd(keys.samples, {PAYLOAD: blob})
-    config = write_config(tmp_path, "b", redis_url, tiny_model)
+    config = write_config(tmp_path, "b", redis_url, tiny_model, sync_every=sync_every)
     proc = trainer(config)
     try:
         deadline = time.monotonic() + 180
@@ -82,13 +87,15 @@ def test_sigkill_between_checkpoints_then_restart_matches_an_uninterrupted_run(t
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert r.hget(keys.trainer, "version") == b"2"
+    # Step 3's weights were published only with sync_every 1; its state was saved in neither case.
+    assert r.hget(keys.trainer, "version") == (b"3" if sync_every == 1 else b"2")
+    assert r.hget(keys.trainer, "state_step") == b"2"
     assert r.xpending(keys.samples, TRAINER_GROUP)["pending"] == 2  # step 3's groups, never acknowledged
 
     for blob in blobs[6:]:
         r.xadd(keys.samples, {PAYLOAD: blob})
     stdout = finish(trainer(config))
-    assert "resuming at step 2" in stdout and "with its trainer state" in stdout
+    assert "resuming at step 2" in stdout and "from its trainer state" in stdout
 
     # Step 3 was trained twice (before the kill and after), on the same groups in the same order.
     got = [(m["step"], m["group_ids"]) for m in metrics(tmp_path, "b")]

@@ -282,7 +282,7 @@ def prune_checkpoints(checkpoint_dir: Path, *, keep: int) -> None:
 
 def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int, checkpoint_dir: Path,
-            state_root: Path, source_dir: Path, keep: int, entry_ids: list[bytes],
+            state_root: Path, source_dir: Path, keep: int, save_state_now: bool, entry_ids: list[bytes],
             group_ids: list[str]) -> WeightVersion | None:
     """Checkpoint and trainer state on disk, then in one transaction: announce it and
     acknowledge the groups it holds (every rank's: `entry_ids` and `group_ids` are global).
@@ -293,7 +293,9 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
     weights = full_state_dict(model)
     path = save_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
                            state_dict=weights) if is_main() else None
-    save_state(model, optimizer, scheduler, step=step, state_root=state_root, keep=keep)
+    assert save_state_now or not entry_ids, "groups are acknowledged only with a saved trainer state"
+    if save_state_now:
+        save_state(model, optimizer, scheduler, step=step, state_root=state_root, keep=keep)
     if not is_main():
         return None
     wv = WeightVersion(version=step, step=step, path=str(path), format="safetensors",
@@ -303,6 +305,8 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
     pipe.xadd(keys.weights, {PAYLOAD: blob})
     pipe.set(keys.weights_latest, blob)
     pipe.hset(keys.trainer, mapping={"step": step, "version": step})
+    if save_state_now:
+        pipe.hset(keys.trainer, "state_step", step)
     if entry_ids:
         pipe.xack(keys.samples, TRAINER_GROUP, *entry_ids)
         pipe.sadd(keys.trained, *group_ids)
@@ -386,8 +390,14 @@ def run(config: Config) -> None:
     r = connect(config.redis_url)
     ensure_group(r, keys.samples, TRAINER_GROUP)
     step = int(r.hget(keys.trainer, "step") or 0)
+    state_step = int(r.hget(keys.trainer, "state_step") or 0)
     latest = latest_weights(r, keys) if step > 0 else None
-    if latest is not None:
+    if state_step > 0 and state_dir(state_root, state_step).is_dir():
+        # The newest saved state holds the weights too: every group trained after it is still
+        # pending and is re-trained, in order, reproducing the versions published since.
+        model = load_model(source_dir)
+        step = state_step
+    elif latest is not None:
         verify_dir(latest.path, latest.checksums)
         model = load_model(Path(latest.path))
         step = latest.step
@@ -405,11 +415,11 @@ def run(config: Config) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = build_scheduler(optimizer, schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
                                 total_steps=cfg.total_steps or cfg.max_steps)
-    if latest is not None:
+    if step > 0:
         state = state_dir(state_root, step)
         if state.is_dir():
             load_state(model, optimizer, scheduler, path=state)
-            say(f"trainer: resuming at step {step} from {latest.path} with its trainer state")
+            say(f"trainer: resuming at step {step} from its trainer state {state}")
         else:
             say(f"trainer: resuming at step {step} from {latest.path}; no trainer state at {state}, "
                 "so AdamW and the lr schedule start fresh")
@@ -424,14 +434,14 @@ def run(config: Config) -> None:
 
     # ---- steps: collect groups, update, publish every sync_every steps
     cursor: bytes | None = b"0"  # first re-read our own pending entries
-    unpublished_entries: list[bytes] = []
-    unpublished_ids: list[str] = []
+    unacked_entries: list[bytes] = []  # trained since the last saved state: acknowledged with the next
+    unacked_ids: list[str] = []
     # Every decision that leads to a collective (stop, train, publish) is agreed by all ranks.
     while not (cfg.max_steps and step >= cfg.max_steps) and not any_rank(shutdown.requested):
         t_step = time.monotonic()
         got, cursor = collect(r, keys, want=rollout.prompts_per_step // world, step=step,
                               max_staleness=rollout.max_staleness, vocab_size=vocab_size,
-                              unpublished=set(unpublished_ids), consumer=consumer, cursor=cursor,
+                              unpublished=set(unacked_ids), consumer=consumer, cursor=cursor,
                               shutdown=shutdown)
         if any_rank(got is None):  # a stop while waiting: what this rank read stays pending
             break
@@ -450,17 +460,20 @@ def run(config: Config) -> None:
         scheduler.step()
         train_s = time.monotonic() - t_train
         step += 1
-        unpublished_entries += [e for c in everyone for e in c.entry_ids]
-        unpublished_ids += [g.id for g in all_groups]
+        unacked_entries += [e for c in everyone for e in c.entry_ids]
+        unacked_ids += [g.id for g in all_groups]
 
         t_publish = time.monotonic()
         last = any_rank(shutdown.requested) or (cfg.max_steps > 0 and step >= cfg.max_steps)
         if step % cfg.sync_every == 0 or last:
             version = step
+            save = step % (cfg.state_every or cfg.sync_every) == 0 or last
             wv = publish(r, keys, model, optimizer, scheduler, step=step, checkpoint_dir=checkpoint_dir,
                          state_root=state_root, source_dir=source_dir, keep=cfg.keep_checkpoints,
-                         entry_ids=unpublished_entries, group_ids=unpublished_ids)
-            unpublished_entries, unpublished_ids = [], []
+                         save_state_now=save, entry_ids=unacked_entries if save else [],
+                         group_ids=unacked_ids if save else [])
+            if save:
+                unacked_entries, unacked_ids = [], []
             if wv is not None and config.eval.every and wv.version % config.eval.every == 0:
                 enqueue_eval(r, config, wv)  # the evaluator process scores it on held-out problems
         elif rank == 0:
@@ -495,9 +508,9 @@ def run(config: Config) -> None:
         print(summary_line(metrics), flush=True)
 
     # ---- a stop while waiting for data: publish what was trained since the last checkpoint
-    if unpublished_ids:
+    if unacked_ids:
         publish(r, keys, model, optimizer, scheduler, step=step, checkpoint_dir=checkpoint_dir,
                 state_root=state_root, source_dir=source_dir, keep=cfg.keep_checkpoints,
-                entry_ids=unpublished_entries, group_ids=unpublished_ids)
+                save_state_now=True, entry_ids=unacked_entries, group_ids=unacked_ids)
     say(f"trainer: stopped at step {step}")
     finish()
