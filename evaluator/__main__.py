@@ -21,8 +21,11 @@ def main() -> None:
 
     from rq import SimpleWorker
     from rq.serializers import JSONSerializer
+    from transformers.utils import logging as hf_logging
 
     import evaluator.jobs  # noqa: F401 - imports torch and transformers before the first job
+
+    hf_logging.disable_progress_bar()  # one line per evaluation, not progress bars
     from common.keys import Keys
     from common.streams import connect
     from evaluator.queue import eval_queue
