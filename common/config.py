@@ -54,7 +54,8 @@ class TaskConfig(_Section):
 # Built-in reward of each source kind, used when a source names none.
 DEFAULT_REWARDS = {"arithmetic": "generators.rewards:arithmetic",
                    "countdown": "generators.rewards:countdown",
-                   "dataset": "generators.rewards:final_answer"}
+                   "dataset": "generators.rewards:final_answer",
+                   "sft": "generators.rewards:final_answer"}  # unused: SFT groups are not sampled
 
 
 class SourceConfig(_Section):
@@ -62,7 +63,10 @@ class SourceConfig(_Section):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     # "arithmetic" and "countdown": built-in synthetic tasks (endless, no download);
     # "dataset": rows of a Hugging Face `datasets` data set (local file, directory or hub name).
-    kind: Literal["arithmetic", "countdown", "dataset"] = "dataset"
+    # "sft": a data set of chat conversations (messages_column, default "messages") that the
+    # producer turns into SampleGroups for trainer.objective = "sft", written straight to the
+    # samples stream (no generator), trained on the assistant turns.
+    kind: Literal["arithmetic", "countdown", "dataset", "sft"] = "dataset"
     # Share of the prompts drawn from this source, relative to the other sources' weights.
     weight: float = Field(1.0, gt=0.0)
     # Reward of this source's prompts, "module:function"; "" = the kind's built-in
@@ -113,9 +117,20 @@ class SourceConfig(_Section):
     answer_extractor: Literal["none", "gsm8k", "boxed"] = "none"
     # Further columns copied into meta under their own names, for a custom reward.
     meta_columns: list[str] = Field(default_factory=list)
+    # ---- sft: conversations longer than this many tokens (prompt + completion) are cut to it;
+    # the producer counts them (producer hash: sft_truncated, sft_tokens_cut).
+    max_length: int = Field(2048, ge=2)
 
     @model_validator(mode="after")
     def _check_dataset(self) -> SourceConfig:
+        if self.kind == "sft":
+            if not self.path:
+                raise ValueError("path: an sft source needs a path (file, directory or hub name)")
+            if self.prompt_column or self.template:
+                raise ValueError("prompt_column: an sft source reads conversations from messages_column")
+            if not self.messages_column:
+                object.__setattr__(self, "messages_column", "messages")  # frozen model
+            return self
         if self.kind != "dataset":
             return self
         if not self.path:
@@ -146,6 +161,9 @@ class DataConfig(_Section):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"sources: names must be unique, {dup} repeat")
+        if len({s.kind == "sft" for s in self.sources}) > 1:
+            raise ValueError("sources: sft sources (conversations for the samples stream) cannot be "
+                             "mixed with prompt sources")
         return self
 
 
@@ -176,6 +194,11 @@ class GeneratorConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    # "grpo": the GRPO-family policy loss on sampled, rewarded groups; "sft": cross-entropy on
+    # the completions' loss-masked tokens (groups of one completion, e.g. from an sft source),
+    # no advantages, no staleness limit; log-probs at temperature 1, one update per batch (the
+    # PPO, KL and overlong options do not apply).
+    objective: Literal["grpo", "sft"] = "grpo"
     # Peak learning rate (AdamW); the schedule scales it.
     lr: float = Field(1e-6, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)

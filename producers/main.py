@@ -1,4 +1,9 @@
-"""The producer: admits prompts of its sources onto the prompts stream, as fast as staleness allows."""
+"""The producer: admits prompts of its sources onto the prompts stream, as fast as staleness allows.
+
+With `kind = "sft"` sources it admits conversations instead: each becomes a SampleGroup of one
+completion (producers/sft.py), written straight to the samples stream for the trainer's sft
+objective, under the same positions and admission control.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,13 @@ import time
 import redis
 
 from common.config import Config
-from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import PromptTask, encode
+from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
+from common.messages import PromptTask, SampleGroup, encode
+from common.models import resolve_model_path
 from common.streams import connect, ensure_group, trainer_version
 from producers.admission import admission_limit
-from producers.data import Skipped, Source, choose
+from producers.data import DataError, Prompt, Skipped, Source, choose
+from producers.sft import conversation_group, truncate
 
 POLL_S = 0.2
 MAX_PER_TRANSACTION = 64
@@ -47,21 +54,53 @@ def load_positions(r: redis.Redis, keys: Keys, *, seed: int,
     return positions, int(stored.get("admitted", 0))
 
 
+def sft_group(source: Source, made: Prompt, tokenizer) -> tuple[SampleGroup | Skipped, int]:
+    """(the conversation's SampleGroup cut to the source's max_length, tokens cut), or
+    (Skipped, 0) when it has nothing to train on."""
+    try:
+        group = conversation_group(tokenizer, made.messages, group_id=made.id)
+    except AssertionError as err:  # no assistant turn, or one the template cannot render
+        return Skipped(id=made.id, reason=str(err)), 0
+    group, cut = truncate(group, max_length=source.config.max_length)
+    if group is None:
+        return Skipped(id=made.id, reason=f"no assistant token within max_length "
+                                          f"{source.config.max_length}"), 0
+    return group, cut
+
+
 def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[float], seed: int,
-          admitted: int, count: int, n: int, version: int) -> list[tuple[Source, Skipped]]:
+          admitted: int, count: int, n: int, version: int, tokenizer=None) -> list[tuple[Source, Skipped]]:
     """Push `count` prompts, the `admitted`-th onwards, each from the source the mixture picks;
-    every source's position moves forward in the same transaction. Returns the rows skipped."""
+    every source's position moves forward in the same transaction. Returns the rows skipped.
+
+    With a `tokenizer` (sft sources) each is a conversation's SampleGroup on the samples stream."""
     pipe = r.pipeline(transaction=True)
     skipped = []
+    truncated = tokens_cut = 0
     for index in range(admitted, admitted + count):
         source = sources[choose(seed=seed, index=index, weights=weights)]
-        made = source.take()
-        while isinstance(made, Skipped):
+        misses = 0
+        while True:
+            made, cut = source.take(), 0
+            if tokenizer is not None and not isinstance(made, Skipped):
+                made, cut = sft_group(source, made, tokenizer)
+            if not isinstance(made, Skipped):
+                break
             skipped.append((source, made))
-            made = source.take()
+            misses += 1
+            if source.size is not None and misses > source.size:  # a whole epoch of nothing
+                raise DataError(f"source {source.name!r}: no row makes a trainable conversation "
+                                f"(last: {made.reason})")
+        if tokenizer is not None:
+            truncated, tokens_cut = truncated + (cut > 0), tokens_cut + cut
+            pipe.xadd(keys.samples, {PAYLOAD: encode(made)})
+            continue
         msg = PromptTask(id=made.id, messages=made.messages, text=made.text, meta=made.meta,
                          n=n, admitted_at=version)
         pipe.xadd(keys.prompts, {PAYLOAD: encode(msg)})
+    if truncated:
+        pipe.hincrby(keys.producer, "sft_truncated", truncated)
+        pipe.hincrby(keys.producer, "sft_tokens_cut", tokens_cut)
     pipe.hset(keys.producer, mapping={k: v for s in sources for k, v in s.position().items()})
     pipe.hincrby(keys.producer, "admitted", count)
     for source, row in skipped:
@@ -86,7 +125,15 @@ def run(config: Config) -> None:
     signal.signal(signal.SIGINT, on_signal)
 
     r = connect(config.redis_url)
-    ensure_group(r, keys.prompts, GENERATORS_GROUP)
+    sft = any(s.kind == "sft" for s in config.sources)  # then all are (DataConfig checks)
+    tokenizer = None
+    if sft:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
+        ensure_group(r, keys.samples, TRAINER_GROUP)
+    else:
+        ensure_group(r, keys.prompts, GENERATORS_GROUP)
     seed = config.task.seed
     positions, admitted = load_positions(r, keys, seed=seed, names=[s.name for s in config.sources])
     sources = [Source(s, seed=seed, field=f"data.sources.{i}" if config.data.sources else "task",
@@ -97,8 +144,10 @@ def run(config: Config) -> None:
     print(f"producer: run {config.run!r}, resuming after {admitted} prompts at {where}", flush=True)
 
     while not stop:
-        # ---- how many prompts the trainer's version allows
-        version = trainer_version(r, keys)
+        # ---- how many prompts the trainer's version allows. SFT data never goes stale and waits
+        # for no weights, so it is admitted against the trainer's step: with sync_every > 1 the
+        # published version would hold it back at (max_staleness + 1) steps, short of a publish.
+        version = int(r.hget(keys.trainer, "step") or 0) if sft else trainer_version(r, keys)
         limit = admission_limit(version=version, max_staleness=config.rollout.max_staleness,
                                 prompts_per_step=config.rollout.prompts_per_step,
                                 dropped=dropped_groups(r, keys))
@@ -108,10 +157,14 @@ def run(config: Config) -> None:
             continue
         # ---- admit them; the position moves forward in the same transaction
         skipped = admit(r, keys, sources=sources, weights=weights, seed=seed, admitted=admitted,
-                        count=count, n=config.rollout.group_size, version=version)
+                        count=count, n=config.rollout.group_size, version=version, tokenizer=tokenizer)
         for source, row in skipped:
             print(f"producer: skipped row {row.id} of {source.config.path or source.name}: {row.reason}",
                   file=sys.stderr, flush=True)
         admitted += count
-        print(f"producer: admitted {admitted} prompts (limit {limit} at version {version})", flush=True)
+        what = "conversations" if sft else "prompts"
+        print(f"producer: admitted {admitted} {what} (limit {limit} at version {version})", flush=True)
+        if sft and (cut := r.hmget(keys.producer, "sft_truncated", "sft_tokens_cut"))[0]:
+            print(f"producer: {int(cut[0])} conversations truncated to max_length so far, "
+                  f"{int(cut[1])} tokens cut", flush=True)
     print("producer: stopped", flush=True)

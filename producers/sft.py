@@ -1,12 +1,13 @@
 """SFT data: a chat conversation (a `messages` column's row) as a SampleGroup for the trainer's
 SFT objective, trained on its assistant turns only.
 
-Not yet wired into a process: the trainer's `sft` objective decides how such groups reach it
-(most likely straight onto the samples stream, no generator, no reward).
+The producer writes them straight onto the samples stream for a run of `kind = "sft"` sources
+(no generator, no reward); the trainer trains on them with `trainer.objective = "sft"`.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from common.messages import Completion, SampleGroup
@@ -49,3 +50,21 @@ def conversation_group(tokenizer: Any, messages: list[dict[str, str]], *, group_
                             text=tokenizer.decode(ids), loss_mask=mask)
     return SampleGroup(id=group_id, prompt_id=group_id, prompt_ids=prompt_ids, version=version,
                        generator=ENGINE, engine=ENGINE, completions=[completion])
+
+
+def truncate(group: SampleGroup, *, max_length: int) -> tuple[SampleGroup | None, int]:
+    """The group cut to `max_length` tokens (prompt + completion), and how many tokens were cut.
+
+    None when nothing trainable is left (the prompt alone fills `max_length`, or no assistant
+    token survives the cut).
+    """
+    (c,) = group.completions
+    keep = max_length - len(group.prompt_ids)
+    cut = max(0, len(c.ids) - max(keep, 0))
+    if keep <= 0 or not any(c.loss_mask[:keep]):
+        return None, cut
+    if cut == 0:
+        return group, 0
+    short = replace(c, ids=c.ids[:keep], logprobs=c.logprobs[:keep], loss_mask=c.loss_mask[:keep],
+                    finish="length")
+    return replace(group, completions=[short]), cut

@@ -33,19 +33,22 @@ class MicroBatch:
 
 
 def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: str = "none",
-               overlong_penalty: float = 0.0) -> list[Row]:
-    """A group's completions as rows; advantages from the group's scalar rewards.
+               overlong_penalty: float = 0.0, objective: str = "grpo") -> list[Row]:
+    """A group's completions as rows; advantages from the group's scalar rewards (0 for the sft
+    objective, which has none and takes groups of any size).
 
     Overlong completions (finish == "length"): "mask" keeps them in the advantage baseline but
     trains on none of their tokens; "penalty" subtracts `overlong_penalty` from their reward
     before the advantages are computed.
     """
-    assert len(group.completions) >= 2, f"group {group.id}: {len(group.completions)} completions, need >= 2"
+    assert objective == "sft" or len(group.completions) >= 2, \
+        f"group {group.id}: {len(group.completions)} completions, need >= 2"
     assert overlong in ("none", "mask", "penalty"), f"overlong must be none, mask or penalty, got {overlong!r}"
     penalty = overlong_penalty if overlong == "penalty" else 0.0
     rewards = torch.tensor([[c.reward - (penalty if c.finish == "length" else 0.0) for c in group.completions]],
                            dtype=torch.float32)  # (1, n)
-    advantages = group_advantages(rewards, estimator)[0].tolist()
+    advantages = [0.0] * len(group.completions) if objective == "sft" \
+        else group_advantages(rewards, estimator)[0].tolist()
     prompt = group.prompt_ids
     rows = []
     for c, adv in zip(group.completions, advantages, strict=True):
@@ -106,10 +109,11 @@ def split_rows(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: in
 
 def micro_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int = 0,
                   estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
-                  ) -> tuple[list[MicroBatch], int, int]:
+                  objective: str = "grpo") -> tuple[list[MicroBatch], int, int]:
     """The step's micro-batches, its trained-token count and its count of trained sequences."""
     rows = [row for group in groups for row in group_rows(group, estimator=estimator, overlong=overlong,
-                                                           overlong_penalty=overlong_penalty)]
+                                                           overlong_penalty=overlong_penalty,
+                                                           objective=objective)]
     total_tokens = sum(sum(row.mask) for row in rows)
     total_seqs = sum(1 for row in rows if any(row.mask))
     batches = [collate(part) for part in split_rows(rows, micro_batch_size=micro_batch_size,

@@ -153,6 +153,15 @@ def grpo_loss(logp: Tensor, behaviour_logp: Tensor, advantages: Tensor, mask: Te
     return loss, stats
 
 
+def sft_loss(logp: Tensor, mask: Tensor, *, total_tokens: int) -> Tensor:
+    """Supervised cross-entropy of one micro-batch, as its share of the step's mean: the negative
+    log-likelihood (`logp` at temperature 1) summed over the masked tokens, divided by
+    `total_tokens`, the step's masked-token count, so micro-batches and ranks add up exactly."""
+    assert logp.shape == mask.shape, f"logp {tuple(logp.shape)} vs mask {tuple(mask.shape)}"
+    assert total_tokens > 0, f"total_tokens must be > 0, got {total_tokens}"
+    return -(logp * mask.float()).sum() / total_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class LossOptions:
     """The loss's choices among the GRPO family (see `grpo_loss`); defaults are plain GRPO."""

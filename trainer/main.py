@@ -1,5 +1,9 @@
 """The trainer: reads scored sample groups, takes GRPO steps, publishes weights, acknowledges.
 
+With `trainer.objective = "sft"` the steps are supervised instead: cross-entropy on the loss-masked
+completion tokens of groups of any size (the producer's sft sources), no advantages, and no
+staleness limit (such groups carry version 0 and are never stale).
+
 Versions. `step` counts trainer steps done (each is `updates_per_batch` optimizer steps on one
 batch of groups; the lr schedule also counts trainer steps); the published weight `version` is
 the step that wrote them, so with sync_every = 1 the two are equal after every step. A sample's staleness is
@@ -42,7 +46,7 @@ from common.models import resolve_model_path
 from common.streams import connect, dead_letter, ensure_group, latest_weights
 from evaluator.queue import enqueue_eval
 from trainer.batch import micro_batches
-from trainer.grpo import Estimator, LossOptions, grpo_loss, token_entropy, token_logprobs
+from trainer.grpo import Estimator, LossOptions, grpo_loss, sft_loss, token_entropy, token_logprobs
 from trainer.parallel import (
     all_max,
     all_sum,
@@ -111,13 +115,13 @@ def read_entries(r: redis.Redis, keys: Keys, *, consumer: str, cursor: bytes | N
     return [(eid, fields or {}) for eid, fields in (reply[0][1] if reply else [])], None
 
 
-def validate(fields: dict, *, vocab_size: int) -> SampleGroup:
+def validate(fields: dict, *, vocab_size: int, objective: str = "grpo") -> SampleGroup:
     """The entry's group, or MessageError saying why it cannot be trained on."""
     blob = fields.get(PAYLOAD)
     if blob is None:
         raise MessageError(f"entry has no payload field {PAYLOAD!r} (fields: {sorted(fields)})")
     group = decode_group(blob, vocab_size=vocab_size)
-    if len(group.completions) < 2:
+    if objective == "grpo" and len(group.completions) < 2:
         raise MessageError(f"group {group.id}: {len(group.completions)} completion(s); "
                            "a group-relative advantage needs at least 2")
     if not any(c.loss_mask is None or any(c.loss_mask) for c in group.completions):
@@ -137,10 +141,11 @@ def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, counter: str,
     pipe.execute()
 
 
-def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: int, vocab_size: int,
-            unpublished: set[str], consumer: str, cursor: bytes | None, shutdown: Shutdown
-            ) -> tuple[Collected | None, bytes | None]:
-    """`want` trainable groups (None if a stop was requested first), and the next read cursor."""
+def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: int | None, vocab_size: int,
+            unpublished: set[str], consumer: str, cursor: bytes | None, shutdown: Shutdown,
+            objective: str = "grpo") -> tuple[Collected | None, bytes | None]:
+    """`want` trainable groups (None if a stop was requested first), and the next read cursor.
+    `max_staleness` None: no group is too stale (sft)."""
     got = Collected()
     seen = set(unpublished)
     while len(got.groups) < want:
@@ -152,7 +157,7 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
             got.wait_s += time.monotonic() - t0
         for entry_id, fields in entries:
             try:
-                group = validate(fields, vocab_size=vocab_size)
+                group = validate(fields, vocab_size=vocab_size, objective=objective)
             except MessageError as err:
                 reject(r, keys, entry_id, counter="groups_dead", fields=fields, reason=str(err))
                 print(f"trainer: dead-lettered sample entry {entry_id.decode()}: {err}",
@@ -163,7 +168,7 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
                 reject(r, keys, entry_id, counter="groups_duplicate")
                 got.duplicate += 1
                 continue
-            if step - group.version > max_staleness:
+            if max_staleness is not None and step - group.version > max_staleness:
                 reject(r, keys, entry_id, counter="groups_dropped_stale")
                 got.stale += 1
                 continue
@@ -243,6 +248,40 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     return {**stats, **base, "tokens/forward": float(tokens_in * updates)}
 
 
+def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
+             micro_batch_size: int, micro_batch_tokens: int, max_grad_norm: float) -> dict[str, float]:
+    """One optimizer step of supervised cross-entropy over `groups`' loss-masked completion
+    tokens, normalised by the global masked-token count as `train_step`'s token_mean (so any
+    world size gives the same update); the same padding of ranks short of micro-batches."""
+    batches, total_tokens, _ = micro_batches(groups, micro_batch_size=micro_batch_size,
+                                             micro_batch_tokens=micro_batch_tokens, objective="sft")
+    tokens_in = sum(int(mb.attention_mask.sum()) for mb in batches)
+    world = world_size()
+    total_tokens, tokens_in = (int(x) for x in all_sum([total_tokens, tokens_in]))
+    empty = replace(batches[-1], mask=torch.zeros_like(batches[-1].mask))
+    batches += [empty] * (all_max(len(batches)) - len(batches))
+    base = {"tokens/trained": float(total_tokens), "tokens/forward": float(tokens_in)}
+    if total_tokens == 0:
+        return {**base, "loss/sft": 0.0, "grad_norm": 0.0, "entropy": 0.0}
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    stats = {"loss/sft": 0.0, "entropy": 0.0}
+    for mb in batches:
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+        mb_loss = sft_loss(token_logprobs(logits, mb.targets, 1.0), mb.mask, total_tokens=total_tokens)
+        (mb_loss * world).backward()
+        stats["loss/sft"] += mb_loss.item()
+        stats["entropy"] += (token_entropy(logits, 1.0) * mb.mask).sum().item() / total_tokens
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    stats["grad_norm"] = float(grad_norm) / world  # summed over ranks below
+    names = sorted(stats)
+    stats = dict(zip(names, all_sum([stats[k] for k in names]), strict=True))
+    return {**stats, **base}
+
+
 # --------------------------------------------------------------------------- publishing
 
 
@@ -319,19 +358,23 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
 # --------------------------------------------------------------------------- metrics
 
 
-def step_metrics(groups: list[SampleGroup], *, step: int, staleness: list[int]) -> dict:
-    """Reward, accuracy, length and staleness metrics of one step's groups (TRL's names)."""
+def step_metrics(groups: list[SampleGroup], *, step: int, staleness: list[int], rewarded: bool = True) -> dict:
+    """Reward, accuracy, length and staleness metrics of one step's groups (TRL's names).
+
+    Reward fields are None where there are none to report: unrewarded (sft) groups, or no group
+    of 2 or more completions for the per-group std."""
     completions = [c for g in groups for c in g.completions]
     rewards = torch.tensor([c.reward for c in completions], dtype=torch.float64)
     group_std = [torch.tensor([c.reward for c in g.completions], dtype=torch.float64).std().item()
-                 for g in groups]
+                 for g in groups if len(g.completions) >= 2] if rewarded else []
     correct = [c.rewards["correct"] for c in completions if "correct" in c.rewards]
     lengths = [len(c.ids) for c in completions]
     return {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": sum(group_std) / len(group_std),  # mean of per-group stds, as TRL's reward_std
+        "reward/mean": rewards.mean().item() if rewarded else None,
+        # mean of per-group stds, as TRL's reward_std
+        "reward/std": sum(group_std) / len(group_std) if group_std else None,
         "accuracy": sum(correct) / len(correct) if correct else None,
-        "frac_reward_zero_std": sum(s < 1e-8 for s in group_std) / len(group_std),
+        "frac_reward_zero_std": sum(s < 1e-8 for s in group_std) / len(group_std) if group_std else None,
         "completions/mean_length": sum(lengths) / len(lengths),
         "completions/max_length": max(lengths),
         "staleness/mean": sum(staleness) / len(staleness),
@@ -349,10 +392,13 @@ def record(r: redis.Redis, keys: Keys, metrics: dict, *, path: Path) -> None:
 
 
 def summary_line(m: dict) -> str:
-    acc = "  -  " if m["accuracy"] is None else f"{m['accuracy']:.3f}"
-    return (f"step {m['step']:4d} | reward {m['reward/mean']:.3f} | acc {acc} | "
+    def num(key: str, spec: str) -> str:
+        return "  -  " if m.get(key) is None else format(m[key], spec)
+
+    loss = f"sft {m['loss/sft']:.4f}" if "loss/sft" in m else f"loss {num('loss/policy', '+.4f')}"
+    return (f"step {m['step']:4d} | reward {num('reward/mean', '.3f')} | acc {num('accuracy', '.3f')} | "
             f"len {m['completions/mean_length']:5.1f} | stale {m['staleness/mean']:.1f}/{m['staleness/max']} | "
-            f"loss {m['loss/policy']:+.4f} | ent {m['entropy']:.3f} | lr {m['lr']:.2e} | {m['time/step']:.2f}s")
+            f"{loss} | ent {m['entropy']:.3f} | lr {m['lr']:.2e} | {m['time/step']:.2f}s")
 
 
 # --------------------------------------------------------------------------- the run
@@ -423,8 +469,9 @@ def run(config: Config) -> None:
         else:
             say(f"trainer: resuming at step {step} from {latest.path}; no trainer state at {state}, "
                 "so AdamW and the lr schedule start fresh")
+    sft = cfg.objective == "sft"
     ref_model = None
-    if cfg.kl_coef > 0:  # the frozen reference: the initial model
+    if cfg.kl_coef > 0 and not sft:  # the frozen reference: the initial model
         ref_model = load_model(source_dir).eval().requires_grad_(False)
     loss = LossOptions(clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_level=cfg.ratio_level,
                        aggregation=cfg.loss_agg, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
@@ -440,23 +487,27 @@ def run(config: Config) -> None:
     while not (cfg.max_steps and step >= cfg.max_steps) and not any_rank(shutdown.requested):
         t_step = time.monotonic()
         got, cursor = collect(r, keys, want=rollout.prompts_per_step // world, step=step,
-                              max_staleness=rollout.max_staleness, vocab_size=vocab_size,
+                              max_staleness=None if sft else rollout.max_staleness, vocab_size=vocab_size,
                               unpublished=set(unacked_ids), consumer=consumer, cursor=cursor,
-                              shutdown=shutdown)
+                              shutdown=shutdown, objective=cfg.objective)
         if any_rank(got is None):  # a stop while waiting: what this rank read stays pending
             break
         everyone = gather(got)  # every rank's groups, for the acknowledgement and the metrics
         all_groups = [g for c in everyone for g in c.groups]
-        staleness = [step - g.version for g in all_groups]
+        staleness = [0 if sft else step - g.version for g in all_groups]  # sft data is never stale
 
         t_train = time.monotonic()
         lr = optimizer.param_groups[0]["lr"]
-        stats = train_step(model, optimizer, got.groups, loss=loss, ref_model=ref_model,
-                           temperature=rollout.temperature, estimator=cfg.advantage,
-                           overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
-                           micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
-                           updates=cfg.updates_per_batch, recompute_old_logp=cfg.recompute_old_logp,
-                           max_grad_norm=cfg.max_grad_norm)
+        if sft:
+            stats = sft_step(model, optimizer, got.groups, micro_batch_size=cfg.micro_batch_size,
+                             micro_batch_tokens=cfg.micro_batch_tokens, max_grad_norm=cfg.max_grad_norm)
+        else:
+            stats = train_step(model, optimizer, got.groups, loss=loss, ref_model=ref_model,
+                               temperature=rollout.temperature, estimator=cfg.advantage,
+                               overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
+                               micro_batch_size=cfg.micro_batch_size,
+                               micro_batch_tokens=cfg.micro_batch_tokens, updates=cfg.updates_per_batch,
+                               recompute_old_logp=cfg.recompute_old_logp, max_grad_norm=cfg.max_grad_norm)
         scheduler.step()
         train_s = time.monotonic() - t_train
         step += 1
@@ -482,13 +533,14 @@ def run(config: Config) -> None:
         if rank != 0:
             continue
 
+        policy = {"clip_ratio": stats["clip_ratio/region_mean"],
+                  **{k: v for k, v in stats.items() if k.startswith(("clip_ratio/", "ratio/", "tis/"))},
+                  "loss/policy": stats["loss/policy"], "kl": stats["kl"]} if not sft \
+            else {"loss/sft": stats["loss/sft"]}
         metrics = {
             "step": step,
-            **step_metrics(all_groups, step=step, staleness=staleness),
-            "clip_ratio": stats["clip_ratio/region_mean"],
-            **{k: v for k, v in stats.items() if k.startswith(("clip_ratio/", "ratio/", "tis/"))},
-            "loss/policy": stats["loss/policy"],
-            "kl": stats["kl"],
+            **step_metrics(all_groups, step=step, staleness=staleness, rewarded=not sft),
+            **policy,
             "entropy": stats["entropy"],
             "grad_norm": stats["grad_norm"],
             "lr": lr,  # the rate this step's updates used
