@@ -48,7 +48,7 @@ def test_token_logprobs_matches_log_softmax():
     torch.testing.assert_close(got, want)
 
 
-def _case():
+def clip_case():
     # Row 0 (A = +1) ratios 1.5, 0.9, [padding]; row 1 (A = -1) ratios 0.5, 1.1, 1.0.
     ratios = torch.tensor([[1.5, 0.9, 1.0], [0.5, 1.1, 1.0]])
     behaviour = torch.full((2, 3), -2.0)
@@ -58,7 +58,7 @@ def _case():
 
 
 def test_grpo_loss_by_hand():
-    logp, behaviour, adv, mask = _case()
+    logp, behaviour, adv, mask = clip_case()
     loss, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5)
     # Clip range [0.8, 1.3]. Per-token loss -min(r A, clip(r) A):
     #   row 0, r 1.5, A +1: min(1.5, 1.3) = 1.3   -> -1.3 (high clip active)
@@ -79,7 +79,7 @@ def test_grpo_loss_by_hand():
 
 
 def test_grpo_loss_micro_batches_add_up_to_the_step_mean():
-    logp, behaviour, adv, mask = _case()
+    logp, behaviour, adv, mask = clip_case()
     whole, _ = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5)
     parts = [grpo_loss(logp[i : i + 1], behaviour[i : i + 1], adv[i : i + 1], mask[i : i + 1],
                        clip_low=0.2, clip_high=0.3, total_tokens=5)[0] for i in range(2)]

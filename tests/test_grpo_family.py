@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.messages import Completion, SampleGroup
+from tests.test_grpo import clip_case
 from tests.test_trainer import make_group
 from trainer.batch import group_rows, micro_batches, split_rows
 from trainer.grpo import LossOptions, group_advantages, grpo_loss, kl_penalty, token_entropy
@@ -32,17 +33,8 @@ def test_rloo_advantage_is_reward_minus_mean_of_the_others():
     torch.testing.assert_close(group_advantages(REWARDS, "rloo"), want)
 
 
-def _case():
-    # As in test_grpo: row 0 (A = +1) ratios 1.5, 0.9, [padding]; row 1 (A = -1) ratios 0.5, 1.1, 1.0.
-    ratios = torch.tensor([[1.5, 0.9, 1.0], [0.5, 1.1, 1.0]])
-    behaviour = torch.full((2, 3), -2.0)
-    logp = (behaviour + ratios.log()).requires_grad_()
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    return logp, behaviour, torch.tensor([1.0, -1.0]), mask
-
-
 def test_seq_mean_averages_each_sequence_then_the_sequences():
-    logp, behaviour, adv, mask = _case()
+    logp, behaviour, adv, mask = clip_case()
     loss, _ = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5,
                         aggregation="seq_mean", total_seqs=2)
     # Per-token losses (test_grpo): row 0 -1.3, -0.9 -> mean -1.1; row 1 0.8, 1.1, 1.0 -> mean 2.9/3.
@@ -55,7 +47,7 @@ def test_seq_mean_averages_each_sequence_then_the_sequences():
 
 
 def test_seq_mean_micro_batches_add_up():
-    logp, behaviour, adv, mask = _case()
+    logp, behaviour, adv, mask = clip_case()
     kw = dict(clip_low=0.2, clip_high=0.3, total_tokens=5, aggregation="seq_mean", total_seqs=2)
     whole, _ = grpo_loss(logp, behaviour, adv, mask, **kw)
     parts = [grpo_loss(logp[i : i + 1], behaviour[i : i + 1], adv[i : i + 1], mask[i : i + 1], **kw)[0]
@@ -67,7 +59,7 @@ def test_seq_mean_micro_batches_add_up():
 
 
 def test_gspo_sequence_ratio_is_the_geometric_mean():
-    logp, behaviour, adv, mask = _case()
+    logp, behaviour, adv, mask = clip_case()
     loss, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5,
                             ratio_level="sequence")
     # Row 0: s = sqrt(1.5 * 0.9) = 1.161895, inside [0.8, 1.3], A = +1: -1.161895 on each of 2 tokens.
@@ -81,7 +73,7 @@ def test_gspo_sequence_ratio_is_the_geometric_mean():
 
 
 def test_gspo_clips_whole_sequences():
-    logp, behaviour, adv, mask = _case()
+    logp, behaviour, adv, mask = clip_case()
     loss, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=0.1, clip_high=0.1, total_tokens=5,
                             ratio_level="sequence")
     # Range [0.9, 1.1]: row 0's s = 1.162 > 1.1 with A > 0 -> -1.1 per token (clipped);
@@ -111,7 +103,7 @@ def test_ratio_is_against_old_logp_and_tis_weights_by_the_behaviour_gap():
 
 
 def test_tis_is_one_when_old_is_behaviour():
-    logp, behaviour, adv, mask = _case()
+    logp, behaviour, adv, mask = clip_case()
     plain, _ = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5)
     tis, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5,
                            tis_cap=2.0)
