@@ -19,6 +19,45 @@ def _group_info(r, stream: str, group: str) -> dict:
     return {"length": r.xlen(stream), "pending": info.get("pending", 0), "lag": info.get("lag") or 0}
 
 
+def _trainer_line(trainer: dict[str, str], status: dict[str, str], now: float) -> str:
+    line = (f"trainer    step {trainer.get('step', 0)}  version {trainer.get('version', 0)}  "
+            f"trained {trainer.get('groups_trained', 0)}  dropped stale {trainer.get('groups_dropped_stale', 0)}")
+    if "last_step_s" in status:
+        trainer = status
+        step_s, wait_s = float(status["last_step_s"]), float(status.get("last_wait_s", 0))
+        line += (f"  last step {step_s:.1f}s (waiting for data {wait_s / max(step_s, 1e-9):.0%})  "
+                 f"{float(trainer.get('tokens_per_s', 0)):.0f} tok/s  "
+                 f"staleness {float(trainer.get('staleness_mean', 0)):.1f} mean / "
+                 f"{float(trainer.get('staleness_max', 0)):.0f} max  "
+                 f"updated {now - float(trainer.get('updated_at', now)):.0f}s ago")
+    return line
+
+
+def _generator_lines(r, keys, now: float) -> list[str]:
+    """Live generators from their heartbeats; dead ones (heartbeat expired) from the consumers of
+    the prompts stream, with the prompts they still hold until another generator reclaims them."""
+    from common.keys import GENERATORS_GROUP
+
+    lines, alive = [], set()
+    for key in sorted(r.scan_iter(match=keys.generator_pattern)):
+        g = {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
+        if not g:
+            continue
+        name = key.decode().removeprefix(keys.generator(""))
+        alive.add(name)
+        seen = now - float(g.get("last_seen", now))
+        lines.append(f"generator  {name}  {g.get('engine', '?')}  v{g.get('version', '?')}  "
+                     f"{float(g.get('tokens_per_s', 0)):.1f} tok/s  in flight {g.get('in_flight', 0)}  "
+                     f"heartbeat {seen:.0f}s ago")
+    consumers = r.xinfo_consumers(keys.prompts, GENERATORS_GROUP) if r.exists(keys.prompts) else []
+    for c in consumers:
+        name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+        if name not in alive:
+            lines.append(f"generator  {name}  DEAD (no heartbeat; last read {c['idle'] / 1000:.0f}s ago)  "
+                         f"holds {c['pending']} prompts")
+    return lines
+
+
 def status_lines(r, run: str) -> list[str]:
     """What `rollouts status` prints: the run's state as Redis holds it."""
     from common.keys import GENERATORS_GROUP, TRAINER_GROUP, Keys
@@ -31,30 +70,24 @@ def status_lines(r, run: str) -> list[str]:
     producer, trainer = h(keys.producer), h(keys.trainer)
     prompts = _group_info(r, keys.prompts, GENERATORS_GROUP)
     samples = _group_info(r, keys.samples, TRAINER_GROUP)
+    now = time.time()
     lines = [
         f"run {run}",
         f"producer   admitted {producer.get('admitted', 0)}  skipped rows {producer.get('rows_skipped', 0)}  "
         + "  ".join(f"{k.removesuffix(':offset')} at {producer.get(k[:-7] + ':epoch', 0)}:{v}"
                     for k, v in sorted(producer.items()) if k.endswith(":offset")),
         f"prompts    waiting {prompts['lag']}  in flight {prompts['pending']}  dead {r.xlen(keys.prompts_dead)}",
-        f"samples    waiting {samples['lag']}  unacknowledged {samples['pending']}  dead {r.xlen(keys.samples_dead)}",
-        f"trainer    step {trainer.get('step', 0)}  version {trainer.get('version', 0)}  "
-        f"trained {trainer.get('groups_trained', 0)}  dropped stale {trainer.get('groups_dropped_stale', 0)}",
+        f"samples    stream {samples['length']}  waiting {samples['lag']}  unacknowledged {samples['pending']}  "
+        f"dead {r.xlen(keys.samples_dead)}",
+        _trainer_line(trainer, h(keys.trainer_status), now),
     ]
     evals = {int(v): json.loads(res) for v, res in r.hgetall(keys.evals).items()}
     if evals:
         newest = evals[max(evals)]
         scores = "  ".join(f"{k[5:]} {v:.3f}" for k, v in newest.items() if k.startswith("eval/pass"))
-        lines.append(f"eval       v{newest['version']}  {scores}  ({len(evals)} checkpoints evaluated)")
-    now = time.time()
-    for key in sorted(r.scan_iter(match=keys.generator_pattern)):
-        g = h(key)
-        name = key.decode().rsplit(":", 1)[-1]
-        seen = now - float(g.get("last_seen", now))
-        lines.append(f"generator  {name}  {g.get('engine', '?')}  v{g.get('version', '?')}  "
-                     f"{float(g.get('tokens_per_s', 0)):.1f} tok/s  in flight {g.get('in_flight', 0)}  "
-                     f"seen {seen:.0f}s ago")
-    return lines
+        lines.append(f"eval       v{newest['version']}  {scores or newest.get('eval/skipped', '')}  "
+                     f"({len(evals)} checkpoints evaluated)")
+    return lines + _generator_lines(r, keys, now)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"rollouts: {err}")
 
     if args.command == "plot":
-        from common.plot import plot, read_metrics
+        from common.plot import plot, read_evals, read_metrics
 
         metrics = Path(args.metrics) if args.metrics else config.metrics_path
         if not metrics.is_file():
@@ -93,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
             rows = read_metrics(metrics)
         except ValueError as err:
             sys.exit(f"rollouts: {err}")
-        print(plot(rows, args.out or metrics.with_name("metrics.png"), title=args.title))
+        evals = read_evals(metrics.with_name("evals.jsonl"))  # the evaluator's, beside the trainer's
+        print(plot(rows, args.out or metrics.with_name("metrics.png"), title=args.title, evals=evals))
         return
 
     from common.streams import connect

@@ -254,6 +254,11 @@ class TrainerConfig(_Section):
     keep_checkpoints: int = Field(3, ge=2)
     threads: int = Field(0, ge=0)
     seed: int = 0
+    # Metrics also go to these trackers, through their own libraries (besides metrics.jsonl and
+    # the metrics stream, always): "tensorboard" (output_dir/tensorboard), "wandb" (online, or
+    # offline with WANDB_MODE=offline). Install them with `pip install -e .[tracking]`.
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    wandb_project: str = "rollouts"
 
     @model_validator(mode="after")
     def _check_state_every(self) -> TrainerConfig:
@@ -322,6 +327,11 @@ class Config(_Section):
     @property
     def metrics_path(self) -> Path:
         return Path(self.output_dir) / "metrics.jsonl"
+
+    @property
+    def evals_path(self) -> Path:
+        """The evaluator's results, one JSON line per evaluated checkpoint."""
+        return Path(self.output_dir) / "evals.jsonl"
 
 
 def _parse_env_value(raw: str) -> Any:

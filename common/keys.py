@@ -67,6 +67,12 @@ class Keys:
         return self._k("trainer")
 
     @property
+    def trainer_status(self) -> str:
+        """Hash: the last step's `last_step_s`, `last_wait_s`, `staleness_mean`, `staleness_max`,
+        `tokens_per_s` and `updated_at` (what `rollouts status` shows of the trainer)."""
+        return self._k("trainer:status")
+
+    @property
     def trained(self) -> str:
         """Set of group ids whose update is in a published checkpoint (never trained twice)."""
         return self._k("trainer:trained")

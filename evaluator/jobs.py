@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import msgpack
 from rq import get_current_job
@@ -38,6 +39,11 @@ def engine_for(path: str, *, version: int, dtype: str) -> HFEngine:
 def evaluate_checkpoint(*, spec: dict) -> dict:
     """Greedy pass@1 (and sampled pass@k if asked) of a checkpoint on held-out arithmetic."""
     t0 = time.monotonic()
+    if not Path(spec["path"]).is_dir():
+        # The trainer keeps only its newest checkpoints; one pruned before its turn came is reported
+        # as skipped (retrying cannot bring it back). Raise keep_checkpoints to evaluate them all.
+        return record({"kind": "eval", "step": spec["step"], "version": spec["version"],
+                       "eval/skipped": "checkpoint pruned before its evaluation ran"}, spec)
     verify_dir(spec["path"], spec["checksums"])  # a bad checkpoint fails the job (and is retried)
     engine = engine_for(spec["path"], version=spec["version"], dtype=spec["dtype"])
     problems = [problem(seed=spec["seed"], index=i, max_operand=spec["max_operand"], ops=spec["ops"])
@@ -60,7 +66,11 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
         hits = [any(correct(s.ids, t) for s in group) for group, t in zip(groups, tasks, strict=True)]
         result[f"eval/pass@{k}"] = sum(hits) / len(tasks)
     result["eval/seconds"] = time.monotonic() - t0
+    return record(result, spec)
 
+
+def record(result: dict, spec: dict) -> dict:
+    """The result to the metrics stream, the run's evals hash and (if given) the evals JSONL file."""
     r = get_current_job().connection
     keys = Keys(spec["run"])
     with r.pipeline(transaction=True) as pipe:
@@ -68,6 +78,12 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
                   maxlen=METRICS_MAXLEN, approximate=True)
         pipe.hset(keys.evals, str(spec["version"]), json.dumps(result))
         pipe.execute()
-    print(f"evaluator: version {spec['version']}: " + ", ".join(
-        f"{k[5:]} {v:.3f}" for k, v in result.items() if k.startswith("eval/pass")), flush=True)
+    if spec.get("evals_path"):
+        path = Path(spec["evals_path"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    print(f"evaluator: version {spec['version']}: " + (", ".join(
+        f"{k[5:]} {v:.3f}" for k, v in result.items() if k.startswith("eval/pass")) or result.get("eval/skipped", "")),
+        flush=True)
     return result

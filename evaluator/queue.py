@@ -27,7 +27,8 @@ def enqueue_eval(r: redis.Redis, config: Config, wv: WeightVersion) -> Job:
     spec = {"run": config.run, "version": wv.version, "step": wv.step, "path": wv.path,
             "checksums": wv.checksums, "prompts": ev.prompts, "seed": ev.seed, "pass_k": ev.pass_k,
             "temperature": config.rollout.temperature, "max_new_tokens": config.rollout.max_new_tokens,
-            "max_operand": config.task.max_operand, "ops": list(config.task.ops), "dtype": config.model.dtype}
+            "max_operand": config.task.max_operand, "ops": list(config.task.ops), "dtype": config.model.dtype,
+            "evals_path": str(config.evals_path)}
     return eval_queue(r, keys).enqueue_call(
         JOB_FUNCTION, kwargs={"spec": spec}, timeout=ev.timeout_s, job_id=f"{config.run}-eval-v{wv.version}",
         retry=Retry(max=ev.retries) if ev.retries else None, description=f"evaluate {wv.path}")

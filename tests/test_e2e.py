@@ -1,6 +1,7 @@
 """The whole loop as separate OS processes: redis, producer, two generators, trainer."""
 
 import json
+import re
 
 from common.cli import status_lines
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
@@ -79,7 +80,15 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
                  procs=[procs["evaluator"]])
         screen = "\n".join(status_lines(r, "e2e"))  # what `rollouts status` shows of the live run
         assert f"step {STEPS}  version {STEPS}" in screen
-        assert "generator  g1  hf" in screen and "generator  g2  hf" in screen
+        assert re.search(r"producer   admitted \d+", screen), screen
+        assert re.search(r"prompts    waiting \d+  in flight \d+  dead 0", screen), screen
+        assert re.search(r"samples    stream \d+  waiting \d+  unacknowledged \d+  dead 0", screen), screen
+        assert re.search(r"last step \d+\.\ds \(waiting for data \d+%\)  \d+ tok/s  "
+                         r"staleness \d\.\d mean / \d max", screen), screen
+        for gid in ("g1", "g2"):
+            assert re.search(rf"generator  {gid}  hf  v\d+  \d+\.\d tok/s  in flight \d+  heartbeat \d+s ago",
+                             screen), screen
+        assert "DEAD" not in screen
         assert "eval       v2  pass@1" in screen
     finally:
         codes = {name: stop(p) for name, p in procs.items()}

@@ -41,7 +41,10 @@ def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(tmp_path, redis_ur
 
 
 def test_failing_eval_job_lands_in_the_failed_registry_after_its_retries(tmp_path, redis_url, r):
-    wv = WeightVersion(version=1, step=1, path=str(tmp_path / "gone"), format="safetensors",
+    corrupted = tmp_path / "step_1"
+    corrupted.mkdir()
+    (corrupted / "model.safetensors").write_bytes(b"not the published weights")
+    wv = WeightVersion(version=1, step=1, path=str(corrupted), format="safetensors",
                        checksums={"model.safetensors": "0" * 64}, created_at=0.0)
     job = enqueue_eval(r, config(redis_url), wv)
     assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
@@ -49,5 +52,18 @@ def test_failing_eval_job_lands_in_the_failed_registry_after_its_retries(tmp_pat
     assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
     job.refresh()
     assert job.retries_left == 0
-    assert "does not exist" in job.latest_result().exc_string
+    assert "model.safetensors has sha256" in job.latest_result().exc_string
     assert r.xlen(Keys(RUN).metrics) == 0
+
+
+def test_a_checkpoint_pruned_before_its_evaluation_is_reported_skipped(tmp_path, redis_url, r):
+    wv = WeightVersion(version=2, step=2, path=str(tmp_path / "checkpoints" / "step_2"), format="safetensors",
+                       checksums={"model.safetensors": "0" * 64}, created_at=0.0)
+    cfg = config(redis_url).model_copy(update={"output_dir": str(tmp_path / "run")})
+    job = enqueue_eval(r, cfg, wv)
+    assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
+    job.refresh()
+    assert job.get_status() == "finished"  # not retried, not failed: there is nothing left to score
+    result = json.loads(r.hget(Keys(RUN).evals, "2"))
+    assert result["eval/skipped"] == "checkpoint pruned before its evaluation ran"
+    assert [json.loads(line) for line in cfg.evals_path.read_text().splitlines()] == [result]

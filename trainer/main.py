@@ -23,7 +23,6 @@ never train on (undecodable, duplicate, too stale) are acknowledged at once and 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -32,7 +31,6 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import msgpack
 import redis
 import torch
 from transformers import AutoModelForCausalLM
@@ -40,7 +38,7 @@ from transformers.utils import logging as hf_logging
 
 from common.checkpoints import checksum_dir, verify_dir
 from common.config import Config
-from common.keys import METRICS_MAXLEN, PAYLOAD, TRAINER_GROUP, Keys
+from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import MessageError, SampleGroup, WeightVersion, decode_group, encode
 from common.models import resolve_model_path
 from common.streams import connect, dead_letter, ensure_group, latest_weights
@@ -61,6 +59,7 @@ from trainer.parallel import (
 )
 from trainer.schedule import build_scheduler
 from trainer.state import load_state, save_state, state_dir
+from trainer.tracking import Tracker, generator_metrics
 
 BLOCK_MS = 1000  # longest wait on the samples stream before checking for a stop request
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
@@ -382,15 +381,6 @@ def step_metrics(groups: list[SampleGroup], *, step: int, staleness: list[int], 
     }
 
 
-def record(r: redis.Redis, keys: Keys, metrics: dict, *, path: Path) -> None:
-    """Append the step's metrics to the JSONL file and the capped metrics stream."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(metrics) + "\n")
-    r.xadd(keys.metrics, {PAYLOAD: msgpack.packb(metrics, use_bin_type=True)},
-           maxlen=METRICS_MAXLEN, approximate=True)
-
-
 def summary_line(m: dict) -> str:
     def num(key: str, spec: str) -> str:
         return "  -  " if m.get(key) is None else format(m[key], spec)
@@ -476,6 +466,7 @@ def run(config: Config) -> None:
     loss = LossOptions(clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_level=cfg.ratio_level,
                        aggregation=cfg.loss_agg, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
                        kl_estimator=cfg.kl_estimator)
+    tracker = Tracker(r, config) if rank == 0 else None
     say(f"trainer: run {config.run!r}, model {source_dir}, step {step}, "
         f"{rollout.prompts_per_step} groups per step, {world} rank(s)")
 
@@ -554,9 +545,10 @@ def run(config: Config) -> None:
             "time/train": train_s,
             "time/publish": publish_s,
             "version": version,
+            **generator_metrics(r, keys),
             "group_ids": [g.id for g in all_groups],
         }
-        record(r, keys, metrics, path=config.metrics_path)
+        tracker.log(metrics)
         print(summary_line(metrics), flush=True)
 
     # ---- a stop while waiting for data: publish what was trained since the last checkpoint
@@ -564,5 +556,7 @@ def run(config: Config) -> None:
         publish(r, keys, model, optimizer, scheduler, step=step, checkpoint_dir=checkpoint_dir,
                 state_root=state_root, source_dir=source_dir, keep=cfg.keep_checkpoints,
                 save_state_now=True, entry_ids=unacked_entries, group_ids=unacked_ids)
+    if tracker is not None:
+        tracker.close()
     say(f"trainer: stopped at step {step}")
     finish()

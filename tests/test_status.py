@@ -1,0 +1,68 @@
+"""`rollouts status` against a real Redis holding a run's state."""
+
+import re
+
+from common.cli import main, status_lines
+from common.config import config_from_dict
+from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
+from trainer.tracking import Tracker
+
+
+def test_status_shows_trainer_timing_and_marks_a_dead_generator(tmp_path, r, redis_url, capsys):
+    keys = Keys("st")
+    config = config_from_dict({"run": "st", "redis_url": redis_url, "output_dir": str(tmp_path / "run")})
+    r.hset(keys.trainer, mapping={"step": 7, "version": 6, "groups_trained": 28})
+    Tracker(r, config).log({"step": 7, "time/step": 10.0, "time/wait_data": 2.5, "staleness/mean": 0.5,
+                            "staleness/max": 1, "tokens_per_s": 123.4})
+    # Prompts admitted; the generator "gone" took two of them and then its heartbeat expired.
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    for i in range(3):
+        r.xadd(keys.prompts, {PAYLOAD: b"x%d" % i})
+    r.xreadgroup(GENERATORS_GROUP, "gone", {keys.prompts: ">"}, count=2)
+    r.hset(keys.generator("alive"), mapping={"engine": "hf", "version": 6, "tokens_per_s": 51.25,
+                                             "in_flight": 1, "last_seen": 0})
+    r.expire(keys.generator("alive"), 60)
+
+    screen = "\n".join(status_lines(r, "st"))
+    assert "trainer    step 7  version 6  trained 28" in screen
+    assert "last step 10.0s (waiting for data 25%)  123 tok/s  staleness 0.5 mean / 1 max" in screen
+    assert "prompts    waiting 1  in flight 2  dead 0" in screen
+    assert re.search(r"generator  alive  hf  v6  51\.2 tok/s  in flight 1", screen), screen
+    assert re.search(r"generator  gone  DEAD .* holds 2 prompts", screen), screen
+
+    # The command itself prints the same screen from the config.
+    (tmp_path / "c.toml").write_text(f'run = "st"\nredis_url = "{redis_url}"\n')
+    main(["status", "--config", str(tmp_path / "c.toml")])
+    assert "generator  gone  DEAD" in capsys.readouterr().out
+
+
+def test_resolved_config_is_written_without_the_password(tmp_path, r, redis_url):
+    url = redis_url.replace("redis://", "redis://:s3cret@")
+    config = config_from_dict({"run": "rc", "redis_url": url, "output_dir": str(tmp_path),
+                               "trainer": {"lr": 3e-6}})
+    Tracker(r, config)
+    written = (tmp_path / "config.json").read_text()
+    assert "s3cret" not in written
+    assert '"lr": 3e-06' in written and '"max_staleness"' in written  # defaults filled in
+
+
+def test_metrics_reach_tensorboard_and_wandb_with_the_config(tmp_path, r, redis_url, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = config_from_dict({"run": "tb", "redis_url": redis_url, "output_dir": str(tmp_path),
+                               "trainer": {"report_to": ["tensorboard", "wandb"], "wandb_project": "p"}})
+    tracker = Tracker(r, config)
+    for step, reward in [(1, 0.25), (2, 0.5)]:
+        tracker.log({"step": step, "reward/mean": reward, "accuracy": None, "group_ids": ["a"]})
+    tracker.close()
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.25), (2, 0.5)]
+    assert "config/text_summary" in events.Tags()["tensors"]
+    runs = list((tmp_path / "wandb").glob("offline-run-*-tb"))
+    assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
+    record = (runs[0] / "run-tb.wandb").read_bytes()  # the offline run, synced later by `wandb sync`
+    assert b"reward/mean" in record and b"wandb_project" in record  # the metric and the resolved config
