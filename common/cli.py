@@ -21,11 +21,12 @@ def _group_info(r, stream: str, group: str) -> dict:
 
 def _trainer_line(trainer: dict[str, str], status: dict[str, str], now: float) -> str:
     line = (f"trainer    step {trainer.get('step', 0)}  version {trainer.get('version', 0)}  "
-            f"trained {trainer.get('groups_trained', 0)}  dropped stale {trainer.get('groups_dropped_stale', 0)}")
+            # groups acknowledged: trained and in a saved trainer state
+            f"trained+saved {trainer.get('groups_trained', 0)}  dropped stale {trainer.get('groups_dropped_stale', 0)}")
     if "last_step_s" in status:
         trainer = status
         step_s, wait_s = float(status["last_step_s"]), float(status.get("last_wait_s", 0))
-        line += (f"  last step {step_s:.1f}s (waiting for data {wait_s / max(step_s, 1e-9):.0%})  "
+        line += (f"\n           last step {step_s:.1f}s (waiting for data {wait_s / max(step_s, 1e-9):.0%})  "
                  f"{float(trainer.get('tokens_per_s', 0)):.0f} tok/s  "
                  f"staleness {float(trainer.get('staleness_mean', 0)):.1f} mean / "
                  f"{float(trainer.get('staleness_max', 0)):.0f} max  "

@@ -24,8 +24,8 @@ def test_status_shows_trainer_timing_and_marks_a_dead_generator(tmp_path, r, red
     r.expire(keys.generator("alive"), 60)
 
     screen = "\n".join(status_lines(r, "st"))
-    assert "trainer    step 7  version 6  trained 28" in screen
-    assert "last step 10.0s (waiting for data 25%)  123 tok/s  staleness 0.5 mean / 1 max" in screen
+    assert "trainer    step 7  version 6  trained+saved 28" in screen
+    assert "\n           last step 10.0s (waiting for data 25%)  123 tok/s  staleness 0.5 mean / 1 max" in screen
     assert "prompts    waiting 1  in flight 2  dead 0" in screen
     assert re.search(r"generator  alive  hf  v6  51\.2 tok/s  in flight 1", screen), screen
     assert re.search(r"generator  gone  DEAD .* holds 2 prompts", screen), screen
