@@ -1,4 +1,4 @@
-"""`rollouts`: the operator's command: `prepare-model`, `status`, `plot`."""
+"""`rollouts`: the operator's command: `prepare-model`, `status`, `plot`, `record`, `replay`."""
 
 from __future__ import annotations
 
@@ -104,6 +104,20 @@ def main(argv: list[str] | None = None) -> None:
     pl.add_argument("--metrics", help="a metrics.jsonl file (instead of the config's)")
     pl.add_argument("--out", help="PNG to write (default: metrics.png beside the metrics)")
     pl.add_argument("--title", default="", help="title above the charts")
+    rec = sub.add_parser("record", help="write a run's streams to a file (msgpack), entries in order")
+    rec.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
+    rec.add_argument("--stream", action="append", choices=["samples", "prompts", "weights"],
+                     help="stream to record (repeat for several; default: samples)")
+    rec.add_argument("--out", required=True, help="recording file to write")
+    rec.add_argument("--until-idle", type=float, metavar="SECONDS",
+                     help="stop once no new entry came for SECONDS (default: until Ctrl-C)")
+    rp = sub.add_parser("replay", help="write a recording into the streams of a fresh run")
+    rp.add_argument("file", help="recording made by `rollouts record`")
+    rp.add_argument("--config", help="TOML file naming the run to write into")
+    rp.add_argument("--pace", choices=["full", "recorded"], default="full",
+                    help="full speed, or spaced as recorded")
+    rp.add_argument("--stream", action="append", choices=["samples", "prompts", "weights"],
+                    help="replay only this stream of the file (repeat for several; default: all)")
     args = parser.parse_args(argv)
 
     if args.command == "prepare-model":
@@ -113,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     try:
-        config = load_config(args.config) if args.command == "status" or not args.metrics else None
+        config = load_config(args.config) if args.command != "plot" or not args.metrics else None
     except ConfigError as err:
         sys.exit(f"rollouts: {err}")
 
@@ -129,6 +143,14 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"rollouts: {err}")
         evals = read_evals(metrics.with_name("evals.jsonl"))  # the evaluator's, beside the trainer's
         print(plot(rows, args.out or metrics.with_name("metrics.png"), title=args.title, evals=evals))
+        return
+
+    if args.command in ("record", "replay"):
+        from common.recording import record_command, replay_command
+
+        record_command(config, streams=args.stream or ["samples"], out=Path(args.out),
+                       until_idle_s=args.until_idle) if args.command == "record" \
+            else replay_command(config, path=Path(args.file), pace=args.pace, only=args.stream)
         return
 
     from common.streams import connect

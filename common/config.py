@@ -250,6 +250,10 @@ class TrainerConfig(_Section):
     state_every: int = Field(0, ge=0)
     # Stop after this many optimizer steps; 0 runs until stopped.
     max_steps: int = Field(0, ge=0)
+    # Ids of trained groups are remembered this many steps, to refuse a second group made from the
+    # same prompt (two generators racing on a reclaimed prompt); older ones are forgotten, so the
+    # set stays bounded (about dedup_window x prompts_per_step ids).
+    dedup_window: int = Field(1000, ge=1)
     # Published checkpoints kept on disk (the newest ones), each with its trainer state for resume.
     keep_checkpoints: int = Field(3, ge=2)
     threads: int = Field(0, ge=0)
@@ -289,6 +293,16 @@ class EvalConfig(_Section):
     timeout_s: int = Field(900, ge=1)
 
 
+class LimitsConfig(_Section):
+    # What a decoder accepts from a stream; anything beyond is dead-lettered with the reason.
+    # Largest payload (bytes) of one stream entry.
+    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # Most token ids in one completion, and in one prompt of a sample group.
+    max_completion_tokens: int = Field(32_768, ge=1)
+    # Most completions in one group, and most samples one prompt may ask for.
+    max_group_size: int = Field(1_024, ge=1)
+
+
 class Config(_Section):
     # Run name: every Redis key of the run starts with `rollouts:{run}:`.
     run: str = Field("demo", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
@@ -303,6 +317,7 @@ class Config(_Section):
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @model_validator(mode="after")
     def _check_redis_url(self) -> Config:

@@ -15,6 +15,7 @@ TRAINER_GROUP = "trainer"  # on the samples stream, one consumer per trainer ran
 PAYLOAD = b"m"
 
 METRICS_MAXLEN = 10_000  # the metrics stream is capped to about this many entries
+WEIGHTS_MAXLEN = 1_000  # the weights stream too (checkpoints on disk are pruned to keep_checkpoints)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ class Keys:
 
     @property
     def trained(self) -> str:
-        """Set of group ids whose update is in a published checkpoint (never trained twice)."""
+        """Sorted set: group id -> the trainer step whose saved state holds its update (never
+        trained twice). Ids older than `trainer.dedup_window` steps are pruned (bounded memory)."""
         return self._k("trainer:trained")
 
     @property

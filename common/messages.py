@@ -18,7 +18,10 @@ import msgpack
 import numpy as np
 
 SCHEMA = 1
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # refuse to unpack anything larger
+# Defaults of the config's [limits]: a decoder refuses anything beyond them.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a payload larger than this is not unpacked
+MAX_COMPLETION_TOKENS = 32_768  # token ids in one completion (and in a prompt)
+MAX_GROUP_SIZE = 1_024  # completions in a group; samples a prompt may ask for (n)
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -172,7 +175,7 @@ def _finite_map(d: Any, what: str) -> dict[str, float]:
     return {k: _finite(v, f"{what}.{k}") for k, v in _str_map(d, what).items()}
 
 
-def decode_prompt(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> PromptTask:
+def decode_prompt(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, max_n: int = MAX_GROUP_SIZE) -> PromptTask:
     d = _load(blob, "prompt", max_bytes)
     w = "prompt"
     pid = _get(d, "id", str, w)
@@ -189,23 +192,27 @@ def decode_prompt(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> PromptT
     if text is not None and (not isinstance(text, str) or not text):
         raise MessageError(f"prompt {pid}: 'text' must be a non-empty string")
     n = _get(d, "n", int, w)
-    if n < 1:
-        raise MessageError(f"prompt {pid}: n={n}, expected >= 1")
+    if not 1 <= n <= max_n:
+        raise MessageError(f"prompt {pid}: n={n}, expected 1..{max_n}")
     return PromptTask(id=pid, messages=messages, text=text, meta=_str_map(d.get("meta", {}), "meta"),
                       n=n, admitted_at=_get(d, "admitted_at", int, w))
 
 
-def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,
-                 vocab_size: int | None = None) -> SampleGroup:
+def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size: int | None = None,
+                 max_tokens: int = MAX_COMPLETION_TOKENS, max_completions: int = MAX_GROUP_SIZE) -> SampleGroup:
     d = _load(blob, "group", max_bytes)
     gid = _get(d, "id", str, "group")
     w = f"group {gid}"
     prompt_ids = _unpack(_get(d, "prompt_ids", bytes, w), "<i4", f"{w}.prompt_ids")
     if prompt_ids.size == 0:
         raise MessageError(f"{w}: empty prompt_ids")
+    if prompt_ids.size > max_tokens:
+        raise MessageError(f"{w}: {prompt_ids.size} prompt tokens exceed the limit of {max_tokens}")
     raw = _get(d, "completions", list, w)
     if not raw:
         raise MessageError(f"{w}: no completions")
+    if len(raw) > max_completions:
+        raise MessageError(f"{w}: {len(raw)} completions exceed the limit of {max_completions}")
     completions = []
     for i, c in enumerate(raw):
         cw = f"{w}.completions[{i}]"
@@ -215,6 +222,8 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES,
         lps = _unpack(_get(c, "logprobs", bytes, cw), "<f4", f"{cw}.logprobs")
         if ids.size == 0:
             raise MessageError(f"{cw}: empty completion")
+        if ids.size > max_tokens:
+            raise MessageError(f"{cw}: {ids.size} tokens exceed the limit of {max_tokens}")
         if ids.size != lps.size:
             raise MessageError(f"{cw}: {ids.size} ids but {lps.size} logprobs")
         if not np.isfinite(lps).all() or (lps > 1e-4).any():

@@ -5,21 +5,34 @@ from __future__ import annotations
 import time
 
 import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
 
 from common.keys import PAYLOAD, Keys
 from common.messages import WeightVersion, decode_weights
 
+RETRY_CAP_S = 1.0  # longest pause between two tries of a command while Redis is away
 
-def connect(url: str, *, wait_s: float = 30.0) -> redis.Redis:
+
+def connect(url: str, *, wait_s: float = 30.0, retry_s: float = 120.0) -> redis.Redis:
     """A client for `url`, waiting up to `wait_s` for the server to accept connections.
 
-    Processes started together by honcho may come up before Redis does.
+    Processes started together by honcho may come up before Redis does. Later, every command
+    that meets a lost connection (Redis restarting from its append-only file, a network blip) is
+    tried again, reconnecting, for about `retry_s` seconds before the error reaches the process.
+    A transaction whose reply was lost in the instant Redis died may so be applied twice: group
+    ids (the trainer's `trained` set) catch a group written twice.
     """
-    client = redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30)
+    client = redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30,
+                                  retry=Retry(NoBackoff(), 0))  # the first contact waits below
     deadline = time.monotonic() + wait_s
     while True:
         try:
             client.ping()
+            client.set_retry(Retry(ExponentialBackoff(cap=RETRY_CAP_S, base=0.05),
+                                   retries=max(1, int(retry_s / RETRY_CAP_S)),
+                                   supported_errors=(redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                                                     TimeoutError)))  # BusyLoadingError is a ConnectionError
             return client
         except redis.exceptions.BusyLoadingError:  # replaying its append-only file
             pass

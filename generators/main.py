@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from common import streams
 from common.checkpoints import CheckpointError, verify_dir
-from common.config import Config, ConfigError
+from common.config import Config, ConfigError, LimitsConfig
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import (
     Completion,
@@ -81,7 +81,7 @@ def run(config: Config, *, generator_id: str) -> None:
 
         # -------------------------------------------------------------- 2. decode, dead-letter
         work = prepare_prompts(r, engine, entries, keys=keys, name=name,
-                               max_new_tokens=config.rollout.max_new_tokens)
+                               max_new_tokens=config.rollout.max_new_tokens, limits=config.limits)
         # -------------------------------------------------------------- 3. weights
         # Checked after the prompts are in hand and right before sampling: a prompt admitted at
         # version v is then sampled with weights >= v, which is what keeps admission control's
@@ -174,16 +174,18 @@ def take_prompts(r: redis.Redis, *, stream: str, consumer: str, count: int, clai
 
 
 def prepare_prompts(r: redis.Redis, engine: HFEngine, entries: list[Entry], *, keys: Keys,
-                    name: str, max_new_tokens: int) -> list[tuple[bytes, PromptTask, list[int]]]:
+                    name: str, max_new_tokens: int, limits: LimitsConfig | None = None
+                    ) -> list[tuple[bytes, PromptTask, list[int]]]:
     """(entry id, task, prompt token ids) of each entry that decodes and fits the model; the
     others are moved to the dead-letter stream and acknowledged, in one MULTI/EXEC each."""
+    limits = limits or LimitsConfig()
     work = []
     for entry_id, fields in entries:
         fields = fields or {}  # an entry deleted from the stream comes back without fields
         try:
             if PAYLOAD not in fields:
                 raise MessageError(f"entry has no {PAYLOAD.decode()!r} field")
-            task = decode_prompt(fields[PAYLOAD])
+            task = decode_prompt(fields[PAYLOAD], max_bytes=limits.max_message_bytes, max_n=limits.max_group_size)
             ids = engine.prompt_ids(task)
             if len(ids) + max_new_tokens > engine.context_length:
                 raise MessageError(f"prompt {task.id}: {len(ids)} tokens + max_new_tokens "

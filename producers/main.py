@@ -18,11 +18,13 @@ from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import PromptTask, SampleGroup, encode
 from common.models import resolve_model_path
 from common.streams import connect, ensure_group, trainer_version
+from common.trim import trim_acknowledged
 from producers.admission import admission_limit
 from producers.data import DataError, Prompt, Skipped, Source, choose
 from producers.sft import conversation_group, truncate
 
 POLL_S = 0.2
+TRIM_EVERY_S = 1.0  # the prompts stream is trimmed of acknowledged prompts about this often
 MAX_PER_TRANSACTION = 64
 
 
@@ -143,7 +145,11 @@ def run(config: Config) -> None:
     where = ", ".join(f"{s.name} epoch {s.epoch} offset {s.offset}" for s in sources)
     print(f"producer: run {config.run!r}, resuming after {admitted} prompts at {where}", flush=True)
 
+    trimmed_at = 0.0
     while not stop:
+        if not sft and time.monotonic() - trimmed_at > TRIM_EVERY_S:  # the trainer trims samples
+            trim_acknowledged(r, keys.prompts)
+            trimmed_at = time.monotonic()
         # ---- how many prompts the trainer's version allows. SFT data never goes stale and waits
         # for no weights, so it is admitted against the trainer's step: with sync_every > 1 the
         # published version would hold it back at (max_staleness + 1) steps, short of a publish.

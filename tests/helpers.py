@@ -44,3 +44,55 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+def accounting(r, keys) -> dict[str, int]:
+    """Where every admitted prompt of a run is, read from Redis (streams may have been trimmed).
+
+    `admitted` should equal `trained + dropped + pending`: groups trained (acknowledged with a
+    saved trainer state), groups or prompts given up for a counted reason (too stale, dead
+    letters), and prompts or groups still in a stream (waiting, or delivered and unacknowledged).
+    `duplicate` counts extra groups refused for an id already trained; `prompt_entries` and
+    `sample_entries` are every entry ever added to the two streams.
+    """
+    from common.keys import GENERATORS_GROUP, TRAINER_GROUP
+
+    def group(stream: str, name: str) -> tuple[int, int]:
+        if not r.exists(stream):
+            return 0, 0
+        info = {g["name"].decode(): g for g in r.xinfo_groups(stream)}.get(name)
+        if info is None:  # nobody has read it yet: all waiting
+            return 0, r.xlen(stream)
+        assert info["lag"] is not None, f"{stream}: Redis cannot tell {name}'s lag"
+        return info["pending"], info["lag"]
+
+    def added(stream: str) -> int:
+        return r.xinfo_stream(stream)["entries-added"] if r.exists(stream) else 0
+
+    t = {k.decode(): int(v) for k, v in r.hgetall(keys.trainer).items() if k.decode().startswith("groups_")}
+    prompts_pending, prompts_waiting = group(keys.prompts, GENERATORS_GROUP)
+    samples_pending, samples_waiting = group(keys.samples, TRAINER_GROUP)
+    acc = {
+        "admitted": int(r.hget(keys.producer, "admitted") or 0),
+        "trained": t.get("groups_trained", 0),
+        "dropped_stale": t.get("groups_dropped_stale", 0),
+        "dead_groups": t.get("groups_dead", 0),
+        "dead_prompts": r.xlen(keys.prompts_dead),
+        "duplicate": t.get("groups_duplicate", 0),
+        "prompts_waiting": prompts_waiting, "prompts_pending": prompts_pending,
+        "samples_waiting": samples_waiting, "samples_pending": samples_pending,
+        "prompt_entries": added(keys.prompts), "sample_entries": added(keys.samples),
+    }
+    acc["dropped"] = acc["dropped_stale"] + acc["dead_groups"] + acc["dead_prompts"]
+    acc["pending"] = prompts_waiting + prompts_pending + samples_waiting + samples_pending
+    return acc
+
+
+def assert_accounted(acc: dict[str, int]) -> None:
+    """Every admitted prompt is trained, dropped for a counted reason, or pending, exactly once."""
+    assert acc["admitted"] == acc["prompt_entries"], f"prompts admitted twice or lost: {acc}"
+    assert acc["admitted"] == acc["trained"] + acc["dropped"] + acc["pending"], f"unaccounted prompts: {acc}"
+    # every group entry is one prompt's (or a refused duplicate): none made twice from one prompt
+    assert acc["sample_entries"] == (acc["trained"] + acc["dropped_stale"] + acc["dead_groups"] + acc["duplicate"]
+                                     + acc["samples_waiting"] + acc["samples_pending"]), acc
+    assert acc["duplicate"] == 0, f"a group was made twice: {acc}"

@@ -5,6 +5,7 @@ import re
 from common.cli import main, status_lines
 from common.config import config_from_dict
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
+from tests.helpers import wait_for
 from trainer.tracking import Tracker
 
 
@@ -64,5 +65,7 @@ def test_metrics_reach_tensorboard_and_wandb_with_the_config(tmp_path, r, redis_
     assert "config/text_summary" in events.Tags()["tensors"]
     runs = list((tmp_path / "wandb").glob("offline-run-*-tb"))
     assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
-    record = (runs[0] / "run-tb.wandb").read_bytes()  # the offline run, synced later by `wandb sync`
-    assert b"reward/mean" in record and b"wandb_project" in record  # the metric and the resolved config
+    record = runs[0] / "run-tb.wandb"  # the offline run, synced later by `wandb sync`
+    # wandb's own service process writes the record; it may land just after finish() returns.
+    wait_for(lambda: b"reward/mean" in record.read_bytes(), timeout=60, what="the metric in the W&B record")
+    assert b"wandb_project" in record.read_bytes()  # the resolved config

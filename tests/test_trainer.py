@@ -114,7 +114,7 @@ def test_trainer_trains_publishes_and_dead_letters(tmp_path, redis_url, r, tiny_
     h = {k.decode(): int(v) for k, v in r.hgetall(KEYS.trainer).items()}
     assert h == {"step": 3, "version": 3, "state_step": 3, "groups_trained": 6, "groups_dead": 5,
                  "groups_duplicate": 1, "groups_dropped_stale": 1}
-    assert {m.decode() for m in r.smembers(KEYS.trained)} == {g.id for g in good}
+    assert {m.decode() for m in r.zrange(KEYS.trained, 0, -1)} == {g.id for g in good}
     assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0
 
     # Checkpoints: the newest two kept, complete HF directories matching their checksums.
@@ -193,7 +193,7 @@ def test_sigterm_publishes_unpublished_steps_and_exits_0(tmp_path, redis_url, r,
         while not (metrics.exists() and len(metrics.read_text().splitlines()) == 2):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
-        assert r.hget(KEYS.trainer, "version") == b"0" and r.scard(KEYS.trained) == 0
+        assert r.hget(KEYS.trainer, "version") == b"0" and r.zcard(KEYS.trained) == 0
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
@@ -202,5 +202,5 @@ def test_sigterm_publishes_unpublished_steps_and_exits_0(tmp_path, redis_url, r,
     assert proc.returncode == 0, stderr
     assert "SIGTERM" in stderr and "stopped at step 2" in stdout
     assert decode_weights(r.get(KEYS.weights_latest)).version == 2
-    assert {m.decode() for m in r.smembers(KEYS.trained)} == {g.id for g in groups}
+    assert {m.decode() for m in r.zrange(KEYS.trained, 0, -1)} == {g.id for g in groups}
     assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0

@@ -14,7 +14,12 @@ too, which is what the importance ratio has to bridge). The trainer hash holds b
 admit against `version`.
 
 Delivery. Groups are acknowledged, and added to the `trained` set, in the same transaction that
-publishes the checkpoint holding their update. A restarted trainer loads the newest published
+publishes the checkpoint holding their update; the samples stream is then trimmed of what every
+consumer group (recorders included) has acknowledged (common/trim.py). The `trained` set guards
+against a second group made from the same prompt (two generators racing on a reclaimed prompt); it
+keeps the ids of the last `dedup_window` steps only: a copy arriving later than that was sampled
+so long ago that the staleness limit drops it anyway, unless a generator sat on a claimed prompt
+for that many steps before sampling it. A restarted trainer loads the newest published
 checkpoint and the trainer state saved beside it (optimizer, scheduler, RNG: trainer/state.py),
 continues from its step, and first re-reads its own pending entries in stream order, so it
 trains on what an uninterrupted run would have and ends with the same weights. Entries it will
@@ -37,11 +42,12 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from common.checkpoints import checksum_dir, verify_dir
-from common.config import Config
-from common.keys import PAYLOAD, TRAINER_GROUP, Keys
+from common.config import Config, LimitsConfig
+from common.keys import PAYLOAD, TRAINER_GROUP, WEIGHTS_MAXLEN, Keys
 from common.messages import MessageError, SampleGroup, WeightVersion, decode_group, encode
 from common.models import resolve_model_path
 from common.streams import connect, dead_letter, ensure_group, latest_weights
+from common.trim import trim_acknowledged
 from evaluator.queue import enqueue_eval
 from trainer.batch import micro_batches
 from trainer.grpo import Estimator, LossOptions, grpo_loss, sft_loss, token_entropy, token_logprobs
@@ -114,12 +120,15 @@ def read_entries(r: redis.Redis, keys: Keys, *, consumer: str, cursor: bytes | N
     return [(eid, fields or {}) for eid, fields in (reply[0][1] if reply else [])], None
 
 
-def validate(fields: dict, *, vocab_size: int, objective: str = "grpo") -> SampleGroup:
-    """The entry's group, or MessageError saying why it cannot be trained on."""
+def validate(fields: dict, *, vocab_size: int, objective: str = "grpo", limits: LimitsConfig | None = None
+             ) -> SampleGroup:
+    """The entry's group, or MessageError saying why it cannot be trained on (None: default limits)."""
+    limits = limits or LimitsConfig()
     blob = fields.get(PAYLOAD)
     if blob is None:
         raise MessageError(f"entry has no payload field {PAYLOAD!r} (fields: {sorted(fields)})")
-    group = decode_group(blob, vocab_size=vocab_size)
+    group = decode_group(blob, vocab_size=vocab_size, max_bytes=limits.max_message_bytes,
+                         max_tokens=limits.max_completion_tokens, max_completions=limits.max_group_size)
     if objective == "grpo" and len(group.completions) < 2:
         raise MessageError(f"group {group.id}: {len(group.completions)} completion(s); "
                            "a group-relative advantage needs at least 2")
@@ -142,7 +151,7 @@ def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, counter: str,
 
 def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: int | None, vocab_size: int,
             unpublished: set[str], consumer: str, cursor: bytes | None, shutdown: Shutdown,
-            objective: str = "grpo") -> tuple[Collected | None, bytes | None]:
+            objective: str = "grpo", limits: LimitsConfig | None = None) -> tuple[Collected | None, bytes | None]:
     """`want` trainable groups (None if a stop was requested first), and the next read cursor.
     `max_staleness` None: no group is too stale (sft)."""
     got = Collected()
@@ -156,14 +165,14 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
             got.wait_s += time.monotonic() - t0
         for entry_id, fields in entries:
             try:
-                group = validate(fields, vocab_size=vocab_size, objective=objective)
+                group = validate(fields, vocab_size=vocab_size, objective=objective, limits=limits)
             except MessageError as err:
                 reject(r, keys, entry_id, counter="groups_dead", fields=fields, reason=str(err))
                 print(f"trainer: dead-lettered sample entry {entry_id.decode()}: {err}",
                       file=sys.stderr, flush=True)
                 got.dead += 1
                 continue
-            if group.id in seen or r.sismember(keys.trained, group.id):
+            if group.id in seen or r.zscore(keys.trained, group.id) is not None:
                 reject(r, keys, entry_id, counter="groups_duplicate")
                 got.duplicate += 1
                 continue
@@ -321,7 +330,7 @@ def prune_checkpoints(checkpoint_dir: Path, *, keep: int) -> None:
 def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int, checkpoint_dir: Path,
             state_root: Path, source_dir: Path, keep: int, save_state_now: bool, entry_ids: list[bytes],
-            group_ids: list[str]) -> WeightVersion | None:
+            group_ids: list[str], dedup_window: int) -> WeightVersion | None:
     """Checkpoint and trainer state on disk, then in one transaction: announce it and
     acknowledge the groups it holds (every rank's: `entry_ids` and `group_ids` are global).
 
@@ -340,16 +349,18 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
                        checksums=checksum_dir(path), created_at=time.time())
     blob = encode(wv)
     pipe = r.pipeline(transaction=True)
-    pipe.xadd(keys.weights, {PAYLOAD: blob})
+    pipe.xadd(keys.weights, {PAYLOAD: blob}, maxlen=WEIGHTS_MAXLEN, approximate=True)
     pipe.set(keys.weights_latest, blob)
     pipe.hset(keys.trainer, mapping={"step": step, "version": step})
     if save_state_now:
         pipe.hset(keys.trainer, "state_step", step)
     if entry_ids:
         pipe.xack(keys.samples, TRAINER_GROUP, *entry_ids)
-        pipe.sadd(keys.trained, *group_ids)
+        pipe.zadd(keys.trained, dict.fromkeys(group_ids, step))
+        pipe.zremrangebyscore(keys.trained, "-inf", f"({step - dedup_window}")
     pipe.hincrby(keys.trainer, "groups_trained", len(group_ids))
     pipe.execute()
+    trim_acknowledged(r, keys.samples)  # what every group has acknowledged; nothing of ours is pending
     prune_checkpoints(checkpoint_dir, keep=keep)
     return wv
 
@@ -425,6 +436,12 @@ def run(config: Config) -> None:
     # ---- connect, and resume from the newest published checkpoint if this run has one
     r = connect(config.redis_url)
     ensure_group(r, keys.samples, TRAINER_GROUP)
+    if rank == 0 and r.type(keys.trained) == b"set":  # a run from before the set had steps
+        old = list(r.smembers(keys.trained))
+        with r.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.trained)
+            pipe.zadd(keys.trained, dict.fromkeys(old, int(r.hget(keys.trainer, "state_step") or 0)))
+            pipe.execute()
     step = int(r.hget(keys.trainer, "step") or 0)
     state_step = int(r.hget(keys.trainer, "state_step") or 0)
     latest = latest_weights(r, keys) if step > 0 else None
@@ -480,7 +497,7 @@ def run(config: Config) -> None:
         got, cursor = collect(r, keys, want=rollout.prompts_per_step // world, step=step,
                               max_staleness=None if sft else rollout.max_staleness, vocab_size=vocab_size,
                               unpublished=set(unacked_ids), consumer=consumer, cursor=cursor,
-                              shutdown=shutdown, objective=cfg.objective)
+                              shutdown=shutdown, objective=cfg.objective, limits=config.limits)
         if any_rank(got is None):  # a stop while waiting: what this rank read stays pending
             break
         everyone = gather(got)  # every rank's groups, for the acknowledgement and the metrics
@@ -513,7 +530,7 @@ def run(config: Config) -> None:
             wv = publish(r, keys, model, optimizer, scheduler, step=step, checkpoint_dir=checkpoint_dir,
                          state_root=state_root, source_dir=source_dir, keep=cfg.keep_checkpoints,
                          save_state_now=save, entry_ids=unacked_entries if save else [],
-                         group_ids=unacked_ids if save else [])
+                         group_ids=unacked_ids if save else [], dedup_window=cfg.dedup_window)
             if save:
                 unacked_entries, unacked_ids = [], []
             if wv is not None and config.eval.every and wv.version % config.eval.every == 0:
@@ -555,7 +572,8 @@ def run(config: Config) -> None:
     if unacked_ids:
         publish(r, keys, model, optimizer, scheduler, step=step, checkpoint_dir=checkpoint_dir,
                 state_root=state_root, source_dir=source_dir, keep=cfg.keep_checkpoints,
-                save_state_now=True, entry_ids=unacked_entries, group_ids=unacked_ids)
+                save_state_now=True, entry_ids=unacked_entries, group_ids=unacked_ids,
+                dedup_window=cfg.dedup_window)
     if tracker is not None:
         tracker.close()
     say(f"trainer: stopped at step {step}")
