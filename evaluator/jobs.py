@@ -16,6 +16,7 @@ from rq import get_current_job
 from common.checkpoints import verify_dir
 from common.keys import METRICS_MAXLEN, PAYLOAD, Keys
 from common.messages import PromptTask
+from generators.engines import SamplingSettings
 from generators.hf_engine import HFEngine
 from generators.rewards import arithmetic
 from producers.arithmetic import problem
@@ -62,7 +63,8 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
               "eval/pass@1": sum(correct(ids, t) for ids, t in zip(greedy, tasks, strict=True)) / len(tasks)}
     if spec["pass_k"]:
         k = spec["pass_k"]
-        groups = engine.sample(prompts, n=k, max_new_tokens=spec["max_new_tokens"], temperature=spec["temperature"])
+        groups = engine.sample(prompts, SamplingSettings(n=k, max_new_tokens=spec["max_new_tokens"],
+                                                         temperature=spec["temperature"]))
         hits = [any(correct(s.ids, t) for s in group) for group, t in zip(groups, tasks, strict=True)]
         result[f"eval/pass@{k}"] = sum(hits) / len(tasks)
     result["eval/seconds"] = time.monotonic() - t0

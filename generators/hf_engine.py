@@ -1,13 +1,17 @@
 """The HF transformers engine: sample completions with their behaviour log-probs; reload weights.
 
-Log-probs are computed exactly as the trainer computes them: `log_softmax(logits.float() /
-temperature)` at the sampled token, with no top-k, top-p or other logits processors, so the
-sampling distribution and the trainer's behaviour log-probs are the same distribution.
+Log-probs are computed as the trainer computes them: `log_softmax(logits.float() / temperature)`
+at the sampled token, over the top-k/top-p truncated distribution when those are on, and with no
+other logits processor, so each behaviour log-prob is that of the distribution actually sampled.
+
+`add`/`step` give the generator's continuous-batching interface: each `step` samples the queued
+requests (up to `max_batch` prompts) in one `generate` call; requests added meanwhile go into the
+next step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -16,23 +20,22 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checkpoints import CheckpointError
 from common.messages import PromptTask
+from generators.engines import Finished, Sampled, SamplingSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True, slots=True)
-class Sampled:
-    ids: list[int]  # sampled token ids; the eos is included when finish == "stop"
-    logprobs: list[float]  # log_softmax(logits / temperature) of each sampled id, float32
-    finish: str  # "stop" (an eos was sampled) or "length" (max_new_tokens reached)
 
 
 class HFEngine:
     """A causal LM and its tokenizer, and the weight version they hold."""
 
-    def __init__(self, path: str | Path, *, dtype: str = "float32", seed: int = 0) -> None:
+    name = "hf"
+
+    def __init__(self, path: str | Path, *, dtype: str = "float32", seed: int = 0,
+                 max_batch: int = 8) -> None:
         assert dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}"
         self.path = Path(path)
+        self.max_batch = max_batch  # prompts sampled together in one step
+        self._queue: deque[tuple[str, list[int], SamplingSettings]] = deque()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype]).eval()
         self.version = 0  # weight version loaded: 0 = the initial checkpoint
@@ -55,30 +58,48 @@ class HFEngine:
         assert task.text is not None, f"prompt {task.id}: neither messages nor text"
         return self.tokenizer.encode(task.text)
 
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings) -> None:
+        assert prompt_ids, f"request {request_id}: empty prompt"
+        self._queue.append((request_id, prompt_ids, sampling))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._queue)
+
+    def step(self) -> list[Finished]:
+        """Sample the oldest queued requests that share its settings, up to `max_batch`."""
+        if not self._queue:
+            return []
+        sampling = self._queue[0][2]
+        batch = [q for q in self._queue if q[2] == sampling][:self.max_batch]
+        taken = {id(q) for q in batch}
+        self._queue = deque(q for q in self._queue if id(q) not in taken)
+        out = self.sample([ids for _, ids, _ in batch], sampling)
+        return [Finished(request_id=rid, samples=s) for (rid, _, _), s in zip(batch, out, strict=True)]
+
     @torch.no_grad()
-    def sample(self, prompts: list[list[int]], *, n: int, max_new_tokens: int,
-               temperature: float) -> list[list[Sampled]]:
-        """`n` completions of each prompt, sampled in one batch: result[i][j] is prompt i's j-th."""
+    def sample(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Sampled]]:
+        """`sampling.n` completions of each prompt, in one batch: result[i][j] is prompt i's j-th."""
         assert prompts and all(prompts), "sample() needs non-empty prompts"
-        assert n >= 1 and max_new_tokens >= 1 and temperature > 0, \
-            f"need n >= 1, max_new_tokens >= 1, temperature > 0; got {n}, {max_new_tokens}, {temperature}"
+        n, temperature = sampling.n, sampling.temperature
         input_ids, attention_mask = self._left_pad(prompts)
         width = input_ids.shape[1]
         out = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask,
-            # Pure temperature sampling: every other processor the model's generation_config
-            # might switch on is switched off here (HF defaults top_k to 50).
-            do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None,
+            # Temperature, then top-k and top-p when on: every other processor the model's
+            # generation_config might switch on is switched off here (HF defaults top_k to 50).
+            do_sample=True, temperature=temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+            min_p=None,
             typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
             no_repeat_ngram_size=0, min_length=0, min_new_tokens=None, bad_words_ids=None,
             suppress_tokens=None, begin_suppress_tokens=None, forced_eos_token_id=None,
-            num_return_sequences=n, max_new_tokens=max_new_tokens,
+            num_return_sequences=n, max_new_tokens=sampling.max_new_tokens,
             output_scores=True, output_logits=True, return_dict_in_generate=True,
             pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
         new = out.sequences[:, width:]  # (B*n, T)
-        scores = torch.stack(out.scores, dim=1).float()  # (B*n, T, V) processed: logits / temperature
+        scores = torch.stack(out.scores, dim=1).float()  # (B*n, T, V) processed: logits / T, truncated
         logits = torch.stack(out.logits, dim=1).float()  # (B*n, T, V) raw
-        assert torch.allclose(scores, logits / temperature), \
+        kept = torch.isfinite(scores)  # top-k/top-p set the tokens they cut to -inf
+        assert torch.allclose(scores[kept], (logits / temperature)[kept]), \
             "generate() applied logits processors beyond temperature: behaviour log-probs would be wrong"
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B*n, T)
         is_eos = torch.isin(new, torch.tensor(self.eos_ids))

