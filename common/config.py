@@ -197,6 +197,12 @@ class GeneratorConfig(_Section):
     threads: int = Field(0, ge=0)
     # Seed of the sampler; each generator offsets it by a hash of its id.
     seed: int = 0
+    # Seconds one completion's reward may run; past it the worker running it is killed and the
+    # completion gets reward 0 with a recorded "timeout" error.
+    reward_timeout_s: float = Field(5.0, gt=0)
+    # Worker processes that run reward functions (concurrent groups use different ones); 0 runs
+    # them in the generator process itself, with no timeout (debugging).
+    reward_workers: int = Field(1, ge=0)
 
 
 class TrainerConfig(_Section):
