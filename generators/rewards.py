@@ -1,8 +1,17 @@
-"""Reward functions: plain callables from one completion to named reward components.
+"""Reward functions: plain callables from one completion to its reward.
 
 A reward function takes keyword arguments `prompt` (the prompt's text: the last user message,
 or the raw text), `completion` (decoded text), `completion_ids` and `meta` (the PromptTask's
-ground truth), and returns `{component: value}`; the scalar reward is the components' sum.
+ground truth), and returns either a number (one component, named "reward") or named components
+`{component: value}`; the scalar reward is the components' sum. A source names one function;
+to combine rewards, write a function that calls others and merges their components:
+
+    from generators.rewards import final_answer, format as answer_format
+
+    def answer_and_format(**kw):  # reward = "my_rewards:answer_and_format"
+        return {**final_answer(**kw), "format": 0.1 * answer_format(**kw)["format"]}
+
+The generator runs them in worker processes with a timeout (generators/scoring.py).
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
-RewardFn = Callable[..., dict[str, float]]
+RewardFn = Callable[..., dict[str, float] | float]
 
 _INTEGER = re.compile(r"-?\d+")
 
@@ -40,6 +49,12 @@ _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 
 def boxed(text: str) -> str | None:
     """The content of the last \\boxed{...} in `text` (nested braces allowed), or None."""
+    span = _last_boxed(text)
+    return text[span[0]:span[1]].strip() if span else None
+
+
+def _last_boxed(text: str) -> tuple[int, int] | None:
+    """(start, end) of the content of the last closed \\boxed{...} in `text`, or None."""
     starts = [m.end() for m in _BOXED.finditer(text)]
     if not starts:
         return None
@@ -47,7 +62,7 @@ def boxed(text: str) -> str | None:
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i:j].strip()
+            return i, j
     return None
 
 
@@ -85,6 +100,36 @@ def final_answer(*, prompt: str, completion: str, completion_ids: list[int],
         said = numbers[-1] if numbers else None
     correct = said is not None and normalize(said) == normalize(str(meta["answer"]))
     return {"correct": 1.0 if correct else 0.0}
+
+
+# ---------------------------------------------------------------------- format
+
+_LAST_ANSWER_TAG = re.compile(r"<answer>(.*)</answer>\s*", re.S)
+_AFTER_BOX = re.compile(r"(?:\s|\$|\\\]|\\\)|\.)*")  # closing math delimiters, a period
+
+
+# Named `format` (shadowing the builtin here) so that a config says "generators.rewards:format".
+def format(*, prompt: str, completion: str, completion_ids: list[int],
+           meta: dict[str, Any]) -> dict[str, float]:
+    """1.0 when the completion ends in a marked final answer, else 0.0; correctness is not judged.
+
+    Marked: a last line "#### <answer>" (GSM8K), a last \\boxed{<answer>} followed by nothing but
+    whitespace, "$", "\\]", "\\)" or ".", or a last <answer>...</answer> followed by whitespace
+    only (DeepSeek-R1 style, with or without a <think> block before it); the answer is not empty.
+    Meant to be combined with an answer reward, usually with a small weight, so that a model
+    learns to state its answer where the answer rewards look for it.
+    """
+    text = completion.rstrip()
+    last_line = text.rsplit("\n", 1)[-1].strip()
+    if last_line.startswith("####") and last_line[4:].strip():
+        return {"format": 1.0}
+    span = _last_boxed(text)
+    if span and text[span[0]:span[1]].strip() and _AFTER_BOX.fullmatch(text, span[1] + 1):
+        return {"format": 1.0}
+    tag = _LAST_ANSWER_TAG.fullmatch(text, max(text.rfind("<answer>"), 0))
+    if tag and tag[1].strip():
+        return {"format": 1.0}
+    return {"format": 0.0}
 
 
 # ---------------------------------------------------------------------- countdown
@@ -161,16 +206,23 @@ def load(name: str) -> RewardFn:
     return fn
 
 
+def _finite_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def score(fn: RewardFn, *, prompt: str, completion: str, completion_ids: list[int],
           meta: dict[str, Any]) -> tuple[float, dict[str, float], str | None]:
-    """(reward, components, error): a reward that raises or returns garbage scores 0 with the error."""
+    """(reward, components, error): a number is one component named "reward", a dict is named
+    components; a reward that raises or returns anything else (NaN, a string, a bool) scores 0
+    with the error."""
     try:
         rewards = fn(prompt=prompt, completion=completion, completion_ids=completion_ids, meta=meta)
     except Exception as err:  # user code: any failure is the completion's recorded reward error
         return 0.0, {}, f"{type(err).__name__}: {err}"[:500]
+    if _finite_number(rewards):
+        rewards = {"reward": rewards}
     if not isinstance(rewards, dict) or not all(
-            isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
-            and math.isfinite(v) for k, v in rewards.items()):
-        return 0.0, {}, f"reward returned {rewards!r:.200}, expected a dict of finite numbers"
-    rewards = {k: float(v) for k, v in rewards.items()}
+            isinstance(k, str) and _finite_number(v) for k, v in rewards.items()):
+        return 0.0, {}, f"reward returned {rewards!r:.200}, expected a finite number or a dict of them"
+    rewards = {str(k): float(v) for k, v in rewards.items()}
     return sum(rewards.values()), rewards, None

@@ -1,0 +1,259 @@
+"""Reward functions run in worker processes, with a time budget per completion.
+
+A reward function is user code: it may raise, loop forever or sleep. The generator must neither
+die nor stall on it, so rewards run in a few worker processes, started with "spawn" (the
+generator holds torch and its threads, which a fork would copy half-alive). A worker that
+overruns its budget is killed with SIGKILL, together with its process group (whatever the reward
+started goes too), and replaced; the completion gets reward 0.0 with the error
+"timeout after X s", and the rest of its group is scored by the replacement.
+
+Protocol, one duplex pipe per worker: the worker says ("ready", None) once it has loaded its
+reward functions (or ("failed", why)); then the parent sends one prompt's group as
+(source, prompt, meta, [(text, ids), ...]) and the worker answers one (reward, components, error)
+per completion, in order, as each is scored. Each completion has its own budget of `timeout_s`,
+counted from when the worker could start on it: the request sent, or the previous result
+received. A worker's start-up (imports) is not counted.
+
+The functions are loaded in the workers from their "module:function" names, which come from the
+config at start-up; a request only says which source's reward to use. Workers are daemonic (they
+end with the generator; a reward cannot itself start multiprocessing children, subprocesses are
+fine), run in their own process group (a Ctrl-C at the terminal reaches the generator only), and
+exit when their pipe closes or, while a reward hangs, within a second of the generator's death.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any
+
+from generators import rewards
+
+if TYPE_CHECKING:
+    from common.config import Config
+
+# A worker has this long to import its reward functions and say it is ready.
+START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    reward: float              # sum of the components; 0.0 on error
+    rewards: dict[str, float]  # named components; {} on error
+    error: str | None          # why the reward failed (raised, timed out, bad return), else None
+
+
+def reward_names(config: Config) -> dict[str, str]:
+    """{source name: "module:function"} of the run's sources. Each is loaded here once, so that a
+    bad name stops the generator at start-up with the field that names it."""
+    from common.config import ConfigError  # here: the workers import this module, not pydantic
+
+    names = {}
+    for i, source in enumerate(config.sources):
+        try:
+            rewards.load(source.reward_name)
+        except ValueError as err:
+            raise ConfigError(f"data.sources.{i}.reward: {err}") from None
+        names[source.name] = source.reward_name
+    return names
+
+
+# ---------------------------------------------------------------------- the worker process
+
+
+def _worker(names: dict[str, str], conn: Connection, parent: int) -> None:
+    """A reward worker's life: load the rewards, then score groups until the pipe closes."""
+    os.setpgrp()  # its own process group: a kill takes whatever the reward started along
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    try:
+        fns = {source: rewards.load(name) for source, name in names.items()}
+    except ValueError as err:
+        conn.send(("failed", str(err)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            source, prompt, meta, completions = conn.recv()
+        except EOFError:  # the generator closed the pipe, or is gone
+            return
+        for text, ids in completions:
+            conn.send(rewards.score(fns[source], prompt=prompt, completion=text, completion_ids=ids, meta=meta))
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this worker once the generator is gone, even while a reward hangs: this thread runs
+    between the reward's bytecodes, or whenever it releases the GIL (a sleep)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+# ---------------------------------------------------------------------- the runner
+
+
+@dataclass(slots=True, eq=False)
+class _Worker:
+    process: BaseProcess
+    conn: Connection     # the generator's end of the worker's pipe
+    ready: bool = False  # it said it loaded its reward functions
+
+
+@dataclass(slots=True, eq=False)
+class _Slot:
+    worker: _Worker  # the slot's current worker; replaced when it is killed or dies
+
+
+class RewardRunner:
+    """Scores completions with their source's reward in `workers` processes, each completion
+    within `timeout_s`; a reward that raises, hangs or returns garbage is that completion's
+    recorded error. Concurrent `score` calls take different workers (waiting while all are busy).
+    """
+
+    def __init__(self, names: dict[str, str], *, timeout_s: float, workers: int) -> None:
+        """names: {source name: "module:function"}. workers=0: run in this process, no timeout
+        (for tests and debugging). A name that does not load raises ValueError; a worker that
+        cannot load them raises RuntimeError."""
+        assert timeout_s > 0, f"timeout_s must be positive, got {timeout_s}"
+        assert workers >= 0, f"workers must be >= 0, got {workers}"
+        self._names = dict(names)
+        self._fns = {source: rewards.load(name) for source, name in self._names.items()}  # fail fast, here
+        self._timeout_s = timeout_s
+        self._in_process = workers == 0
+        self._ctx = multiprocessing.get_context("spawn")
+        self._idle: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _live, _closed, restarts
+        self._live: dict[int, _Worker] = {}  # id(worker) -> worker, for close()
+        self._closed = False
+        self.restarts = 0  # workers killed (timeout) or found dead, and replaced
+        slots = [_Slot(self._start()) for _ in range(workers)]  # start them all, then wait
+        for slot in slots:
+            failed = self._await_ready(slot.worker)
+            if failed is not None:
+                self.close()
+                raise RuntimeError(failed)
+            self._idle.put(slot)
+
+    def score(self, source: str | None, *, prompt: str, completions: list[tuple[str, list[int]]],
+              meta: dict[str, Any]) -> list[Scored]:
+        """Score each (text, ids) completion of one prompt with the source's reward (None: the only
+        configured one; an unknown source: every completion gets an error). Blocking; thread-safe."""
+        assert not self._closed, "score() on a closed RewardRunner"
+        if isinstance(source, str) and source in self._names:
+            key = source
+        elif source is None and len(self._names) == 1:
+            key = next(iter(self._names))
+        else:
+            return [Scored(0.0, {}, f"no reward configured for source {source!r} (have {sorted(self._names)})")
+                    for _ in completions]
+        if not completions:
+            return []
+        if self._in_process:
+            return [Scored(*rewards.score(self._fns[key], prompt=prompt, completion=text, completion_ids=ids,
+                                          meta=meta)) for text, ids in completions]
+        slot = self._idle.get()  # blocks while every worker is busy
+        try:
+            return self._run(slot, key, prompt=prompt, completions=completions, meta=meta)
+        finally:
+            self._idle.put(slot)
+
+    def close(self) -> None:
+        """Kill every worker. Call it once no `score` is running; `score` afterwards is an error."""
+        with self._lock:
+            self._closed = True
+            live, self._live = list(self._live.values()), {}
+        for worker in live:
+            _kill(worker)
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _run(self, slot: _Slot, source: str, *, prompt: str, completions: list[tuple[str, list[int]]],
+             meta: dict[str, Any]) -> list[Scored]:
+        """The group's results from the slot's worker, replacing it when it times out or dies and
+        going on with the rest of the group on the replacement."""
+        results: list[Scored] = []
+        while len(results) < len(completions):
+            worker = slot.worker
+            failed = self._await_ready(worker)
+            if failed is not None:  # a replacement that cannot start: nothing to run the rest on
+                self._replace(slot)
+                return results + [Scored(0.0, {}, failed) for _ in completions[len(results):]]
+            try:
+                worker.conn.send((source, prompt, meta, completions[len(results):]))
+            except OSError:  # it died while idle (killed from outside): a fresh one takes the group
+                self._replace(slot)
+                continue
+            while len(results) < len(completions):
+                if not worker.conn.poll(self._timeout_s):
+                    results.append(Scored(0.0, {}, f"timeout after {self._timeout_s:g} s"))
+                    self._replace(slot)
+                    break
+                try:
+                    results.append(Scored(*worker.conn.recv()))
+                except (EOFError, OSError):  # the reward took the worker down (os._exit, a crash)
+                    worker.process.join(timeout=1.0)
+                    results.append(Scored(0.0, {}, f"reward worker died (exit code {worker.process.exitcode})"))
+                    self._replace(slot)
+                    break
+        return results
+
+    def _start(self) -> _Worker:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the RewardRunner is closed")
+            ours, theirs = self._ctx.Pipe(duplex=True)
+            process = self._ctx.Process(target=_worker, args=(self._names, theirs, os.getpid()),
+                                        name="reward-worker", daemon=True)
+            process.start()
+            theirs.close()  # the worker holds its end: our recv sees EOF when it dies
+            worker = _Worker(process, ours)
+            self._live[id(worker)] = worker
+            return worker
+
+    def _replace(self, slot: _Slot) -> None:
+        """Kill the slot's worker and give the slot a fresh one (it is waited for when next used)."""
+        old = slot.worker
+        with self._lock:
+            self._live.pop(id(old), None)
+            self.restarts += 1
+        _kill(old)
+        slot.worker = self._start()
+
+    def _await_ready(self, worker: _Worker) -> str | None:
+        """None once the worker has loaded its rewards, else why it cannot score."""
+        if worker.ready:
+            return None
+        if not worker.conn.poll(START_TIMEOUT_S):
+            return f"reward worker did not start within {START_TIMEOUT_S:g} s"
+        try:
+            kind, detail = worker.conn.recv()
+        except (EOFError, OSError):
+            worker.process.join(timeout=1.0)
+            return f"reward worker died while starting (exit code {worker.process.exitcode})"
+        if kind != "ready":
+            return f"reward worker cannot load its rewards: {detail}"
+        worker.ready = True
+        return None
+
+
+def _kill(worker: _Worker) -> None:
+    """SIGKILL the worker and its process group, and reap it."""
+    with contextlib.suppress(ProcessLookupError):  # gone already, or killed before it made its own group
+        os.killpg(worker.process.pid, signal.SIGKILL)
+    worker.process.kill()
+    worker.process.join()
+    worker.process.close()
+    worker.conn.close()

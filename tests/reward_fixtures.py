@@ -1,0 +1,50 @@
+"""Reward functions for the scoring tests, importable by name ("tests.reward_fixtures:half") from
+the spawned reward workers, which get the test process's sys.path."""
+
+import os
+import subprocess
+import time
+
+
+def half(**_) -> float:
+    return 0.5
+
+
+def parts(**_) -> dict[str, float]:
+    return {"correct": 1.0, "format": 0.25}
+
+
+def length(*, completion: str, completion_ids: list[int], **_) -> dict[str, float]:
+    """Sees the text and the ids: their lengths as two components."""
+    return {"chars": float(len(completion)), "tokens": float(len(completion_ids))}
+
+
+def moody(*, completion: str, meta: dict, **_) -> float:
+    """What the completion says: "raise", "hang" (sleeps), "spin" (a busy loop), "die" (the process
+    exits), "child" (starts a child process, writes its pid to meta["pidfile"], then hangs),
+    "nan", "text"; anything else scores 1.0."""
+    if completion == "raise":
+        raise ValueError("no good")
+    if completion == "hang":
+        time.sleep(1e9)
+    if completion == "spin":
+        while True:
+            pass
+    if completion == "die":
+        os._exit(3)
+    if completion == "child":
+        child = subprocess.Popen(["sleep", "1000"])
+        with open(meta["pidfile"], "w") as f:
+            f.write(str(child.pid))
+        time.sleep(1e9)
+    if completion == "nan":
+        return float("nan")
+    if completion == "text":
+        return "1.0"  # type: ignore[return-value]
+    return 1.0
+
+
+def slow_pid(*, meta: dict, **_) -> float:
+    """Sleeps meta["sleep"] seconds, then says which process scored it."""
+    time.sleep(meta["sleep"])
+    return float(os.getpid())

@@ -1,0 +1,167 @@
+"""RewardRunner: rewards in spawned worker processes, each completion within a time budget."""
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from generators.scoring import RewardRunner, Scored, reward_names
+
+FIX = "tests.reward_fixtures"
+OK = Scored(1.0, {"reward": 1.0}, None)
+
+
+def group(*texts: str) -> list[tuple[str, list[int]]]:
+    return [(t, [1, 2, 3]) for t in texts]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_number_is_one_component_and_a_dict_is_named_components(workers):
+    names = {"h": f"{FIX}:half", "p": f"{FIX}:parts", "l": f"{FIX}:length"}
+    with RewardRunner(names, timeout_s=5, workers=workers) as runner:
+        assert runner.score("h", prompt="p", completions=group("a", "b"), meta={}) == \
+            [Scored(0.5, {"reward": 0.5}, None)] * 2
+        assert runner.score("p", prompt="p", completions=group("a"), meta={}) == \
+            [Scored(1.25, {"correct": 1.0, "format": 0.25}, None)]
+        # the reward sees each completion's own text and ids
+        assert runner.score("l", prompt="p", completions=[("abc", [7]), ("", [7, 8])], meta={}) == [
+            Scored(4.0, {"chars": 3.0, "tokens": 1.0}, None), Scored(2.0, {"chars": 0.0, "tokens": 2.0}, None)]
+        assert runner.score("h", prompt="p", completions=[], meta={}) == []
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_raising_or_garbage_reward_is_that_completions_error(workers):
+    with RewardRunner({"m": f"{FIX}:moody"}, timeout_s=5, workers=workers) as runner:
+        out = runner.score("m", prompt="p", completions=group("ok", "raise", "nan", "text", "ok"), meta={})
+    assert [out[0], out[4]] == [OK, OK]  # the rest of the group is scored
+    assert out[1] == Scored(0.0, {}, "ValueError: no good")
+    for bad in out[2:4]:
+        assert (bad.reward, bad.rewards) == (0.0, {}) and "expected a finite number" in bad.error
+
+
+@pytest.mark.parametrize("how", ["hang", "spin"])
+def test_a_hanging_reward_times_out_and_the_worker_is_replaced(how):
+    with RewardRunner({"m": f"{FIX}:moody"}, timeout_s=0.5, workers=1) as runner:
+        assert runner.score("m", prompt="p", completions=group("ok"), meta={}) == [OK]
+        t0 = time.monotonic()
+        out = runner.score("m", prompt="p", completions=group("ok", how, "ok"), meta={})
+        elapsed = time.monotonic() - t0
+        assert out == [OK, Scored(0.0, {}, "timeout after 0.5 s"), OK]  # the replacement scored the last
+        assert 0.5 <= elapsed < 0.5 + 2.0, f"took {elapsed:.2f}s"  # the budget, a kill and a fresh worker
+        assert runner.restarts == 1
+        assert runner.score("m", prompt="p", completions=group("ok", "ok"), meta={}) == [OK, OK]
+
+
+def test_each_completion_has_its_own_budget():
+    # three completions of 0.3 s each fit a budget of 0.5 s per completion, not per group
+    with RewardRunner({"s": f"{FIX}:slow_pid"}, timeout_s=0.5, workers=1) as runner:
+        out = runner.score("s", prompt="p", completions=group("a", "b", "c"), meta={"sleep": 0.3})
+    assert all(s.error is None for s in out) and runner.restarts == 0
+
+
+def test_a_reward_that_kills_its_worker_is_an_error_not_a_dead_generator():
+    with RewardRunner({"m": f"{FIX}:moody"}, timeout_s=5, workers=1) as runner:
+        out = runner.score("m", prompt="p", completions=group("ok", "die", "ok"), meta={})
+        assert out == [OK, Scored(0.0, {}, "reward worker died (exit code 3)"), OK]
+        assert runner.score("m", prompt="p", completions=group("ok"), meta={}) == [OK]
+
+
+def test_a_timeout_kills_what_the_reward_started(tmp_path: Path):
+    pidfile = tmp_path / "child.pid"
+    with RewardRunner({"m": f"{FIX}:moody"}, timeout_s=1.0, workers=1) as runner:
+        out = runner.score("m", prompt="p", completions=group("child"), meta={"pidfile": str(pidfile)})
+    assert out[0].error == "timeout after 1 s"
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child), f"the reward's child {child} outlived its killed worker"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped by init counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_sources_pick_their_reward_and_an_unknown_one_is_an_error():
+    with RewardRunner({"only": f"{FIX}:half"}, timeout_s=5, workers=1) as one:
+        assert one.score(None, prompt="p", completions=group("a"), meta={})[0].reward == 0.5  # the only one
+        assert one.score("other", prompt="p", completions=group("a", "b"), meta={}) == \
+            [Scored(0.0, {}, "no reward configured for source 'other' (have ['only'])")] * 2
+    with RewardRunner({"h": f"{FIX}:half", "p": f"{FIX}:parts"}, timeout_s=5, workers=0) as two:
+        assert two.score(None, prompt="p", completions=group("a"), meta={})[0].error == \
+            "no reward configured for source None (have ['h', 'p'])"
+
+
+def test_concurrent_calls_use_different_workers():
+    with RewardRunner({"s": f"{FIX}:slow_pid"}, timeout_s=5, workers=2) as runner:
+        runner.score("s", prompt="p", completions=group("a"), meta={"sleep": 0})  # both ready
+        out: list[list[Scored]] = [[], []]
+
+        def call(i: int) -> None:
+            out[i] = runner.score("s", prompt="p", completions=group("a", "b"), meta={"sleep": 0.4})
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - t0
+    pids = {s.reward for calls in out for s in calls}
+    assert len(pids) == 2 and os.getpid() not in pids, f"two workers, not this process: {pids}"
+    assert elapsed < 1.5, f"two groups of 0.8 s each on two workers took {elapsed:.2f}s"
+
+
+def test_many_threads_get_their_own_results():
+    with RewardRunner({"l": f"{FIX}:length", "m": f"{FIX}:moody"}, timeout_s=0.5, workers=2) as runner:
+        errors: list[str] = []
+
+        def call(i: int) -> None:
+            texts = ["x" * j for j in range(i, i + 4)]
+            if i % 4 == 0:  # some hang meanwhile: their workers are replaced under the others' feet
+                got = runner.score("m", prompt="p", completions=group("hang", "ok"), meta={})
+                expected = [Scored(0.0, {}, "timeout after 0.5 s"), OK]
+            else:
+                got = runner.score("l", prompt="p", completions=[(t, [0] * i) for t in texts], meta={})
+                expected = [Scored(len(t) + i, {"chars": len(t), "tokens": i}, None) for t in texts]
+            if got != expected:
+                errors.append(f"call {i}: {got} != {expected}")
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert runner.restarts == 3
+
+
+def test_names_are_checked_at_start():
+    from common.config import ConfigError, config_from_dict
+
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        RewardRunner({"x": "tests.reward_fixtures:nothing"}, timeout_s=1, workers=1)
+    config = config_from_dict({"data": {"sources": [
+        {"name": "a", "kind": "arithmetic"},
+        {"name": "g", "path": "x.jsonl", "prompt_column": "q", "reward": "generators.rewards:format"}]}})
+    assert reward_names(config) == {"a": "generators.rewards:arithmetic", "g": "generators.rewards:format"}
+    bad = config_from_dict({"data": {"sources": [{"name": "c", "kind": "countdown", "reward": "nope.mod:fn"}]}})
+    with pytest.raises(ConfigError, match=r"data\.sources\.0\.reward: reward 'nope.mod:fn' cannot be loaded"):
+        reward_names(bad)
+
+
+def test_a_closed_runner_has_no_workers_left():
+    runner = RewardRunner({"h": f"{FIX}:half"}, timeout_s=1, workers=2)
+    processes = [w.process for w in runner._live.values()]
+    pids = [p.pid for p in processes]
+    runner.close()
+    assert not any(_alive(pid) for pid in pids)
+    with pytest.raises(AssertionError, match="closed"):
+        runner.score("h", prompt="p", completions=group("a"), meta={})
