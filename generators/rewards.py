@@ -113,15 +113,15 @@ def format(*, prompt: str, completion: str, completion_ids: list[int],
            meta: dict[str, Any]) -> dict[str, float]:
     """1.0 when the completion ends in a marked final answer, else 0.0; correctness is not judged.
 
-    Marked: a last line "#### <answer>" (GSM8K), a last \\boxed{<answer>} followed by nothing but
+    Marked: "#### <answer>" on the last line (GSM8K), a last \\boxed{<answer>} followed by nothing but
     whitespace, "$", "\\]", "\\)" or ".", or a last <answer>...</answer> followed by whitespace
     only (DeepSeek-R1 style, with or without a <think> block before it); the answer is not empty.
     Meant to be combined with an answer reward, usually with a small weight, so that a model
     learns to state its answer where the answer rewards look for it.
     """
     text = completion.rstrip()
-    last_line = text.rsplit("\n", 1)[-1].strip()
-    if last_line.startswith("####") and last_line[4:].strip():
+    last_line = text.rsplit("\n", 1)[-1]
+    if "####" in last_line and last_line.rsplit("####", 1)[1].strip():
         return {"format": 1.0}
     span = _last_boxed(text)
     if span and text[span[0]:span[1]].strip() and _AFTER_BOX.fullmatch(text, span[1] + 1):

@@ -48,3 +48,12 @@ def slow_pid(*, meta: dict, **_) -> float:
     """Sleeps meta["sleep"] seconds, then says which process scored it."""
     time.sleep(meta["sleep"])
     return float(os.getpid())
+
+
+def answer_and_format(**kw) -> dict[str, float]:
+    """Two built-ins combined, as the rewards module's docstring shows: correctness plus a small
+    format bonus."""
+    from generators.rewards import final_answer
+    from generators.rewards import format as answer_format
+
+    return {**final_answer(**kw), "format": 0.1 * answer_format(**kw)["format"]}

@@ -42,6 +42,15 @@ def test_a_reward_returning_garbage_is_an_error():
     assert (total, rewards) == (0.0, {}) and "finite" in err
 
 
+def test_a_number_is_one_component_named_reward():
+    for value in (0.75, 2, -1):
+        assert score(lambda value=value, **_: value, prompt="p", completion="c", completion_ids=[1], meta={}) == \
+            (float(value), {"reward": float(value)}, None)
+    for bad in (True, float("inf"), "1.0", None, [1.0], {"x": True}, {1: 1.0}):
+        total, rewards, err = score(lambda bad=bad, **_: bad, prompt="p", completion="c", completion_ids=[1], meta={})
+        assert (total, rewards) == (0.0, {}) and "expected a finite number" in err, bad
+
+
 def test_components_sum_to_the_reward():
     def two(**kwargs):
         return {"correct": 1.0, "format": 0.5}
@@ -66,6 +75,32 @@ def test_final_answer_reads_hashes_boxed_and_the_last_number():
     assert final("#### 42.0", "42") == 1.0 and final("It costs $18.", "18") == 1.0
     assert final("#### 41", "42") == 0.0 and final("no number here", "42") == 0.0
     assert final("42 is wrong, \\boxed{43}", "42") == 0.0  # the box wins over a bare number
+
+
+# ---------------------------------------------------------------------- format
+
+
+def fmt(text: str) -> float:
+    from generators.rewards import format as format_reward
+
+    return format_reward(prompt="p", completion=text, completion_ids=[1], meta={})["format"]
+
+
+def test_format_rewards_a_final_answer_marked_at_the_end():
+    # GSM8K: "#### answer" on the last line
+    assert fmt("3 + 4 = 7\n#### 7") == 1.0 and fmt("#### 1,234 apples\n\n") == 1.0
+    assert fmt("So 3 + 4 = 7. #### 7") == 1.0 and fmt("#### 6\n#### 7") == 1.0
+    assert fmt("#### 7 ####") == 0.0  # nothing after the last mark
+    assert fmt("#### 7\nI hope that helps") == 0.0  # something after it
+    assert fmt("3 + 4 = 7\n####") == 0.0 and fmt("####   \n") == 0.0  # no answer
+    # \boxed{}, then at most closing math delimiters and a period
+    assert fmt("So the answer is \\boxed{42}") == 1.0 and fmt("so $\\boxed{\\frac{1}{2}}$.") == 1.0
+    assert fmt("\\[\\boxed{x^{2}}\\]\n") == 1.0
+    assert fmt("\\boxed{42} is my answer") == 0.0 and fmt("\\boxed{}") == 0.0 and fmt("\\boxed{42") == 0.0
+    # <answer>...</answer>, with or without thinking first
+    assert fmt("<think>8 + 9 is 17</think>\n<answer>17</answer>") == 1.0 and fmt("<answer> 17 </answer>\n") == 1.0
+    assert fmt("<answer>17</answer> done") == 0.0 and fmt("<answer> </answer>") == 0.0
+    assert fmt("<answer>17") == 0.0 and fmt("17") == 0.0 and fmt("") == 0.0
 
 
 # ---------------------------------------------------------------------- countdown

@@ -31,6 +31,15 @@ def test_a_number_is_one_component_and_a_dict_is_named_components(workers):
         assert runner.score("h", prompt="p", completions=[], meta={}) == []
 
 
+def test_a_combined_reward_sums_its_components():
+    with RewardRunner({"g": f"{FIX}:answer_and_format"}, timeout_s=5, workers=1) as runner:
+        out = runner.score("g", prompt="p", completions=group("6 * 7\n#### 42", "it is 42", "#### 41"),
+                           meta={"answer": "42"})
+    assert out == [Scored(1.1, {"correct": 1.0, "format": 0.1}, None),
+                   Scored(1.0, {"correct": 1.0, "format": 0.0}, None),
+                   Scored(0.1, {"correct": 0.0, "format": 0.1}, None)]
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_raising_or_garbage_reward_is_that_completions_error(workers):
     with RewardRunner({"m": f"{FIX}:moody"}, timeout_s=5, workers=workers) as runner:
