@@ -21,7 +21,8 @@ def connect(url: str, *, wait_s: float = 30.0, retry_s: float = 120.0) -> redis.
     that meets a lost connection (Redis restarting from its append-only file, a network blip) is
     tried again, reconnecting, for about `retry_s` seconds before the error reaches the process.
     A transaction whose reply was lost in the instant Redis died may so be applied twice: group
-    ids (the trainer's `trained` set) catch a group written twice.
+    ids (the trainer's `trained` set) catch a group written twice. A refused password or ACL user
+    (redis.exceptions.AuthenticationError) is raised at once: waiting will not fix it.
     """
     client = redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30,
                                   retry=Retry(NoBackoff(), 0))  # the first contact waits below
@@ -34,6 +35,8 @@ def connect(url: str, *, wait_s: float = 30.0, retry_s: float = 120.0) -> redis.
                                    supported_errors=(redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                                                      TimeoutError)))  # BusyLoadingError is a ConnectionError
             return client
+        except redis.exceptions.AuthenticationError:  # a wrong or missing password: waiting will not fix it
+            raise
         except redis.exceptions.BusyLoadingError:  # replaying its append-only file
             pass
         except redis.exceptions.ConnectionError:
@@ -81,6 +84,11 @@ def redacted(url: str) -> str:
 
 
 def lost_redis(process: str, url: str, err: Exception) -> str:
-    """The one-line message a process exits with when Redis goes away under it."""
+    """The one-line message a process exits with when Redis goes away under it, or refuses its
+    credentials (never the password itself)."""
+    if isinstance(err, redis.exceptions.AuthenticationError):
+        return (f"{process}: Redis at {redacted(url)} refused the credentials: {err} "
+                "(put the password, or ACL user and password, in redis_url: "
+                "redis://user:password@host:port/db)")
     return (f"{process}: lost Redis at {redacted(url)} ({err}); whatever was not acknowledged "
             "is still in its stream: start again to resume")

@@ -1,0 +1,128 @@
+"""Security: the pipeline against a Redis that requires a password, with every process but the
+producer signed in as an ACL user that may touch only its run's keys (and RQ's); a missing or
+wrong password stops each process with one line that says so and never shows the password."""
+
+import re
+import subprocess
+
+import pytest
+import redis
+
+from common.cli import status_lines
+from common.keys import Keys
+from tests.conftest import free_port, start_redis
+from tests.helpers import spawn, stop, wait_for
+
+RUN = "sec"
+KEYS = Keys(RUN)
+PASSWORD = "default-pw-7f3a"  # the default user's (requirepass)
+USER, USER_PASSWORD = "rollouts-sec", "acl-pw-91c2"
+# The README's example: the run's keys, RQ's keys and channels, every command but the dangerous
+# ones, plus INFO (RQ reads the server version with it; without it RQ assumes an old server).
+ACL_RULE = f"on >{USER_PASSWORD} resetkeys ~rollouts:{RUN}:* ~rq:* resetchannels &rq:* +@all -@dangerous +info"
+
+
+def write_config(tmp_path, model, *, steps: int, eval_every: int) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(f"""
+run = "{RUN}"
+output_dir = "{tmp_path / 'run'}"
+[model]
+path = "{model}"
+[rollout]
+group_size = 4
+prompts_per_step = 4
+max_staleness = 1
+max_new_tokens = 8
+[generator]
+batch_prompts = 2
+threads = 1
+[trainer]
+lr = 1e-3
+max_steps = {steps}
+micro_batch_size = 8
+threads = 1
+[eval]
+every = {eval_every}
+prompts = 4
+""")
+    return str(path)
+
+
+def locked_redis(tmp_path):
+    """A real redis-server that requires PASSWORD, with the ACL user USER; (process, port)."""
+    port = free_port()
+    server = start_redis(tmp_path / "redis", port)
+    redis.Redis(port=port).config_set("requirepass", PASSWORD)  # as `--requirepass` would
+    admin = redis.Redis(port=port, password=PASSWORD)
+    admin.execute_command("ACL", "SETUSER", USER, *ACL_RULE.split())
+    return server, port
+
+
+def test_pipeline_runs_with_a_password_and_an_acl_user_limited_to_its_run(tmp_path, tiny_model):
+    server, port = locked_redis(tmp_path)
+    password_url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
+    acl_url = f"redis://{USER}:{USER_PASSWORD}@127.0.0.1:{port}/0"
+    r = redis.Redis.from_url(password_url)
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis(port=port).ping()  # nobody gets in without a password
+    config = write_config(tmp_path, tiny_model, steps=2, eval_every=1)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def start(name: str, module: str, url: str, *args: str) -> subprocess.Popen:
+        env = {"ROLLOUTS_CONFIG": config, "ROLLOUTS_REDIS_URL": url}
+        return spawn(module, *args, cwd=tmp_path, env=env, log=logs / f"{name}.log")
+
+    procs = {"producer": start("producer", "producers", password_url),
+             "generator": start("generator", "generators", acl_url, "--id", "g1"),
+             "trainer": start("trainer", "trainer", acl_url), "evaluator": start("evaluator", "evaluator", acl_url)}
+    try:
+        assert procs["trainer"].wait(timeout=300) == 0, (logs / "trainer.log").read_text()[-3000:]
+        wait_for(lambda: r.hexists(KEYS.evals, "2"), timeout=120, what="the evaluation of version 2",
+                 procs=list(procs.values()))
+        # `rollouts status` reads the run as the ACL user too
+        screen = "\n".join(status_lines(redis.Redis.from_url(acl_url), RUN))
+        assert "step 2  version 2" in screen and "eval       v2  pass@1" in screen, screen
+        # the user really is confined to its run: another run's keys are refused
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            redis.Redis.from_url(acl_url).set("rollouts:other:producer", 1)
+    finally:
+        codes = {name: stop(p) for name, p in procs.items()}
+        server.kill()
+    assert codes == dict.fromkeys(procs, 0), {n: (logs / f"{n}.log").read_text()[-3000:] for n in procs}
+    for name in procs:  # no password in any log
+        text = (logs / f"{name}.log").read_text()
+        assert PASSWORD not in text and USER_PASSWORD not in text, f"{name} logged a password"
+    # the user really is confined to its run: another run's keys are refused
+
+
+def test_a_missing_or_wrong_password_stops_each_process_with_one_line(tmp_path, tiny_model):
+    server, port = locked_redis(tmp_path)
+    config = write_config(tmp_path, tiny_model, steps=1, eval_every=0)
+    bad = {  # process: (module, URL, what Redis says)
+        "producer": ("producers", f"redis://127.0.0.1:{port}/0", "Authentication required"),
+        "generator": ("generators", f"redis://:wrong-{PASSWORD}@127.0.0.1:{port}/0", "invalid username-password"),
+        "trainer": ("trainer", f"redis://{USER}:wrong-{USER_PASSWORD}@127.0.0.1:{port}/0",
+                    "invalid username-password"),
+        "evaluator": ("evaluator", f"redis://nobody:{PASSWORD}@127.0.0.1:{port}/0", "invalid username-password"),
+    }
+    procs = {name: spawn(module, cwd=tmp_path, env={"ROLLOUTS_CONFIG": config, "ROLLOUTS_REDIS_URL": url},
+                         log=tmp_path / f"{name}.log") for name, (module, url, _) in bad.items()}
+    try:
+        codes = {name: p.wait(timeout=120) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            stop(p)
+        server.kill()
+    for name, (_, url, said) in bad.items():
+        out = (tmp_path / f"{name}.log").read_text()
+        assert codes[name] != 0, f"{name} exited {codes[name]}: {out}"
+        assert "Traceback" not in out, out
+        last = out.strip().splitlines()[-1]
+        host = f"127.0.0.1:{port}/0"
+        assert re.fullmatch(rf"{name}: Redis at redis://\S*{re.escape(host)} refused the credentials: "
+                            rf"{said}.*", last), last
+        password = url.split("://")[1].rpartition("@")[0].partition(":")[2]
+        if password:
+            assert password not in out and ":***@" in last, out
