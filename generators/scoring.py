@@ -19,6 +19,9 @@ config at start-up; a request only says which source's reward to use. Workers ar
 end with the generator; a reward cannot itself start multiprocessing children, subprocesses are
 fine), run in their own process group (a Ctrl-C at the terminal reaches the generator only), and
 exit when their pipe closes or, while a reward hangs, within a second of the generator's death.
+Spawn runs the main script again in each worker (as "__mp_main__"), so a script that makes a
+RewardRunner keeps its work under `if __name__ == "__main__":`; `python -m generators` is exempt
+(a package's __main__ is never re-run).
 """
 
 from __future__ import annotations

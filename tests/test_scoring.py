@@ -1,6 +1,9 @@
 """RewardRunner: rewards in spawned worker processes, each completion within a time budget."""
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -174,3 +177,27 @@ def test_a_closed_runner_has_no_workers_left():
     assert not any(_alive(pid) for pid in pids)
     with pytest.raises(AssertionError, match="closed"):
         runner.score("h", prompt="p", completions=group("a"), meta={})
+
+
+def test_workers_end_with_a_killed_generator(tmp_path: Path):
+    # the idle worker sees its pipe close; the one stuck in a reward notices its parent is gone
+    code = textwrap.dedent("""
+        import os, threading, time
+        from generators.scoring import RewardRunner
+        runner = RewardRunner({"m": "tests.reward_fixtures:moody"}, timeout_s=60, workers=2)
+        print(*(w.process.pid for w in runner._live.values()), flush=True)
+        threading.Thread(target=runner.score, args=("m",), daemon=True,
+                         kwargs={"prompt": "p", "completions": [("hang", [1])], "meta": {}}).start()
+        time.sleep(0.5)
+        os.kill(os.getpid(), 9)
+    """)
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out"
+    with out.open("w") as f:  # a file, not a pipe: the workers inherit it and may outlive the script
+        returncode = subprocess.run([sys.executable, "-c", code], cwd=root, stdout=f, stderr=f, timeout=60).returncode
+    pids = [int(p) for p in out.read_text().split()[:2]]
+    assert returncode == -9 and len(pids) == 2, (returncode, out.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), f"workers {pids} outlived their generator"
