@@ -150,26 +150,29 @@ def test_every_countdown_problem_is_solved_by_its_own_solution():
 
 def test_each_source_gets_its_configured_reward():
     from common.config import ConfigError, config_from_dict
-    from common.messages import PromptTask
-    from generators import rewards
-    from generators.main import load_rewards, reward_for
+    from generators.scoring import RewardRunner, reward_names
 
     config = config_from_dict({"data": {"sources": [
         {"name": "a", "kind": "arithmetic"},
         {"name": "c", "kind": "countdown"},
+        {"name": "d", "path": "x.jsonl", "prompt_column": "q"},
         {"name": "g", "path": "x.jsonl", "prompt_column": "q", "reward": "generators.rewards:arithmetic"}]}})
-    loaded = load_rewards(config)
-    assert loaded == {"a": rewards.arithmetic, "c": rewards.countdown, "g": rewards.arithmetic}
+    names = reward_names(config)
+    assert names == {"a": "generators.rewards:arithmetic", "c": "generators.rewards:countdown",
+                     "d": "generators.rewards:final_answer", "g": "generators.rewards:arithmetic"}
+    assert reward_names(config_from_dict({})) == {"arithmetic": "generators.rewards:arithmetic"}  # the [task]
 
-    def task(meta):
-        return PromptTask(id="x:0:0", messages=None, text="t", meta=meta, n=2, admitted_at=0)
+    with RewardRunner(names, timeout_s=1, workers=0) as runner:
+        def reward(source, text, meta):
+            (scored,) = runner.score(source, prompt="p", completions=[(text, [1])], meta=meta)
+            return scored
 
-    assert reward_for(task({"source": "c"}), loaded) is rewards.countdown
-    total, parts, err = score(reward_for(task({"source": "zzz"}), loaded), prompt="p", completion="1",
-                              completion_ids=[1], meta={})
-    assert total == 0.0 and "no reward configured for source 'zzz'" in err
-    assert reward_for(task({}), load_rewards(config_from_dict({}))) is rewards.arithmetic  # one source
+        assert reward("c", "3 * 4", {"target": 12, "numbers": [3, 4]}).reward == 1.0
+        assert reward("g", "17", {"answer": 17}).reward == 1.0
+        assert reward("d", "#### 17", {"answer": "17"}).reward == 1.0
+        assert "no reward configured for source 'zzz'" in reward("zzz", "1", {}).error
+        assert "no reward configured for source None" in reward(None, "1", {}).error  # several: name one
 
     bad = config_from_dict({"data": {"sources": [{"name": "c", "kind": "countdown", "reward": "nope.mod:fn"}]}})
     with pytest.raises(ConfigError, match=r"data\.sources\.0\.reward: reward 'nope.mod:fn' cannot be loaded"):
-        load_rewards(bad)
+        reward_names(bad)
