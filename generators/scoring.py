@@ -133,7 +133,7 @@ class RewardRunner:
         self._ctx = multiprocessing.get_context("spawn")
         self._idle: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _live, _closed, restarts
-        self._live: dict[int, _Worker] = {}  # id(worker) -> worker, for close()
+        self._live: set[_Worker] = set()  # every started worker not yet killed, for close()
         self._closed = False
         self.restarts = 0  # workers killed (timeout) or found dead, and replaced
         slots = [_Slot(self._start()) for _ in range(workers)]  # start them all, then wait
@@ -171,7 +171,7 @@ class RewardRunner:
         """Kill every worker. Call it once no `score` is running; `score` afterwards is an error."""
         with self._lock:
             self._closed = True
-            live, self._live = list(self._live.values()), {}
+            live, self._live = list(self._live), set()
         for worker in live:
             _kill(worker)
 
@@ -223,14 +223,14 @@ class RewardRunner:
             process.start()
             theirs.close()  # the worker holds its end: our recv sees EOF when it dies
             worker = _Worker(process, ours)
-            self._live[id(worker)] = worker
+            self._live.add(worker)
             return worker
 
     def _replace(self, slot: _Slot) -> None:
         """Kill the slot's worker and give the slot a fresh one (it is waited for when next used)."""
         old = slot.worker
         with self._lock:
-            self._live.pop(id(old), None)
+            self._live.discard(old)
             self.restarts += 1
         _kill(old)
         slot.worker = self._start()

@@ -163,7 +163,7 @@ def test_a_name_that_does_not_load_fails_at_start():
 
 def test_a_closed_runner_has_no_workers_left():
     runner = RewardRunner({"h": f"{FIX}:half"}, timeout_s=1, workers=2)
-    processes = [w.process for w in runner._live.values()]
+    processes = [w.process for w in runner._live]
     pids = [p.pid for p in processes]
     runner.close()
     assert not any(_alive(pid) for pid in pids)
@@ -177,7 +177,7 @@ def test_workers_end_with_a_killed_generator(tmp_path: Path):
         import os, threading, time
         from generators.scoring import RewardRunner
         runner = RewardRunner({"m": "tests.reward_fixtures:moody"}, timeout_s=60, workers=2)
-        print(*(w.process.pid for w in runner._live.values()), flush=True)
+        print(*(w.process.pid for w in runner._live), flush=True)
         threading.Thread(target=runner.score, args=("m",), daemon=True,
                          kwargs={"prompt": "p", "completions": [("hang", [1])], "meta": {}}).start()
         time.sleep(0.5)
