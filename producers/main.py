@@ -119,9 +119,12 @@ def run(config: Config) -> None:
 
     def on_signal(signum, frame):  # first signal: stop after this transaction; second: now
         nonlocal stop
-        if stop:
+        if stop:  # an admission cut short is one MULTI/EXEC: in Redis whole or not at all
+            print("producer: second signal, exiting now", file=sys.stderr, flush=True)
             raise SystemExit(130)
         stop = True
+        print(f"producer: {signal.Signals(signum).name}: stopping after the admission in hand "
+              "(again to exit at once)", file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -1,16 +1,20 @@
-"""Fault tests: the real processes on the tiny model, one of them killed with SIGKILL mid-run (the
-trainer between checkpoints, the producer, Redis itself), then started again. Each ends with the
+"""Fault tests: the real processes on the tiny model, one of them killed with SIGKILL mid-run (a
+generator holding prompts, the trainer between checkpoints, the producer, Redis itself), then
+started again (a dead generator's prompts are reclaimed by the other one instead). Each ends with the
 accounting: every admitted prompt is trained, dropped for a counted reason or still pending, and
 no group is trained twice. Run with -s to see the numbers."""
 
+import importlib.util
 import json
 import signal
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
-from common.keys import Keys
+from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
+from common.messages import decode_prompt
 from tests.conftest import free_port, start_redis
 from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
 
@@ -18,7 +22,10 @@ RUN = "faults"
 KEYS = Keys(RUN)
 
 
-def write_config(tmp_path: Path, redis_url: str, model: Path, *, steps: int, state_every: int = 0) -> dict:
+def write_config(tmp_path: Path, redis_url: str, model: Path, *, steps: int, state_every: int = 0,
+                 claim_idle_s: float = 120.0, engine: str = "hf") -> dict:
+    """The run's config on the tiny model (the HF engine by default: it starts in seconds, vLLM in a
+    minute on a CPU; delivery does not depend on the engine)."""
     path = tmp_path / "run.toml"
     path.write_text(f"""
 run = "{RUN}"
@@ -32,8 +39,10 @@ prompts_per_step = 4
 max_staleness = 1
 max_new_tokens = 8
 [generator]
+engine = "{engine}"
 batch_prompts = 2
 threads = 1
+claim_idle_s = {claim_idle_s}
 [trainer]
 lr = 1e-3
 max_steps = {steps}
@@ -53,6 +62,7 @@ class Pipeline:
 
     def start(self, name: str) -> None:
         module, args = {"producer": ("producers", ()), "generator": ("generators", ("--id", "g1")),
+                        "g1": ("generators", ("--id", "g1")), "g2": ("generators", ("--id", "g2")),
                         "trainer": ("trainer", ())}[name]
         self.procs[name] = spawn(module, *args, cwd=self.tmp, env=self.env, log=self.log(name))
 
@@ -62,6 +72,10 @@ class Pipeline:
     def kill(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)
         self.procs[name].wait(timeout=30)
+
+    def forget(self, name: str) -> None:
+        """Leave a killed process out of `finish` (it is not started again)."""
+        assert self.procs.pop(name).returncode == -signal.SIGKILL
 
     def finish(self, timeout: float = 300) -> None:
         """Wait for the trainer to reach max_steps, then stop the producer and the generator
@@ -100,6 +114,59 @@ def report(fault: str, at_kill: dict, after: dict) -> None:
     print(f"{fault}: after recovery: admitted {after['admitted']} = trained {after['trained']} + dropped "
           f"{after['dropped']} (stale {after['dropped_stale']}, dead {after['dead_groups'] + after['dead_prompts']}) "
           f"+ pending {after['pending']}; duplicates refused {after['duplicate']}")
+
+
+def held_prompts(r, consumer: str) -> list[str]:
+    """Ids of the prompts delivered to `consumer` and not yet acknowledged."""
+    entries = [p["message_id"] for p in r.xpending_range(KEYS.prompts, GENERATORS_GROUP, min="-", max="+",
+                                                         count=1000, consumername=consumer)]
+    return [decode_prompt(r.xrange(KEYS.prompts, e, e)[0][1][PAYLOAD]).id for e in entries]
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_generator_sigkill_holding_prompts(tmp_path, redis_url, r, tiny_model, engine):
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    # claim_idle_s: long enough that a live generator's prompts are not taken from it, short
+    # enough that the test does not wait long for the dead one's
+    pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=100, claim_idle_s=4,
+                                           engine=engine))
+    for name in ("producer", "g1", "g2", "trainer"):
+        pipe.start(name)
+    wait_for(lambda: int(r.hget(KEYS.trainer, "step") or 0) >= 1, timeout=180, what="step 1",
+             procs=list(pipe.procs.values()))
+    g1 = pipe.procs["g1"]
+
+    def g1_stopped_holding_prompts() -> list[str] | None:
+        """SIGSTOP g1 while it holds prompts mid-generation (and go on if it let them go meanwhile)."""
+        if not r.xpending_range(KEYS.prompts, GENERATORS_GROUP, min="-", max="+", count=1, consumername="g1"):
+            return None
+        g1.send_signal(signal.SIGSTOP)
+        held = held_prompts(r, "g1")
+        if not held:
+            g1.send_signal(signal.SIGCONT)
+        return held or None
+
+    held = wait_for(g1_stopped_holding_prompts, timeout=120, what="g1 holding prompts",
+                    procs=list(pipe.procs.values()), poll=0.01)
+    pipe.kill("g1")
+    pipe.forget("g1")
+    at_kill = accounting(r, KEYS)
+    assert held_prompts(r, "g1") == held
+    # The run goes on without them; once they have been idle claim_idle_s, g2 takes them over.
+    wait_for(lambda: all(r.zscore(KEYS.trained, p) is not None for p in held), timeout=120,
+             what=f"the prompts g1 held ({held}) trained", procs=list(pipe.procs.values()))
+    pipe.procs["trainer"].send_signal(signal.SIGTERM)  # finishes its step, saves, acknowledges
+    pipe.finish()
+    after = accounting(r, KEYS)
+    report("generator SIGKILL", at_kill, after)
+    print(f"generator SIGKILL: g1 held {len(held)} prompts when killed: {', '.join(held)}")
+    assert_accounted(after)
+    steps = int(r.hget(KEYS.trainer, "step"))
+    ids = trained_once(r, tmp_path, steps)
+    assert after["trained"] == len(ids) == steps * 4
+    assert all(ids.count(p) == 1 for p in held), f"prompts g1 held, as trained: {held} in {ids}"
+    assert held_prompts(r, "g1") == []
 
 
 def test_trainer_sigkill_between_checkpoints(tmp_path, redis_url, r, tiny_model):

@@ -445,19 +445,22 @@ def run(config: Config) -> None:
     step = int(r.hget(keys.trainer, "step") or 0)
     state_step = int(r.hget(keys.trainer, "state_step") or 0)
     latest = latest_weights(r, keys) if step > 0 else None
+    # Published weights hold groups still pending when no state was saved yet (state_every >
+    # sync_every): nothing acknowledged, so the initial model is the state to re-train them from.
+    acknowledged = state_step > 0 or int(r.hget(keys.trainer, "groups_trained") or 0) > 0
     if state_step > 0 and state_dir(state_root, state_step).is_dir():
         # The newest saved state holds the weights too: every group trained after it is still
         # pending and is re-trained, in order, reproducing the versions published since.
         model = load_model(source_dir)
         step = state_step
-    elif latest is not None:
+    elif latest is not None and acknowledged:
         verify_dir(latest.path, latest.checksums)
         model = load_model(Path(latest.path))
         step = latest.step
     else:
         if step > 0:
-            say(f"trainer: run {config.run!r} reached step {step} but published no weights; "
-                "starting again from the initial model")
+            say(f"trainer: run {config.run!r} reached step {step} but saved no trainer state; "
+                "re-training its groups from the initial model")
             step = 0
         model = load_model(source_dir)
     version = step  # the newest published weights (the initial ones are version 0)

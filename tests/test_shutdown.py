@@ -1,0 +1,143 @@
+"""Graceful shutdown: the first SIGTERM (or Ctrl-C) lets the trainer or the producer finish what it
+is doing and exit 0 with everything consistent; a second signal exits at once; either way a
+restart resumes the run, and no prompt is lost or trained twice. Run with -s to see the numbers."""
+
+import signal
+import time
+
+from common.keys import PAYLOAD
+from common.messages import decode_prompt
+from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
+from tests.test_faults import KEYS, Pipeline, metrics, report, trained_once, write_config
+
+
+def two_signals(proc) -> float:
+    """Ctrl-C then SIGTERM (as a terminal and a process manager would send them), back to back;
+    seconds until the process exited."""
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    return time.monotonic() - t0
+
+
+def saved_consistently(r, tmp_path) -> int:
+    """The trainer's step, checking that what it acknowledged is exactly what its newest saved
+    state holds and that nothing half-written is left."""
+    step, state_step, version = (int(r.hget(KEYS.trainer, k) or 0) for k in ("step", "state_step", "version"))
+    trained = {m.decode(): int(s) for m, s in r.zrange(KEYS.trained, 0, -1, withscores=True)}
+    assert all(s <= state_step for s in trained.values()), f"acknowledged past the saved state {state_step}"
+    assert int(r.hget(KEYS.trainer, "groups_trained") or 0) == len(trained)
+    if state_step:
+        assert (tmp_path / "run" / "trainer_state" / f"step_{state_step}").is_dir()
+        assert (tmp_path / "run" / "checkpoints" / f"step_{version}").is_dir()
+    leftovers = [*(tmp_path / "run").glob("*/.step_*.tmp")]
+    assert not leftovers or state_step < step, f"half-written after a clean stop: {leftovers}"
+    return step
+
+
+def test_trainer_first_sigterm_finishes_the_step_saves_and_a_restart_resumes(tmp_path, redis_url, r, tiny_model):
+    steps = 8
+    # state saved every 3 steps: at the signal it holds trained groups not yet acknowledged
+    pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=3))
+    for name in ("producer", "generator", "trainer"):
+        pipe.start(name)
+    wait_for(lambda: any(m["step"] == 4 for m in metrics(tmp_path)), timeout=180, what="step 4",
+             procs=list(pipe.procs.values()))
+    trainer = pipe.procs["trainer"]
+    at_signal = accounting(r, KEYS)
+    trainer.send_signal(signal.SIGTERM)
+    assert trainer.wait(timeout=60) == 0, pipe.log("trainer").read_text()
+    log = pipe.log("trainer").read_text()
+    assert "SIGTERM: finishing the current step" in log and "stopped at step" in log, log
+    # everything it trained is saved and acknowledged: the step it was in, finished, is the last
+    step = saved_consistently(r, tmp_path)
+    assert int(r.hget(KEYS.trainer, "state_step")) == step == max(m["step"] for m in metrics(tmp_path))
+    stopped = accounting(r, KEYS)
+    assert stopped["trained"] == 4 * step, stopped
+    print(f"\ntrainer SIGTERM at step {step}: saved state step {step}, groups trained {stopped['trained']}, "
+          f"groups read and not trained (left pending) {stopped['samples_pending']}")
+
+    pipe.start("trainer")
+    pipe.finish()
+    after = accounting(r, KEYS)
+    report("trainer SIGTERM", at_signal, after)
+    assert f"resuming at step {step} from its trainer state" in pipe.log("trainer").read_text()
+    assert_accounted(after)
+    assert after["trained"] == len(trained_once(r, tmp_path, steps)) == steps * 4
+
+
+def test_trainer_second_signal_exits_at_once_and_a_restart_retrains_what_was_not_saved(
+        tmp_path, redis_url, r, tiny_model):
+    steps = 6
+    # no trainer state until the last step: every group it trains stays unacknowledged till then
+    pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=steps))
+    for name in ("producer", "generator", "trainer"):
+        pipe.start(name)
+    wait_for(lambda: any(m["step"] == 2 for m in metrics(tmp_path)), timeout=180, what="step 2",
+             procs=list(pipe.procs.values()))
+    at_signal = accounting(r, KEYS)
+    seconds = two_signals(pipe.procs["trainer"])
+    code = pipe.procs["trainer"].returncode
+    log = pipe.log("trainer").read_text()
+    assert code == 130 and "second signal, exiting now" in log, (code, log)
+    assert seconds < 5, f"the second signal took {seconds:.1f}s to stop the trainer"
+    assert int(r.hget(KEYS.trainer, "state_step") or 0) == 0 and r.zcard(KEYS.trained) == 0
+    stopped = accounting(r, KEYS)
+    print(f"\ntrainer second signal: exited in {seconds:.2f}s at step {r.hget(KEYS.trainer, 'step').decode()}, "
+          f"nothing saved; groups left pending {stopped['samples_pending']}")
+    assert stopped["samples_pending"] >= 8  # the groups of the two steps it trained: not lost
+
+    pipe.start("trainer")
+    pipe.finish()
+    after = accounting(r, KEYS)
+    report("trainer second signal", at_signal, after)
+    assert_accounted(after)
+    assert after["trained"] == len(trained_once(r, tmp_path, steps)) == steps * 4
+
+
+def test_producer_first_sigterm_stops_cleanly_and_a_second_at_once(tmp_path, redis_url, r, tiny_model):
+    env = write_config(tmp_path, redis_url, tiny_model, steps=1)
+    log = tmp_path / "producer.log"
+
+    def start():
+        return spawn("producers", cwd=tmp_path, env=env, log=log)
+
+    def admitted() -> int:
+        return int(r.hget(KEYS.producer, "admitted") or 0)
+
+    def consistent() -> int:
+        """Admitted prompts, each on the stream once, the position where the next one starts."""
+        n = admitted()
+        assert r.xinfo_stream(KEYS.prompts)["entries-added"] == n
+        assert int(r.hget(KEYS.producer, "arithmetic:offset")) == n
+        return n
+
+    # first signal: it stops after the admission in hand, exit 0
+    producer = start()
+    wait_for(lambda: admitted() == 8, timeout=60, what="8 prompts admitted (the limit at version 0)",
+             procs=[producer])
+    producer.send_signal(signal.SIGTERM)
+    assert producer.wait(timeout=30) == 0, log.read_text()
+    assert "producer: stopped" in log.read_text()
+    assert consistent() == 8
+
+    # started again it resumes with the next prompt once the trainer's version allows more
+    producer = start()
+    wait_for(lambda: "resuming after 8 prompts" in log.read_text(), timeout=60, what="the restart",
+             procs=[producer])
+    r.hset(KEYS.trainer, "version", 3)  # the limit is now (1 + 3 + 1) * 4 = 20
+    wait_for(lambda: admitted() == 20, timeout=60, what="20 prompts admitted", procs=[producer])
+
+    # a second signal exits at once, leaving the position and the stream in step
+    seconds = two_signals(producer)
+    assert producer.returncode == 130 and seconds < 5, (producer.returncode, seconds, log.read_text())
+    assert "producer: second signal, exiting now" in log.read_text()
+    assert consistent() == 20
+    producer = start()
+    r.hset(KEYS.trainer, "version", 4)
+    wait_for(lambda: admitted() == 24, timeout=60, what="24 prompts admitted", procs=[producer])
+    assert stop(producer) == 0
+    assert consistent() == 24
+    ids = [decode_prompt(fields[PAYLOAD]).id for _, fields in r.xrange(KEYS.prompts)]
+    assert ids == [f"arithmetic:0:{i}" for i in range(24)], "a prompt admitted twice or skipped"
