@@ -2,11 +2,16 @@
 is doing and exit 0 with everything consistent; a second signal exits at once; either way a
 restart resumes the run, and no prompt is lost or trained twice. Run with -s to see the numbers."""
 
+import re
 import signal
+import sys
 import time
+
+import redis
 
 from common.keys import PAYLOAD
 from common.messages import decode_prompt
+from tests.conftest import free_port, start_redis
 from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
 from tests.test_faults import KEYS, Pipeline, metrics, report, trained_once, write_config
 
@@ -141,3 +146,58 @@ def test_producer_first_sigterm_stops_cleanly_and_a_second_at_once(tmp_path, red
     assert consistent() == 24
     ids = [decode_prompt(fields[PAYLOAD]).id for _, fields in r.xrange(KEYS.prompts)]
     assert ids == [f"arithmetic:0:{i}" for i in range(24)], "a prompt admitted twice or skipped"
+
+
+def test_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_path, tiny_model):
+    steps = 8
+    port = free_port()
+    data = tmp_path / "redis"
+    data.mkdir()
+    url = f"redis://127.0.0.1:{port}/0"
+    env = write_config(tmp_path, url, tiny_model, steps=steps)
+    procfile = tmp_path / "Procfile"
+    procfile.write_text(  # the project's Procfile, on a port and directory of this test's own
+        f"redis: exec redis-server --port {port} --bind 127.0.0.1 --appendonly yes --dir {data} --save ''\n"
+        f"producer: exec {sys.executable} -m producers\n"
+        f"generator: exec {sys.executable} -m generators --id g1\n"
+        f"trainer: exec {sys.executable} -m trainer\n")
+    log = tmp_path / "honcho.log"
+
+    def honcho():
+        return spawn("honcho", "-f", str(procfile), "-d", str(tmp_path), "start", cwd=tmp_path, env=env, log=log)
+
+    r = redis.Redis.from_url(url)
+
+    def step() -> int:
+        try:
+            return int(r.hget(KEYS.trainer, "step") or 0)
+        except redis.exceptions.ConnectionError:
+            return 0
+
+    run = honcho()
+    try:
+        wait_for(lambda: step() >= 3, timeout=180, what="step 3", procs=[run])
+        at_signal = accounting(r, KEYS)
+        run.send_signal(signal.SIGINT)  # Ctrl-C: honcho sends SIGTERM to each process
+        run.wait(timeout=60)
+        first = log.read_text()
+        assert "SIGINT received" in first, first
+        stopped_at = max(m["step"] for m in metrics(tmp_path))
+
+        run = honcho()  # started again: Redis reloads its append-only file, everyone resumes
+        assert run.wait(timeout=300) == 0, log.read_text()[len(first):]  # the trainer reached max_steps
+    finally:
+        stop(run)
+    again = log.read_text()[len(first):]
+    assert "resuming after" in again and "trainer: resuming at step" in again, again
+
+    server = start_redis(data, port)  # look at what the run left
+    try:
+        after = accounting(r, KEYS)
+        report("honcho Ctrl-C", at_signal, after)
+        codes = ", ".join(f"{n} {c}" for n, c in re.findall(r"(\w+)\.1 stopped \(rc=(-?\d+)\)", first))
+        print(f"honcho Ctrl-C: stopped at step {stopped_at}; exit codes: {codes}")
+        assert_accounted(after)
+        assert after["trained"] == len(trained_once(r, tmp_path, steps)) == steps * 4
+    finally:
+        server.kill()
