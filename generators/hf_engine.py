@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from common.checkpoints import CheckpointError
 from common.messages import PromptTask
-from generators.engines import Finished, Sampled, SamplingSettings
+from generators.engines import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,7 +36,7 @@ class HFEngine:
         self.path = Path(path)
         self.max_batch = max_batch  # prompts sampled together in one step
         self._queue: deque[tuple[str, list[int], SamplingSettings]] = deque()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer = load_tokenizer(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype]).eval()
         self.version = 0  # weight version loaded: 0 = the initial checkpoint
         torch.manual_seed(seed)  # generate() samples from torch's global generator
@@ -50,13 +50,7 @@ class HFEngine:
         self.pad_id = pad if pad is not None else self.eos_ids[0]
 
     def prompt_ids(self, task: PromptTask) -> list[int]:
-        """The prompt's token ids: chat template with the generation prompt, or the plain text."""
-        if task.messages is not None:
-            text = self.tokenizer.apply_chat_template(task.messages, tokenize=False,
-                                                      add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        assert task.text is not None, f"prompt {task.id}: neither messages nor text"
-        return self.tokenizer.encode(task.text)
+        return chat_prompt_ids(self.tokenizer, task)
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings) -> None:
         assert prompt_ids, f"request {request_id}: empty prompt"

@@ -1,33 +1,54 @@
 """The generator process: take prompts, sample and score groups, publish them; follow the weights.
 
-Each pass of the loop, top to bottom:
-  1. take prompts: this consumer's own pending ones (a restart under the same id), ones idle in a
-     dead generator's pending list (XAUTOCLAIM), then new ones (XREADGROUP)
-  2. decode and tokenize them; dead-letter (and acknowledge) what does not decode
-  3. weights: at this safe point before sampling, load a newer published version (checksums first)
-  4. sample n completions of every prompt in one engine call, score each with the reward
-  5. per prompt, one MULTI/EXEC: XADD its group to the samples stream + XACK the prompt
-  6. heartbeat (also while waiting for prompts)
-The first SIGTERM/SIGINT lets the current batch finish and be written; a second exits at once.
+Concurrent tasks under one trio nursery, each a loop:
+  intake     takes prompts while fewer than `max_in_flight` are held: this consumer's own
+             pending ones first (a restart under the same id), then ones idle in a dead
+             generator's pending list (XAUTOCLAIM), then new ones (XREADGROUP); decodes and
+             tokenizes them, dead-lettering (and acknowledging) what does not decode
+  engine     adds arrived prompts to the engine and steps it (continuous batching: a prompt joins
+             the running batch as soon as it arrives, and a finished one leaves it at once); at a
+             safe point, with nothing in flight, loads newer weights (checksums first)
+  scoring    scores each finished prompt's completions with its reward (in reward worker
+             processes, each with a timeout), then per prompt one MULTI/EXEC: XADD its group to
+             the samples stream + XACK the prompt
+  weights    reads `weights:latest` every `weights_poll_s`
+  heartbeat  writes the heartbeat hash (version, engine, tokens/s, prompts in flight)
+Blocking calls (Redis, the engine, rewards) run in threads; the engine always in one thread of
+its own, the thread it was created in.
+
+Staleness: a newer published version stops new prompts from joining the engine; the ones in flight
+finish with the weights they started with (every group is sampled with one version, the one it is
+stamped with), then the weights are loaded and the waiting prompts join. A prompt admitted at a
+version newer than the loaded one makes the engine read `weights:latest` before adding it, so a
+prompt admitted at version v is sampled with weights >= v, which is what keeps admission control's
+staleness bound.
+
+The first SIGTERM/SIGINT stops the intake; the prompts already taken are sampled, scored and
+written, then the process exits. A second signal exits at once: what it held stays pending and is
+reclaimed.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import math
 import signal
+import socket
 import sys
-import threading
 import time
 import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import redis
-import torch
+import trio
 from jinja2 import TemplateError
-from transformers.utils import logging as hf_logging
 
 from common import streams
 from common.checkpoints import CheckpointError, verify_dir
-from common.config import Config, ConfigError, LimitsConfig
+from common.config import Config, LimitsConfig
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import (
     Completion,
@@ -38,116 +59,336 @@ from common.messages import (
     decode_weights,
     encode,
 )
-from common.models import resolve_model_path
-from generators import rewards as reward_fns
-from generators.engines import Sampled, SamplingSettings
-from generators.hf_engine import HFEngine
-from generators.rewards import RewardFn, score
+from generators import devices
+from generators.engines import Engine, Finished, SamplingSettings, open_engine
+from generators.scoring import RewardRunner, reward_names
 
-ENGINE = "hf"
-BLOCK_MS = 1000  # longest wait for new prompts before the loop comes round (heartbeat, weights)
+BLOCK_MS = 1000  # longest wait for new prompts before the intake comes round (stop, capacity)
+RATE_WINDOW_S = 30.0  # tokens/s in the heartbeat is over this window
 
 Entry = tuple[bytes, dict[bytes, bytes]]  # (stream entry id, fields)
 
 
+@dataclass
+class Held:
+    """A prompt this generator took and has not yet written a group for."""
+
+    entry_id: bytes
+    task: PromptTask
+    prompt_ids: list[int]
+    taken_at: float  # perf_counter when it was taken from the stream
+    added_at: float = 0.0  # when it joined the engine
+    version: int = -1  # weights it is sampled with, set when it joins the engine
+
+
+@dataclass
+class State:
+    """What the generator's tasks share: held prompts, weights to load, counters for the heartbeat."""
+
+    max_in_flight: int
+    held: dict[str, Held] = field(default_factory=dict)  # request id (prompt entry id) -> prompt
+    latest: bytes | None = None  # weights:latest payload last read
+    acted_on: bytes | None = None  # the payload last loaded or refused
+    stopping: bool = False
+    exit_code: int | None = None  # set by a second signal: exit now with this code
+    news: trio.Event = field(default_factory=trio.Event)  # set when the heartbeat should not wait (new weights)
+    groups: int = 0
+    dropped_zero_variance: int = 0
+    reward_errors: int = 0
+    weights_refused: int = 0
+    last_refusal: str = ""
+    produced: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens) per group
+
+    def tokens_per_s(self) -> float:
+        now = time.monotonic()
+        while self.produced and self.produced[0][0] < now - RATE_WINDOW_S:
+            self.produced.popleft()
+        if not self.produced:
+            return 0.0
+        span = max(now - self.produced[0][0], 1.0)
+        return round(sum(t for _, t in self.produced) / span, 1)
+
+
 def run(config: Config, *, generator_id: str) -> None:
     name = f"generator {generator_id}"
-    hf_logging.disable_progress_bar()  # one console line per step, not progress bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one console line per group batch, not progress bars
     keys = Keys(config.run)
     gen = config.generator
 
     # ------------------------------------------------------------------ start-up
-    rewards = load_rewards(config)  # each source's reward; a bad name fails before the model loads
-    if gen.threads > 0:
-        torch.set_num_threads(gen.threads)
+    names = reward_names(config)  # a reward name that does not load fails before the model does
     r = streams.connect(config.redis_url)
     streams.ensure_group(r, keys.prompts, GENERATORS_GROUP)
-    engine = HFEngine(resolve_model_path(config.model.path), dtype=config.model.dtype,
-                      seed=gen.seed + zlib.crc32(generator_id.encode()))
-    stop = install_shutdown(name)
-    status: dict[str, Any] = {"engine": ENGINE, "tokens_per_s": 0.0, "in_flight": 0, "groups": 0,
-                              "reward_errors": 0, "weights_refused": 0, "last_refusal": ""}
-    seen_weights: bytes | None = None  # the weights:latest payload last acted on
-    backlog = own_pending(r, stream=keys.prompts, consumer=generator_id)
-    print(f"{name}: {ENGINE} engine on {engine.path}, {len(backlog)} pending prompts of its own",
-          flush=True)
+    host = socket.gethostname()
+    gpu = devices.pick_gpu(r, keys, host=host, owner=generator_id, ttl_s=gen.heartbeat_ttl_s)
+    # The engine lives in one thread: created there, every call made there.
+    engine_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    engine: Engine = engine_thread.submit(
+        open_engine_for, config, seed=gen.seed + zlib.crc32(generator_id.encode())).result()
+    rewards = RewardRunner(names, timeout_s=gen.reward_timeout_s, workers=gen.reward_workers)
+    state = State(max_in_flight=gen.max_in_flight)
+    print(f"{name}: {engine.name} engine on {engine.path}{f' (GPU {gpu})' if gpu else ''}, "
+          f"up to {gen.max_in_flight} prompts in flight", flush=True)
+    try:
+        trio.run(serve, r, keys, config, engine, engine_thread, rewards, state, generator_id, gpu)
+    except BaseExceptionGroup as group:  # a task's error: raise it as itself, for __main__'s handlers
+        leaves = leaf_errors(group)
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+    finally:
+        r.delete(keys.generator(generator_id))  # a clean exit leaves no heartbeat behind
+        if gpu is not None:
+            devices.release_gpu(r, keys, host=host, device=gpu, owner=generator_id)
+        rewards.close()
+        engine_thread.shutdown(wait=False)
+    print(f"{name}: stopped after {state.groups} groups", flush=True)
+    if state.exit_code is not None:
+        sys.exit(state.exit_code)
 
-    while not stop.is_set():
-        # -------------------------------------------------------------- 1. take prompts
-        entries, backlog = backlog[:gen.batch_prompts], backlog[gen.batch_prompts:]
-        if len(entries) < gen.batch_prompts:
-            entries += take_prompts(r, stream=keys.prompts, consumer=generator_id,
-                                    count=gen.batch_prompts - len(entries),
-                                    claim_idle_ms=int(gen.claim_idle_s * 1000), wait=not entries)
 
-        # -------------------------------------------------------------- 2. decode, dead-letter
-        work = prepare_prompts(r, engine, entries, keys=keys, name=name,
-                               max_new_tokens=config.rollout.max_new_tokens, limits=config.limits)
-        # -------------------------------------------------------------- 3. weights
-        # Checked after the prompts are in hand and right before sampling: a prompt admitted at
-        # version v is then sampled with weights >= v, which is what keeps admission control's
-        # staleness bound. A late starter loads the newest weights here, before its first prompt.
-        blob = r.get(keys.weights_latest)
-        if blob is not None and blob != seen_weights:
-            seen_weights = blob
-            refusal = load_newer_weights(engine, blob=blob, name=name)
-            if refusal is not None:
-                status["weights_refused"] += 1
-                status["last_refusal"] = refusal
-                print(f"{name}: refused weights: {refusal}", file=sys.stderr, flush=True)
+def leaf_errors(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for err in group.exceptions:
+        out += leaf_errors(err) if isinstance(err, BaseExceptionGroup) else [err]
+    return out
 
-        heartbeat(r, key=keys.generator(generator_id), ttl_s=gen.heartbeat_ttl_s,
-                  fields={**status, "version": engine.version, "in_flight": len(work)})
-        if not work:
-            continue
 
-        # -------------------------------------------------------------- 4. sample, score
-        t0 = time.perf_counter()
-        groups, reward_errors = make_groups(
-            engine, [(task, ids) for _, task, ids in work], generator_id=generator_id,
-            max_new_tokens=config.rollout.max_new_tokens,
-            temperature=config.rollout.temperature, rewards=rewards)
-        for err in reward_errors[:1]:
-            print(f"{name}: reward error ({len(reward_errors)} in this batch): {err}",
-                  file=sys.stderr, flush=True)
+def open_engine_for(config: Config, *, seed: int) -> Engine:
+    from common.models import resolve_model_path
 
-        # -------------------------------------------------------------- 5. publish + ack
-        for (entry_id, _, _), group in zip(work, groups, strict=True):
-            publish(r, keys=keys, entry_id=entry_id, group=group)
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(c.ids) for g in groups for c in g.completions)
-        status["groups"] += len(groups)
-        status["reward_errors"] += len(reward_errors)
-        status["tokens_per_s"] = round(tokens / max(groups[0].timings["generate"], 1e-9), 1)
+    gen = config.generator
+    if gen.threads > 0:
+        import torch
 
-        # -------------------------------------------------------------- 6. heartbeat, report
-        heartbeat(r, key=keys.generator(generator_id), ttl_s=gen.heartbeat_ttl_s,
-                  fields={**status, "version": engine.version, "in_flight": 0})
-        print(f"{name} v{groups[0].version}: {len(groups)} groups, {tokens} tokens, "
-              f"{tokens / seconds:.0f} tok/s", flush=True)
+        torch.set_num_threads(gen.threads)
+    path = resolve_model_path(config.model.path)
+    options: dict[str, Any] = {}
+    if gen.engine == "hf" or (gen.engine == "auto" and not _vllm()):
+        options["max_batch"] = gen.batch_prompts
+    else:
+        options.update(kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
+                       max_num_seqs=max(gen.max_in_flight * config.rollout.group_size, 1))
+    return open_engine(gen.engine, path, dtype=config.model.dtype, seed=seed, **options)
 
-    r.delete(keys.generator(generator_id))  # a clean exit leaves no heartbeat behind
-    print(f"{name}: stopped after {status['groups']} groups", flush=True)
+
+def _vllm() -> bool:
+    from generators.engines import vllm_available
+
+    return vllm_available()
+
+
+async def serve(r: redis.Redis, keys: Keys, config: Config, engine: Engine,
+                engine_thread: concurrent.futures.Executor, rewards: RewardRunner, state: State,
+                generator_id: str, gpu: str | None) -> None:
+    name = f"generator {generator_id}"
+    gen, rollout = config.generator, config.rollout
+    sampling = dict(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                    top_p=rollout.top_p, top_k=rollout.top_k)
+    arrived_send, arrived = trio.open_memory_channel[Held](math.inf)
+    finished_send, finished = trio.open_memory_channel[tuple[Finished, Held]](math.inf)
+    capacity = trio.Semaphore(gen.max_in_flight)  # one token per held prompt
+    intake_scope = trio.CancelScope()  # cancelled by the first signal
+    # A late starter loads the newest weights before its first prompt.
+    state.latest = await trio.to_thread.run_sync(r.get, keys.weights_latest)
+
+    async def on_engine(fn, *args):
+        token, done = trio.lowlevel.current_trio_token(), trio.Event()
+        future = engine_thread.submit(fn, *args)
+        future.add_done_callback(lambda _: token.run_sync_soon(done.set))
+        await done.wait()
+        return future.result()
+
+    # -------------------------------------------------------------- intake
+    async def intake() -> None:
+        backlog = await trio.to_thread.run_sync(lambda: own_pending(r, stream=keys.prompts, consumer=generator_id))
+        if backlog:
+            print(f"{name}: {len(backlog)} pending prompts of its own", flush=True)
+        with intake_scope:
+            while True:
+                await capacity.acquire()  # where a stop signal finds it waiting
+                count = 1
+                while count < gen.batch_prompts:
+                    try:
+                        capacity.acquire_nowait()
+                    except trio.WouldBlock:
+                        break
+                    count += 1
+                with trio.CancelScope(shield=True):  # what is taken from the stream is held
+                    entries, backlog = backlog[:count], backlog[count:]
+                    if len(entries) < count:
+                        entries += await trio.to_thread.run_sync(partial(
+                            take_prompts, r, stream=keys.prompts, consumer=generator_id, count=count - len(entries),
+                            claim_idle_ms=int(gen.claim_idle_s * 1000), wait=not entries))
+                    work = await trio.to_thread.run_sync(lambda es=entries: prepare_prompts(
+                        r, engine, es, keys=keys, name=name, max_new_tokens=rollout.max_new_tokens,
+                        limits=config.limits))
+                    now = time.perf_counter()
+                    for entry_id, task, ids in work:
+                        held = Held(entry_id=entry_id, task=task, prompt_ids=ids, taken_at=now)
+                        state.held[entry_id.decode()] = held
+                        arrived_send.send_nowait(held)
+                    for _ in range(count - len(work)):
+                        capacity.release()
+        await arrived_send.aclose()
+
+    # -------------------------------------------------------------- engine
+    async def engine_loop() -> None:
+        waiting: deque[Held] = deque()  # arrived, not yet added to the engine
+        intake_done = False
+        while True:
+            while True:  # everything that arrived, without waiting
+                try:
+                    waiting.append(arrived.receive_nowait())
+                except trio.WouldBlock:
+                    break
+                except trio.EndOfChannel:
+                    intake_done = True
+                    break
+            # A prompt admitted at a newer version than ours: read the latest weights now.
+            if waiting and max(h.task.admitted_at for h in waiting) > engine.version:
+                state.latest = await trio.to_thread.run_sync(r.get, keys.weights_latest)
+            newer = state.latest is not None and state.latest != state.acted_on
+            if newer and not engine.has_unfinished():
+                await load_weights(state, engine, on_engine, name=name)
+                newer = False
+            if waiting and not newer:  # join the running batch; with newer weights pending, drain first
+                version, now = engine.version, time.perf_counter()
+                batch = list(waiting)
+                waiting.clear()
+                for h in batch:
+                    h.version, h.added_at = version, now
+                await on_engine(add_all, engine, [(h.entry_id.decode(), h.prompt_ids, SamplingSettings(
+                    n=h.task.n, **sampling)) for h in batch])
+            if engine.has_unfinished():
+                for done in await on_engine(engine.step):
+                    finished_send.send_nowait((done, state.held[done.request_id]))
+                continue
+            if intake_done and not waiting:
+                break
+            # idle: wait for a prompt to arrive or newer weights to show up
+            with trio.move_on_after(gen.weights_poll_s):
+                try:
+                    waiting.append(await arrived.receive())
+                except trio.EndOfChannel:
+                    intake_done = True
+        await finished_send.aclose()
+
+    # -------------------------------------------------------------- scoring and writing
+    async def scoring() -> None:
+        async with trio.open_nursery() as writers:
+            limit = trio.Semaphore(max(gen.reward_workers, 1))  # groups being scored at once
+            async for done, held in finished:
+                await limit.acquire()
+                writers.start_soon(score_and_publish, done, held, limit)
+
+    async def score_and_publish(done: Finished, held: Held, limit: trio.Semaphore) -> None:
+        try:
+            group, errors = await trio.to_thread.run_sync(lambda: make_group(
+                engine, rewards, held, done, generator_id=generator_id))
+            drop = gen.drop_zero_variance and len({c.reward for c in group.completions}) == 1
+            await trio.to_thread.run_sync(lambda: (drop_group if drop else publish)(
+                r, keys=keys, entry_id=held.entry_id, group=group))
+        finally:
+            limit.release()
+        del state.held[done.request_id]
+        capacity.release()
+        tokens = sum(len(c.ids) for c in group.completions)
+        state.produced.append((time.monotonic(), tokens))
+        state.reward_errors += len(errors)
+        if drop:
+            state.dropped_zero_variance += 1
+        else:
+            state.groups += 1
+        for err in errors[:1]:
+            print(f"{name}: reward error ({len(errors)} in group {group.id}): {err}", file=sys.stderr, flush=True)
+        if state.groups % 8 == 0 or drop:
+            print(f"{name} v{group.version}: {state.groups} groups written"
+                  f"{f', {state.dropped_zero_variance} dropped (zero reward variance)' if drop else ''}, "
+                  f"{state.tokens_per_s():.0f} tok/s, {len(state.held)} in flight", flush=True)
+
+    # -------------------------------------------------------------- weights, heartbeat, signals
+    async def watch_weights() -> None:
+        while True:
+            blob = await trio.to_thread.run_sync(r.get, keys.weights_latest)
+            if blob is not None:
+                state.latest = blob
+            await trio.sleep(gen.weights_poll_s)
+
+    async def heartbeats() -> None:
+        host = socket.gethostname()
+        while True:
+            fields = {"engine": engine.name, "version": engine.version, "tokens_per_s": state.tokens_per_s(),
+                      "in_flight": len(state.held), "groups": state.groups, "reward_errors": state.reward_errors,
+                      "dropped_zero_variance": state.dropped_zero_variance,
+                      "weights_refused": state.weights_refused, "last_refusal": state.last_refusal}
+            await trio.to_thread.run_sync(lambda f=fields: heartbeat(
+                r, key=keys.generator(generator_id), ttl_s=gen.heartbeat_ttl_s, fields=f))
+            if gpu is not None:
+                await trio.to_thread.run_sync(lambda: devices.renew_gpu(
+                    r, keys, host=host, device=gpu, owner=generator_id, ttl_s=gen.heartbeat_ttl_s))
+            with trio.move_on_after(min(5.0, gen.heartbeat_ttl_s / 3)):
+                await state.news.wait()
+            state.news = trio.Event()
+
+    async def signals(everything: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+            async for signum in received:
+                if state.stopping:
+                    print(f"{name}: second signal, exiting now", file=sys.stderr, flush=True)
+                    state.exit_code = 128 + signum
+                    everything.cancel()
+                    return
+                state.stopping = True
+                intake_scope.cancel()
+                print(f"{name}: finishing the {len(state.held)} prompts it holds (signal again to exit now)",
+                      file=sys.stderr, flush=True)
+
+    with trio.CancelScope() as everything:
+        async with trio.open_nursery() as background:
+            background.start_soon(watch_weights)
+            background.start_soon(heartbeats)
+            background.start_soon(signals, everything)
+            async with trio.open_nursery() as pipeline:  # ends when every taken prompt is written
+                pipeline.start_soon(intake)
+                pipeline.start_soon(engine_loop)
+                pipeline.start_soon(scoring)
+            background.cancel_scope.cancel()
+
+
+def add_all(engine: Engine, requests: list[tuple[str, list[int], SamplingSettings]]) -> None:
+    for request_id, ids, sampling in requests:
+        engine.add(request_id, ids, sampling)
 
 
 # ---------------------------------------------------------------------- weights
 
 
-def load_newer_weights(engine: HFEngine, *, blob: bytes, name: str) -> str | None:
-    """Load the WeightVersion in `blob` if it is newer than the engine's; the reason if refused
-    (the payload does not decode, the files fail their checksums or do not fit the model)."""
+async def load_weights(state: State, engine: Engine, on_engine, *, name: str) -> None:
+    """Load the WeightVersion in `state.latest` if it is newer than the engine's; a refusal (the
+    payload does not decode, the files fail their checksums or do not fit the model) is counted
+    and reported, and the engine keeps its weights."""
+    blob = state.acted_on = state.latest
+    assert blob is not None
     try:
         wv = decode_weights(blob)
         if wv.version <= engine.version:
-            return None
-        verify_dir(wv.path, wv.checksums)
+            return
         t0 = time.perf_counter()
-        engine.load_weights(wv.path, version=wv.version)
+        await trio.to_thread.run_sync(verify_dir, wv.path, wv.checksums)
+        t1 = time.perf_counter()
+        await on_engine(lambda: engine.load_weights(wv.path, version=wv.version))
     except (MessageError, CheckpointError) as err:
-        return str(err)
-    print(f"{name}: loaded weights version {wv.version} ({time.perf_counter() - t0:.2f} s)",
-          flush=True)
-    return None
+        state.weights_refused += 1
+        state.last_refusal = str(err)
+        state.news.set()
+        print(f"{name}: refused weights: {err}", file=sys.stderr, flush=True)
+        return
+    state.news.set()
+    print(f"{name}: loaded weights version {wv.version} (verify {t1 - t0:.2f} s, "
+          f"reload {time.perf_counter() - t1:.2f} s)", flush=True)
 
 
 # ---------------------------------------------------------------------- prompts in
@@ -174,7 +415,7 @@ def take_prompts(r: redis.Redis, *, stream: str, consumer: str, count: int, clai
     return entries
 
 
-def prepare_prompts(r: redis.Redis, engine: HFEngine, entries: list[Entry], *, keys: Keys,
+def prepare_prompts(r: redis.Redis, engine: Engine, entries: list[Entry], *, keys: Keys,
                     name: str, max_new_tokens: int, limits: LimitsConfig | None = None
                     ) -> list[tuple[bytes, PromptTask, list[int]]]:
     """(entry id, task, prompt token ids) of each entry that decodes and fits the model; the
@@ -204,7 +445,7 @@ def prepare_prompts(r: redis.Redis, engine: HFEngine, entries: list[Entry], *, k
     return work
 
 
-# ---------------------------------------------------------------------- sampling and scoring
+# ---------------------------------------------------------------------- scoring
 
 
 def prompt_text(task: PromptTask) -> str:
@@ -216,66 +457,25 @@ def prompt_text(task: PromptTask) -> str:
     return users[-1] if users else task.messages[-1]["content"]
 
 
-def load_rewards(config: Config) -> dict[str, RewardFn]:
-    """{source name: its reward function}, named in the config only, never by a message."""
-    loaded = {}
-    for i, source in enumerate(config.sources):
-        try:
-            loaded[source.name] = reward_fns.load(source.reward_name)
-        except ValueError as err:
-            raise ConfigError(f"data.sources.{i}.reward: {err}") from None
-    return loaded
-
-
-def reward_for(task: PromptTask, rewards: dict[str, RewardFn]) -> RewardFn:
-    """The reward of the task's source (meta["source"]); a prompt without one takes the only
-    configured reward. An unknown source scores 0 with a recorded reward error."""
-    source = task.meta.get("source")
-    if source is None and len(rewards) == 1:
-        return next(iter(rewards.values()))
-    fn = rewards.get(source) if isinstance(source, str) else None
-    if fn is not None:
-        return fn
-
-    def unknown(**_: Any) -> dict[str, float]:
-        raise LookupError(f"no reward configured for source {source!r} (have {sorted(rewards)})")
-
-    return unknown
-
-
-def make_groups(engine: HFEngine, prompts: list[tuple[PromptTask, list[int]]], *, generator_id: str,
-                max_new_tokens: int, temperature: float,
-                rewards: dict[str, RewardFn]) -> tuple[list[SampleGroup], list[str]]:
-    """One scored SampleGroup per (task, prompt ids), and the reward errors met on the way."""
-    version = engine.version  # the weights these tokens are sampled with
+def make_group(engine: Engine, rewards: RewardRunner, held: Held, done: Finished, *,
+               generator_id: str) -> tuple[SampleGroup, list[str]]:
+    """The scored SampleGroup of one finished prompt, and its reward errors."""
+    task = held.task
     t0 = time.perf_counter()
-    sampled: list[list[Sampled]] = [[] for _ in prompts]
-    for n in sorted({task.n for task, _ in prompts}):  # one engine call per group size: usually one
-        idx = [i for i, (task, _) in enumerate(prompts) if task.n == n]
-        out = engine.sample([prompts[i][1] for i in idx],
-                            SamplingSettings(n=n, max_new_tokens=max_new_tokens, temperature=temperature))
-        for i, samples in zip(idx, out, strict=True):
-            sampled[i] = samples
-    generate_s = time.perf_counter() - t0  # the whole batch's: its prompts were sampled together
-
-    groups, errors = [], []
-    for (task, ids), samples in zip(prompts, sampled, strict=True):
-        t1 = time.perf_counter()
-        completions = []
-        reward_fn = reward_for(task, rewards)
-        for s in samples:
-            text = engine.decode(s.ids)
-            reward, parts, err = score(reward_fn, prompt=prompt_text(task), completion=text,
-                                       completion_ids=s.ids, meta=task.meta)
-            if err is not None:
-                errors.append(f"prompt {task.id}: {err}")
-            completions.append(Completion(ids=s.ids, logprobs=s.logprobs, reward=reward,
-                                          rewards=parts, finish=s.finish, text=text))
-        groups.append(SampleGroup(
-            id=task.id, prompt_id=task.id, prompt_ids=ids, version=version,
-            generator=generator_id, engine=ENGINE, completions=completions,
-            timings={"generate": generate_s, "reward": time.perf_counter() - t1}))
-    return groups, errors
+    texts = [engine.decode(s.ids) for s in done.samples]
+    source = task.meta.get("source")
+    scored = rewards.score(source if isinstance(source, str) else None, prompt=prompt_text(task),
+                           completions=[(text, s.ids) for text, s in zip(texts, done.samples, strict=True)],
+                           meta=task.meta)
+    completions = [Completion(ids=s.ids, logprobs=s.logprobs, reward=sc.reward, rewards=sc.rewards,
+                              finish=s.finish, text=text, reward_error=sc.error)
+                   for s, text, sc in zip(done.samples, texts, scored, strict=True)]
+    group = SampleGroup(
+        id=task.id, prompt_id=task.id, prompt_ids=held.prompt_ids, version=held.version,
+        generator=generator_id, engine=engine.name, completions=completions,
+        timings={"queue": held.added_at - held.taken_at, "generate": t0 - held.added_at,
+                 "reward": time.perf_counter() - t0})
+    return group, [f"prompt {task.id}: {sc.error}" for sc in scored if sc.error is not None]
 
 
 # ---------------------------------------------------------------------- groups out, liveness
@@ -290,25 +490,17 @@ def publish(r: redis.Redis, *, keys: Keys, entry_id: bytes, group: SampleGroup) 
         pipe.execute()
 
 
+def drop_group(r: redis.Redis, *, keys: Keys, entry_id: bytes, group: SampleGroup) -> None:
+    """Dynamic sampling: acknowledge the prompt and count its group dropped, in one MULTI/EXEC
+    (the producer admits one more prompt for each)."""
+    with r.pipeline(transaction=True) as pipe:
+        pipe.hincrby(keys.generators, "groups_dropped_zero_variance", 1)
+        pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
+        pipe.execute()
+
+
 def heartbeat(r: redis.Redis, *, key: str, ttl_s: int, fields: dict[str, Any]) -> None:
     with r.pipeline(transaction=True) as pipe:
         pipe.hset(key, mapping={**fields, "last_seen": time.time()})
         pipe.expire(key, ttl_s)
         pipe.execute()
-
-
-def install_shutdown(name: str) -> threading.Event:
-    """SIGTERM/SIGINT once: set the returned event (the loop finishes its batch); twice: exit now."""
-    stop = threading.Event()
-
-    def handle(signum: int, frame: object) -> None:
-        if stop.is_set():
-            print(f"{name}: second signal, exiting now", file=sys.stderr, flush=True)
-            raise SystemExit(128 + signum)
-        stop.set()
-        print(f"{name}: finishing the current batch (signal again to exit now)",
-              file=sys.stderr, flush=True)
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
-    return stop

@@ -33,9 +33,11 @@ class ProducerError(RuntimeError):
 
 
 def dropped_groups(r: redis.Redis, keys: Keys) -> int:
-    """Admitted prompts that will never fill a trainer step: dropped or dead-lettered."""
+    """Admitted prompts that will never fill a trainer step: dropped (too stale, or by dynamic
+    sampling for zero reward variance) or dead-lettered. Admitting as many more over-samples."""
     stale, dead = r.hmget(keys.trainer, "groups_dropped_stale", "groups_dead")
-    return int(stale or 0) + int(dead or 0) + r.xlen(keys.prompts_dead)
+    zero_variance = r.hget(keys.generators, "groups_dropped_zero_variance")
+    return int(stale or 0) + int(dead or 0) + int(zero_variance or 0) + r.xlen(keys.prompts_dead)
 
 
 def load_positions(r: redis.Redis, keys: Keys, *, seed: int,

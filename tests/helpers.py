@@ -78,12 +78,14 @@ def accounting(r, keys) -> dict[str, int]:
         "dropped_stale": t.get("groups_dropped_stale", 0),
         "dead_groups": t.get("groups_dead", 0),
         "dead_prompts": r.xlen(keys.prompts_dead),
+        "dropped_zero_variance": int(r.hget(keys.generators, "groups_dropped_zero_variance") or 0),
         "duplicate": t.get("groups_duplicate", 0),
         "prompts_waiting": prompts_waiting, "prompts_pending": prompts_pending,
         "samples_waiting": samples_waiting, "samples_pending": samples_pending,
         "prompt_entries": added(keys.prompts), "sample_entries": added(keys.samples),
     }
-    acc["dropped"] = acc["dropped_stale"] + acc["dead_groups"] + acc["dead_prompts"]
+    acc["dropped"] = (acc["dropped_stale"] + acc["dead_groups"] + acc["dead_prompts"]
+                      + acc["dropped_zero_variance"])
     acc["pending"] = prompts_waiting + prompts_pending + samples_waiting + samples_pending
     return acc
 

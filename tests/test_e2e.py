@@ -6,6 +6,7 @@ import re
 from common.cli import status_lines
 from common.keys import PAYLOAD, Keys
 from common.messages import decode_group
+from generators.engines import vllm_available
 from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
 
 STEPS = 3
@@ -81,7 +82,8 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
         assert re.search(r"last step \d+\.\ds \(waiting for data \d+%\)  \d+ tok/s  "
                          r"staleness \d\.\d mean / \d max", screen), screen
         for gid in ("g1", "g2"):
-            assert re.search(rf"generator  {gid}  hf  v\d+  \d+\.\d tok/s  in flight \d+  heartbeat \d+s ago",
+            engine = "vllm" if vllm_available() else "hf"  # generator.engine = "auto"
+            assert re.search(rf"generator  {gid}  {engine}  v\d+  \d+\.\d tok/s  in flight \d+  heartbeat \d+s ago",
                              screen), screen
         assert "DEAD" not in screen
         assert "eval       v2  pass@1" in screen

@@ -160,9 +160,11 @@ def groups(r, keys: Keys):
     return [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
 
 
-def test_generator_process_turns_prompts_into_groups_and_follows_weights(tiny_model, tmp_path, redis_url, r):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_generator_process_turns_prompts_into_groups_and_follows_weights(engine, tiny_model, tmp_path, redis_url, r):
     keys = Keys("g")
     env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "g", "ROLLOUTS_MODEL__PATH": str(tiny_model),
+           "ROLLOUTS_GENERATOR__ENGINE": engine,
            "ROLLOUTS_ROLLOUT__GROUP_SIZE": "3", "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": "8",
            "ROLLOUTS_GENERATOR__BATCH_PROMPTS": "2", "ROLLOUTS_GENERATOR__THREADS": "1",
            "ROLLOUTS_GENERATOR__CLAIM_IDLE_S": "1"}
@@ -183,7 +185,7 @@ def test_generator_process_turns_prompts_into_groups_and_follows_weights(tiny_mo
         first = groups(r, keys)
         assert sorted(g.id for g in first) == [f"arithmetic:0:{i}" for i in range(4)]
         for g in first:
-            assert g.version == 0 and g.generator == "g1" and g.engine == "hf"
+            assert g.version == 0 and g.generator == "g1" and g.engine == engine
             assert len(g.completions) == 3 and g.prompt_id == g.id
             assert all(1 <= len(c.ids) <= 8 and c.reward in (0.0, 1.0) for c in g.completions)
         wait_for(lambda: r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0, timeout=10,
@@ -191,7 +193,9 @@ def test_generator_process_turns_prompts_into_groups_and_follows_weights(tiny_mo
         dead = r.xrange(keys.prompts_dead)
         assert len(dead) == 1 and dead[0][1][b"entry_id"] == garbage and dead[0][1][b"reason"]
         beat = r.hgetall(hb)
-        assert beat[b"version"] == b"0" and beat[b"engine"] == b"hf" and int(beat[b"groups"]) == 4
+        wait_for(lambda: int(r.hget(hb, "groups") or 0) == 4, timeout=10, what="heartbeat of 4 groups", procs=[proc])
+        beat = r.hgetall(hb)
+        assert beat[b"version"] == b"0" and beat[b"engine"] == engine.encode()
         assert 0 < r.ttl(hb) <= 30
 
         # -- version 1 published: loaded at the next safe point, stamped on later groups
@@ -228,7 +232,8 @@ def test_generator_process_turns_prompts_into_groups_and_follows_weights(tiny_mo
     assert not r.exists(hb), "a clean exit removes its heartbeat"
 
 
-def test_a_late_generator_starts_from_the_latest_weights(tiny_model, tmp_path, redis_url, r):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_late_generator_starts_from_the_latest_weights(engine, tiny_model, tmp_path, redis_url, r):
     keys = Keys("late")
     step_3 = perturbed_copy(tiny_model, tmp_path / "checkpoints" / "step_3", seed=3)
     publish_weights(r, keys, WeightVersion(version=3, step=3, path=str(step_3), format="safetensors",
@@ -236,6 +241,7 @@ def test_a_late_generator_starts_from_the_latest_weights(tiny_model, tmp_path, r
     r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
     r.xadd(keys.prompts, {PAYLOAD: encode(ask(0, n=2))})
     env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "late", "ROLLOUTS_MODEL__PATH": str(tiny_model),
+           "ROLLOUTS_GENERATOR__ENGINE": engine,
            "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": "4", "ROLLOUTS_GENERATOR__THREADS": "1"}
     log = tmp_path / "generator.log"
     proc = spawn("generators", "--id", "g2", cwd=tmp_path, env=env, log=log)

@@ -385,6 +385,8 @@ def step_metrics(groups: list[SampleGroup], *, step: int, staleness: list[int], 
         "reward/std": sum(group_std) / len(group_std) if group_std else None,
         "accuracy": sum(correct) / len(correct) if correct else None,
         "frac_reward_zero_std": sum(s < 1e-8 for s in group_std) / len(group_std) if group_std else None,
+        # completions whose reward function raised, timed out or returned garbage (scored 0)
+        "reward/errors": sum(c.reward_error is not None for c in completions) if rewarded else None,
         "completions/mean_length": sum(lengths) / len(lengths),
         "completions/max_length": max(lengths),
         "staleness/mean": sum(staleness) / len(staleness),

