@@ -1,11 +1,27 @@
-"""Trainer tokens/s consuming the samples stream against a bare loop over the same groups in memory.
+"""Trainer tokens/s consuming a replayed samples stream against a bare loop over the same groups in memory.
 
-    .venv/bin/python ops/bench/trainer_efficiency.py [--model DIR] [--steps N]
+    .venv/bin/python ops/bench/trainer_efficiency.py [--model DIR] [--steps 4] [--world 1 2]
 
-Both sides run `trainer.main.train_step` on the same SampleGroups (random tokens, 4 prompts x 4
-completions per step, behaviour log-probs from the model itself) on one thread. The stream side
-is the real trainer process (`python -m trainer`) reading them from a real redis-server, with
-publishing every `--sync-every` steps. Prints the ratio on its last line.
+The groups are made once (demo-like shapes: 4 prompts x 4 completions per step, prompts of 30-45
+tokens, completions of 4-24, behaviour log-probs from the model itself) and written to a file.
+For each world size two processes train on exactly them, one thread per rank:
+
+    bare:   this script's worker (`torchrun --nproc-per-node W` at W > 1): the model sharded as the
+            trainer shards it, then `trainer.main.train_step` over the groups held in memory,
+            each rank on its share of each step's groups;
+    stream: the real trainer (`python -m trainer`, or `torchrun --nproc-per-node W -m trainer`)
+            reading the same groups from a real redis-server's samples stream (publishing weights
+            only after its last step).
+
+The machine is shared and its load drifts, so the two live side by side and take turns, step by
+step, in alternating order: a trainer step runs from the moment its groups are written to the
+stream (it sits blocked on XREADGROUP until then) to the arrival of its step line (reading,
+decoding, training, metrics); a bare step between a `go` and a `done` passed through Redis. The
+first step of each side is a warm-up (AdamW allocates its state) and is not counted. The trainer
+then takes one more step on groups already waiting in the stream: its own `time/wait_data` over
+that step is the wait-for-data fraction of a replayed stream.
+
+Prints the ratio stream/bare at the largest world size on its last line.
 """
 
 from __future__ import annotations
@@ -24,72 +40,251 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+PER_STEP = 4  # groups per step (the demo's prompts_per_step)
+GROUP = 4  # completions per group (the demo's group_size)
+
+
+# --------------------------------------------------------------------------- the groups
+
+
+def make_groups(model_dir: Path, count: int, *, seed: int = 0) -> list[bytes]:
+    """`count` encoded SampleGroups of random tokens whose behaviour log-probs are the model's own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.messages import Completion, SampleGroup, encode
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    rng = random.Random(seed)
+    blobs = []
+    for g in range(count):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(30, 45))]
+        completions = []
+        for i in range(GROUP):
+            ids = [rng.randrange(vocab) for _ in range(rng.randint(4, 24))]
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]  # (T, V)
+            logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+            reward = float((i + g) % 2)
+            completions.append(Completion(ids=ids, logprobs=logp.tolist(), reward=reward,
+                                          rewards={"correct": reward}, finish="stop", text=""))
+        blobs.append(encode(SampleGroup(id=f"bench:0:{g}", prompt_id=f"bench:0:{g}", prompt_ids=prompt,
+                                        version=0, generator="bench", engine="hf", completions=completions)))
+    return blobs
+
+
+def count_tokens(blobs: list[bytes]) -> int:
+    """Prompt + completion tokens through the model, summed over completions (as tokens_per_s counts)."""
+    from common.messages import decode_group
+
+    groups = [decode_group(b) for b in blobs]
+    return sum(len(g.prompt_ids) + len(c.ids) - 1 for g in groups for c in g.completions)
+
+
+# --------------------------------------------------------------------------- the bare loop (worker)
+
+
+def bare_worker(groups_file: Path, *, redis_url: str, steps: int, lr: float) -> None:
+    """Train on the groups in memory, sharded as the trainer does, one step per `go` popped from Redis."""
+    import msgpack
+    import redis
+    import torch
+
+    from common.messages import decode_group
+    from trainer.grpo import LossOptions
+    from trainer.main import load_model, train_step
+    from trainer.parallel import finish, init_distributed, parallelize
+
+    rank, world = init_distributed()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    r = redis.Redis.from_url(redis_url)
+    blobs, model_dir = msgpack.unpackb(groups_file.read_bytes(), raw=False)
+    groups = [decode_group(b) for b in blobs]
+    model = parallelize(load_model(Path(model_dir)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    share = PER_STEP // world
+    r.rpush(BARE_READY, rank)
+    for s in range(steps):
+        while r.blpop([bare_go(rank)], timeout=1) is None:  # the parent's turn signal: nothing runs meanwhile
+            pass
+        mine = groups[s * PER_STEP + rank * share:s * PER_STEP + (rank + 1) * share]
+        train_step(model, optimizer, mine, loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo",
+                   overlong="none", overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1,
+                   recompute_old_logp=False, max_grad_norm=1.0)
+        r.rpush(BARE_DONE, rank)
+    finish()
+
+
+BARE_READY, BARE_DONE = "bench:bare:ready", "bench:bare:done"
+
+
+def pop(r, key: str, *, proc: subprocess.Popen, log: Path, timeout_s: float = 900) -> None:
+    """Wait for an item on the list `key` while `proc` lives (redis-py's socket timeout is 5 s: poll)."""
+    deadline = time.monotonic() + timeout_s
+    while r.blpop([key], timeout=1) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"bare loop exited {proc.poll()} or timed out:\n{log.read_text()[-4000:]}")
+
+
+def bare_go(rank: int) -> str:
+    return f"bench:bare:go:{rank}"
+
+
+def launcher(world: int) -> list[str]:
+    return [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                "--standalone", f"--nproc-per-node={world}"]
+
+
+def clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    return env
+
+
+# --------------------------------------------------------------------------- both sides, step by step
+
+
+def run_world(blobs: list[bytes], groups_file: Path, *, model_dir: Path, world: int, steps: int, lr: float,
+              tmp: Path) -> tuple[list[float], list[float], list[dict]]:
+    """(bare seconds per step, stream seconds per step, the trainer's metrics) at world size `world`.
+
+    Both processes live side by side and take turns: the trainer's step k starts when its groups
+    are written to the stream (it sits blocked on XREADGROUP until then) and ends when its step line
+    arrives; the bare loop's step k runs between a `go` and its `done`. The order alternates every
+    step so that drift in the machine's load falls on both sides alike. The trainer takes one more
+    step, on groups already waiting in the stream, for its wait-for-data fraction.
+    """
+    import redis
+
+    from common.keys import PAYLOAD, Keys
+    from tests.conftest import free_port, start_redis
+
+    tmp.mkdir(parents=True)
+    port = free_port()
+    server = start_redis(tmp / "redis", port)
+    url = f"redis://127.0.0.1:{port}/0"
+    r = redis.Redis.from_url(url)
+    env = clean_env()
+    env.update(ROLLOUTS_RUN="bench", ROLLOUTS_REDIS_URL=url, ROLLOUTS_MODEL__PATH=str(model_dir),
+               ROLLOUTS_OUTPUT_DIR=str(tmp / "out"), ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP=str(PER_STEP),
+               ROLLOUTS_ROLLOUT__GROUP_SIZE=str(GROUP), ROLLOUTS_ROLLOUT__MAX_STALENESS="100",
+               ROLLOUTS_ROLLOUT__TEMPERATURE="1.0", ROLLOUTS_TRAINER__MAX_STEPS=str(steps + 1),
+               ROLLOUTS_TRAINER__SYNC_EVERY="1000", ROLLOUTS_TRAINER__LR=str(lr), ROLLOUTS_TRAINER__THREADS="1",
+               ROLLOUTS_TRAINER__MICRO_BATCH_SIZE="8")
+    trainer = subprocess.Popen([*launcher(world), "-m", "trainer"], cwd=tmp, env=env, stdout=subprocess.PIPE,
+                               stderr=open(tmp / "trainer.err", "wb"), text=True)  # noqa: SIM115 - the child owns it
+    bare = subprocess.Popen([*launcher(world), __file__, "--bare-worker", str(groups_file), "--redis-url", url,
+                             "--steps", str(steps), "--lr", str(lr)], env=clean_env(),
+                            stdout=open(tmp / "bare.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    samples = Keys("bench").samples
+
+    def trainer_line(prefix: str) -> str:
+        for line in trainer.stdout:
+            if line.startswith(prefix):
+                return line
+        raise RuntimeError(f"trainer exited {trainer.wait()}:\n{(tmp / 'trainer.err').read_text()[-4000:]}")
+
+    def stream_step(k: int, extra: int = 0) -> float:
+        t0 = time.monotonic()
+        with r.pipeline(transaction=False) as pipe:
+            for b in blobs[k * PER_STEP:(k + 1 + extra) * PER_STEP]:
+                pipe.xadd(samples, {PAYLOAD: b})
+            pipe.execute()
+        trainer_line("step ")
+        return time.monotonic() - t0
+
+    def bare_step() -> float:
+        t0 = time.monotonic()
+        for rank in range(world):
+            r.rpush(bare_go(rank), 1)
+        for _ in range(world):
+            pop(r, BARE_DONE, proc=bare, log=tmp / "bare.log")
+        return time.monotonic() - t0
+
+    try:
+        trainer_line("trainer: run ")  # loaded, about to read the stream
+        for _ in range(world):
+            pop(r, BARE_READY, proc=bare, log=tmp / "bare.log")
+        bare_s, stream_s = [], []
+        for k in range(steps):
+            last = k == steps - 1
+            if (steps - 1 - k) % 2 == 0:  # the last step goes stream first: its extra step follows at once
+                stream_s.append(stream_step(k, extra=1 if last else 0))
+                if last:
+                    trainer_line("step ")
+                bare_s.append(bare_step())
+            else:
+                bare_s.append(bare_step())
+                stream_s.append(stream_step(k))
+        assert trainer.wait(timeout=600) == 0, (tmp / "trainer.err").read_text()[-4000:]
+        assert bare.wait(timeout=600) == 0, (tmp / "bare.log").read_text()[-4000:]
+        metrics = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        for p in (trainer, bare):
+            if p.poll() is None:
+                p.kill()
+        server.terminate()
+        server.wait(timeout=10)
+    return bare_s, stream_s, metrics
+
+
+# --------------------------------------------------------------------------- main
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="", help="HF checkpoint dir ('' = the default model)")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--sync-every", type=int, default=1000, help="publish weights every N steps")
+    ap.add_argument("--steps", type=int, default=4, help="steps per side, the first one a warm-up")
+    ap.add_argument("--world", type=int, nargs="+", default=[1, 2], help="world sizes (trainer ranks)")
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--bare-worker", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--redis-url", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.bare_worker is not None:
+        bare_worker(args.bare_worker, redis_url=args.redis_url, steps=args.steps, lr=args.lr)
+        return
+    assert args.steps >= 2, "--steps must be >= 2: the first step is a warm-up"
+    assert all(PER_STEP % w == 0 for w in args.world), f"world sizes must divide {PER_STEP}"
 
-    import redis
-    import torch
-    from transformers import AutoModelForCausalLM
+    import msgpack
 
-    from common.keys import PAYLOAD, Keys
-    from common.messages import encode
     from common.models import resolve_model_path
-    from tests.conftest import free_port, start_redis
-    from tests.test_trainer import make_group
-    from trainer.grpo import LossOptions
-    from trainer.main import train_step
 
-    torch.set_num_threads(1)
     model_dir = resolve_model_path(args.model)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    rng = random.Random(0)
-    per_step = 4
-    groups = [make_group(model, f"b{i}", version=0, rng=rng) for i in range(args.steps * per_step)]
-    tokens = sum(len(g.prompt_ids) * len(g.completions) + sum(len(c.ids) for c in g.completions) for g in groups)
-
-    # ---- bare loop: the same update over the same groups held in memory
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    t0 = time.perf_counter()
-    for s in range(args.steps):
-        train_step(model, optimizer, groups[s * per_step:(s + 1) * per_step], loss=LossOptions(), ref_model=None,
-                   temperature=1.0, estimator="grpo", overlong="none", overlong_penalty=0.0, micro_batch_size=8,
-                   micro_batch_tokens=0, updates=1, recompute_old_logp=False, max_grad_norm=1.0)
-    bare_s = time.perf_counter() - t0
-    del model, optimizer
-
-    # ---- the trainer process reading the same groups from a real Redis stream
+    blobs = make_groups(model_dir, (args.steps + 1) * PER_STEP)  # + the trainer's extra step
+    tokens = count_tokens(blobs[PER_STEP:args.steps * PER_STEP])  # the measured steps: not the warm-up
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
-    port = free_port()
-    server = start_redis(tmp / "redis", port)
+    groups_file = tmp / "groups.msgpack"
+    groups_file.write_bytes(msgpack.packb([blobs, str(model_dir)], use_bin_type=True))
+    print(f"model {model_dir.name}; {args.steps} steps x {PER_STEP} groups x {GROUP} completions per side, "
+          f"the first a warm-up; {tokens} tokens in the {args.steps - 1} measured steps; 1 thread per rank")
+    ratios = {}
     try:
-        r = redis.Redis(port=port)
-        for g in groups:
-            r.xadd(Keys("bench").samples, {PAYLOAD: encode(g)})
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-        env.update(PYTHONPATH=str(ROOT), ROLLOUTS_RUN="bench", ROLLOUTS_REDIS_URL=f"redis://127.0.0.1:{port}/0",
-                   ROLLOUTS_MODEL__PATH=str(model_dir), ROLLOUTS_OUTPUT_DIR=str(tmp / "out"),
-                   ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP=str(per_step), ROLLOUTS_ROLLOUT__MAX_STALENESS="100",
-                   ROLLOUTS_TRAINER__MAX_STEPS=str(args.steps), ROLLOUTS_TRAINER__SYNC_EVERY=str(args.sync_every),
-                   ROLLOUTS_TRAINER__LR="1e-6", ROLLOUTS_TRAINER__THREADS="1", ROLLOUTS_TRAINER__MICRO_BATCH_SIZE="8")
-        subprocess.run([sys.executable, "-m", "trainer"], cwd=tmp, env=env, check=True, stdout=subprocess.DEVNULL)
-        rows = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
+        for world in args.world:
+            bare, stream, metrics = run_world(blobs, groups_file, model_dir=model_dir, world=world,
+                                              steps=args.steps, lr=args.lr, tmp=tmp / f"w{world}")
+            bare_s, stream_s = sum(bare[1:]), sum(stream[1:])
+            measured = metrics[1:args.steps]
+            train_s = sum(m["time/train"] for m in measured)
+            tail = metrics[args.steps]  # on groups already in the stream when it began
+            ratios[world] = bare_s / stream_s
+            print(f"\nworld size {world}")
+            print(f"  bare loop:   {tokens / bare_s:7.1f} tokens/s  ({bare_s:.2f} s; steps "
+                  f"{', '.join(f'{x:.2f}' for x in bare[1:])})")
+            print(f"  from stream: {tokens / stream_s:7.1f} tokens/s  ({stream_s:.2f} s; steps "
+                  f"{', '.join(f'{x:.2f}' for x in stream[1:])}; in train_step {train_s:.2f} s, "
+                  f"outside it {stream_s - train_s:.2f} s = {(stream_s - train_s) / stream_s:.1%})")
+            tail_s = tail["time/step"] - tail["time/publish"]
+            print(f"  wait-for-data fraction on a filled stream: {tail['time/wait_data'] / tail_s:.4f} "
+                  f"({tail['time/wait_data']:.3f} s of a {tail_s:.2f} s step, its publish not counted)")
+            print(f"  ratio stream/bare: {ratios[world]:.3f}")
     finally:
-        server.terminate()
         shutil.rmtree(tmp, ignore_errors=True)
-    step_s = sum(m["time/step"] for m in rows)
-    publish_s = sum(m["time/publish"] for m in rows)
-    wait_s = sum(m["time/wait_data"] for m in rows)
-    print(f"model {model_dir.name}, {args.steps} steps x {per_step} groups, {tokens} tokens, 1 thread")
-    print(f"bare loop:    {tokens / bare_s:8.1f} tokens/s ({bare_s:.1f} s)")
-    print(f"from stream:  {tokens / step_s:8.1f} tokens/s ({step_s:.1f} s of steps; publish {publish_s:.1f} s, "
-          f"wait for data {wait_s:.2f} s = {wait_s / step_s:.1%})")
-    print(f"ratio stream/bare without publishing: {bare_s / (step_s - publish_s):.3f}")
-    print(f"ratio stream/bare: {bare_s / step_s:.3f}")
+    print("\nsummary: " + ", ".join(f"world {w} {v:.3f}" for w, v in ratios.items()))
+    last = args.world[-1]
+    print(f"trainer ratio stream/bare (world size {last}): {ratios[last]:.3f}")
 
 
 if __name__ == "__main__":
