@@ -191,7 +191,7 @@ class GeneratorConfig(_Section):
     batch_prompts: int = Field(4, ge=1)
     # Prompts held at once (in the engine, or taken and waiting to join it): continuous batching
     # admits a new prompt as soon as one finishes, keeping this many in flight.
-    max_in_flight: int = Field(16, ge=1)
+    max_in_flight: int = Field(16, ge=1, le=1000)
     # How often the weights:latest key is read for a newer version (seconds).
     weights_poll_s: float = Field(0.5, gt=0.0)
     # Dynamic sampling (DAPO): a group whose completions all got the same reward teaches nothing

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common.checkpoints import CheckpointError
+from common.checkpoints import check_fits
 from common.messages import PromptTask
 from generators.engines import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
 
@@ -37,7 +37,7 @@ class HFEngine:
         self.max_batch = max_batch  # prompts sampled together in one step
         self._queue: deque[tuple[str, list[int], SamplingSettings]] = deque()
         self.tokenizer = load_tokenizer(self.path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype]).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype], use_safetensors=True).eval()
         self.version = 0  # weight version loaded: 0 = the initial checkpoint
         torch.manual_seed(seed)  # generate() samples from torch's global generator
         model_eos = self.model.generation_config.eos_token_id
@@ -132,20 +132,12 @@ class HFEngine:
     def load_weights(self, path: str | Path, *, version: int) -> None:
         """Load an HF-format safetensors checkpoint in place; raise CheckpointError (model
         unchanged) when its tensors do not fit the model."""
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"checkpoint {path}: no .safetensors files")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(f))
         own = self.model.state_dict()
         tied = {"lm_head.weight"} if self.model.config.get_text_config().tie_word_embeddings else set()
-        missing = sorted(set(own) - set(state) - tied)
-        unexpected = sorted(set(state) - set(own))
-        wrong = [k for k in state if k in own and state[k].shape != own[k].shape]
-        if missing or unexpected or wrong:
-            raise CheckpointError(f"checkpoint {path} does not fit the model: missing {missing[:3]}, "
-                                  f"unexpected {unexpected[:3]}, wrong shapes {wrong[:3]}")
+        check_fits(path, {k: tuple(v.shape) for k, v in own.items()}, tied=tied)  # headers only
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            state.update(load_file(f))
         # strict unless a tied lm_head is absent (save_pretrained leaves it out; it shares the embedding)
         self.model.load_state_dict(state, strict=tied <= set(state))
         self.version = version

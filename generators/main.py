@@ -68,6 +68,19 @@ RATE_WINDOW_S = 30.0  # tokens/s in the heartbeat is over this window
 
 Entry = tuple[bytes, dict[bytes, bytes]]  # (stream entry id, fields)
 
+# Reset the idle time of every prompt still pending for this consumer, so that live generators
+# never reclaim a prompt it holds for longer than claim_idle_s (a long queue, a slow engine).
+# Atomic: an entry another generator already claimed is not taken back.
+_TOUCH_HELD = """
+local mine = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1000, ARGV[2])
+if #mine == 0 then return 0 end
+local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
+for _, e in ipairs(mine) do args[#args + 1] = e[1] end
+args[#args + 1] = 'JUSTID'
+redis.call(unpack(args))
+return #mine
+"""
+
 
 @dataclass
 class Held:
@@ -319,7 +332,11 @@ async def serve(r: redis.Redis, keys: Keys, config: Config, engine: Engine,
 
     async def heartbeats() -> None:
         host = socket.gethostname()
+        touched = time.monotonic()
         while True:
+            if time.monotonic() - touched > gen.claim_idle_s / 3:
+                touched = time.monotonic()
+                await trio.to_thread.run_sync(lambda: touch_held(r, stream=keys.prompts, consumer=generator_id))
             fields = {"engine": engine.name, "version": engine.version, "tokens_per_s": state.tokens_per_s(),
                       "in_flight": len(state.held), "groups": state.groups, "reward_errors": state.reward_errors,
                       "dropped_zero_variance": state.dropped_zero_variance,
@@ -329,7 +346,7 @@ async def serve(r: redis.Redis, keys: Keys, config: Config, engine: Engine,
             if gpu is not None:
                 await trio.to_thread.run_sync(lambda: devices.renew_gpu(
                     r, keys, host=host, device=gpu, owner=generator_id, ttl_s=gen.heartbeat_ttl_s))
-            with trio.move_on_after(min(5.0, gen.heartbeat_ttl_s / 3)):
+            with trio.move_on_after(min(5.0, gen.heartbeat_ttl_s / 3, gen.claim_idle_s / 3)):
                 await state.news.wait()
             state.news = trio.Event()
 
@@ -497,6 +514,11 @@ def drop_group(r: redis.Redis, *, keys: Keys, entry_id: bytes, group: SampleGrou
         pipe.hincrby(keys.generators, "groups_dropped_zero_variance", 1)
         pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
         pipe.execute()
+
+
+def touch_held(r: redis.Redis, *, stream: str, consumer: str) -> int:
+    """Mark every prompt pending for `consumer` as just delivered; how many there are."""
+    return int(r.eval(_TOUCH_HELD, 1, stream, GENERATORS_GROUP, consumer))
 
 
 def heartbeat(r: redis.Redis, *, key: str, ttl_s: int, fields: dict[str, Any]) -> None:

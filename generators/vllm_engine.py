@@ -58,6 +58,7 @@ class VLLMEngine:
                        logprobs_mode="processed_logprobs", max_logprobs=0, enforce_eager=not cuda,
                        generation_config="vllm",  # the model's generation_config must not change sampling
                        gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                       load_format="safetensors",  # never a pickled .bin
                        use_tqdm_on_load=False)
         self._engine = self.llm.llm_engine
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
@@ -145,5 +146,16 @@ class VLLMEngine:
         assert not self._in_flight, "reload weights only between requests, with none in flight"
         check_fits(path, self._shapes, tied=self._tied)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        if self._tied:
+            self.llm.collective_rpc(_refresh_tied_lm_head)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.version = version
+
+
+def _refresh_tied_lm_head(worker) -> None:
+    """After a reload, redo the lm_head's post-load processing. With tied embeddings the lm_head
+    loads nothing itself (it shares the embedding's tensor), so vLLM's in-place reload puts its
+    old processed form back: on a CPU, the packed GEMM weight, and logits would come from the old
+    embedding. The shared tensor already holds the new weights; repacking picks them up."""
+    head = worker.model_runner.get_model().lm_head
+    head.quant_method.process_weights_after_loading(head)

@@ -57,3 +57,8 @@ def answer_and_format(**kw) -> dict[str, float]:
     from generators.rewards import format as answer_format
 
     return {**final_answer(**kw), "format": 0.1 * answer_format(**kw)["format"]}
+
+
+def by_mood(*, meta: dict, **_) -> float:
+    """`moody` acting on the prompt's meta["mood"] instead of the completion's text."""
+    return moody(completion=meta["mood"], meta=meta)

@@ -1,137 +1,18 @@
-"""The generator: its HF engine (sampling, behaviour log-probs, weight reloads) and the process."""
+"""The generator process, on either engine: prompts in, scored groups out, weights followed, rewards that
+fail, dynamic sampling. The engines themselves: tests/test_engines.py."""
 
 from __future__ import annotations
 
 import shutil
 import time
-from pathlib import Path
 
 import pytest
-import torch
 
 from common.checkpoints import CheckpointError, checksum_dir, verify_dir
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import PromptTask, WeightVersion, decode_group, encode
-from generators.engines import SamplingSettings
-from generators.hf_engine import HFEngine
+from common.messages import WeightVersion, decode_group, encode
 from tests.helpers import spawn, stop, wait_for
-
-LOGPROB_TOL = 1e-4  # fp32: HF generate (left-padded batch, KV cache) vs one plain forward pass
-
-
-def ask(i: int, *, n: int = 3) -> PromptTask:
-    a, b = i, 2 * i + 1
-    return PromptTask(id=f"arithmetic:0:{i}", messages=[{"role": "user", "content": f"What is {a} + {b}?"}],
-                      text=None, meta={"answer": a + b}, n=n, admitted_at=0)
-
-
-def perturbed_copy(src: Path, dst: Path, *, seed: int) -> Path:
-    """An HF checkpoint like the trainer publishes: `src`'s weights plus noise, via save_pretrained."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(dst, safe_serialization=True)
-    return dst
-
-
-def forward_logprobs(engine: HFEngine, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
-    """What the trainer computes: log_softmax(logits / T) at the sampled tokens, one sequence, no padding."""
-    seq = torch.tensor([prompt + ids])
-    with torch.no_grad():
-        logits = engine.model(seq).logits[0, len(prompt) - 1:-1].float()  # (T, V)
-    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-
-
-# ---------------------------------------------------------------------- engine
-
-
-def test_sampling_gives_n_completions_with_their_logprobs(tiny_model):
-    engine = HFEngine(tiny_model, seed=0)
-    prompts = [engine.prompt_ids(ask(1)), engine.prompt_ids(ask(12)),
-               engine.prompt_ids(PromptTask(id="t", messages=None, text="What is 2 + 2?", meta={}, n=3,
-                                            admitted_at=0))]
-    assert len({len(p) for p in prompts}) > 1, "prompts of different lengths exercise the left padding"
-    engine.eos_ids = list(range(3, engine.model.config.vocab_size, 10))  # about 1 token in 10 stops
-    out = engine.sample(prompts, SamplingSettings(n=4, max_new_tokens=8, temperature=1.0))
-    assert [len(g) for g in out] == [4, 4, 4]
-    finishes = set()
-    for group in out:
-        for s in group:
-            assert 1 <= len(s.ids) <= 8 and len(s.ids) == len(s.logprobs)
-            assert all(lp <= 0.0 for lp in s.logprobs)
-            stops = [i for i in s.ids if i in engine.eos_ids]
-            if s.finish == "stop":
-                assert stops == [s.ids[-1]], "a stopped completion ends at its first eos, eos included"
-            else:
-                assert s.finish == "length" and not stops and len(s.ids) == 8
-            finishes.add(s.finish)
-    assert finishes == {"stop", "length"}
-
-
-def test_behaviour_logprobs_match_a_forward_pass(tiny_model):
-    engine = HFEngine(tiny_model, seed=1)
-    temperature = 0.7
-    prompts = [engine.prompt_ids(ask(3)), engine.prompt_ids(ask(25))]
-    out = engine.sample(prompts, SamplingSettings(n=3, max_new_tokens=16, temperature=temperature))
-    worst = 0.0
-    for prompt, group in zip(prompts, out, strict=True):
-        for s in group:
-            want = forward_logprobs(engine, prompt, s.ids, temperature)
-            worst = max(worst, (torch.tensor(s.logprobs) - want).abs().max().item())
-    print(f"behaviour vs forward log-probs: max abs diff {worst:.2e} (tolerance {LOGPROB_TOL:.0e})")
-    assert worst < LOGPROB_TOL
-
-
-def test_load_weights_changes_the_policy(tiny_model, tmp_path):
-    engine = HFEngine(tiny_model, seed=0)
-    probe = torch.tensor([engine.prompt_ids(ask(4))])
-    with torch.no_grad():
-        before = engine.model(probe).logits
-    ckpt = perturbed_copy(tiny_model, tmp_path / "step_1", seed=1)
-    engine.load_weights(ckpt, version=1)
-    with torch.no_grad():
-        after = engine.model(probe).logits
-    assert engine.version == 1
-    assert (before - after).abs().max() > 1e-2
-    engine.load_weights(tiny_model, version=2)  # back to the original weights, exactly
-    with torch.no_grad():
-        assert torch.equal(engine.model(probe).logits, before)
-
-
-def test_a_checkpoint_that_does_not_fit_is_refused_and_the_model_kept(tiny_model, tmp_path):
-    from common.tiny import build_tiny_model
-
-    engine = HFEngine(tiny_model, seed=0)
-    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    other = build_tiny_model(tmp_path / "wide", hidden=96)
-    with pytest.raises(CheckpointError, match="does not fit"):
-        engine.load_weights(other, version=1)
-    assert engine.version == 0
-    assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in before.items())
-
-
-def test_tied_embeddings_checkpoint_reloads(tiny_model, tmp_path):
-    # The default model (SmolLM2) ties lm_head to the embedding; save_pretrained leaves lm_head out.
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(tiny_model)
-    cfg.tie_word_embeddings = True
-    tied = tmp_path / "tied"
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tied, safe_serialization=True)
-    for f in tiny_model.iterdir():
-        if "token" in f.name or f.name == "chat_template.jinja":
-            shutil.copy(f, tied / f.name)
-    engine = HFEngine(tied, seed=0)
-    new = perturbed_copy(tied, tmp_path / "tied_step_1", seed=2)
-    engine.load_weights(new, version=1)
-    emb = engine.model.get_input_embeddings().weight
-    assert engine.model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
-    from safetensors.torch import load_file
-    assert torch.equal(emb, load_file(new / "model.safetensors")["model.embed_tokens.weight"])
+from tests.test_engines import ask, perturbed_copy
 
 
 def test_a_corrupted_checkpoint_fails_its_checksums(tiny_model, tmp_path):
@@ -252,3 +133,91 @@ def test_a_late_generator_starts_from_the_latest_weights(engine, tiny_model, tmp
     assert code == 0, log.read_text()
     [group] = groups(r, keys)
     assert group.version == 3 and len(group.completions) == 2
+
+
+# ---------------------------------------------------------------------- rewards that fail, dynamic sampling
+
+
+def source_config(tmp_path, redis_url, tiny_model, *, run: str, reward: str, extra: str = "") -> dict:
+    path = tmp_path / f"{run}.toml"
+    path.write_text(f"""
+run = "{run}"
+redis_url = "{redis_url}"
+[model]
+path = "{tiny_model}"
+[rollout]
+max_new_tokens = 4
+[generator]
+engine = "hf"
+threads = 1
+reward_timeout_s = 1.0
+{extra}
+[[data.sources]]
+name = "arithmetic"
+kind = "arithmetic"
+reward = "{reward}"
+""")
+    return {"ROLLOUTS_CONFIG": str(path)}
+
+
+def test_rewards_that_raise_or_hang_are_recorded_errors_and_the_generator_goes_on(tiny_model, tmp_path, redis_url, r):
+    # tests.reward_fixtures:by_mood raises, hangs or scores, as meta["mood"] says
+    keys = Keys("moody")
+    env = source_config(tmp_path, redis_url, tiny_model, run="moody", reward="tests.reward_fixtures:by_mood")
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    moods = ["raise", "hang", "ok", "hang", "ok"]
+    for i, mood in enumerate(moods):
+        task = ask(i, n=2)
+        task = type(task)(**{**{f: getattr(task, f) for f in task.__slots__}, "meta": {**task.meta, "mood": mood}})
+        r.xadd(keys.prompts, {PAYLOAD: encode(task)})
+    log = tmp_path / "generator.log"
+    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=log)
+    try:
+        wait_for(lambda: r.xlen(keys.samples) >= len(moods), timeout=120, what="every group", procs=[proc])
+        wait_for(lambda: int(r.hget(keys.generator("g1"), "reward_errors") or 0) == 6, timeout=15,
+                 what="6 reward errors in the heartbeat", procs=[proc])
+    finally:
+        code = stop(proc)
+    assert code == 0, log.read_text()
+    by_mood = {moods[int(g.id.split(":")[-1])]: g for g in groups(r, keys)}
+    assert all(c.reward == 0.0 and c.reward_error.startswith("ValueError") for c in by_mood["raise"].completions)
+    assert all(c.reward == 0.0 and c.reward_error.startswith("timeout after 1") for c in by_mood["hang"].completions)
+    assert all(c.reward_error is None for c in by_mood["ok"].completions)
+    assert r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0, "every prompt acknowledged with its group"
+
+
+def test_dynamic_sampling_drops_groups_without_reward_variance_and_counts_them(tiny_model, tmp_path, redis_url, r):
+    # tests.reward_fixtures:half scores every completion 0.5: no group has any variance
+    keys = Keys("ds")
+    env = source_config(tmp_path, redis_url, tiny_model, run="ds", reward="tests.reward_fixtures:half",
+                        extra="drop_zero_variance = true")
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    for i in range(4):
+        r.xadd(keys.prompts, {PAYLOAD: encode(ask(i, n=2))})
+    log = tmp_path / "generator.log"
+    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=log)
+    try:
+        wait_for(lambda: r.hget(keys.generators, "groups_dropped_zero_variance") == b"4", timeout=120,
+                 what="4 groups dropped", procs=[proc])
+    finally:
+        code = stop(proc)
+    assert code == 0, log.read_text()
+    assert r.xlen(keys.samples) == 0 and r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0
+    from producers.main import dropped_groups
+
+    assert dropped_groups(r, keys) == 4, "the producer admits one more prompt for each dropped group"
+
+
+def test_held_prompts_are_touched_so_live_generators_do_not_reclaim_them(r):
+    from generators.main import take_prompts, touch_held
+
+    stream = Keys("touch").prompts
+    r.xgroup_create(stream, GENERATORS_GROUP, id="0", mkstream=True)
+    ids = [r.xadd(stream, {PAYLOAD: b"x"}) for _ in range(3)]
+    assert len(r.xreadgroup(GENERATORS_GROUP, "a", {stream: ">"}, count=3)[0][1]) == 3
+    time.sleep(0.3)
+    r.xclaim(stream, GENERATORS_GROUP, "b", 0, [ids[0]])  # b took one over (a was thought dead)
+    assert touch_held(r, stream=stream, consumer="a") == 2, "only what is still its own"
+    assert take_prompts(r, stream=stream, consumer="c", count=3, claim_idle_ms=200, wait=False) == []
+    owners = {e["message_id"]: e["consumer"] for e in r.xpending_range(stream, GENERATORS_GROUP, "-", "+", 10)}
+    assert owners == {ids[0]: b"b", ids[1]: b"a", ids[2]: b"a"}

