@@ -19,7 +19,6 @@ def main() -> None:
     except ConfigError as err:
         sys.exit(f"evaluator: {err}")
 
-    from rq import SimpleWorker
     from rq.serializers import JSONSerializer
     from transformers.utils import logging as hf_logging
 
@@ -29,11 +28,12 @@ def main() -> None:
     from common.keys import Keys
     from common.streams import connect
     from evaluator.queue import eval_queue
+    from evaluator.worker import EvalWorker
 
     try:
         r = connect(config.redis_url)
         queue = eval_queue(r, Keys(config.run))
-        worker = SimpleWorker([queue], connection=r, serializer=JSONSerializer)
+        worker = EvalWorker([queue], connection=r, serializer=JSONSerializer)
         print(f"evaluator: waiting for jobs on {queue.name}", flush=True)
         worker.work(burst=args.burst, logging_level="WARNING")
     except redis.exceptions.ConnectionError as err:

@@ -67,3 +67,34 @@ def test_a_checkpoint_pruned_before_its_evaluation_is_reported_skipped(tmp_path,
     result = json.loads(r.hget(Keys(RUN).evals, "2"))
     assert result["eval/skipped"] == "checkpoint pruned before its evaluation ran"
     assert [json.loads(line) for line in cfg.evals_path.read_text().splitlines()] == [result]
+
+
+def test_the_evaluator_runs_only_evaluation_jobs(tmp_path, redis_url, r, tiny_model):
+    """Whoever may write RQ's keys can queue a job naming any function; the evaluator fails every
+    job but an evaluation (without running or importing what it names) and goes on working."""
+    from rq import Callback, Retry
+
+    from evaluator.queue import JOB_FUNCTION
+
+    queue = eval_queue(r, Keys(RUN))
+    planted = tmp_path / "planted"
+    foreign = queue.enqueue_call("os.mkdir", args=[str(planted)], retry=Retry(max=2))
+    callback = queue.enqueue_call(JOB_FUNCTION, kwargs={"spec": {}}, on_failure=Callback("os.mkdir"))
+    wv = WeightVersion(version=1, step=1, path=str(tiny_model), format="safetensors",
+                       checksums=checksum_dir(tiny_model), created_at=0.0)
+    legit = enqueue_eval(r, config(redis_url), wv)
+
+    assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
+    log = (tmp_path / "evaluator.log").read_text()
+    assert not planted.exists(), "the evaluator ran a job that named os.mkdir"
+    failed = FailedJobRegistry(queue=queue).get_job_ids()
+    assert foreign.id in failed and callback.id in failed, (failed, log)
+    foreign.refresh()
+    assert foreign.get_status() == "failed" and foreign.retries_left == 0  # refused once, not retried
+    assert f"it names 'os.mkdir'; this evaluator runs only {JOB_FUNCTION}" in foreign.latest_result().exc_string
+    assert "it names callbacks ['os.mkdir']" in callback.latest_result().exc_string
+    assert f"evaluator: job {foreign.id} refused" in log
+    # the worker went on to the evaluation queued after them
+    legit.refresh()
+    assert legit.get_status() == "finished", log
+    assert json.loads(r.hget(Keys(RUN).evals, "1"))["eval/prompts"] == 4
