@@ -31,6 +31,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -279,7 +280,9 @@ def main() -> None:
             tail_s = tail["time/step"] - tail["time/publish"]
             print(f"  wait-for-data fraction on a filled stream: {tail['time/wait_data'] / tail_s:.4f} "
                   f"({tail['time/wait_data']:.3f} s of a {tail_s:.2f} s step, its publish not counted)")
-            print(f"  ratio stream/bare: {ratios[world]:.3f}")
+            paired = sorted(b / x for b, x in zip(bare[1:], stream[1:], strict=True))
+            print(f"  ratio stream/bare: {ratios[world]:.3f} (per step: {', '.join(f'{x:.3f}' for x in paired)}, "
+                  f"median {statistics.median(paired):.3f})")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("\nsummary: " + ", ".join(f"world {w} {v:.3f}" for w, v in ratios.items()))
