@@ -145,23 +145,31 @@ def main(argv: list[str] | None = None) -> None:
         print(plot(rows, args.out or metrics.with_name("metrics.png"), title=args.title, evals=evals))
         return
 
-    if args.command in ("record", "replay"):
-        from common.recording import record_command, replay_command
+    import redis
 
-        record_command(config, streams=args.stream or ["samples"], out=Path(args.out),
-                       until_idle_s=args.until_idle) if args.command == "record" \
-            else replay_command(config, path=Path(args.file), pace=args.pace, only=args.stream)
-        return
+    from common.streams import connect, lost_redis, no_permission, redacted
 
-    from common.streams import connect
+    try:  # a refused password or ACL permission, or Redis away: one line, not a traceback
+        if args.command in ("record", "replay"):
+            from common.recording import record_command, replay_command
 
-    r = connect(config.redis_url, wait_s=2.0)
-    while True:
-        out = "\n".join(status_lines(r, config.run))
-        print(("\033[H\033[J" if args.watch else "") + out, flush=True)
-        if not args.watch:
+            record_command(config, streams=args.stream or ["samples"], out=Path(args.out),
+                           until_idle_s=args.until_idle) if args.command == "record" \
+                else replay_command(config, path=Path(args.file), pace=args.pace, only=args.stream)
             return
-        time.sleep(args.watch)
+        r = connect(config.redis_url, wait_s=2.0)
+        while True:
+            out = "\n".join(status_lines(r, config.run))
+            print(("\033[H\033[J" if args.watch else "") + out, flush=True)
+            if not args.watch:
+                return
+            time.sleep(args.watch)
+    except redis.exceptions.AuthenticationError as err:
+        sys.exit(lost_redis("rollouts", config.redis_url, err))
+    except redis.exceptions.NoPermissionError as err:
+        sys.exit(no_permission("rollouts", config.redis_url, err))
+    except redis.exceptions.ConnectionError as err:
+        sys.exit(f"rollouts: cannot reach Redis at {redacted(config.redis_url)} ({err})")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import redis
@@ -92,3 +93,17 @@ def lost_redis(process: str, url: str, err: Exception) -> str:
                 "redis://user:password@host:port/db)")
     return (f"{process}: lost Redis at {redacted(url)} ({err}); whatever was not acknowledged "
             "is still in its stream: start again to resume")
+
+
+def no_permission(process: str, url: str, err: Exception) -> str:
+    """The one-line message a process exits with when its ACL user may not run a command or touch
+    a key it needs (redis.exceptions.NoPermissionError): Redis's words name what is missing."""
+    said = str(err)
+    # in a pipeline redis-py prefixes the command with all its arguments (payloads too): keep its
+    # name and key
+    piped = re.fullmatch(r"Command # \d+ \((\S+)( \S+)?.*?\) of pipeline caused error: (.*)", said, re.S)
+    if piped:
+        said = f"{piped[3]} ({piped[1]}{piped[2] or ''})"
+    return (f"{process}: Redis at {redacted(url)} refused a command: {said} (the ACL user lacks that "
+            "permission: give it the run's keys and commands, see README 'Running across machines safely')")
+

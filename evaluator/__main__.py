@@ -6,7 +6,7 @@ import sys
 import redis
 
 from common.config import ConfigError, load_config
-from common.streams import lost_redis
+from common.streams import lost_redis, no_permission
 
 
 def main() -> None:
@@ -38,6 +38,8 @@ def main() -> None:
         worker.work(burst=args.burst, logging_level="WARNING")
     except redis.exceptions.ConnectionError as err:
         sys.exit(lost_redis("evaluator", config.redis_url, err))
+    except redis.exceptions.NoPermissionError as err:  # an ACL user without a command or key it needs
+        sys.exit(no_permission("evaluator", config.redis_url, err))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import sys
 import redis
 
 from common.config import ConfigError, load_config
-from common.streams import lost_redis
+from common.streams import lost_redis, no_permission
 
 
 def main() -> None:
@@ -32,6 +32,8 @@ def main() -> None:
         sys.exit(2)
     except redis.exceptions.ConnectionError as err:
         sys.exit(lost_redis("generator", config.redis_url, err))
+    except redis.exceptions.NoPermissionError as err:  # an ACL user without a command or key it needs
+        sys.exit(no_permission("generator", config.redis_url, err))
 
 
 if __name__ == "__main__":

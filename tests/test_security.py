@@ -2,8 +2,10 @@
 producer signed in as an ACL user that may touch only its run's keys (and RQ's); a missing or
 wrong password stops each process with one line that says so and never shows the password."""
 
+import os
 import re
 import subprocess
+import sys
 
 import pytest
 import redis
@@ -11,7 +13,7 @@ import redis
 from common.cli import status_lines
 from common.keys import Keys
 from tests.conftest import free_port, start_redis
-from tests.helpers import spawn, stop, wait_for
+from tests.helpers import ROOT, spawn, stop, wait_for
 
 RUN = "sec"
 KEYS = Keys(RUN)
@@ -35,6 +37,7 @@ prompts_per_step = 4
 max_staleness = 1
 max_new_tokens = 8
 [generator]
+engine = "hf"
 batch_prompts = 2
 threads = 1
 [trainer]
@@ -57,6 +60,11 @@ def locked_redis(tmp_path):
     admin = redis.Redis(port=port, password=PASSWORD)
     admin.execute_command("ACL", "SETUSER", USER, *ACL_RULE.split())
     return server, port
+
+
+def env(url: str) -> dict[str, str]:
+    """The environment for `rollouts` signed in with `url`."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}, "ROLLOUTS_REDIS_URL": url}
 
 
 def test_pipeline_runs_with_a_password_and_an_acl_user_limited_to_its_run(tmp_path, tiny_model):
@@ -126,3 +134,62 @@ def test_a_missing_or_wrong_password_stops_each_process_with_one_line(tmp_path, 
         password = url.split("://")[1].rpartition("@")[0].partition(":")[2]
         if password:
             assert password not in out and ":***@" in last, out
+
+
+def test_an_acl_user_lacking_a_permission_stops_each_process_with_one_line(tmp_path, tiny_model):
+    """Each process, and `rollouts status`, names what Redis refused (a command, a key) in one line
+    with the password hidden, and exits non-zero instead of a traceback."""
+    server, port = locked_redis(tmp_path)
+    admin = redis.Redis(port=port, password=PASSWORD)
+    # the README's rule but without XADD; and one confined to another run's keys (and not RQ's)
+    admin.execute_command("ACL", "SETUSER", "no-xadd", *ACL_RULE.replace(USER_PASSWORD, "pw-1").split(), "-xadd")
+    admin.execute_command("ACL", "SETUSER", "other-run", *ACL_RULE.replace(USER_PASSWORD, "pw-2")
+                          .replace(f"~rollouts:{RUN}:* ~rq:*", "~rollouts:other:*").split())
+    no_xadd = f"redis://no-xadd:pw-1@127.0.0.1:{port}/0"
+    other_run = f"redis://other-run:pw-2@127.0.0.1:{port}/0"
+    config = write_config(tmp_path, tiny_model, steps=1, eval_every=0)
+    cases = {  # process: (module, URL, what Redis says)
+        "producer": ("producers", no_xadd, "no permissions to run the 'xadd' command"),
+        "trainer": ("trainer", other_run, "no permissions to access one of the keys"),
+        "generator": ("generators", other_run, "no permissions to access one of the keys"),
+        "evaluator": ("evaluator", other_run, "no permissions to access one of the keys"),
+    }
+    procs = {name: spawn(module, cwd=tmp_path, env={"ROLLOUTS_CONFIG": config, "ROLLOUTS_REDIS_URL": url},
+                         log=tmp_path / f"{name}.log") for name, (module, url, _) in cases.items()}
+    try:
+        codes = {name: p.wait(timeout=120) for name, p in procs.items()}
+        status = subprocess.run([sys.executable, "-m", "common.cli", "status", "--config", config],
+                                env=env(other_run), cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        for p in procs.values():
+            stop(p)
+        server.kill()
+    outs = {name: (tmp_path / f"{name}.log").read_text() for name in cases}
+    outs["rollouts"], codes["rollouts"] = status.stdout + status.stderr, status.returncode
+    cases["rollouts"] = (None, other_run, "no permissions to access one of the keys")
+    for name, (_, _, said) in cases.items():
+        out = outs[name]
+        assert codes[name] not in (0, None), f"{name} exited {codes[name]}: {out}"
+        assert "Traceback" not in out, out
+        last = out.strip().splitlines()[-1]
+        host = f"127.0.0.1:{port}/0"
+        assert re.fullmatch(rf"{name}: Redis at redis://[\w-]+:\*\*\*@{re.escape(host)} refused a command: "
+                            rf".*{re.escape(said)}.*", last), last
+        assert "pw-1" not in out and "pw-2" not in out, out
+
+
+def test_rollouts_status_with_a_wrong_password_says_so_in_one_line(tmp_path, tiny_model):
+    server, port = locked_redis(tmp_path)
+    config = write_config(tmp_path, tiny_model, steps=1, eval_every=0)
+    try:
+        status = subprocess.run([sys.executable, "-m", "common.cli", "status", "--config", config],
+                                env=env(f"redis://{USER}:wrong-pw@127.0.0.1:{port}/0"),
+                                cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        server.kill()
+    assert status.returncode != 0 and status.stdout == "", status
+    assert status.stderr.strip() == (
+        f"rollouts: Redis at redis://{USER}:***@127.0.0.1:{port}/0 refused the credentials: invalid "
+        "username-password pair or user is disabled. (put the password, or ACL user and password, in redis_url: "
+        "redis://user:password@host:port/db)"), status.stderr
