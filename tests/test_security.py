@@ -193,3 +193,25 @@ def test_rollouts_status_with_a_wrong_password_says_so_in_one_line(tmp_path, tin
         f"rollouts: Redis at redis://{USER}:***@127.0.0.1:{port}/0 refused the credentials: invalid "
         "username-password pair or user is disabled. (put the password, or ACL user and password, in redis_url: "
         "redis://user:password@host:port/db)"), status.stderr
+
+
+def test_the_trainer_refuses_a_model_with_only_pickled_weights(tmp_path, tiny_model, redis_url):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "pickled"
+    shutil.copytree(tiny_model, model)
+    [weights] = model.glob("*.safetensors")
+    torch.save(load_file(weights), model / "pytorch_model.bin")  # what an old or untrusted checkpoint holds
+    weights.unlink()
+    config = write_config(tmp_path, model, steps=1, eval_every=0)
+    proc = spawn("trainer", cwd=tmp_path, env={"ROLLOUTS_CONFIG": config, "ROLLOUTS_REDIS_URL": redis_url},
+                 log=tmp_path / "trainer.log")
+    code = proc.wait(timeout=120)
+    out = (tmp_path / "trainer.log").read_text()
+    assert code == 2 and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1].startswith(
+        f"trainer: model at {model}: no .safetensors weights (pytorch_model.bin); "
+        "the trainer loads safetensors only"), out

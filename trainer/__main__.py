@@ -31,6 +31,9 @@ def main() -> None:
 
     try:
         run(config)
+    except ModelError as err:  # e.g. a model directory with pickled weights only
+        print(f"trainer: {err}", file=sys.stderr)
+        sys.exit(2)
     except redis.exceptions.ConnectionError as err:
         sys.exit(lost_redis("trainer", config.redis_url, err))
     except redis.exceptions.NoPermissionError as err:  # an ACL user without a command or key it needs

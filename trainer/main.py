@@ -408,7 +408,15 @@ def summary_line(m: dict) -> str:
 
 
 def load_model(path: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    """The model in checkpoint directory `path`, from its safetensors only: a pickled
+    `pytorch_model.bin` can run code when loaded, so a directory without safetensors is refused."""
+    from common.models import ModelError
+
+    if not any(Path(path).glob("*.safetensors")):
+        found = ", ".join(sorted(p.name for p in Path(path).glob("*.bin"))) or "no weights"
+        raise ModelError(f"model at {path}: no .safetensors weights ({found}); the trainer loads safetensors "
+                         "only, never pickle: save the model with save_pretrained(..., safe_serialization=True)")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
 
 
 def run(config: Config) -> None:
