@@ -4,15 +4,17 @@ restart resumes the run, and no prompt is lost or trained twice. Run with -s to 
 
 import re
 import signal
+import subprocess
 import sys
 import time
 
+import pytest
 import redis
 
 from common.keys import PAYLOAD
 from common.messages import decode_prompt
 from tests.conftest import free_port, start_redis
-from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
+from tests.helpers import ROOT, accounting, assert_accounted, spawn, stop, wait_for
 from tests.test_faults import KEYS, Pipeline, metrics, report, trained_once, write_config
 
 
@@ -157,7 +159,8 @@ def test_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_path, 
     env = write_config(tmp_path, url, tiny_model, steps=steps)
     procfile = tmp_path / "Procfile"
     procfile.write_text(  # the project's Procfile, on a port and directory of this test's own
-        f"redis: exec redis-server --port {port} --bind 127.0.0.1 --appendonly yes --dir {data} --save ''\n"
+        f"redis: exec {sys.executable} {ROOT / 'ops' / 'redis-last'} redis-server --port {port} --bind 127.0.0.1 "
+        f"--appendonly yes --dir {data} --save ''\n"
         f"producer: exec {sys.executable} -m producers\n"
         f"generator: exec {sys.executable} -m generators --id g1\n"
         f"trainer: exec {sys.executable} -m trainer\n")
@@ -182,6 +185,9 @@ def test_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_path, 
         run.wait(timeout=60)
         first = log.read_text()
         assert "SIGINT received" in first, first
+        # Redis stopped last, cleanly, so nobody waited on it until honcho's SIGKILL
+        assert "SIGKILL" not in first and "rc=-9" not in first, first
+        assert "redis.1 stopped (rc=0)" in first, first
         stopped_at = max(m["step"] for m in metrics(tmp_path))
 
         run = honcho()  # started again: Redis reloads its append-only file, everyone resumes
@@ -201,3 +207,38 @@ def test_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_path, 
         assert after["trained"] == len(trained_once(r, tmp_path, steps)) == steps * 4
     finally:
         server.kill()
+
+
+def test_redis_under_ops_redis_last_stops_after_its_clients_and_cleanly(tmp_path):
+    """The Procfile's Redis: a SIGTERM (honcho sends it to everyone at once) leaves it serving
+    while a client is still connected, and stops it cleanly once the last one has gone."""
+    port = free_port()
+    wrapper = subprocess.Popen([sys.executable, str(ROOT / "ops" / "redis-last"), "redis-server", "--port", str(port),
+                                "--bind", "127.0.0.1", "--appendonly", "yes", "--dir", str(tmp_path), "--save", ""])
+    try:
+        client = redis.Redis(port=port)
+        wait_for(lambda: _pings(client), timeout=10, what="redis-server under ops/redis-last")
+        client.set("k", "v")
+        wrapper.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert wrapper.poll() is None and client.get("k") == b"v", "Redis stopped under a connected client"
+        client.close()  # the last client goes: Redis stops at once, not after the grace
+        t0 = time.monotonic()
+        assert wrapper.wait(timeout=10) == 0
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(redis.exceptions.ConnectionError):
+            redis.Redis(port=port).ping()
+    finally:
+        stop(wrapper)
+    server = start_redis(tmp_path, port)  # what it wrote is in the append-only file
+    try:
+        assert redis.Redis(port=port).get("k") == b"v"
+    finally:
+        server.kill()
+
+
+def _pings(client) -> bool:
+    try:
+        return client.ping()
+    except redis.exceptions.ConnectionError:
+        return False
