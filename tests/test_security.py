@@ -102,7 +102,6 @@ def test_pipeline_runs_with_a_password_and_an_acl_user_limited_to_its_run(tmp_pa
     for name in procs:  # no password in any log
         text = (logs / f"{name}.log").read_text()
         assert PASSWORD not in text and USER_PASSWORD not in text, f"{name} logged a password"
-    # the user really is confined to its run: another run's keys are refused
 
 
 def test_a_missing_or_wrong_password_stops_each_process_with_one_line(tmp_path, tiny_model):
