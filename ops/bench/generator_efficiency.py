@@ -21,7 +21,9 @@ turn of each side is a warm-up and not counted. Tokens are the completions' samp
 HF `generate` call runs until its longest sequence stops, so a turn's seconds depend little on
 how many tokens it counts; tokens/s then varies with the sampled lengths, and seconds per turn on
 the same prompts are printed beside it. `--profile FILE` records the generator with py-spy during
-the measured turns (summarize with ops/bench/spy_summary.py).
+the measured turns (summarize with ops/bench/spy_summary.py). CPU seconds (the generator's and
+its reward workers', from /proc; the bare side's own) are printed too: on a shared machine they
+move much less with the neighbours' load than seconds do.
 
 Prints the median over turns of the ratio generator/bare of tokens/s on its last line.
 """
@@ -68,11 +70,12 @@ def engine_options(engine: str, max_in_flight: int) -> dict:
     return {"kv_cache_gib": 1.0, "gpu_memory_utilization": 0.5, "max_num_seqs": max_in_flight * N}
 
 
-def bare_turn(engine, tasks) -> tuple[float, int]:
-    """(seconds, sampled tokens) of the engine alone on `tasks`: add them all, step until done."""
+def bare_turn(engine, tasks) -> tuple[float, int, float]:
+    """(seconds, sampled tokens, CPU seconds) of the engine alone on `tasks`: add them all, step until done."""
     from generators.engines import SamplingSettings
 
     sampling = SamplingSettings(n=N, max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE)
+    cpu0 = time.process_time()  # this process's: the engine runs here, nothing else does meanwhile
     t0 = time.monotonic()
     for t in tasks:
         engine.add(t.id, engine.prompt_ids(t), sampling)
@@ -80,15 +83,19 @@ def bare_turn(engine, tasks) -> tuple[float, int]:
     while engine.has_unfinished():
         for done in engine.step():
             tokens += sum(len(s.ids) for s in done.samples)
-    return time.monotonic() - t0, tokens
+    return time.monotonic() - t0, tokens, time.process_time() - cpu0
 
 
-def generator_turn(r, keys, tasks, *, proc: subprocess.Popen, log: Path) -> tuple[float, int]:
-    """(seconds, sampled tokens) from writing `tasks` to the prompts stream to their groups' arrival."""
+def generator_turn(r, keys, tasks, *, proc: subprocess.Popen, log: Path) -> tuple[float, int, float]:
+    """(seconds, sampled tokens, CPU seconds of the generator and its reward workers) from writing
+    `tasks` to the prompts stream to their groups' arrival."""
+    from proc_cpu import cpu_seconds
+
     from common.keys import PAYLOAD
     from common.messages import decode_group, encode
 
     before = r.xinfo_stream(keys.samples)["last-generated-id"] if r.exists(keys.samples) else b"0-0"
+    cpu0 = cpu_seconds(proc.pid)
     t0 = time.monotonic()
     with r.pipeline(transaction=True) as pipe:  # as the producer admits them: one MULTI/EXEC
         for t in tasks:
@@ -99,10 +106,11 @@ def generator_turn(r, keys, tasks, *, proc: subprocess.Popen, log: Path) -> tupl
             raise RuntimeError(f"generator exited {proc.returncode}:\n{log.read_text()[-4000:]}")
         time.sleep(0.01)
     seconds = time.monotonic() - t0
+    cpu = cpu_seconds(proc.pid) - cpu0
     new = r.xrange(keys.samples, min=f"({before.decode() if isinstance(before, bytes) else before}", max="+")
     groups = [decode_group(f[PAYLOAD]) for _, f in new]
     assert sorted(g.id for g in groups) == sorted(t.id for t in tasks), "groups of other prompts showed up"
-    return seconds, sum(len(c.ids) for g in groups for c in g.completions)
+    return seconds, sum(len(c.ids) for g in groups for c in g.completions), cpu
 
 
 def main() -> None:
@@ -176,10 +184,10 @@ threads = 1
             sides = [("bare", lambda ts=tasks: bare_turn(engine, ts)),
                      ("generator", lambda ts=tasks: generator_turn(r, keys, ts, proc=proc, log=log))]
             for side, turn in sides if k % 2 == 0 else sides[::-1]:
-                seconds, tokens = turn()
-                (bare if side == "bare" else gen).append((seconds, tokens))
+                seconds, tokens, cpu = turn()
+                (bare if side == "bare" else gen).append((seconds, tokens, cpu))
                 print(f"  turn {k}{' (warm-up)' if k == 0 else ''} {side:9s} {tokens:5d} tokens in {seconds:6.2f} s"
-                      f" = {tokens / seconds:6.1f} tokens/s", flush=True)
+                      f" = {tokens / seconds:6.1f} tokens/s; {cpu:6.2f} CPU s", flush=True)
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
             spy.wait(timeout=60)
@@ -193,16 +201,22 @@ threads = 1
         server.terminate()
         server.wait(timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
-    bare_rate = sum(t for _, t in bare[1:]) / sum(s for s, _ in bare[1:])
-    gen_rate = sum(t for _, t in gen[1:]) / sum(s for s, _ in gen[1:])
+    bare, gen = bare[1:], gen[1:]  # the warm-up turn is not counted
+    bare_rate = sum(t for _, t, _ in bare) / sum(s for s, _, _ in bare)
+    gen_rate = sum(t for _, t, _ in gen) / sum(s for s, _, _ in gen)
     # Each turn's two sides ran back to back on the same prompts: their ratio is the least
     # disturbed by the machine's load, and the median of those ratios the least by a spike.
-    paired = sorted((gt / gs) / (bt / bs) for (bs, bt), (gs, gt) in zip(bare[1:], gen[1:], strict=True))
-    per_turn = sorted(bs / gs for (bs, _), (gs, _) in zip(bare[1:], gen[1:], strict=True))
+    paired = sorted((gt / gs) / (bt / bs) for (bs, bt, _), (gs, gt, _) in zip(bare, gen, strict=True))
+    per_turn = sorted(bs / gs for (bs, _, _), (gs, _, _) in zip(bare, gen, strict=True))
+    cpu_per_token = (sum(c for _, _, c in bare) / sum(t for _, t, _ in bare)) / (
+        sum(c for _, _, c in gen) / sum(t for _, t, _ in gen))
+    cpu_per_turn = sum(c for _, _, c in bare) / sum(c for _, _, c in gen)
     print(f"bare engine: {bare_rate:7.1f} tokens/s over the measured turns")
     print(f"generator:   {gen_rate:7.1f} tokens/s over the measured turns (ratio {gen_rate / bare_rate:.3f})")
     print(f"per-turn ratios of tokens/s: {', '.join(f'{x:.3f}' for x in paired)}; "
           f"of seconds per turn (bare/generator): {', '.join(f'{x:.3f}' for x in per_turn)}")
+    print(f"over CPU time: tokens per CPU second generator/bare {cpu_per_token:.3f}; "
+          f"CPU seconds for the same prompts bare/generator {cpu_per_turn:.3f}")
     print(f"generator ratio generator/bare ({args.engine}, median of turns): {statistics.median(paired):.3f}")
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ stream (it sits blocked on XREADGROUP until then) to the arrival of its step lin
 decoding, training, metrics); a bare step between a `go` and a `done` passed through Redis. The
 first step of each side is a warm-up (AdamW allocates its state) and is not counted. The trainer
 then takes one more step on groups already waiting in the stream: its own `time/wait_data` over
-that step is the wait-for-data fraction of a replayed stream.
+that step is the wait-for-data fraction of a replayed stream. CPU seconds of each side's process
+tree (from /proc) are printed too: they move much less with the neighbours' load than seconds.
 
 Prints the ratio stream/bare at the largest world size on its last line.
 """
@@ -148,8 +149,9 @@ def clean_env() -> dict[str, str]:
 
 
 def run_world(blobs: list[bytes], groups_file: Path, *, model_dir: Path, world: int, steps: int, lr: float,
-              tmp: Path) -> tuple[list[float], list[float], list[dict]]:
-    """(bare seconds per step, stream seconds per step, the trainer's metrics) at world size `world`.
+              tmp: Path) -> tuple[list[tuple[float, float]], list[tuple[float, float]], list[dict]]:
+    """((seconds, CPU seconds) per bare step, the same per stream step, the trainer's metrics) at
+    world size `world`. CPU seconds are those of each side's whole process tree (every rank).
 
     Both processes live side by side and take turns: the trainer's step k starts when its groups
     are written to the stream (it sits blocked on XREADGROUP until then) and ends when its step line
@@ -158,6 +160,7 @@ def run_world(blobs: list[bytes], groups_file: Path, *, model_dir: Path, world: 
     step, on groups already waiting in the stream, for its wait-for-data fraction.
     """
     import redis
+    from proc_cpu import cpu_seconds
 
     from common.keys import PAYLOAD, Keys
     from tests.conftest import free_port, start_redis
@@ -187,22 +190,24 @@ def run_world(blobs: list[bytes], groups_file: Path, *, model_dir: Path, world: 
                 return line
         raise RuntimeError(f"trainer exited {trainer.wait()}:\n{(tmp / 'trainer.err').read_text()[-4000:]}")
 
-    def stream_step(k: int, extra: int = 0) -> float:
+    def stream_step(k: int, extra: int = 0) -> tuple[float, float]:
+        cpu0 = cpu_seconds(trainer.pid)
         t0 = time.monotonic()
         with r.pipeline(transaction=False) as pipe:
             for b in blobs[k * PER_STEP:(k + 1 + extra) * PER_STEP]:
                 pipe.xadd(samples, {PAYLOAD: b})
             pipe.execute()
         trainer_line("step ")
-        return time.monotonic() - t0
+        return time.monotonic() - t0, cpu_seconds(trainer.pid) - cpu0
 
-    def bare_step() -> float:
+    def bare_step() -> tuple[float, float]:
+        cpu0 = cpu_seconds(bare.pid)
         t0 = time.monotonic()
         for rank in range(world):
             r.rpush(bare_go(rank), 1)
         for _ in range(world):
             pop(r, BARE_DONE, proc=bare, log=tmp / "bare.log")
-        return time.monotonic() - t0
+        return time.monotonic() - t0, cpu_seconds(bare.pid) - cpu0
 
     try:
         trainer_line("trainer: run ")  # loaded, about to read the stream
@@ -266,23 +271,25 @@ def main() -> None:
         for world in args.world:
             bare, stream, metrics = run_world(blobs, groups_file, model_dir=model_dir, world=world,
                                               steps=args.steps, lr=args.lr, tmp=tmp / f"w{world}")
-            bare_s, stream_s = sum(bare[1:]), sum(stream[1:])
+            bare, stream = bare[1:], stream[1:]  # the warm-up step is not counted
+            bare_s, stream_s = sum(s for s, _ in bare), sum(s for s, _ in stream)
+            bare_cpu, stream_cpu = sum(c for _, c in bare), sum(c for _, c in stream)
             measured = metrics[1:args.steps]
             train_s = sum(m["time/train"] for m in measured)
             tail = metrics[args.steps]  # on groups already in the stream when it began
             ratios[world] = bare_s / stream_s
             print(f"\nworld size {world}")
-            print(f"  bare loop:   {tokens / bare_s:7.1f} tokens/s  ({bare_s:.2f} s; steps "
-                  f"{', '.join(f'{x:.2f}' for x in bare[1:])})")
-            print(f"  from stream: {tokens / stream_s:7.1f} tokens/s  ({stream_s:.2f} s; steps "
-                  f"{', '.join(f'{x:.2f}' for x in stream[1:])}; in train_step {train_s:.2f} s, "
+            print(f"  bare loop:   {tokens / bare_s:7.1f} tokens/s  ({bare_s:.2f} s, {bare_cpu:.2f} CPU s; steps "
+                  f"{', '.join(f'{s:.2f}' for s, _ in bare)})")
+            print(f"  from stream: {tokens / stream_s:7.1f} tokens/s  ({stream_s:.2f} s, {stream_cpu:.2f} CPU s; steps "
+                  f"{', '.join(f'{s:.2f}' for s, _ in stream)}; in train_step {train_s:.2f} s, "
                   f"outside it {stream_s - train_s:.2f} s = {(stream_s - train_s) / stream_s:.1%})")
             tail_s = tail["time/step"] - tail["time/publish"]
             print(f"  wait-for-data fraction on a filled stream: {tail['time/wait_data'] / tail_s:.4f} "
                   f"({tail['time/wait_data']:.3f} s of a {tail_s:.2f} s step, its publish not counted)")
-            paired = sorted(b / x for b, x in zip(bare[1:], stream[1:], strict=True))
+            paired = sorted(b / x for (b, _), (x, _) in zip(bare, stream, strict=True))
             print(f"  ratio stream/bare: {ratios[world]:.3f} (per step: {', '.join(f'{x:.3f}' for x in paired)}, "
-                  f"median {statistics.median(paired):.3f})")
+                  f"median {statistics.median(paired):.3f}); over CPU seconds: {bare_cpu / stream_cpu:.3f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("\nsummary: " + ", ".join(f"world {w} {v:.3f}" for w, v in ratios.items()))
