@@ -12,7 +12,7 @@ from common.checkpoints import CheckpointError, checksum_dir, verify_dir
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import WeightVersion, decode_group, encode
 from tests.helpers import spawn, stop, wait_for
-from tests.test_engines import ask, perturbed_copy
+from tests.test_engines import ask, need, perturbed_copy
 
 
 def test_a_corrupted_checkpoint_fails_its_checksums(tiny_model, tmp_path):
@@ -43,6 +43,7 @@ def groups(r, keys: Keys):
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_generator_process_turns_prompts_into_groups_and_follows_weights(engine, tiny_model, tmp_path, redis_url, r):
+    need(engine)
     keys = Keys("g")
     env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "g", "ROLLOUTS_MODEL__PATH": str(tiny_model),
            "ROLLOUTS_GENERATOR__ENGINE": engine,
@@ -115,6 +116,7 @@ def test_generator_process_turns_prompts_into_groups_and_follows_weights(engine,
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_a_late_generator_starts_from_the_latest_weights(engine, tiny_model, tmp_path, redis_url, r):
+    need(engine)
     keys = Keys("late")
     step_3 = perturbed_copy(tiny_model, tmp_path / "checkpoints" / "step_3", seed=3)
     publish_weights(r, keys, WeightVersion(version=3, step=3, path=str(step_3), format="safetensors",
