@@ -1,0 +1,135 @@
+"""Trainer steps per minute of the whole pipeline under honcho, with 1 and 2 generators, and its reward curve.
+
+    .venv/bin/python ops/bench/end_to_end.py [--steps 10] [--generators 1 2] [--png docs/benchmark-reward.png]
+
+Each run is `honcho start -c generator=G` of the project's Procfile (redis, producer, generator x G,
+trainer, evaluator) on the demo configuration (`configs/demo.toml`: the default model on the
+arithmetic task, seeds 0), in a temporary directory with its own Redis port and output directory,
+stopped by `trainer.max_steps = --steps` (honcho stops the rest when the trainer exits). Steps
+per minute are timed from the arrival of the trainer's first step line to its last, so start-up
+(loading models, the first batch of samples) is not counted; the demo saves its optimizer state
+every 10 steps and that save falls inside a 10-step run, as it does in a long one. The trainer's
+wait-for-data fraction is its `time/wait_data` over `time/step` for the same steps.
+
+Writes a PNG of each run's reward (mean over the step's completions) and accuracy against the
+step. Prints the steps per minute with the most generators on its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+PY = ROOT / ".venv" / "bin" / "python"
+
+
+def run_pipeline(*, generators: int, steps: int, tmp: Path) -> tuple[list[float], list[dict]]:
+    """(arrival time of each trainer step line, the trainer's metrics) of one honcho run."""
+    from tests.conftest import free_port
+
+    tmp.mkdir(parents=True)
+    port = free_port()
+    # The project's Procfile, with this checkout's interpreter.
+    (tmp / "Procfile").write_text("\n".join([
+        "redis: mkdir -p redis && exec redis-server --port ${REDIS_PORT} --bind 127.0.0.1 --appendonly yes "
+        "--dir redis --save ''",
+        f"producer: exec {PY} -m producers",
+        f"generator: exec {PY} -m generators",
+        f"trainer: exec {PY} -m trainer",
+        f"evaluator: exec {PY} -m evaluator",
+    ]) + "\n")
+    (tmp / ".env").write_text("\n".join([
+        f"REDIS_PORT={port}", f"ROLLOUTS_REDIS_URL=redis://127.0.0.1:{port}/0",
+        f"ROLLOUTS_CONFIG={ROOT / 'configs' / 'demo.toml'}", f"ROLLOUTS_OUTPUT_DIR={tmp / 'run'}",
+        f"ROLLOUTS_TRAINER__MAX_STEPS={steps}", f"PYTHONPATH={ROOT}",
+        "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1",
+    ]) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    honcho = [str(ROOT / ".venv" / "bin" / "honcho"), "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / ".env"),
+              "-d", str(tmp), "-c", f"generator={generators}"]
+    arrivals = []
+    with open(tmp / "honcho.log", "w") as log:
+        proc = subprocess.Popen(honcho, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if "| step " in line and line.split("|", 1)[0].strip().startswith("trainer"):
+                    arrivals.append(time.monotonic())
+                    print(f"  {generators} generator(s): {line.rstrip()}", flush=True)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    metrics_file = tmp / "run" / "metrics.jsonl"
+    assert len(arrivals) == steps and metrics_file.is_file(), (
+        f"expected {steps} trainer steps, saw {len(arrivals)}:\n{(tmp / 'honcho.log').read_text()[-4000:]}")
+    return arrivals, [json.loads(x) for x in metrics_file.read_text().splitlines()]
+
+
+def plot(runs: dict[int, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for generators, metrics in runs.items():
+        steps = [m["step"] for m in metrics]
+        ax_r.plot(steps, [m["reward/mean"] for m in metrics], marker="o", label=f"{generators} generator(s)")
+        ax_a.plot(steps, [m["accuracy"] for m in metrics], marker="o", label=f"{generators} generator(s)")
+    for ax, title in ((ax_r, "reward (mean of the step's completions)"), (ax_a, "accuracy")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("trainer step")
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("honcho start, configs/demo.toml (SmolLM2-135M, arithmetic, seeds 0), 2 CPU cores", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--generators", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--png", type=Path, default=ROOT / "docs" / "benchmark-reward.png")
+    args = ap.parse_args()
+    assert args.steps >= 2, "--steps must be >= 2: rates are timed from the first step line"
+
+    tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
+    rates, runs = {}, {}
+    try:
+        for generators in args.generators:
+            arrivals, metrics = run_pipeline(generators=generators, steps=args.steps, tmp=tmp / f"g{generators}")
+            rates[generators] = 60 * (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+            timed = metrics[1:]
+            wait = sum(m["time/wait_data"] for m in timed) / sum(m["time/step"] for m in timed)
+            runs[generators] = metrics
+            rewards = " ".join(f"{m['reward/mean']:.2f}" for m in metrics)
+            print(f"{generators} generator(s): {rates[generators]:.2f} steps/min, wait-for-data fraction {wait:.3f}, "
+                  f"reward by step {rewards}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    plot(runs, args.png)
+    print(f"reward curve: {args.png}")
+    print("summary: " + ", ".join(f"{g} generator(s) {v:.2f} steps/min" for g, v in rates.items()))
+    most = max(args.generators)
+    print(f"end-to-end steps per minute ({most} generators): {rates[most]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Seconds from the trainer starting to publish weights until every generator samples with them.
+
+    .venv/bin/python ops/bench/weight_sync.py [--models tiny default] [--engine hf] [--generators 1] [--versions 3]
+
+For each model, a real redis-server and `--generators` real generator processes (`python -m
+generators`, `--engine` hf or vllm, the demo's settings: 4 completions per prompt, at most 24 new tokens,
+`max_in_flight` 16, `batch_prompts` 4, one thread), kept busy: the prompts stream never runs dry.
+This process then publishes `--versions` new weight versions with the trainer's own
+`trainer.main.publish` (checkpoint to a temporary name and rename, checksums, one MULTI/EXEC
+that sets `weights:latest`; no optimizer state, as on the demo's steps between `state_every`),
+each at a random moment of the generators' work, and times from each generator's log line
+`loaded weights version V (verify a s, reload b s)`, stamped as it arrives:
+
+    save    publish() from its start to its return (weights:latest is set at its end);
+    notice  from then until the generator began loading: its poll of weights:latest (every
+            `weights_poll_s`, 0.5 s) and the drain of the prompts already in its engine, which
+            finish with the weights they started with;
+    reload  the generator's checksum check of the files plus its in-place load;
+    total   from the start of publish() until the last generator has loaded, after which every
+            prompt it starts is sampled with the new version.
+
+The figures are medians over versions (and generators). Prints the default model's (the last
+model's) total on its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+LOADED = re.compile(r"loaded weights version (\d+)(?: \(verify ([\d.]+) s, reload ([\d.]+) s\))?")
+
+
+def feed(r, keys, *, low: int = 64, batch: int = 128, start: list[int]) -> None:
+    """Keep at least `low` prompts waiting in the prompts stream (arithmetic, 4 completions each)."""
+    from common.keys import GENERATORS_GROUP, PAYLOAD
+    from common.messages import PromptTask, encode
+    from producers.arithmetic import problem
+
+    groups = {g["name"].decode(): g for g in r.xinfo_groups(keys.prompts)} if r.exists(keys.prompts) else {}
+    lag = groups[GENERATORS_GROUP]["lag"] if GENERATORS_GROUP in groups else r.xlen(keys.prompts)
+    if lag is not None and lag >= low:
+        return
+    with r.pipeline(transaction=False) as pipe:
+        for i in range(start[0], start[0] + batch):
+            p = problem(seed=0, index=i, max_operand=20, ops=["+", "-"])
+            pipe.xadd(keys.prompts, {PAYLOAD: encode(PromptTask(
+                id=f"arithmetic:0:{i}", messages=[{"role": "user", "content": p.question}], text=None,
+                meta={"answer": p.answer, "source": "arithmetic"}, n=4, admitted_at=0))})
+        pipe.execute()
+    start[0] += batch
+
+
+def watch(proc: subprocess.Popen, log: Path, seen: dict[int, tuple[float, float, float]]) -> None:
+    """Copy the generator's output to `log`; stamp each weight load {version: (time, verify, reload)}."""
+    with open(log, "w") as out:
+        for line in proc.stdout:
+            now = time.monotonic()
+            out.write(line)
+            out.flush()
+            m = LOADED.search(line)
+            if m:
+                seen[int(m[1])] = (now, float(m[2] or 0.0), float(m[3] or 0.0))
+
+
+def bench_model(name: str, model_dir: Path, *, engine: str, generators: int, versions: int, tmp: Path
+                ) -> dict[str, float]:
+    import redis
+    import torch
+
+    from common.keys import GENERATORS_GROUP, Keys
+    from common.streams import ensure_group
+    from tests.conftest import free_port, start_redis
+    from trainer.main import load_model, publish
+
+    tmp.mkdir(parents=True)
+    port = free_port()
+    server = start_redis(tmp / "redis", port)
+    url = f"redis://127.0.0.1:{port}/0"
+    r = redis.Redis.from_url(url)
+    keys = Keys("bench")
+    ensure_group(r, keys.prompts, GENERATORS_GROUP)
+    config = tmp / "bench.toml"
+    config.write_text(f"""run = "bench"
+redis_url = "{url}"
+output_dir = "{tmp / 'out'}"
+[model]
+path = "{model_dir}"
+[rollout]
+group_size = 4
+temperature = 0.8
+max_new_tokens = 24
+[generator]
+engine = "{engine}"
+batch_prompts = 4
+max_in_flight = 16
+threads = 1
+""")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               ROLLOUTS_CONFIG=str(config))
+    next_prompt = [0]
+    feed(r, keys, start=next_prompt)
+    procs, seen, logs = [], [], []
+    rows: list[dict[str, float]] = []
+    try:
+        for g in range(generators):
+            proc = subprocess.Popen([sys.executable, "-m", "generators", "--id", f"w{g + 1}"], cwd=tmp, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            procs.append(proc)
+            seen.append({})
+            logs.append(tmp / f"w{g + 1}.log")
+            threading.Thread(target=watch, args=(proc, logs[-1], seen[-1]), daemon=True).start()
+        torch.set_num_threads(1)
+        model = load_model(model_dir)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+        def wait(what: str, cond, timeout: float = 600) -> None:
+            deadline = time.monotonic() + timeout
+            while not cond():
+                feed(r, keys, start=next_prompt)
+                for p, log in zip(procs, logs, strict=True):
+                    assert p.poll() is None, f"generator exited {p.returncode}:\n{log.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                time.sleep(0.01)
+
+        # Every generator busy before the first publish: groups are coming out of each.
+        wait("every generator's first group", lambda: sum(
+            int(beat.get(b"groups", b"0")) > 0 for beat in heartbeats(r, keys, generators)) == generators)
+        rng = random.Random(0)
+        for v in range(1, versions + 1):
+            at = time.monotonic() + rng.uniform(1.0, 4.0)
+            wait("a random moment", lambda at=at: time.monotonic() > at)
+            t0 = time.monotonic()
+            publish(r, keys, model, optimizer, scheduler, step=v, checkpoint_dir=tmp / "out" / "checkpoints",
+                    state_root=tmp / "out" / "trainer_state", source_dir=model_dir, keep=3, save_state_now=False,
+                    entry_ids=[], group_ids=[], dedup_window=1000)
+            t1 = time.monotonic()
+            wait(f"every generator to load version {v}", lambda v=v: all(v in s for s in seen))
+            loads = [s[v] for s in seen]
+            row = {"save": t1 - t0, "total": max(t for t, _, _ in loads) - t0,
+                   "notice": statistics.median(t - t1 - verify - reload for t, verify, reload in loads),
+                   "reload": statistics.median(verify + reload for _, verify, reload in loads),
+                   "verify": statistics.median(verify for _, verify, _ in loads)}
+            rows.append(row)
+            print(f"  {name} version {v}: save {row['save']:.2f} s, notice {row['notice']:.2f} s, reload "
+                  f"{row['reload']:.2f} s (checksums {row['verify']:.2f}), total {row['total']:.2f} s", flush=True)
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        server.terminate()
+        server.wait(timeout=10)
+    return {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+
+
+def heartbeats(r, keys, count: int) -> list[dict[bytes, bytes]]:
+    """The heartbeat hash of each generator w1..w{count} (empty before its first)."""
+    return [r.hgetall(keys.generator(f"w{g + 1}")) for g in range(count)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["tiny", "default"],
+                    help="'tiny' (built in-process), 'default', or HF checkpoint directories")
+    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    ap.add_argument("--generators", type=int, default=1)
+    ap.add_argument("--versions", type=int, default=3, help="weight versions published per model")
+    args = ap.parse_args()
+
+    from common.models import resolve_model_path
+    from common.tiny import build_tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
+    results = {}
+    try:
+        for i, name in enumerate(args.models):
+            model_dir = (build_tiny_model(tmp / "tiny-model") if name == "tiny"
+                         else resolve_model_path("" if name == "default" else name))
+            size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+            print(f"{name}: {model_dir.name}, {size / 1e6:.1f} MB of safetensors; {args.generators} {args.engine} "
+                  f"generator(s), {args.versions} versions", flush=True)
+            results[name] = bench_model(name, model_dir, engine=args.engine, generators=args.generators,
+                                        versions=args.versions, tmp=tmp / f"m{i}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("\nmedians:")
+    for name, m in results.items():
+        print(f"  {name}: save {m['save']:.2f} s, notice {m['notice']:.2f} s, reload {m['reload']:.2f} s "
+              f"(checksums {m['verify']:.2f}), total {m['total']:.2f} s")
+    last = args.models[-1]
+    m = results[last]
+    print(f"weight sync seconds ({last}, {args.engine}): total {m['total']:.2f} (save {m['save']:.2f}, "
+          f"notice {m['notice']:.2f}, reload {m['reload']:.2f})")
+
+
+if __name__ == "__main__":
+    main()
