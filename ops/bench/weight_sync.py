@@ -3,8 +3,9 @@
     .venv/bin/python ops/bench/weight_sync.py [--models tiny default] [--engine hf] [--generators 1] [--versions 3]
 
 For each model, a real redis-server and `--generators` real generator processes (`python -m
-generators`, `--engine` hf or vllm, the demo's settings: 4 completions per prompt, at most 24 new tokens,
-`max_in_flight` 16, `batch_prompts` 4, one thread), kept busy: the prompts stream never runs dry.
+generators`, `--engine` hf or vllm, the demo's settings: 4 completions per prompt, at most 24 new
+tokens, `max_in_flight` 8, `batch_prompts` 4, one thread), kept busy: the prompts stream never
+runs dry.
 This process then publishes `--versions` new weight versions with the trainer's own
 `trainer.main.publish` (checkpoint to a temporary name and rename, checksums, one MULTI/EXEC
 that sets `weights:latest`; no optimizer state, as on the demo's steps between `state_every`),
@@ -76,8 +77,8 @@ def watch(proc: subprocess.Popen, log: Path, seen: dict[int, tuple[float, float,
                 seen[int(m[1])] = (now, float(m[2] or 0.0), float(m[3] or 0.0))
 
 
-def bench_model(name: str, model_dir: Path, *, engine: str, generators: int, versions: int, tmp: Path
-                ) -> dict[str, float]:
+def bench_model(name: str, model_dir: Path, *, engine: str, generators: int, versions: int, max_in_flight: int,
+                tmp: Path) -> dict[str, float]:
     import redis
     import torch
 
@@ -106,7 +107,7 @@ max_new_tokens = 24
 [generator]
 engine = "{engine}"
 batch_prompts = 4
-max_in_flight = 16
+max_in_flight = {max_in_flight}
 threads = 1
 """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
@@ -183,6 +184,7 @@ def main() -> None:
                     help="'tiny' (built in-process), 'default', or HF checkpoint directories")
     ap.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     ap.add_argument("--generators", type=int, default=1)
+    ap.add_argument("--max-in-flight", type=int, default=8, help="generator.max_in_flight (the demo's: 8)")
     ap.add_argument("--versions", type=int, default=3, help="weight versions published per model")
     args = ap.parse_args()
 
@@ -197,9 +199,9 @@ def main() -> None:
                          else resolve_model_path("" if name == "default" else name))
             size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
             print(f"{name}: {model_dir.name}, {size / 1e6:.1f} MB of safetensors; {args.generators} {args.engine} "
-                  f"generator(s), {args.versions} versions", flush=True)
+                  f"generator(s), max_in_flight {args.max_in_flight}, {args.versions} versions", flush=True)
             results[name] = bench_model(name, model_dir, engine=args.engine, generators=args.generators,
-                                        versions=args.versions, tmp=tmp / f"m{i}")
+                                        versions=args.versions, max_in_flight=args.max_in_flight, tmp=tmp / f"m{i}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("\nmedians:")
