@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 PY = ROOT / ".venv" / "bin" / "python"
+TRAINER_STEP = re.compile(r"\btrainer\.\d+\s*\| step\s+\d+ \|")
 
 
 def run_pipeline(*, generators: int, steps: int, tmp: Path) -> tuple[list[float], list[dict]]:
@@ -65,7 +67,7 @@ def run_pipeline(*, generators: int, steps: int, tmp: Path) -> tuple[list[float]
             for line in proc.stdout:
                 log.write(line)
                 log.flush()
-                if "| step " in line and line.split("|", 1)[0].strip().startswith("trainer"):
+                if TRAINER_STEP.search(line):  # honcho's "08:20:36 trainer.1   | step    4 | ..."
                     arrivals.append(time.monotonic())
                     print(f"  {generators} generator(s): {line.rstrip()}", flush=True)
             proc.wait(timeout=120)
