@@ -52,6 +52,7 @@ class Engine(Protocol):
     path: Path  # the model directory it was opened on
     version: int  # weight version loaded: 0 = the initial checkpoint
     context_length: int  # longest prompt + completion the model's positions allow
+    max_running: int  # requests a step advances at once; more added wait in the engine's queue
     eos_ids: list[int]
 
     def prompt_ids(self, task) -> list[int]:

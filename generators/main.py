@@ -250,6 +250,8 @@ async def serve(r: redis.Redis, keys: Keys, config: Config, engine: Engine,
     # -------------------------------------------------------------- engine
     async def engine_loop() -> None:
         waiting: deque[Held] = deque()  # arrived, not yet added to the engine
+        running = 0  # added to the engine, not finished; at most engine.max_running, so that
+        # the rest wait here, where newer weights can still reach them before they start
         intake_done = False
         while True:
             while True:  # everything that arrived, without waiting
@@ -267,16 +269,18 @@ async def serve(r: redis.Redis, keys: Keys, config: Config, engine: Engine,
             if newer and not engine.has_unfinished():
                 await load_weights(state, engine, on_engine, name=name)
                 newer = False
-            if waiting and not newer:  # join the running batch; with newer weights pending, drain first
+            if waiting and not newer and running < engine.max_running:
+                # join the running batch; with newer weights pending, drain first
                 version, now = engine.version, time.perf_counter()
-                batch = list(waiting)
-                waiting.clear()
+                batch = [waiting.popleft() for _ in range(min(len(waiting), engine.max_running - running))]
+                running += len(batch)
                 for h in batch:
                     h.version, h.added_at = version, now
                 await on_engine(add_all, engine, [(h.entry_id.decode(), h.prompt_ids, SamplingSettings(
                     n=h.task.n, **sampling)) for h in batch])
             if engine.has_unfinished():
                 for done in await on_engine(engine.step):
+                    running -= 1
                     finished_send.send_nowait((done, state.held[done.request_id]))
                 continue
             if intake_done and not waiting:

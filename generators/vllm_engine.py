@@ -69,6 +69,7 @@ class VLLMEngine:
         self._tied = ({"lm_head.weight"} if self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
                       else set())
         self._in_flight: set[str] = set()
+        self.max_running = max_num_seqs  # requests (of n sequences each): the scheduler queues the rest
         self._next = 0
 
     def prompt_ids(self, task: PromptTask) -> list[int]:
