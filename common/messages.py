@@ -216,11 +216,14 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size:
     if len(raw) > max_completions:
         raise MessageError(f"{w}: {len(raw)} completions exceed the limit of {max_completions}")
     completions = []
+    low, top = int(prompt_ids.min()), int(prompt_ids.max())  # token id range, for the vocabulary check
     for i, c in enumerate(raw):
         cw = f"{w}.completions[{i}]"
         if not isinstance(c, dict):
             raise MessageError(f"{cw}: expected a map")
         ids = _unpack(_get(c, "ids", bytes, cw), "<i4", f"{cw}.ids")
+        if ids.size:
+            low, top = min(low, int(ids.min())), max(top, int(ids.max()))
         lps = _unpack(_get(c, "logprobs", bytes, cw), "<f4", f"{cw}.logprobs")
         if ids.size == 0:
             raise MessageError(f"{cw}: empty completion")
@@ -247,11 +250,8 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size:
             ids=ids.tolist(), logprobs=lps.tolist(), reward=_finite(c.get("reward"), f"{cw}.reward"),
             rewards=rewards, finish=finish, text=_get(c, "text", str, cw), loss_mask=mask,
             reward_error=reward_error))
-    if vocab_size is not None:
-        top = max(int(prompt_ids.max()), *(max(c.ids) for c in completions))
-        low = min(int(prompt_ids.min()), *(min(c.ids) for c in completions))
-        if low < 0 or top >= vocab_size:
-            raise MessageError(f"{w}: token id out of range [0, {vocab_size}): saw {low}..{top}")
+    if vocab_size is not None and (low < 0 or top >= vocab_size):
+        raise MessageError(f"{w}: token id out of range [0, {vocab_size}): saw {low}..{top}")
     version = _get(d, "version", int, w)
     if version < 0:
         raise MessageError(f"{w}: negative version {version}")
