@@ -47,9 +47,12 @@ def _generator_lines(r, keys, now: float) -> list[str]:
         name = key.decode().removeprefix(keys.generator(""))
         alive.add(name)
         seen = now - float(g.get("last_seen", now))
+        troubles = [f"{label} {g[field]}" for field, label in (
+            ("reward_errors", "reward errors"), ("dropped_zero_variance", "dropped (zero variance)"),
+            ("weights_refused", "weights refused")) if g.get(field, "0") != "0"]
         lines.append(f"generator  {name}  {g.get('engine', '?')}  v{g.get('version', '?')}  "
                      f"{float(g.get('tokens_per_s', 0)):.1f} tok/s  in flight {g.get('in_flight', 0)}  "
-                     f"heartbeat {seen:.0f}s ago")
+                     f"heartbeat {seen:.0f}s ago" + "".join(f"  {t}" for t in troubles))
     consumers = r.xinfo_consumers(keys.prompts, GENERATORS_GROUP) if r.exists(keys.prompts) else []
     for c in consumers:
         name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]

@@ -178,6 +178,10 @@ def test_rewards_that_raise_or_hang_are_recorded_errors_and_the_generator_goes_o
         wait_for(lambda: r.xlen(keys.samples) >= len(moods), timeout=120, what="every group", procs=[proc])
         wait_for(lambda: int(r.hget(keys.generator("g1"), "reward_errors") or 0) == 6, timeout=15,
                  what="6 reward errors in the heartbeat", procs=[proc])
+        from common.cli import status_lines
+
+        assert any(line.startswith("generator  g1  hf") and line.endswith("reward errors 6")
+                   for line in status_lines(r, "moody")), status_lines(r, "moody")
     finally:
         code = stop(proc)
     assert code == 0, log.read_text()
