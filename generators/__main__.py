@@ -1,6 +1,7 @@
 """`python -m generators [--config FILE] [--id ID]`: sample and score prompts into groups."""
 
 import argparse
+import atexit
 import os
 import socket
 import sys
@@ -34,6 +35,13 @@ def main() -> None:
         sys.exit(lost_redis("generator", config.redis_url, err))
     except redis.exceptions.NoPermissionError as err:  # an ACL user without a command or key it needs
         sys.exit(no_permission("generator", config.redis_url, err))
+    # Stopped cleanly, everything written. Run the exit handlers (vLLM's engine shutdown) and skip
+    # the interpreter's teardown: with vLLM loaded its final garbage collections take seconds, past
+    # honcho's 5 s stop window.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

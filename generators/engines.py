@@ -125,11 +125,17 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def engine_name(name: EngineName) -> str:
+    """"hf" or "vllm": the engine `name` stands for ("auto" is vLLM where it is installed, else HF)."""
+    if name == "auto":
+        return "vllm" if vllm_available() else "hf"
+    return name
+
+
 def open_engine(name: EngineName, path: str | Path, *, dtype: str = "float32", seed: int = 0,
                 **options) -> Engine:
     """The engine `name` on the model at `path`; "auto" is vLLM where it is installed, else HF."""
-    if name == "auto":
-        name = "vllm" if vllm_available() else "hf"
+    name = engine_name(name)
     if name == "hf":
         from generators.hf_engine import HFEngine
 

@@ -60,7 +60,7 @@ from common.messages import (
     encode,
 )
 from generators import devices
-from generators.engines import Engine, Finished, SamplingSettings, open_engine
+from generators.engines import Engine, Finished, SamplingSettings, engine_name, open_engine
 from generators.scoring import RewardRunner, reward_names
 
 BLOCK_MS = 1000  # longest wait for new prompts before the intake comes round (stop, capacity)
@@ -98,7 +98,6 @@ class Held:
 class State:
     """What the generator's tasks share: held prompts, weights to load, counters for the heartbeat."""
 
-    max_in_flight: int
     held: dict[str, Held] = field(default_factory=dict)  # request id (prompt entry id) -> prompt
     latest: bytes | None = None  # weights:latest payload last read
     acted_on: bytes | None = None  # the payload last loaded or refused
@@ -141,7 +140,7 @@ def run(config: Config, *, generator_id: str) -> None:
     engine: Engine = engine_thread.submit(
         open_engine_for, config, seed=gen.seed + zlib.crc32(generator_id.encode())).result()
     rewards = RewardRunner(names, timeout_s=gen.reward_timeout_s, workers=gen.reward_workers)
-    state = State(max_in_flight=gen.max_in_flight)
+    state = State()
     print(f"{name}: {engine.name} engine on {engine.path}{f' (GPU {gpu})' if gpu else ''}, "
           f"up to {gen.max_in_flight} prompts in flight", flush=True)
     try:
@@ -178,19 +177,11 @@ def open_engine_for(config: Config, *, seed: int) -> Engine:
 
         torch.set_num_threads(gen.threads)
     path = resolve_model_path(config.model.path)
-    options: dict[str, Any] = {}
-    if gen.engine == "hf" or (gen.engine == "auto" and not _vllm()):
-        options["max_batch"] = gen.batch_prompts
-    else:
-        options.update(kv_cache_gib=gen.kv_cache_gib, gpu_memory_utilization=gen.gpu_memory_utilization,
-                       max_num_seqs=max(gen.max_in_flight * config.rollout.group_size, 1), threads=gen.threads)
-    return open_engine(gen.engine, path, dtype=config.model.dtype, seed=seed, **options)
-
-
-def _vllm() -> bool:
-    from generators.engines import vllm_available
-
-    return vllm_available()
+    engine = engine_name(gen.engine)
+    options: dict[str, Any] = {"max_batch": gen.batch_prompts} if engine == "hf" else {
+        "kv_cache_gib": gen.kv_cache_gib, "gpu_memory_utilization": gen.gpu_memory_utilization,
+        "max_num_seqs": gen.max_in_flight * config.rollout.group_size, "threads": gen.threads}
+    return open_engine(engine, path, dtype=config.model.dtype, seed=seed, **options)
 
 
 async def serve(r: redis.Redis, keys: Keys, config: Config, engine: Engine,
@@ -252,6 +243,7 @@ async def serve(r: redis.Redis, keys: Keys, config: Config, engine: Engine,
         waiting: deque[Held] = deque()  # arrived, not yet added to the engine
         running = 0  # added to the engine, not finished; at most engine.max_running, so that
         # the rest wait here, where newer weights can still reach them before they start
+        asked = -1  # the newest admitted_at weights:latest was read for
         intake_done = False
         while True:
             while True:  # everything that arrived, without waiting
@@ -262,8 +254,11 @@ async def serve(r: redis.Redis, keys: Keys, config: Config, engine: Engine,
                 except trio.EndOfChannel:
                     intake_done = True
                     break
-            # A prompt admitted at a newer version than ours: read the latest weights now.
-            if waiting and max(h.task.admitted_at for h in waiting) > engine.version:
+            # A prompt admitted at a newer version than ours: read the latest weights now, once
+            # per version asked for (later ones come with the watcher's polls).
+            wanted = max((h.task.admitted_at for h in waiting), default=-1)
+            if wanted > max(engine.version, asked):
+                asked = wanted
                 state.latest = await trio.to_thread.run_sync(r.get, keys.weights_latest)
             newer = state.latest is not None and state.latest != state.acted_on
             if newer and not engine.has_unfinished():
