@@ -152,6 +152,7 @@ def run(config: Config, *, generator_id: str) -> None:
         raise
     finally:
         r.delete(keys.generator(generator_id))  # a clean exit leaves no heartbeat behind
+        leave_group(r, stream=keys.prompts, consumer=generator_id)
         if gpu is not None:
             devices.release_gpu(r, keys, host=host, device=gpu, owner=generator_id)
         rewards.close()
@@ -513,6 +514,14 @@ def drop_group(r: redis.Redis, *, keys: Keys, entry_id: bytes, group: SampleGrou
         pipe.hincrby(keys.generators, "groups_dropped_zero_variance", 1)
         pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
         pipe.execute()
+
+
+def leave_group(r: redis.Redis, *, stream: str, consumer: str) -> None:
+    """Remove this consumer from the prompts group if it holds nothing, so that `rollouts status`
+    does not list a generator that stopped cleanly as dead. One still holding prompts stays, for
+    the others to reclaim them (deleting it would drop them)."""
+    if not r.xpending_range(stream, GENERATORS_GROUP, "-", "+", 1, consumername=consumer):
+        r.xgroup_delconsumer(stream, GENERATORS_GROUP, consumer)
 
 
 def touch_held(r: redis.Redis, *, stream: str, consumer: str) -> int:

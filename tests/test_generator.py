@@ -112,6 +112,8 @@ def test_generator_process_turns_prompts_into_groups_and_follows_weights(engine,
     assert "loaded weights version 1" in output and "refused weights" in output
     assert r.xlen(keys.samples) == 8 and r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0
     assert not r.exists(hb), "a clean exit removes its heartbeat"
+    assert b"g1" not in [c["name"] for c in r.xinfo_consumers(keys.prompts, GENERATORS_GROUP)], \
+        "and its consumer: it is not listed as dead"
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
