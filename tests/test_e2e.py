@@ -4,7 +4,7 @@ import json
 import re
 
 from common.cli import status_lines
-from common.keys import PAYLOAD, Keys
+from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import decode_group
 from generators.engines import vllm_available
 from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
@@ -52,25 +52,35 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
     log = tmp_path / "logs"
     log.mkdir()
     procs = {
-        "producer": spawn("producers", cwd=tmp_path, env=env, log=log / "producer.log"),
         "g1": spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=log / "g1.log"),
         "g2": spawn("generators", "--id", "g2", cwd=tmp_path, env=env, log=log / "g2.log"),
         "trainer": spawn("trainer", cwd=tmp_path, env=env, log=log / "trainer.log"),
         "evaluator": spawn("evaluator", cwd=tmp_path, env=env, log=log / "evaluator.log"),
     }
     try:
+        # Prompts are admitted once both generators read the prompts stream, so that both take
+        # some (one that starts its engine later would otherwise find the run's few prompts taken).
+        def both_reading():
+            return {c["name"] for c in r.xinfo_consumers(keys.prompts, GENERATORS_GROUP)} >= {b"g1", b"g2"}
+        wait_for(lambda: r.exists(keys.prompts) and both_reading(), timeout=180,
+                 what="g1 and g2 reading prompts", procs=[procs["g1"], procs["g2"]])
+        procs["producer"] = spawn("producers", cwd=tmp_path, env=env, log=log / "producer.log")
         assert procs["trainer"].wait(timeout=300) == 0, (log / "trainer.log").read_text()
 
-        # Both generators pick up the new weights and stamp the groups they sample after with them.
-        def both_stamped_v2():
-            latest = {}
-            for g in groups_in_stream(r, keys):
-                latest[g.generator] = max(latest.get(g.generator, -1), g.version)
-            return latest.get("g1", -1) >= 2 and latest.get("g2", -1) >= 2
-        wait_for(both_stamped_v2, timeout=180, what="groups stamped with version >= 2 from g1 and g2",
+        # Both generators sampled groups, and both load the new weights, even with nothing left to
+        # sample (the run's last prompts may all go to one of them).
+        def both_on_v2():
+            beats = {gid: r.hgetall(keys.generator(gid)) for gid in ("g1", "g2")}
+            return all(int(b.get(b"version", -1)) >= 2 and int(b.get(b"groups", 0)) > 0 for b in beats.values())
+        wait_for(both_on_v2, timeout=180, what="g1 and g2 heartbeats at version >= 2 with groups written",
                  procs=[procs["g1"], procs["g2"]])
-        for gid in ("g1", "g2"):
-            assert int(r.hget(keys.generator(gid), "version")) >= 2
+        # Each group is stamped with the version it was sampled with: a generator's versions only
+        # go up, and the ones sampled after the trainer published version 2 say so.
+        stamped: dict[str, list[int]] = {}
+        for g in groups_in_stream(r, keys):
+            stamped.setdefault(g.generator, []).append(g.version)
+        assert all(vs == sorted(vs) for vs in stamped.values()), stamped
+        assert max(v for vs in stamped.values() for v in vs) >= 2, stamped
         # The trainer queued an evaluation of version 2 (every = 2); the evaluator scored it.
         wait_for(lambda: r.hexists(keys.evals, "2"), timeout=120, what="evaluation of version 2",
                  procs=[procs["evaluator"]])
