@@ -2,6 +2,7 @@
 is doing and exit 0 with everything consistent; a second signal exits at once; either way a
 restart resumes the run, and no prompt is lost or trained twice. Run with -s to see the numbers."""
 
+import os
 import re
 import signal
 import subprocess
@@ -242,3 +243,60 @@ def _pings(client) -> bool:
         return client.ping()
     except redis.exceptions.ConnectionError:
         return False
+
+
+SLOW_TO_STOP = """
+import signal, sys, time
+signals = []
+signal.signal(signal.SIGTERM, lambda *_: signals.append(time.monotonic()))
+print("ready", flush=True)
+while not signals:
+    time.sleep(0.05)
+print("finishing its step", flush=True)
+while len(signals) < 2 and time.monotonic() - signals[0] < {seconds}:
+    time.sleep(0.05)
+print("exiting now" if len(signals) > 1 else "step saved", flush=True)
+sys.exit(130 if len(signals) > 1 else 0)
+"""
+
+
+def _ops_honcho(tmp_path, seconds: float, grace: str = "20"):
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_TO_STOP.format(seconds=seconds))
+    procfile = tmp_path / "Procfile"
+    procfile.write_text(f"slow: exec {sys.executable} {script}\n")
+    log = tmp_path / "honcho.log"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(tmp_path),
+                             "start"], env={**os.environ,
+                                            "ROLLOUTS_STOP_GRACE_S": grace},
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    wait_for(lambda: "ready" in log.read_text(), timeout=30, what="the process under ops/honcho", procs=[proc])
+    return proc, log
+
+
+def test_ops_honcho_gives_a_process_its_time_to_stop(tmp_path):
+    """Under ops/run's honcho a process that needs longer than plain honcho's 5 s to finish its
+    step (a trainer on a CPU) is not SIGKILLed: it finishes and exits 0."""
+    proc, log = _ops_honcho(tmp_path, seconds=7)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)  # honcho's own exit status after a Ctrl-C is 130, as a shell's
+    out = log.read_text()
+    assert time.monotonic() - t0 >= 6.5 and "step saved" in out and "slow.1 stopped (rc=0)" in out, out
+
+
+def test_ops_honcho_second_ctrl_c_makes_everything_exit_at_once(tmp_path):
+    proc, log = _ops_honcho(tmp_path, seconds=30)
+    proc.send_signal(signal.SIGINT)
+    wait_for(lambda: "finishing its step" in log.read_text(), timeout=10, what="the first signal", procs=[proc])
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)  # a second Ctrl-C: a second SIGTERM to every process
+    proc.wait(timeout=30)
+    out = log.read_text()
+    assert time.monotonic() - t0 < 5 and "exiting now" in out and "slow.1 stopped (rc=130)" in out, out
+
+
+def test_ops_honcho_refuses_a_grace_that_is_not_a_number(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "ops" / "honcho"), "start"], capture_output=True, text=True,
+                         env={**os.environ, "ROLLOUTS_STOP_GRACE_S": "a minute"}, cwd=tmp_path)
+    assert out.returncode != 0 and "ROLLOUTS_STOP_GRACE_S must be a number of seconds, got 'a minute'" in out.stderr
