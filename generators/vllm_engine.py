@@ -17,7 +17,10 @@ torch.compile (a C++ toolchain and ~12 s on the first request), a 1 GiB KV cache
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from common.checkpoints import check_fits, tensor_shapes
@@ -150,11 +153,34 @@ class VLLMEngine:
         CheckpointError, weights unchanged, when its tensors do not fit the model."""
         assert not self._in_flight, "reload weights only between requests, with none in flight"
         check_fits(path, self._shapes, tied=self._tied)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        # Layers with no tensor of their own in a checkpoint keep what they had, and vLLM warns
+        # "Failed to load weights" for each on every reload: the rotary cache, and a tied lm_head
+        # (repacked just below). Only those warnings are silenced.
+        expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if self._tied else set())
+        with _without_reload_warnings(expected):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
         if self._tied:
             self.llm.collective_rpc(_refresh_tied_lm_head)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.version = version
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+@contextlib.contextmanager
+def _without_reload_warnings(layers: set[str]) -> Iterator[None]:
+    """Drop vLLM's "<layer>: Failed to load weights" warning for the named layer classes."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in layers)
+
+    logger = logging.getLogger(RELOAD_LOGGER)
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _refresh_tied_lm_head(worker) -> None:
