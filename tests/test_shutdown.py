@@ -151,7 +151,7 @@ def test_producer_first_sigterm_stops_cleanly_and_a_second_at_once(tmp_path, red
     assert ids == [f"arithmetic:0:{i}" for i in range(24)], "a prompt admitted twice or skipped"
 
 
-def test_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_path, tiny_model):
+def test_ops_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_path, tiny_model):
     steps = 8
     port = free_port()
     data = tmp_path / "redis"
@@ -167,8 +167,11 @@ def test_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_path, 
         f"trainer: exec {sys.executable} -m trainer\n")
     log = tmp_path / "honcho.log"
 
-    def honcho():
-        return spawn("honcho", "-f", str(procfile), "-d", str(tmp_path), "start", cwd=tmp_path, env=env, log=log)
+    def honcho():  # as ./ops/run starts it
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+        return subprocess.Popen([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(tmp_path),
+                                 "start"], cwd=tmp_path, env={**clean, **env, "PYTHONPATH": str(ROOT)},
+                                stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
     r = redis.Redis.from_url(url)
 
@@ -183,7 +186,7 @@ def test_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_path, 
         wait_for(lambda: step() >= 3, timeout=180, what="step 3", procs=[run])
         at_signal = accounting(r, KEYS)
         run.send_signal(signal.SIGINT)  # Ctrl-C: honcho sends SIGTERM to each process
-        run.wait(timeout=60)
+        run.wait(timeout=90)
         first = log.read_text()
         assert "SIGINT received" in first, first
         # Redis stopped last, cleanly, so nobody waited on it until honcho's SIGKILL
@@ -268,7 +271,7 @@ def _ops_honcho(tmp_path, seconds: float, grace: str = "20"):
     log = tmp_path / "honcho.log"
     proc = subprocess.Popen([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(tmp_path),
                              "start"], env={**os.environ,
-                                            "ROLLOUTS_STOP_GRACE_S": grace},
+                                            "STOP_GRACE_S": grace},
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
     wait_for(lambda: "ready" in log.read_text(), timeout=30, what="the process under ops/honcho", procs=[proc])
     return proc, log
@@ -298,5 +301,5 @@ def test_ops_honcho_second_ctrl_c_makes_everything_exit_at_once(tmp_path):
 
 def test_ops_honcho_refuses_a_grace_that_is_not_a_number(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "ops" / "honcho"), "start"], capture_output=True, text=True,
-                         env={**os.environ, "ROLLOUTS_STOP_GRACE_S": "a minute"}, cwd=tmp_path)
-    assert out.returncode != 0 and "ROLLOUTS_STOP_GRACE_S must be a number of seconds, got 'a minute'" in out.stderr
+                         env={**os.environ, "STOP_GRACE_S": "a minute"}, cwd=tmp_path)
+    assert out.returncode != 0 and "STOP_GRACE_S must be a number of seconds, got 'a minute'" in out.stderr
