@@ -267,7 +267,9 @@ def _ops_honcho(tmp_path, seconds: float, grace: str = "20"):
     script = tmp_path / "slow.py"
     script.write_text(SLOW_TO_STOP.format(seconds=seconds))
     procfile = tmp_path / "Procfile"
-    procfile.write_text(f"slow: exec {sys.executable} {script}\n")
+    quick = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); time.sleep(600)"
+    # a process that stops at once (as the producer does) must not count as a second signal
+    procfile.write_text(f"slow: exec {sys.executable} {script}\nquick: exec {sys.executable} -c '{quick}'\n")
     log = tmp_path / "honcho.log"
     proc = subprocess.Popen([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(tmp_path),
                              "start"], env={**os.environ,
@@ -286,6 +288,7 @@ def test_ops_honcho_gives_a_process_its_time_to_stop(tmp_path):
     proc.wait(timeout=30)  # honcho's own exit status after a Ctrl-C is 130, as a shell's
     out = log.read_text()
     assert time.monotonic() - t0 >= 6.5 and "step saved" in out and "slow.1 stopped (rc=0)" in out, out
+    assert "quick.1 stopped (rc=0)" in out, out
 
 
 def test_ops_honcho_second_ctrl_c_makes_everything_exit_at_once(tmp_path):
