@@ -14,12 +14,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def spawn(module: str, *args: str, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     """Start `python -m module` as its own OS process, output to `log`."""
+    return _start([sys.executable, "-m", module, *args], cwd=cwd, env=env, log=log)
+
+
+def spawn_ops_honcho(procfile: Path, *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start honcho on `procfile` as ./ops/run does (through ops/honcho), output to `log`."""
+    return _start([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(cwd), "start"],
+                  cwd=cwd, env=env, log=log)
+
+
+def _start(argv: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
     full_env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                     HF_HUB_OFFLINE="1", **env)
     out = open(log, "ab")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=full_env,
-                            stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait_for(cond: Callable[[], object], *, timeout: float, what: str, procs=(), poll: float = 0.2):

@@ -15,7 +15,7 @@ import redis
 from common.keys import PAYLOAD
 from common.messages import decode_prompt
 from tests.conftest import free_port, start_redis
-from tests.helpers import ROOT, accounting, assert_accounted, spawn, stop, wait_for
+from tests.helpers import ROOT, accounting, assert_accounted, spawn, spawn_ops_honcho, stop, wait_for
 from tests.test_faults import KEYS, Pipeline, metrics, report, trained_once, write_config
 
 
@@ -167,11 +167,8 @@ def test_ops_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_pa
         f"trainer: exec {sys.executable} -m trainer\n")
     log = tmp_path / "honcho.log"
 
-    def honcho():  # as ./ops/run starts it
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-        return subprocess.Popen([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(tmp_path),
-                                 "start"], cwd=tmp_path, env={**clean, **env, "PYTHONPATH": str(ROOT)},
-                                stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    def honcho():
+        return spawn_ops_honcho(procfile, cwd=tmp_path, env=env, log=log)
 
     r = redis.Redis.from_url(url)
 
@@ -263,7 +260,7 @@ sys.exit(130 if len(signals) > 1 else 0)
 """
 
 
-def _ops_honcho(tmp_path, seconds: float, grace: str = "20"):
+def _ops_honcho(tmp_path, seconds: float):
     script = tmp_path / "slow.py"
     script.write_text(SLOW_TO_STOP.format(seconds=seconds))
     procfile = tmp_path / "Procfile"
@@ -271,10 +268,7 @@ def _ops_honcho(tmp_path, seconds: float, grace: str = "20"):
     # a process that stops at once (as the producer does) must not count as a second signal
     procfile.write_text(f"slow: exec {sys.executable} {script}\nquick: exec {sys.executable} -c '{quick}'\n")
     log = tmp_path / "honcho.log"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(tmp_path),
-                             "start"], env={**os.environ,
-                                            "STOP_GRACE_S": grace},
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    proc = spawn_ops_honcho(procfile, cwd=tmp_path, env={"STOP_GRACE_S": "20"}, log=log)
     wait_for(lambda: "ready" in log.read_text(), timeout=30, what="the process under ops/honcho", procs=[proc])
     return proc, log
 
