@@ -52,10 +52,10 @@ class TaskConfig(_Section):
 
 
 # Built-in reward of each source kind, used when a source names none.
-DEFAULT_REWARDS = {"arithmetic": "generators.rewards:arithmetic",
-                   "countdown": "generators.rewards:countdown",
-                   "dataset": "generators.rewards:final_answer",
-                   "sft": "generators.rewards:final_answer"}  # unused: SFT groups are not sampled
+DEFAULT_REWARDS = {"arithmetic": "tasks.arithmetic:reward",
+                   "countdown": "tasks.countdown:reward",
+                   "dataset": "tasks.gsm8k:reward",
+                   "sft": "tasks.gsm8k:reward"}  # unused: SFT groups are not sampled
 
 
 class SourceConfig(_Section):

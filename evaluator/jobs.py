@@ -16,10 +16,9 @@ from rq import get_current_job
 from common.checkpoints import verify_dir
 from common.keys import METRICS_MAXLEN, PAYLOAD, Keys
 from common.messages import PromptTask
-from generators.engines import SamplingSettings
-from generators.hf_engine import HFEngine
-from generators.rewards import arithmetic
-from producers.arithmetic import problem
+from engines.base import SamplingSettings
+from engines.hf_engine import HFEngine
+from tasks import arithmetic
 
 # The worker process's one loaded engine. A job function is all RQ can call, so the state an
 # RQ worker keeps between jobs lives here; nothing else reads it.
@@ -47,7 +46,7 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
                        "eval/skipped": "checkpoint pruned before its evaluation ran"}, spec)
     verify_dir(spec["path"], spec["checksums"])  # a bad checkpoint fails the job (and is retried)
     engine = engine_for(spec["path"], version=spec["version"], dtype=spec["dtype"])
-    problems = [problem(seed=spec["seed"], index=i, max_operand=spec["max_operand"], ops=spec["ops"])
+    problems = [arithmetic.problem(seed=spec["seed"], index=i, max_operand=spec["max_operand"], ops=spec["ops"])
                 for i in range(spec["prompts"])]
     tasks = [PromptTask(id=f"eval:{i}", messages=[{"role": "user", "content": p.question}], text=None,
                         meta={"answer": p.answer}, n=1, admitted_at=spec["version"]) for i, p in enumerate(problems)]
@@ -56,7 +55,7 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
     def correct(ids: list[int], task: PromptTask) -> bool:
         text = engine.decode(ids)
         q = task.messages[0]["content"]
-        return arithmetic(prompt=q, completion=text, completion_ids=ids, meta=task.meta)["correct"] == 1.0
+        return arithmetic.reward(prompt=q, completion=text, completion_ids=ids, meta=task.meta)["correct"] == 1.0
 
     greedy = engine.greedy(prompts, max_new_tokens=spec["max_new_tokens"])
     result = {"kind": "eval", "step": spec["step"], "version": spec["version"], "eval/prompts": len(tasks),

@@ -59,8 +59,9 @@ from common.messages import (
     decode_weights,
     encode,
 )
+from engines.base import Engine, Finished, SamplingSettings
+from engines.choice import engine_name, open_engine
 from generators import devices
-from generators.engines import Engine, Finished, SamplingSettings, engine_name, open_engine
 from generators.scoring import RewardRunner, reward_names
 
 BLOCK_MS = 1000  # longest wait for new prompts before the intake comes round (stop, capacity)

@@ -9,7 +9,6 @@ offset) gives the same row. Epochs reshuffle with a permutation drawn from (seed
 from __future__ import annotations
 
 import random
-import re
 import string
 import zlib
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from common.config import SourceConfig
-from producers import arithmetic, countdown
+from tasks import arithmetic, countdown, gsm8k
 
 # File extension -> `datasets` builder name.
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -144,9 +143,6 @@ def check_columns(source: SourceConfig, have: list[str], *, field: str) -> None:
 
 # ---------------------------------------------------------------------- rows into prompts
 
-_GSM8K = re.compile(r"####\s*(.+?)\s*$", re.S)
-
-
 def extract_answer(value: Any, *, extractor: str) -> Any:
     """The ground truth in an answer column's `value`; ValueError if it holds none."""
     if extractor == "none":
@@ -156,13 +152,11 @@ def extract_answer(value: Any, *, extractor: str) -> Any:
     if not isinstance(value, str):
         raise ValueError(f"answer is a {type(value).__name__}, not text")
     if extractor == "gsm8k":
-        m = _GSM8K.search(value)
-        if not m:
+        found = gsm8k.solution_answer(value)
+        if found is None:
             raise ValueError("answer has no '#### N' final answer")
-        return m[1].replace(",", "").strip()
-    from generators.rewards import boxed  # the reward's own reading of \boxed{}
-
-    found = boxed(value)
+        return found
+    found = gsm8k.boxed(value)  # the reward's own reading of \boxed{}
     if not found:
         raise ValueError("answer has no \\boxed{...}")
     return found

@@ -51,12 +51,11 @@ def slow_pid(*, meta: dict, **_) -> float:
 
 
 def answer_and_format(**kw) -> dict[str, float]:
-    """Two built-ins combined, as the rewards module's docstring shows: correctness plus a small
+    """Two built-ins combined, as the `tasks` package docstring shows: correctness plus a small
     format bonus."""
-    from generators.rewards import final_answer
-    from generators.rewards import format as answer_format
+    from tasks import format, gsm8k
 
-    return {**final_answer(**kw), "format": 0.1 * answer_format(**kw)["format"]}
+    return {**gsm8k.reward(**kw), "format": 0.1 * format.reward(**kw)["format"]}
 
 
 def by_mood(*, meta: dict, **_) -> float:

@@ -12,9 +12,9 @@ from datasets import Dataset, DatasetDict
 from common.config import ConfigError, SourceConfig, config_from_dict
 from common.keys import PAYLOAD, Keys
 from common.messages import decode_prompt
-from producers import arithmetic, countdown
 from producers.data import DataError, Source, choose
 from producers.main import admit, load_positions
+from tasks import arithmetic, countdown
 from tests.helpers import spawn, stop, wait_for
 
 QUESTIONS = Dataset.from_dict({"question": [f"What is {i} + {i}?" for i in range(6)],
@@ -273,7 +273,7 @@ def test_builtin_tasks_ship_as_dataset_builders(tmp_path):
     assert ar[0]["answer"] == arithmetic.problem(seed=0, index=0, max_operand=20, ops=["*"]).answer
     ds.to_json(tmp_path / "cd.jsonl", lines=True)
     config = SourceConfig(name="cd", path=str(tmp_path / "cd.jsonl"), prompt_column="question",
-                          meta_columns=["numbers", "target"], reward="generators.rewards:countdown")
+                          meta_columns=["numbers", "target"], reward="tasks.countdown:reward")
     prompt = Source(config, seed=0, field="f").take()
     assert set(prompt.meta) == {"source", "numbers", "target"}
 
@@ -293,7 +293,7 @@ def test_the_readme_own_data_example_works(tmp_path, monkeypatch):
     prompt = Source(source_config, seed=0, field="data.sources.0").take()
     assert prompt.id == "mine:0:0" and prompt.meta == {"source": "mine", "answer": "7"}
     assert prompt.messages[-1]["content"] == "Tom has 3 apples and buys 4?\nAnswer with just the number."
-    assert source_config.reward_name == "generators.rewards:final_answer"
+    assert source_config.reward_name == "tasks.gsm8k:reward"
 
 
 # ---------------------------------------------------------------------- SFT data

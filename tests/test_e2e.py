@@ -6,7 +6,7 @@ import re
 from common.cli import status_lines
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import decode_group
-from generators.engines import vllm_available
+from engines.choice import vllm_available
 from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
 
 STEPS = 3

@@ -13,7 +13,8 @@ import torch
 
 from common.checkpoints import CheckpointError
 from common.messages import PromptTask
-from generators.engines import Engine, SamplingSettings, open_engine, vllm_available
+from engines.base import Engine, SamplingSettings
+from engines.choice import open_engine, vllm_available
 from trainer.grpo import token_logprobs
 
 # fp32, one sequence: the engine's log-prob of each sampled token against the trainer's

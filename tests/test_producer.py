@@ -3,7 +3,7 @@ import signal
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import decode_prompt
 from producers.admission import admission_limit
-from producers.arithmetic import problem
+from tasks.arithmetic import problem
 from tests.helpers import spawn, stop, wait_for
 
 

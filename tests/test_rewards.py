@@ -1,6 +1,7 @@
 import pytest
 
-from generators.rewards import arithmetic, score
+from generators.rewards import score
+from tasks.arithmetic import reward as arithmetic
 
 
 def reward(text: str, answer: int) -> float:
@@ -63,7 +64,7 @@ def test_components_sum_to_the_reward():
 
 
 def final(text: str, answer) -> float:
-    from generators.rewards import final_answer
+    from tasks.gsm8k import reward as final_answer
 
     return final_answer(prompt="p", completion=text, completion_ids=[1], meta={"answer": answer})["correct"]
 
@@ -81,7 +82,7 @@ def test_final_answer_reads_hashes_boxed_and_the_last_number():
 
 
 def fmt(text: str) -> float:
-    from generators.rewards import format as format_reward
+    from tasks.format import reward as format_reward
 
     return format_reward(prompt="p", completion=text, completion_ids=[1], meta={})["format"]
 
@@ -107,7 +108,7 @@ def test_format_rewards_a_final_answer_marked_at_the_end():
 
 
 def cd(text: str, target: int, numbers: list[int]) -> float:
-    from generators.rewards import countdown
+    from tasks.countdown import reward as countdown
 
     return countdown(prompt="p", completion=text, completion_ids=[1],
                      meta={"target": target, "numbers": numbers})["correct"]
@@ -127,7 +128,7 @@ def test_countdown_checks_the_value_and_the_numbers_used():
 
 
 def test_countdown_expressions_are_parsed_never_evaluated():
-    from generators.rewards import evaluate
+    from tasks.countdown import evaluate
 
     assert evaluate("(3 + 5) * 2 / 4") == (4, [3, 5, 2, 4])
     for bad in ("abs(-3)", "x + 1", "1.5 + 1", "3 % 2", "[1]"):
@@ -136,8 +137,7 @@ def test_countdown_expressions_are_parsed_never_evaluated():
 
 
 def test_every_countdown_problem_is_solved_by_its_own_solution():
-    from generators.rewards import countdown as reward
-    from producers.countdown import problem
+    from tasks.countdown import problem, reward
 
     for i in range(100):
         p = problem(seed=5, index=i, numbers=4, max_number=25)
@@ -156,11 +156,11 @@ def test_each_source_gets_its_configured_reward():
         {"name": "a", "kind": "arithmetic"},
         {"name": "c", "kind": "countdown"},
         {"name": "d", "path": "x.jsonl", "prompt_column": "q"},
-        {"name": "g", "path": "x.jsonl", "prompt_column": "q", "reward": "generators.rewards:arithmetic"}]}})
+        {"name": "g", "path": "x.jsonl", "prompt_column": "q", "reward": "tasks.arithmetic:reward"}]}})
     names = reward_names(config)
-    assert names == {"a": "generators.rewards:arithmetic", "c": "generators.rewards:countdown",
-                     "d": "generators.rewards:final_answer", "g": "generators.rewards:arithmetic"}
-    assert reward_names(config_from_dict({})) == {"arithmetic": "generators.rewards:arithmetic"}  # the [task]
+    assert names == {"a": "tasks.arithmetic:reward", "c": "tasks.countdown:reward",
+                     "d": "tasks.gsm8k:reward", "g": "tasks.arithmetic:reward"}
+    assert reward_names(config_from_dict({})) == {"arithmetic": "tasks.arithmetic:reward"}  # the [task]
 
     with RewardRunner(names, timeout_s=1, workers=0) as runner:
         def reward(source, text, meta):

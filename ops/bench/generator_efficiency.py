@@ -2,7 +2,7 @@
 
     .venv/bin/python ops/bench/generator_efficiency.py [--engine hf|vllm] [--model DIR] [--turns 6]
 
-Both sides open the same engine (`generators.engines.open_engine`) on the same model with the same
+Both sides open the same engine (`engines.choice.open_engine`) on the same model with the same
 settings: the demo's sampling (4 completions per prompt, temperature 0.8, at most 24 new tokens),
 the HF engine's `batch_prompts` prompts per `generate` call, vLLM's scheduler holding every request,
 one torch thread. The prompts are the arithmetic task's, the same on both sides.
@@ -53,7 +53,7 @@ BATCH_PROMPTS = 4  # the demo's generator.batch_prompts: the HF engine's prompts
 def prompts(count: int, *, start: int):
     """`count` arithmetic PromptTasks as the producer makes them, from index `start`."""
     from common.messages import PromptTask
-    from producers.arithmetic import problem
+    from tasks.arithmetic import problem
 
     out = []
     for i in range(start, start + count):
@@ -72,7 +72,7 @@ def engine_options(engine: str, max_in_flight: int) -> dict:
 
 def bare_turn(engine, tasks) -> tuple[float, int, float]:
     """(seconds, sampled tokens, CPU seconds) of the engine alone on `tasks`: add them all, step until done."""
-    from generators.engines import SamplingSettings
+    from engines.base import SamplingSettings
 
     sampling = SamplingSettings(n=N, max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE)
     cpu0 = time.process_time()  # this process's: the engine runs here, nothing else does meanwhile
@@ -130,7 +130,7 @@ def main() -> None:
 
     from common.keys import Keys
     from common.models import resolve_model_path
-    from generators.engines import open_engine
+    from engines.choice import open_engine
     from tests.conftest import free_port, start_redis
 
     model_dir = resolve_model_path(args.model)

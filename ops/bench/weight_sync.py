@@ -49,7 +49,7 @@ def feed(r, keys, *, low: int = 64, batch: int = 128, start: list[int]) -> None:
     """Keep at least `low` prompts waiting in the prompts stream (arithmetic, 4 completions each)."""
     from common.keys import GENERATORS_GROUP, PAYLOAD
     from common.messages import PromptTask, encode
-    from producers.arithmetic import problem
+    from tasks.arithmetic import problem
 
     groups = {g["name"].decode(): g for g in r.xinfo_groups(keys.prompts)} if r.exists(keys.prompts) else {}
     lag = groups[GENERATORS_GROUP]["lag"] if GENERATORS_GROUP in groups else r.xlen(keys.prompts)

