@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common.config import ConfigError, load_config
+
+if TYPE_CHECKING:
+    from common.progress import TrainerProgress, TrainerStatus
 
 
 def _group_info(r, stream: str, group: str) -> dict:
@@ -19,44 +22,38 @@ def _group_info(r, stream: str, group: str) -> dict:
     return {"length": r.xlen(stream), "pending": info.get("pending", 0), "lag": info.get("lag") or 0}
 
 
-def _trainer_line(trainer: dict[str, str], status: dict[str, str], now: float) -> str:
-    line = (f"trainer    step {trainer.get('step', 0)}  version {trainer.get('version', 0)}  "
+def _trainer_line(trainer: TrainerProgress, status: TrainerStatus | None, now: float) -> str:
+    line = (f"trainer    step {trainer.step}  version {trainer.version}  "
             # groups acknowledged: trained and in a saved trainer state
-            f"trained+saved {trainer.get('groups_trained', 0)}  dropped stale {trainer.get('groups_dropped_stale', 0)}")
-    if "last_step_s" in status:
-        trainer = status
-        step_s, wait_s = float(status["last_step_s"]), float(status.get("last_wait_s", 0))
-        line += (f"\n           last step {step_s:.1f}s (waiting for data {wait_s / max(step_s, 1e-9):.0%})  "
-                 f"{float(trainer.get('tokens_per_s', 0)):.0f} tok/s  "
-                 f"staleness {float(trainer.get('staleness_mean', 0)):.1f} mean / "
-                 f"{float(trainer.get('staleness_max', 0)):.0f} max  "
-                 f"updated {now - float(trainer.get('updated_at', now)):.0f}s ago")
+            f"trained+saved {trainer.groups_trained}  dropped stale {trainer.groups_dropped_stale}")
+    if status is not None:
+        line += (f"\n           last step {status.last_step_s:.1f}s "
+                 f"(waiting for data {status.last_wait_s / max(status.last_step_s, 1e-9):.0%})  "
+                 f"{status.tokens_per_s:.0f} tok/s  "
+                 f"staleness {status.staleness_mean:.1f} mean / {status.staleness_max:.0f} max  "
+                 f"updated {now - status.updated_at:.0f}s ago")
     return line
 
 
 def _generator_lines(r, keys, now: float) -> list[str]:
     """Live generators from their heartbeats; dead ones (heartbeat expired) from the consumers of
     the prompts stream, with the prompts they still hold until another generator reclaims them."""
+    from common.heartbeats import read_heartbeats
     from common.keys import GENERATORS_GROUP
 
-    lines, alive = [], set()
-    for key in sorted(r.scan_iter(match=keys.generator_pattern)):
-        g = {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
-        if not g:
-            continue
-        name = key.decode().removeprefix(keys.generator(""))
-        alive.add(name)
-        seen = now - float(g.get("last_seen", now))
-        troubles = [f"{label} {g[field]}" for field, label in (
-            ("reward_errors", "reward errors"), ("dropped_zero_variance", "dropped (zero variance)"),
-            ("weights_refused", "weights refused")) if g.get(field, "0") != "0"]
-        lines.append(f"generator  {name}  {g.get('engine', '?')}  v{g.get('version', '?')}  "
-                     f"{float(g.get('tokens_per_s', 0)):.1f} tok/s  in flight {g.get('in_flight', 0)}  "
-                     f"heartbeat {seen:.0f}s ago" + "".join(f"  {t}" for t in troubles))
+    lines = []
+    beats = read_heartbeats(r, keys)
+    for name, g in beats.items():
+        troubles = [f"{label} {n}" for n, label in (
+            (g.reward_errors, "reward errors"), (g.dropped_zero_variance, "dropped (zero variance)"),
+            (g.weights_refused, "weights refused")) if n]
+        lines.append(f"generator  {name}  {g.engine}  v{g.version}  {g.tokens_per_s:.1f} tok/s  "
+                     f"in flight {g.in_flight}  heartbeat {now - g.last_seen:.0f}s ago"
+                     + "".join(f"  {t}" for t in troubles))
     consumers = r.xinfo_consumers(keys.prompts, GENERATORS_GROUP) if r.exists(keys.prompts) else []
     for c in consumers:
         name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
-        if name not in alive:
+        if name not in beats:
             lines.append(f"generator  {name}  DEAD (no heartbeat; last read {c['idle'] / 1000:.0f}s ago)  "
                          f"holds {c['pending']} prompts")
     return lines
@@ -64,37 +61,33 @@ def _generator_lines(r, keys, now: float) -> list[str]:
 
 def status_lines(r, run: str) -> list[str]:
     """What `rollouts status` prints: the run's state as Redis holds it."""
+    from common.evals import read_evals
     from common.keys import GENERATORS_GROUP, TRAINER_GROUP, Keys
+    from common.progress import read_producer, read_status, read_trainer
 
     keys = Keys(run)
-
-    def h(key: str) -> dict[str, str]:
-        return {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
-
-    producer, trainer = h(keys.producer), h(keys.trainer)
+    producer = read_producer(r, keys)
     prompts = _group_info(r, keys.prompts, GENERATORS_GROUP)
     samples = _group_info(r, keys.samples, TRAINER_GROUP)
     now = time.time()
     lines = [
         f"run {run}",
-        f"producer   admitted {producer.get('admitted', 0)}  skipped rows {producer.get('rows_skipped', 0)}  "
-        + "  ".join(f"{k.removesuffix(':offset')} at {producer.get(k[:-7] + ':epoch', 0)}:{v}"
-                    for k, v in sorted(producer.items()) if k.endswith(":offset")),
+        f"producer   admitted {producer.admitted}  skipped rows {producer.rows_skipped}  "
+        + "  ".join(f"{name} at {p.epoch}:{p.offset}" for name, p in producer.sources.items()),
         f"prompts    waiting {prompts['lag']}  in flight {prompts['pending']}  dead {r.xlen(keys.prompts_dead)}",
         f"samples    stream {samples['length']}  waiting {samples['lag']}  unacknowledged {samples['pending']}  "
         f"dead {r.xlen(keys.samples_dead)}",
-        _trainer_line(trainer, h(keys.trainer_status), now),
+        _trainer_line(read_trainer(r, keys), read_status(r, keys), now),
     ]
-    evals = {int(v): json.loads(res) for v, res in r.hgetall(keys.evals).items()}
+    evals = read_evals(r, keys)
     if evals:
         newest = evals[max(evals)]
-        scores = "  ".join(f"{k[5:]} {v:.3f}" for k, v in newest.items() if k.startswith("eval/pass"))
-        lines.append(f"eval       v{newest['version']}  {scores or newest.get('eval/skipped', '')}  "
+        lines.append(f"eval       v{newest.version}  {newest.summary(sep='  ')}  "
                      f"({len(evals)} checkpoints evaluated)")
     return lines + _generator_lines(r, keys, now)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollouts", description="Operate a rollouts run.")
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare-model", help="convert the built-in default model into the cache (once)")
@@ -121,8 +114,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="full speed, or spaced as recorded")
     rp.add_argument("--stream", action="append", choices=["samples", "prompts", "weights"],
                     help="replay only this stream of the file (repeat for several; default: all)")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.command == "prepare-model":
         from common.models import prepare_default_model
 
@@ -135,7 +131,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"rollouts: {err}")
 
     if args.command == "plot":
-        from common.plot import plot, read_evals, read_metrics
+        from common.evals import read_evals_file
+        from common.metrics import read_metrics
+        from common.plot import plot
 
         metrics = Path(args.metrics) if args.metrics else config.metrics_path
         if not metrics.is_file():
@@ -144,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
             rows = read_metrics(metrics)
         except ValueError as err:
             sys.exit(f"rollouts: {err}")
-        evals = read_evals(metrics.with_name("evals.jsonl"))  # the evaluator's, beside the trainer's
+        evals = [e for e in read_evals_file(metrics.with_name("evals.jsonl"))  # the evaluator's, beside ours
+                 if e.skipped is None]
         print(plot(rows, args.out or metrics.with_name("metrics.png"), title=args.title, evals=evals))
         return
 

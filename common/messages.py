@@ -200,6 +200,41 @@ def decode_prompt(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, max_n: int
                       n=n, admitted_at=_get(d, "admitted_at", int, w))
 
 
+def _decode_completion(c: object, cw: str, *, max_tokens: int) -> tuple[Completion, int, int]:
+    """One completion of a group's `completions` list (`cw` names it in errors), and the smallest
+    and largest token id in it (taken on the array, before it becomes a list)."""
+    if not isinstance(c, dict):
+        raise MessageError(f"{cw}: expected a map")
+    ids = _unpack(_get(c, "ids", bytes, cw), "<i4", f"{cw}.ids")
+    lps = _unpack(_get(c, "logprobs", bytes, cw), "<f4", f"{cw}.logprobs")
+    if ids.size == 0:
+        raise MessageError(f"{cw}: empty completion")
+    if ids.size > max_tokens:
+        raise MessageError(f"{cw}: {ids.size} tokens exceed the limit of {max_tokens}")
+    if ids.size != lps.size:
+        raise MessageError(f"{cw}: {ids.size} ids but {lps.size} logprobs")
+    if not np.isfinite(lps).all() or (lps > 1e-4).any():
+        raise MessageError(f"{cw}: logprobs must be finite and <= 0")
+    mask = c.get("loss_mask")
+    if mask is not None:
+        mask = _unpack(mask, "u1", f"{cw}.loss_mask")
+        if mask.size != ids.size or (mask > 1).any():
+            raise MessageError(f"{cw}: loss_mask must be 0/1 with one entry per id")
+        mask = mask.tolist()
+    finish = _get(c, "finish", str, cw)
+    if finish not in FINISH_REASONS:
+        raise MessageError(f"{cw}: finish {finish!r} not one of {FINISH_REASONS}")
+    rewards = _finite_map(c.get("rewards", {}), f"{cw}.rewards")
+    reward_error = c.get("reward_error")
+    if reward_error is not None and not isinstance(reward_error, str):
+        raise MessageError(f"{cw}.reward_error: expected a string or nothing, got {type(reward_error).__name__}")
+    completion = Completion(
+        ids=ids.tolist(), logprobs=lps.tolist(), reward=_finite(c.get("reward"), f"{cw}.reward"),
+        rewards=rewards, finish=finish, text=_get(c, "text", str, cw), loss_mask=mask,
+        reward_error=reward_error)
+    return completion, int(ids.min()), int(ids.max())
+
+
 def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size: int | None = None,
                  max_tokens: int = MAX_COMPLETION_TOKENS, max_completions: int = MAX_GROUP_SIZE) -> SampleGroup:
     d = _load(blob, "group", max_bytes)
@@ -218,38 +253,9 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size:
     completions = []
     low, top = int(prompt_ids.min()), int(prompt_ids.max())  # token id range, for the vocabulary check
     for i, c in enumerate(raw):
-        cw = f"{w}.completions[{i}]"
-        if not isinstance(c, dict):
-            raise MessageError(f"{cw}: expected a map")
-        ids = _unpack(_get(c, "ids", bytes, cw), "<i4", f"{cw}.ids")
-        if ids.size:
-            low, top = min(low, int(ids.min())), max(top, int(ids.max()))
-        lps = _unpack(_get(c, "logprobs", bytes, cw), "<f4", f"{cw}.logprobs")
-        if ids.size == 0:
-            raise MessageError(f"{cw}: empty completion")
-        if ids.size > max_tokens:
-            raise MessageError(f"{cw}: {ids.size} tokens exceed the limit of {max_tokens}")
-        if ids.size != lps.size:
-            raise MessageError(f"{cw}: {ids.size} ids but {lps.size} logprobs")
-        if not np.isfinite(lps).all() or (lps > 1e-4).any():
-            raise MessageError(f"{cw}: logprobs must be finite and <= 0")
-        mask = c.get("loss_mask")
-        if mask is not None:
-            mask = _unpack(mask, "u1", f"{cw}.loss_mask")
-            if mask.size != ids.size or (mask > 1).any():
-                raise MessageError(f"{cw}: loss_mask must be 0/1 with one entry per id")
-            mask = mask.tolist()
-        finish = _get(c, "finish", str, cw)
-        if finish not in FINISH_REASONS:
-            raise MessageError(f"{cw}: finish {finish!r} not one of {FINISH_REASONS}")
-        rewards = _finite_map(c.get("rewards", {}), f"{cw}.rewards")
-        reward_error = c.get("reward_error")
-        if reward_error is not None and not isinstance(reward_error, str):
-            raise MessageError(f"{cw}.reward_error: expected a string or nothing, got {type(reward_error).__name__}")
-        completions.append(Completion(
-            ids=ids.tolist(), logprobs=lps.tolist(), reward=_finite(c.get("reward"), f"{cw}.reward"),
-            rewards=rewards, finish=finish, text=_get(c, "text", str, cw), loss_mask=mask,
-            reward_error=reward_error))
+        completion, c_low, c_top = _decode_completion(c, f"{w}.completions[{i}]", max_tokens=max_tokens)
+        low, top = min(low, c_low), max(top, c_top)
+        completions.append(completion)
     if vocab_size is not None and (low < 0 or top >= vocab_size):
         raise MessageError(f"{w}: token id out of range [0, {vocab_size}): saw {low}..{top}")
     version = _get(d, "version", int, w)

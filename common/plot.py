@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """The run's per-step metrics, one dict per line of the trainer's JSONL file."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    if not rows:
-        raise ValueError(f"{path}: no metrics yet (the trainer writes one line per step)")
-    return rows
+from common.evals import EvalResult
+from common.metrics import StepMetrics
 
 
 def smooth(xs: list[float], window: int) -> list[float]:
@@ -25,50 +19,49 @@ def smooth(xs: list[float], window: int) -> list[float]:
     return out
 
 
-PANELS = [  # (title, [(metric, label)], y label, smoothed)
-    ("Reward", [("reward/mean", "reward mean"), ("accuracy", "accuracy")], "per completion", True),
-    ("Held-out evaluation", [("eval/pass@1", "greedy pass@1")], "per problem", False),
-    ("Completion length", [("completions/mean_length", "mean"), ("completions/max_length", "max")], "tokens",
-     True),
-    ("Staleness", [("staleness/mean", "mean"), ("staleness/max", "max")], "versions behind", False),
-    ("Policy update", [("clip_ratio", "clip ratio"), ("kl", "kl"), ("entropy", "entropy")], "", True),
-    ("Throughput", [("tokens_per_s", "trainer"), ("generators/tokens_per_s", "generators (sum)")], "tokens/s",
-     True),
-    ("Step time", [("time/train", "train"), ("time/wait_data", "wait for data"), ("time/publish", "publish")],
+PANELS = [  # (title, [(StepMetrics field, or "pass@1" of an EvalResult; label)], y label, smoothed)
+    ("Reward", [("reward_mean", "reward mean"), ("accuracy", "accuracy")], "per completion", True),
+    ("Held-out evaluation", [("pass@1", "greedy pass@1")], "per problem", False),
+    ("Completion length", [("mean_length", "mean"), ("max_length", "max")], "tokens", True),
+    ("Staleness", [("staleness_mean", "mean"), ("staleness_max", "max")], "versions behind", False),
+    ("Policy update", [("policy.clip_region", "clip ratio"), ("policy.kl", "kl"), ("entropy", "entropy")], "", True),
+    ("Throughput", [("tokens_per_s", "trainer"), ("generators_tokens_per_s", "generators (sum)")], "tokens/s", True),
+    ("Step time", [("time_train", "train"), ("time_wait_data", "wait for data"), ("time_publish", "publish")],
      "seconds", True),
-    ("Groups not trained", [("groups/dropped_stale", "dropped stale"), ("groups/dead", "dead-lettered"),
-                            ("groups/duplicate", "duplicate")], "per step", False),
+    ("Groups not trained", [("dropped_stale", "dropped stale"), ("dead", "dead-lettered"),
+                            ("duplicate", "duplicate")], "per step", False),
 ]
 STYLES = ["-", "--", ":"]  # series that coincide (reward = accuracy) stay distinguishable
-
-
-def read_evals(path: str | Path) -> list[dict]:
-    """The evaluator's scored checkpoints (evals.jsonl), oldest step first; [] if none yet."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return sorted((r for r in rows if "eval/pass@1" in r), key=lambda r: r["step"])
 
 
 EVAL_PANEL = "Held-out evaluation"  # drawn from the evaluator's results, at the step each scored
 
 
-def panel_series(rows: list[dict], evals: list[dict]) -> dict[str, list[tuple[str, list, list]]]:
+def value(row: StepMetrics | EvalResult, key: str) -> float | None:
+    """The metric `key` names in a step ("policy.kl": a field of its policy stats) or an evaluation
+    ("pass@1"); None where the row has none."""
+    if isinstance(row, EvalResult):
+        return row.pass_at.get(int(key.removeprefix("pass@")))
+    head, _, rest = key.partition(".")
+    got = getattr(row, head)
+    return got if not rest or got is None else getattr(got, rest)
+
+
+def panel_series(rows: list[StepMetrics], evals: list[EvalResult]) -> dict[str, list[tuple[str, list, list]]]:
     """Per panel, the (label, steps, values) of each series that has any values."""
     out: dict[str, list[tuple[str, list, list]]] = {}
     for name, series, _, _ in PANELS:
         source = evals if name == EVAL_PANEL else rows
         out[name] = []
         for key, label in series:
-            pts = [(r["step"], r[key]) for r in source if r.get(key) is not None]
+            pts = [(r.step, v) for r in source if (v := value(r, key)) is not None]
             if pts:
                 out[name].append((label, [s for s, _ in pts], [v for _, v in pts]))
     return out
 
 
-def plot(rows: list[dict], out: str | Path, *, title: str = "", window: int = 10,
-         evals: list[dict] | None = None) -> Path:
+def plot(rows: list[StepMetrics], out: str | Path, *, title: str = "", window: int = 10,
+         evals: list[EvalResult] | None = None) -> Path:
     """Write a grid of charts for `rows` (and the evaluator's `evals`, at the step of the checkpoint
     each scored) to `out` (PNG): faint raw values under bold trailing moving averages, except for
     panels whose raw values are the point (staleness, evaluations, counts)."""

@@ -63,12 +63,6 @@ def dead_letter(pipe: redis.client.Pipeline, *, dead_stream: str, source: str, e
                             "payload": blob if isinstance(blob, bytes) else b""})
 
 
-def trainer_version(r: redis.Redis, keys: Keys) -> int:
-    """The newest published weight version (0: the initial weights)."""
-    v = r.hget(keys.trainer, "version")
-    return int(v) if v is not None else 0
-
-
 def latest_weights(r: redis.Redis, keys: Keys) -> WeightVersion | None:
     blob = r.get(keys.weights_latest)
     return None if blob is None else decode_weights(blob)

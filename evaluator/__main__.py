@@ -25,9 +25,9 @@ def main() -> None:
     import evaluator.jobs  # noqa: F401 - imports torch and transformers before the first job
 
     hf_logging.disable_progress_bar()  # one line per evaluation, not progress bars
+    from common.evals import eval_queue
     from common.keys import Keys
     from common.streams import connect
-    from evaluator.queue import eval_queue
     from evaluator.worker import EvalWorker
 
     try:

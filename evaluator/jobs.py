@@ -6,15 +6,14 @@ stays loaded: later jobs only swap in the new checkpoint's weights.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
-import msgpack
 from rq import get_current_job
 
 from common.checkpoints import verify_dir
-from common.keys import METRICS_MAXLEN, PAYLOAD, Keys
+from common.evals import EvalRequest, EvalResult, read_request, record_eval
+from common.keys import Keys
 from common.messages import PromptTask
 from engines.base import SamplingSettings
 from engines.hf_engine import HFEngine
@@ -37,19 +36,23 @@ def engine_for(path: str, *, version: int, dtype: str) -> HFEngine:
 
 
 def evaluate_checkpoint(*, spec: dict) -> dict:
-    """Greedy pass@1 (and sampled pass@k if asked) of a checkpoint on held-out arithmetic."""
+    """Greedy pass@1 (and sampled pass@k if asked) of a checkpoint on held-out arithmetic; the
+    result (as written to the metrics stream) is also the job's return value."""
     t0 = time.monotonic()
-    if not Path(spec["path"]).is_dir():
+    req = read_request(spec)
+    keys = Keys(req.run)
+    r = get_current_job().connection
+    if not Path(req.path).is_dir():
         # The trainer keeps only its newest checkpoints; one pruned before its turn came is reported
         # as skipped (retrying cannot bring it back). Raise keep_checkpoints to evaluate them all.
-        return record({"kind": "eval", "step": spec["step"], "version": spec["version"],
-                       "eval/skipped": "checkpoint pruned before its evaluation ran"}, spec)
-    verify_dir(spec["path"], spec["checksums"])  # a bad checkpoint fails the job (and is retried)
-    engine = engine_for(spec["path"], version=spec["version"], dtype=spec["dtype"])
-    problems = [arithmetic.problem(seed=spec["seed"], index=i, max_operand=spec["max_operand"], ops=spec["ops"])
-                for i in range(spec["prompts"])]
+        return report(r, keys, EvalResult(step=req.step, version=req.version,
+                                          skipped="checkpoint pruned before its evaluation ran"), req)
+    verify_dir(req.path, req.checksums)  # a bad checkpoint fails the job (and is retried)
+    engine = engine_for(req.path, version=req.version, dtype=req.dtype)
+    problems = [arithmetic.problem(seed=req.seed, index=i, max_operand=req.max_operand, ops=req.ops)
+                for i in range(req.prompts)]
     tasks = [PromptTask(id=f"eval:{i}", messages=[{"role": "user", "content": p.question}], text=None,
-                        meta={"answer": p.answer}, n=1, admitted_at=spec["version"]) for i, p in enumerate(problems)]
+                        meta={"answer": p.answer}, n=1, admitted_at=req.version) for i, p in enumerate(problems)]
     prompts = [engine.prompt_ids(t) for t in tasks]
 
     def correct(ids: list[int], task: PromptTask) -> bool:
@@ -57,34 +60,20 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
         q = task.messages[0]["content"]
         return arithmetic.reward(prompt=q, completion=text, completion_ids=ids, meta=task.meta)["correct"] == 1.0
 
-    greedy = engine.greedy(prompts, max_new_tokens=spec["max_new_tokens"])
-    result = {"kind": "eval", "step": spec["step"], "version": spec["version"], "eval/prompts": len(tasks),
-              "eval/pass@1": sum(correct(ids, t) for ids, t in zip(greedy, tasks, strict=True)) / len(tasks)}
-    if spec["pass_k"]:
-        k = spec["pass_k"]
-        groups = engine.sample(prompts, SamplingSettings(n=k, max_new_tokens=spec["max_new_tokens"],
-                                                         temperature=spec["temperature"]))
+    greedy = engine.greedy(prompts, max_new_tokens=req.max_new_tokens)
+    pass_at = {1: sum(correct(ids, t) for ids, t in zip(greedy, tasks, strict=True)) / len(tasks)}
+    if req.pass_k:
+        groups = engine.sample(prompts, SamplingSettings(n=req.pass_k, max_new_tokens=req.max_new_tokens,
+                                                         temperature=req.temperature))
         hits = [any(correct(s.ids, t) for s in group) for group, t in zip(groups, tasks, strict=True)]
-        result[f"eval/pass@{k}"] = sum(hits) / len(tasks)
-    result["eval/seconds"] = time.monotonic() - t0
-    return record(result, spec)
+        pass_at[req.pass_k] = sum(hits) / len(tasks)
+    result = EvalResult(step=req.step, version=req.version, prompts=len(tasks), pass_at=pass_at,
+                        seconds=time.monotonic() - t0)
+    return report(r, keys, result, req)
 
 
-def record(result: dict, spec: dict) -> dict:
-    """The result to the metrics stream, the run's evals hash and (if given) the evals JSONL file."""
-    r = get_current_job().connection
-    keys = Keys(spec["run"])
-    with r.pipeline(transaction=True) as pipe:
-        pipe.xadd(keys.metrics, {PAYLOAD: msgpack.packb(result, use_bin_type=True)},
-                  maxlen=METRICS_MAXLEN, approximate=True)
-        pipe.hset(keys.evals, str(spec["version"]), json.dumps(result))
-        pipe.execute()
-    if spec.get("evals_path"):
-        path = Path(spec["evals_path"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(json.dumps(result) + "\n")
-    print(f"evaluator: version {spec['version']}: " + (", ".join(
-        f"{k[5:]} {v:.3f}" for k, v in result.items() if k.startswith("eval/pass")) or result.get("eval/skipped", "")),
-        flush=True)
-    return result
+def report(r, keys: Keys, result: EvalResult, req: EvalRequest) -> dict:
+    """Record the result (metrics stream, evals hash, evals file) and say it on the console."""
+    entry = record_eval(r, keys, result, evals_path=req.evals_path)
+    print(f"evaluator: version {req.version}: {result.summary()}", flush=True)
+    return entry

@@ -12,7 +12,7 @@ from __future__ import annotations
 from rq import SimpleWorker
 from rq.job import Job
 
-from evaluator.queue import JOB_FUNCTION
+from common.evals import JOB_FUNCTION
 
 
 class RefusedJob(Exception):

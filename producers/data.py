@@ -78,27 +78,31 @@ def _data_files(path: Path, builder: str) -> list[str]:
     return files
 
 
+def detect_format(path: Path, *, field: str) -> str:
+    """The `datasets` builder for `path`: a saved data set ("disk"), a file's or a directory's
+    extension, or "hub" when nothing local has that name ("openai/gsm8k")."""
+    if path.is_dir() and any((path / f).exists() for f in ("state.json", "dataset_dict.json")):
+        return "disk"
+    if path.suffix in FORMATS:
+        return FORMATS[path.suffix]
+    if path.is_dir():
+        found = {FORMATS[f.suffix] for f in path.rglob("*") if f.suffix in FORMATS}
+        if len(found) != 1:
+            raise DataError(f"{field}.format: cannot tell the format of {str(path)!r} "
+                            f"(found {sorted(found) or 'no data files'}); set it")
+        return found.pop()
+    if path.exists():
+        raise DataError(f"{field}.format: cannot tell the format of {str(path)!r}; set it")
+    return "hub"
+
+
 def load(source: SourceConfig, *, field: str):
     """The source's `datasets.Dataset` (or `IterableDataset` when streaming)."""
     import datasets
 
     datasets.disable_progress_bars()
-    path, fmt = Path(source.path), source.format
-    if fmt == "auto":
-        if path.is_dir() and any((path / f).exists() for f in ("state.json", "dataset_dict.json")):
-            fmt = "disk"
-        elif path.suffix in FORMATS:
-            fmt = FORMATS[path.suffix]
-        elif path.is_dir():
-            found = {FORMATS[f.suffix] for f in path.rglob("*") if f.suffix in FORMATS}
-            if len(found) != 1:
-                raise DataError(f"{field}.format: cannot tell the format of {str(path)!r} "
-                                f"(found {sorted(found) or 'no data files'}); set it")
-            fmt = found.pop()
-        elif path.exists():
-            raise DataError(f"{field}.format: cannot tell the format of {str(path)!r}; set it")
-        else:  # nothing local by that name: a hub data set ("openai/gsm8k")
-            fmt = "hub"
+    path = Path(source.path)
+    fmt = detect_format(path, field=field) if source.format == "auto" else source.format
     if fmt != "hub" and not path.exists():
         raise DataError(f"{field}.path: {source.path!r} does not exist")
     try:
@@ -162,34 +166,46 @@ def extract_answer(value: Any, *, extractor: str) -> Any:
     return found
 
 
+def row_messages(row: dict[str, Any], *, source: SourceConfig) -> list[dict[str, str]]:
+    """The chat messages of a row of a `messages_column` source; ValueError if it holds none."""
+    messages = row.get(source.messages_column)
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{source.messages_column!r} is not a non-empty list of messages")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) and m["content"].strip()):
+            raise ValueError(f"{source.messages_column!r} holds a message without text role "
+                             "and content")
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if source.system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": source.system_prompt}, *messages]
+    return messages
+
+
+def row_user_text(row: dict[str, Any], *, source: SourceConfig) -> str:
+    """The user message a row makes through the source's `template` or `prompt_column`; ValueError
+    if it makes none."""
+    if source.template:
+        for _, name, _, _ in string.Formatter().parse(source.template):
+            if name is not None and (row.get(name) is None or row.get(name) == ""):
+                raise ValueError(f"column {name!r} is empty")
+        user = source.template.format(**row)
+    else:
+        user = row.get(source.prompt_column)
+        if not isinstance(user, str):
+            raise ValueError(f"{source.prompt_column!r} is a {type(user).__name__}, not text")
+    if not user.strip():
+        raise ValueError("the prompt is empty")
+    return user
+
+
 def row_prompt(row: dict[str, Any], *, source: SourceConfig, prompt_id: str) -> Prompt:
     """The prompt a data set row makes; ValueError naming what is wrong if it makes none."""
     meta: dict[str, Any] = {"source": source.name}
     if source.messages_column:
-        messages = row.get(source.messages_column)
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{source.messages_column!r} is not a non-empty list of messages")
-        for m in messages:
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str) and m["content"].strip()):
-                raise ValueError(f"{source.messages_column!r} holds a message without text role "
-                                 "and content")
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        if source.system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": source.system_prompt}, *messages]
+        messages = row_messages(row, source=source)
     else:
-        if source.template:
-            for _, name, _, _ in string.Formatter().parse(source.template):
-                if name is not None and (row.get(name) is None or row.get(name) == ""):
-                    raise ValueError(f"column {name!r} is empty")
-            user = source.template.format(**row)
-        else:
-            user = row.get(source.prompt_column)
-            if not isinstance(user, str):
-                raise ValueError(f"{source.prompt_column!r} is a {type(user).__name__}, not text")
-        if not user.strip():
-            raise ValueError("the prompt is empty")
-        messages = [{"role": "user", "content": user}]
+        messages = [{"role": "user", "content": row_user_text(row, source=source)}]
         if source.system_prompt:
             messages = [{"role": "system", "content": source.system_prompt}, *messages]
     if source.answer_column:
@@ -280,6 +296,3 @@ class Source:
                 return self.offset, row
             self._next_epoch()
 
-    def position(self) -> dict[str, int]:
-        """The fields of the producer hash that hold this source's position."""
-        return {f"{self.name}:epoch": self.epoch, f"{self.name}:offset": self.offset}

@@ -14,10 +14,19 @@ import time
 import redis
 
 from common.config import Config
+from common.heartbeats import read_counters
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import PromptTask, SampleGroup, encode
 from common.models import resolve_model_path
-from common.streams import connect, ensure_group, trainer_version
+from common.progress import (
+    SourcePosition,
+    TrainerProgress,
+    read_producer,
+    read_trainer,
+    start_producer,
+    write_admission,
+)
+from common.streams import connect, ensure_group
 from common.trim import trim_acknowledged
 from producers.admission import admission_limit
 from producers.data import DataError, Prompt, Skipped, Source, choose
@@ -32,30 +41,26 @@ class ProducerError(RuntimeError):
     """The run's stored position does not fit this producer's configuration."""
 
 
-def dropped_groups(r: redis.Redis, keys: Keys) -> int:
+def dropped_groups(r: redis.Redis, keys: Keys, trainer: TrainerProgress) -> int:
     """Admitted prompts that will never fill a trainer step: dropped (too stale, or by dynamic
     sampling for zero reward variance) or dead-lettered. Admitting as many more over-samples."""
-    stale, dead = r.hmget(keys.trainer, "groups_dropped_stale", "groups_dead")
-    zero_variance = r.hget(keys.generators, "groups_dropped_zero_variance")
-    return int(stale or 0) + int(dead or 0) + int(zero_variance or 0) + r.xlen(keys.prompts_dead)
+    zero_variance = read_counters(r, keys).groups_dropped_zero_variance
+    return trainer.groups_dropped_stale + trainer.groups_dead + zero_variance + r.xlen(keys.prompts_dead)
 
 
 def load_positions(r: redis.Redis, keys: Keys, *, seed: int,
                    names: list[str]) -> tuple[dict[str, tuple[int, int]], int]:
     """({source: (epoch, offset)}, admitted) of this run, checking the stored seed is the
     configured one. A fresh run starts every source at (0, 0)."""
-    stored = {k.decode(): v.decode() for k, v in r.hgetall(keys.producer).items()}
-    if "seed" not in stored:
-        r.hset(keys.producer, mapping={"seed": seed, "admitted": 0, "rows_skipped": 0})
+    stored = read_producer(r, keys)
+    if stored.seed is None:
+        start_producer(r, keys, seed=seed)
         return {name: (0, 0) for name in names}, 0
-    if int(stored["seed"]) != seed:
-        raise ProducerError(f"task.seed: run {keys.run!r} was started with seed {stored['seed']}, "
+    if stored.seed != seed:
+        raise ProducerError(f"task.seed: run {keys.run!r} was started with seed {stored.seed}, "
                             f"not {seed}; use a new run name to change the seed")
-    if len(names) == 1 and f"{names[0]}:offset" not in stored:  # a run from before sources
-        stored[f"{names[0]}:epoch"], stored[f"{names[0]}:offset"] = stored.get("epoch", 0), stored.get("offset", 0)
-    positions = {name: (int(stored.get(f"{name}:epoch", 0)), int(stored.get(f"{name}:offset", 0)))
-                 for name in names}
-    return positions, int(stored.get("admitted", 0))
+    at = {name: stored.sources.get(name, SourcePosition()) for name in names}
+    return {name: (p.epoch, p.offset) for name, p in at.items()}, stored.admitted
 
 
 def sft_group(source: Source, made: Prompt, tokenizer) -> tuple[SampleGroup | Skipped, int]:
@@ -102,15 +107,9 @@ def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[fl
         msg = PromptTask(id=made.id, messages=made.messages, text=made.text, meta=made.meta,
                          n=n, admitted_at=version)
         pipe.xadd(keys.prompts, {PAYLOAD: encode(msg)})
-    if truncated:
-        pipe.hincrby(keys.producer, "sft_truncated", truncated)
-        pipe.hincrby(keys.producer, "sft_tokens_cut", tokens_cut)
-    pipe.hset(keys.producer, mapping={k: v for s in sources for k, v in s.position().items()})
-    pipe.hincrby(keys.producer, "admitted", count)
-    for source, row in skipped:
-        pipe.hincrby(keys.producer, "rows_skipped", 1)
-        pipe.hincrby(keys.producer, f"{source.name}:rows_skipped", 1)
-        pipe.hset(keys.producer, "last_skipped", f"{row.id}: {row.reason}"[:500])
+    write_admission(pipe, keys, positions={s.name: (s.epoch, s.offset) for s in sources}, admitted=count,
+                    skipped=[(source.name, f"{row.id}: {row.reason}") for source, row in skipped],
+                    truncated=truncated, tokens_cut=tokens_cut)
     pipe.execute()
     return skipped
 
@@ -158,10 +157,11 @@ def run(config: Config) -> None:
         # ---- how many prompts the trainer's version allows. SFT data never goes stale and waits
         # for no weights, so it is admitted against the trainer's step: with sync_every > 1 the
         # published version would hold it back at (max_staleness + 1) steps, short of a publish.
-        version = int(r.hget(keys.trainer, "step") or 0) if sft else trainer_version(r, keys)
+        trainer = read_trainer(r, keys)
+        version = trainer.step if sft else trainer.version
         limit = admission_limit(version=version, max_staleness=config.rollout.max_staleness,
                                 prompts_per_step=config.rollout.prompts_per_step,
-                                dropped=dropped_groups(r, keys))
+                                dropped=dropped_groups(r, keys, trainer))
         count = min(limit - admitted, MAX_PER_TRANSACTION)
         if count <= 0:
             time.sleep(POLL_S)
@@ -175,7 +175,7 @@ def run(config: Config) -> None:
         admitted += count
         what = "conversations" if sft else "prompts"
         print(f"producer: admitted {admitted} {what} (limit {limit} at version {version})", flush=True)
-        if sft and (cut := r.hmget(keys.producer, "sft_truncated", "sft_tokens_cut"))[0]:
-            print(f"producer: {int(cut[0])} conversations truncated to max_length so far, "
-                  f"{int(cut[1])} tokens cut", flush=True)
+        if sft and (progress := read_producer(r, keys)).sft_truncated:
+            print(f"producer: {progress.sft_truncated} conversations truncated to max_length so far, "
+                  f"{progress.sft_tokens_cut} tokens cut", flush=True)
     print("producer: stopped", flush=True)

@@ -6,9 +6,9 @@ from rq.registry import FailedJobRegistry
 
 from common.checkpoints import checksum_dir
 from common.config import config_from_dict
+from common.evals import enqueue_eval, eval_queue
 from common.keys import PAYLOAD, Keys
 from common.messages import WeightVersion
-from evaluator.queue import enqueue_eval, eval_queue
 from tests.helpers import spawn
 
 RUN = "ev"
@@ -74,7 +74,7 @@ def test_the_evaluator_runs_only_evaluation_jobs(tmp_path, redis_url, r, tiny_mo
     job but an evaluation (without running or importing what it names) and goes on working."""
     from rq import Callback, Retry
 
-    from evaluator.queue import JOB_FUNCTION
+    from common.evals import JOB_FUNCTION
 
     queue = eval_queue(r, Keys(RUN))
     planted = tmp_path / "planted"

@@ -1,21 +1,52 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
-from common.plot import panel_series, read_evals, smooth
+from common.evals import EvalResult, read_evals_file
+from common.metrics import PolicyStats, StepMetrics, read_metrics
+from common.plot import panel_series, smooth
+
+POLICY = PolicyStats(loss=0.1, kl=0.0, clip_low=0.0, clip_high=0.01, clip_region=0.01, ratio=1.0, tis=1.0)
+STEP = StepMetrics(step=1, version=1, reward_mean=0.1, reward_std=0.2, accuracy=0.1, frac_reward_zero_std=0.0,
+                   reward_errors=0, mean_length=11.0, max_length=20, staleness_mean=1.0, staleness_max=1,
+                   policy=POLICY, sft_loss=None, entropy=0.9, grad_norm=1.0, lr=1e-5, dropped_stale=0, dead=0,
+                   duplicate=0, tokens_trained=100.0, tokens_per_s=70.0, time_step=13.5, time_wait_data=0.5,
+                   time_train=12.0, time_publish=1.0, generators_alive=1.0, generators_tokens_per_s=40.0,
+                   group_ids=["a:0:0"])
 
 
 def test_moving_average_by_hand():
     assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
 
 
+def test_a_step_entry_has_trl_names_and_reads_back():
+    entry = STEP.entry()
+    assert entry["reward/mean"] == 0.1 and entry["clip_ratio"] == entry["clip_ratio/region_mean"] == 0.01
+    assert entry["loss/policy"] == 0.1 and "loss/sft" not in entry
+    assert StepMetrics.from_entry(json.loads(json.dumps(entry))) == STEP
+    sft = replace(STEP, policy=None, sft_loss=2.5, reward_mean=None)
+    assert "loss/policy" not in sft.entry() and sft.entry()["loss/sft"] == 2.5 and sft.entry()["reward/mean"] is None
+    assert StepMetrics.from_entry(sft.entry()) == sft
+
+
+def test_a_metrics_line_missing_a_metric_is_refused_naming_it(tmp_path):
+    entry = STEP.entry()
+    del entry["staleness/max"]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(STEP.entry()) + "\n" + json.dumps(entry) + "\n")
+    try:
+        read_metrics(path)
+    except ValueError as err:
+        assert "metrics.jsonl:2" in str(err) and "staleness/max" in str(err)
+    else:
+        raise AssertionError("a line without staleness/max was read")
+
+
 def test_plot_writes_a_png_of_the_runs_metrics(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({
-        "step": s, "reward/mean": s / 10, "accuracy": s / 10, "completions/mean_length": 10 + s,
-        "completions/max_length": 20, "staleness/mean": 1.0, "staleness/max": 1, "clip_ratio": 0.01,
-        "tokens_per_s": 70.0, "time/train": 12.0, "time/wait_data": 0.5, "time/publish": 1.0}) + "\n"
-        for s in range(1, 8)))
+    metrics.write_text("".join(json.dumps(replace(STEP, step=s, reward_mean=s / 10).entry()) + "\n"
+                               for s in range(1, 8)))
     # The evaluator's results beside them, out of order and with one pruned checkpoint.
     (tmp_path / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
         {"step": 6, "version": 6, "eval/pass@1": 0.5}, {"step": 3, "version": 3, "eval/pass@1": 0.25},
@@ -35,19 +66,23 @@ def test_plot_of_an_empty_run_says_so(tmp_path):
 
 
 def test_panels_draw_evaluations_at_their_step_and_generator_throughput():
-    rows = [{"step": 1, "tokens_per_s": 70.0, "generators/tokens_per_s": 40.0, "accuracy": None},
-            {"step": 2, "tokens_per_s": 72.0, "generators/tokens_per_s": 44.0, "accuracy": 0.5}]
-    evals = [{"step": 2, "eval/pass@1": 0.25}]
+    rows = [replace(STEP, step=1, tokens_per_s=70.0, generators_tokens_per_s=40.0, accuracy=None),
+            replace(STEP, step=2, tokens_per_s=72.0, generators_tokens_per_s=44.0, accuracy=0.5)]
+    evals = [EvalResult(step=2, version=2, prompts=4, pass_at={1: 0.25})]
     panels = panel_series(rows, evals)
     assert panels["Held-out evaluation"] == [("greedy pass@1", [2], [0.25])]
     assert panels["Throughput"] == [("trainer", [1, 2], [70.0, 72.0]), ("generators (sum)", [1, 2], [40.0, 44.0])]
-    assert panels["Reward"] == [("accuracy", [2], [0.5])]  # None is "not reported", not zero
-    assert panels["Staleness"] == []
+    assert panels["Reward"][1] == ("accuracy", [2], [0.5])  # None is "not reported", not zero
+    assert panels["Policy update"][0] == ("clip ratio", [1, 2], [0.01, 0.01])
+    assert [label for label, _, _ in panels["Staleness"]] == ["mean", "max"]
+    assert panel_series([replace(r, policy=None) for r in rows], [])["Policy update"] == [
+        ("entropy", [1, 2], [0.9, 0.9])]  # sft steps have no policy stats
 
 
-def test_read_evals_orders_by_step_and_leaves_out_skipped(tmp_path):
+def test_read_evals_orders_by_step(tmp_path):
     path = tmp_path / "evals.jsonl"
-    assert read_evals(path) == []
-    path.write_text('{"step": 4, "eval/pass@1": 0.5}\n{"step": 2, "eval/skipped": "pruned"}\n'
-                    '{"step": 1, "eval/pass@1": 0.0}\n')
-    assert [e["step"] for e in read_evals(path)] == [1, 4]
+    assert read_evals_file(path) == []
+    path.write_text('{"step": 4, "version": 4, "eval/pass@1": 0.5}\n'
+                    '{"step": 2, "version": 2, "eval/skipped": "pruned"}\n'
+                    '{"step": 1, "version": 1, "eval/pass@1": 0.0}\n')
+    assert [(e.step, e.skipped) for e in read_evals_file(path)] == [(1, None), (2, "pruned"), (4, None)]

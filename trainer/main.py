@@ -38,6 +38,7 @@ from pathlib import Path
 
 import redis
 import torch
+from evaluator.queue import enqueue_eval
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
@@ -48,7 +49,6 @@ from common.messages import MessageError, SampleGroup, WeightVersion, decode_gro
 from common.models import resolve_model_path
 from common.streams import connect, dead_letter, ensure_group, latest_weights
 from common.trim import trim_acknowledged
-from evaluator.queue import enqueue_eval
 from trainer.batch import micro_batches
 from trainer.grpo import Estimator, LossOptions, grpo_loss, sft_loss, token_entropy, token_logprobs
 from trainer.parallel import (

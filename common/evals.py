@@ -1,0 +1,156 @@
+"""Checkpoint evaluations: the request the trainer queues and the result the evaluator records.
+
+The request travels as an RQ job on the `eval` queue, as JSON (rq's JSONSerializer): nothing on
+the wire is pickle. The job names `JOB_FUNCTION`, the one function the evaluator's worker runs.
+The result goes to the metrics stream (kind "eval"), the run's `evals` hash (read by `rollouts
+status`) and `evals.jsonl` beside the trainer's metrics (read by `rollouts plot`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import redis
+from rq import Queue, Retry
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from common.keys import Keys
+from common.metrics import write_metrics
+
+if TYPE_CHECKING:
+    from common.config import Config
+    from common.messages import WeightVersion
+
+JOB_FUNCTION = "evaluator.jobs.evaluate_checkpoint"  # what an evaluation job names; the evaluator runs nothing else
+
+
+class EvalRequestError(ValueError):
+    """A job's spec is not an evaluation request (a field missing, unknown or of the wrong type)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EvalRequest:
+    """What to evaluate and how: the job's `spec`, written by the trainer, read by the evaluator."""
+
+    run: str  # the run whose keys the result goes to
+    version: int  # the published weight version to evaluate
+    step: int  # the trainer step that wrote it
+    path: str  # its checkpoint directory
+    checksums: dict[str, str]  # file name -> sha256, verified before loading
+    prompts: int  # held-out arithmetic problems to score
+    seed: int  # they are drawn from this seed (eval.seed, apart from the training problems)
+    pass_k: int  # 0: greedy pass@1 only; k > 0: also pass@k of k sampled completions
+    temperature: float  # sampling temperature of pass@k
+    max_new_tokens: int  # longest completion
+    max_operand: int  # the problems' largest operand (task.max_operand)
+    ops: list[str]  # their operators (task.ops)
+    dtype: str  # the engine's dtype (model.dtype)
+    evals_path: str  # JSONL file the result is appended to; "" for none
+
+
+def eval_queue(r: redis.Redis, keys: Keys) -> Queue:
+    return Queue(keys.eval_queue, connection=r, serializer=JSONSerializer)
+
+
+def enqueue_eval(r: redis.Redis, config: Config, wv: WeightVersion) -> Job:
+    """Queue the evaluation of the checkpoint `wv` names on the held-out problems."""
+    keys, ev = Keys(config.run), config.eval
+    request = EvalRequest(
+        run=config.run, version=wv.version, step=wv.step, path=wv.path, checksums=wv.checksums,
+        prompts=ev.prompts, seed=ev.seed, pass_k=ev.pass_k, temperature=config.rollout.temperature,
+        max_new_tokens=config.rollout.max_new_tokens, max_operand=config.task.max_operand,
+        ops=list(config.task.ops), dtype=config.model.dtype, evals_path=str(config.evals_path))
+    return eval_queue(r, keys).enqueue_call(
+        JOB_FUNCTION, kwargs={"spec": asdict(request)}, timeout=ev.timeout_s, job_id=f"{config.run}-eval-v{wv.version}",
+        retry=Retry(max=ev.retries) if ev.retries else None, description=f"evaluate {wv.path}")
+
+
+def read_request(spec: dict[str, Any]) -> EvalRequest:
+    """The request a job's `spec` holds; EvalRequestError naming what is wrong otherwise."""
+    if not isinstance(spec, dict):
+        raise EvalRequestError(f"an evaluation spec is a dict, got {type(spec).__name__}")
+    names = {f.name for f in fields(EvalRequest)}
+    missing, unknown = sorted(names - set(spec)), sorted(set(spec) - names)
+    if missing or unknown:
+        raise EvalRequestError(f"evaluation spec: missing {missing}, unknown {unknown}")
+    request = EvalRequest(**spec)
+    for f in fields(EvalRequest):
+        kind = {"int": int, "str": str, "float": (int, float), "list[str]": list, "dict[str, str]": dict}[f.type]
+        value = getattr(request, f.name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise EvalRequestError(f"evaluation spec: {f.name} is {value!r}, not {f.type}")
+    return request
+
+
+# ---------------------------------------------------------------------- the result
+
+
+@dataclass(frozen=True, slots=True)
+class EvalResult:
+    """One evaluated (or skipped) checkpoint."""
+
+    step: int  # the trainer step that wrote the checkpoint
+    version: int  # its weight version
+    prompts: int | None = None  # problems scored; None when skipped
+    pass_at: dict[int, float] = field(default_factory=dict)  # k -> pass@k (1: greedy)
+    seconds: float | None = None  # how long the evaluation took
+    skipped: str | None = None  # why the checkpoint was not evaluated (pruned before its turn)
+
+    def entry(self) -> dict[str, Any]:
+        """The result as it is written: {"kind": "eval", "step", "version", "eval/prompts",
+        "eval/pass@1", ..., "eval/seconds"} or, when skipped, "eval/skipped"."""
+        out: dict[str, Any] = {"kind": "eval", "step": self.step, "version": self.version}
+        if self.skipped is not None:
+            return {**out, "eval/skipped": self.skipped}
+        out["eval/prompts"] = self.prompts
+        out.update({f"eval/pass@{k}": v for k, v in sorted(self.pass_at.items())})
+        if self.seconds is not None:
+            out["eval/seconds"] = self.seconds
+        return out
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any]) -> EvalResult:
+        return cls(step=entry["step"], version=entry["version"], prompts=entry.get("eval/prompts"),
+                   pass_at={int(k.removeprefix("eval/pass@")): v for k, v in entry.items()
+                            if k.startswith("eval/pass@")},
+                   seconds=entry.get("eval/seconds"), skipped=entry.get("eval/skipped"))
+
+    def summary(self, sep: str = ", ") -> str:
+        """"pass@1 0.500, pass@4 0.750", or why it was skipped."""
+        if self.skipped is not None:
+            return self.skipped
+        return sep.join(f"pass@{k} {v:.3f}" for k, v in sorted(self.pass_at.items()))
+
+
+def record_eval(r: redis.Redis, keys: Keys, result: EvalResult, *, evals_path: str = "") -> dict[str, Any]:
+    """The result to the metrics stream, the run's evals hash and (if given) the evals JSONL file;
+    returns the entry written."""
+    entry = result.entry()
+    with r.pipeline(transaction=True) as pipe:
+        write_metrics(pipe, keys, entry)
+        pipe.hset(keys.evals, str(result.version), json.dumps(entry))
+        pipe.execute()
+    if evals_path:
+        path = Path(evals_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+    return entry
+
+
+def read_evals(r: redis.Redis, keys: Keys) -> dict[int, EvalResult]:
+    """{version: result} of every checkpoint of the run evaluated so far."""
+    return {int(v): EvalResult.from_entry(json.loads(e)) for v, e in r.hgetall(keys.evals).items()}
+
+
+def read_evals_file(path: str | Path) -> list[EvalResult]:
+    """The results in an evals JSONL file, oldest step first; [] if there is none yet."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = [EvalResult.from_entry(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(rows, key=lambda e: e.step)

@@ -1,0 +1,133 @@
+"""The trainer's per-step metrics entry: one typed record, its names as TRL users know them.
+
+Written by the trainer (the metrics stream, `metrics.jsonl`, TensorBoard, W&B), read by `rollouts
+plot` and the tests. Each field's wire name is declared here once (`NAMES`); an entry is a flat
+dict of those names, as TRL logs them ("reward/mean", "clip_ratio/low_mean", ...).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import redis
+
+from common.keys import METRICS_MAXLEN, PAYLOAD, Keys
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyStats:
+    """What a GRPO-family update reports (absent from sft steps); shares of the trained tokens."""
+
+    loss: float  # the policy loss, averaged over the step's updates
+    kl: float  # mean KL to the reference model (0 without one)
+    clip_low: float  # share of tokens whose ratio is clipped below 1 - clip_low (advantage < 0)
+    clip_high: float  # share clipped above 1 + clip_high (advantage > 0)
+    clip_region: float  # clip_low + clip_high
+    ratio: float  # mean importance ratio to the policy that started the step
+    tis: float  # mean truncated importance weight (behaviour correction; 1 when off)
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    """One trainer step."""
+
+    step: int  # trainer steps done, this one included
+    version: int  # the newest published weight version after this step
+    reward_mean: float | None  # mean reward of the step's completions; None for sft
+    reward_std: float | None  # mean of per-group reward stds (TRL's reward_std); None without groups of 2+
+    accuracy: float | None  # mean of the "correct" reward component where there is one
+    frac_reward_zero_std: float | None  # share of groups whose rewards are all equal
+    reward_errors: int | None  # completions whose reward raised, timed out or returned garbage (scored 0)
+    mean_length: float  # completion tokens, mean
+    max_length: int  # completion tokens, longest
+    staleness_mean: float  # versions between a group's sampling weights and the trainer, mean
+    staleness_max: int  # ... the largest
+    policy: PolicyStats | None  # GRPO family; None for sft
+    sft_loss: float | None  # cross-entropy on the loss-masked tokens; None for GRPO
+    entropy: float  # mean per-token entropy of the policy that started the step
+    grad_norm: float  # global gradient norm before clipping (mean over updates)
+    lr: float  # the learning rate this step's updates used
+    dropped_stale: int  # groups dropped while collecting this step: too stale
+    dead: int  # ... dead-lettered
+    duplicate: int  # ... already trained
+    tokens_trained: float  # tokens the loss covers (every rank)
+    tokens_per_s: float  # prompt and completion tokens through the model per second of training
+    time_step: float  # seconds of the whole step
+    time_wait_data: float  # of which waiting for groups (the slowest rank)
+    time_train: float  # of which in the update
+    time_publish: float  # of which checkpointing and publishing
+    generators_alive: float  # generators with a live heartbeat
+    generators_tokens_per_s: float  # their tokens/s, summed
+    group_ids: list[str] = field(default_factory=list)  # the groups trained, every rank's
+
+    def entry(self) -> dict[str, Any]:
+        """The flat dict the sinks write: TRL's names, policy fields only for GRPO, the sft loss only for sft."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "policy":
+                if value is not None:
+                    out.update({POLICY_NAMES[p.name]: getattr(value, p.name) for p in fields(PolicyStats)})
+                    out["clip_ratio"] = value.clip_region  # TRL's name for the clipped share
+            elif f.name != "sft_loss" or value is not None:
+                out[NAMES[f.name]] = value
+        return out
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any]) -> StepMetrics:
+        """The record an entry holds; KeyError naming the first metric it lacks."""
+        policy = None
+        if POLICY_NAMES["loss"] in entry:
+            policy = PolicyStats(**{name: entry[wire] for name, wire in POLICY_NAMES.items()})
+        values = {name: entry.get(wire) if name == "sft_loss" else entry[wire]
+                  for name, wire in NAMES.items() if name != "policy"}
+        return cls(policy=policy, **values)
+
+
+NAMES = {  # StepMetrics field -> the name it is written under
+    "step": "step", "version": "version", "reward_mean": "reward/mean", "reward_std": "reward/std",
+    "accuracy": "accuracy", "frac_reward_zero_std": "frac_reward_zero_std", "reward_errors": "reward/errors",
+    "mean_length": "completions/mean_length", "max_length": "completions/max_length",
+    "staleness_mean": "staleness/mean", "staleness_max": "staleness/max", "policy": "",
+    "sft_loss": "loss/sft", "entropy": "entropy", "grad_norm": "grad_norm", "lr": "lr",
+    "dropped_stale": "groups/dropped_stale", "dead": "groups/dead", "duplicate": "groups/duplicate",
+    "tokens_trained": "tokens/trained", "tokens_per_s": "tokens_per_s", "time_step": "time/step",
+    "time_wait_data": "time/wait_data", "time_train": "time/train", "time_publish": "time/publish",
+    "generators_alive": "generators/alive", "generators_tokens_per_s": "generators/tokens_per_s",
+    "group_ids": "group_ids",
+}
+POLICY_NAMES = {  # PolicyStats field -> the name it is written under
+    "loss": "loss/policy", "kl": "kl", "clip_low": "clip_ratio/low_mean", "clip_high": "clip_ratio/high_mean",
+    "clip_region": "clip_ratio/region_mean", "ratio": "ratio/mean", "tis": "tis/mean",
+}
+assert set(NAMES) == {f.name for f in fields(StepMetrics)}, "every StepMetrics field needs its name"
+assert set(POLICY_NAMES) == {f.name for f in fields(PolicyStats)}, "every PolicyStats field needs its name"
+
+
+def write_metrics(pipe: redis.client.Pipeline, keys: Keys, entry: dict[str, Any]) -> None:
+    """Append an entry to the run's capped metrics stream, on the caller's pipeline."""
+    pipe.xadd(keys.metrics, {PAYLOAD: msgpack.packb(entry, use_bin_type=True)}, maxlen=METRICS_MAXLEN,
+              approximate=True)
+
+
+def read_metrics_stream(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
+    """Every entry still in the run's metrics stream (trainer steps and evaluations), oldest first."""
+    return [msgpack.unpackb(f[PAYLOAD], raw=False) for _, f in r.xrange(keys.metrics)]
+
+
+def read_metrics(path: str | Path) -> list[StepMetrics]:
+    """The run's steps from the trainer's JSONL file; ValueError if it holds none or a line is not a step."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(StepMetrics.from_entry(json.loads(line)))
+            except (KeyError, TypeError, json.JSONDecodeError) as err:
+                raise ValueError(f"{path}:{n}: not a step's metrics ({type(err).__name__}: {err})") from None
+    if not rows:
+        raise ValueError(f"{path}: no metrics yet (the trainer writes one line per step)")
+    return rows

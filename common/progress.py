@@ -1,0 +1,167 @@
+"""The run's progress hashes: the trainer's (step, version, group counters), its last step's
+status, and the producer's position. One owner for every field.
+
+Each hash is a typed record here, with the one function that writes it (called by its process)
+and the one that reads it (called by every process that needs it, the `rollouts` command
+included). No other module spells these field names: a misspelt one is an AttributeError where
+it is written, not a zero read silently elsewhere.
+
+Writers take a client or a MULTI pipeline: the trainer changes its progress in the same
+transaction that publishes a checkpoint or acknowledges groups.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+import redis
+
+from common.keys import Keys
+
+Client = redis.Redis | redis.client.Pipeline
+
+
+def _ints(raw: dict[bytes, bytes], names: list[str]) -> dict[str, int]:
+    return {name: int(raw[name.encode()]) for name in names if name.encode() in raw}
+
+
+# ---------------------------------------------------------------------- the trainer's progress
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerProgress:
+    """`rollouts:{run}:trainer`, written by the trainer only."""
+
+    step: int = 0  # trainer steps done (written every step)
+    version: int = 0  # the newest published weight version (0: the initial weights); producers admit against it
+    state_step: int = 0  # the step of the newest saved trainer state; 0: none saved yet
+    groups_trained: int = 0  # groups acknowledged together with a saved trainer state holding their update
+    groups_dead: int = 0  # sample entries dead-lettered (did not decode or validate)
+    groups_duplicate: int = 0  # groups refused for an id already trained
+    groups_dropped_stale: int = 0  # groups staler than rollout.max_staleness, acknowledged untrained
+
+
+class Refused(enum.Enum):
+    """Why the trainer acknowledged a group without training on it: the counter it bumps."""
+
+    DEAD = "groups_dead"
+    DUPLICATE = "groups_duplicate"
+    STALE = "groups_dropped_stale"
+
+
+def read_trainer(r: redis.Redis, keys: Keys) -> TrainerProgress:
+    """The trainer's progress (all zeros before its first step)."""
+    raw = r.hgetall(keys.trainer)
+    return TrainerProgress(**_ints(raw, [f.name for f in fields(TrainerProgress)]))
+
+
+def write_step(r: Client, keys: Keys, *, step: int, version: int | None = None,
+               state_step: int | None = None) -> None:
+    """Record `step` (and the published `version`, and the saved trainer state's step, when given)."""
+    mapping = {"step": step}
+    if version is not None:
+        mapping["version"] = version
+    if state_step is not None:
+        mapping["state_step"] = state_step
+    r.hset(keys.trainer, mapping=mapping)
+
+
+def count_trained(r: Client, keys: Keys, groups: int) -> None:
+    r.hincrby(keys.trainer, "groups_trained", groups)
+
+
+def count_refused(r: Client, keys: Keys, why: Refused) -> None:
+    r.hincrby(keys.trainer, why.value, 1)
+
+
+# ---------------------------------------------------------------------- the trainer's last step
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerStatus:
+    """`rollouts:{run}:trainer:status`: what `rollouts status` shows of the trainer's last step."""
+
+    last_step_s: float  # wall-clock seconds of the last step, waiting for data included
+    last_wait_s: float  # of which blocked on the samples stream with nothing to read
+    staleness_mean: float  # mean staleness (versions behind) of the last step's groups
+    staleness_max: float  # the largest
+    tokens_per_s: float  # prompt and completion tokens through the model per second of training
+    updated_at: float = field(default_factory=time.time)  # Unix time it was written
+
+
+def write_status(r: Client, keys: Keys, status: TrainerStatus) -> None:
+    r.hset(keys.trainer_status, mapping=asdict(status))
+
+
+def read_status(r: redis.Redis, keys: Keys) -> TrainerStatus | None:
+    """The last step's status; None before the trainer's first step."""
+    raw = {k.decode(): float(v) for k, v in r.hgetall(keys.trainer_status).items()}
+    names = [f.name for f in fields(TrainerStatus)]
+    if not all(n in raw for n in names):
+        return None
+    return TrainerStatus(**{n: raw[n] for n in names})
+
+
+# ---------------------------------------------------------------------- the producer's position
+
+
+@dataclass(frozen=True, slots=True)
+class SourcePosition:
+    epoch: int = 0  # passes over the source begun (0: the first)
+    offset: int = 0  # rows of this epoch taken (admitted or skipped)
+    rows_skipped: int = 0  # rows of this source that made no prompt, over the run
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerProgress:
+    """`rollouts:{run}:producer`, written by the producer only: all it needs to resume exactly."""
+
+    seed: int | None = None  # task.seed the run started with; None: no producer has started it
+    admitted: int = 0  # prompts (or sft conversations) admitted: the mixture's next draw index
+    rows_skipped: int = 0  # rows of every source that made no prompt
+    last_skipped: str = ""  # the last skipped row's id and why
+    sft_truncated: int = 0  # sft conversations cut to their source's max_length
+    sft_tokens_cut: int = 0  # tokens those cuts removed
+    sources: dict[str, SourcePosition] = field(default_factory=dict)  # source name -> its position
+
+
+_PRODUCER_INTS = ["admitted", "rows_skipped", "sft_truncated", "sft_tokens_cut"]
+_SOURCE_FIELDS = ("epoch", "offset", "rows_skipped")
+
+
+def read_producer(r: redis.Redis, keys: Keys) -> ProducerProgress:
+    raw = r.hgetall(keys.producer)
+    sources: dict[str, dict[str, int]] = {}
+    for k, v in raw.items():
+        name, sep, what = k.decode().rpartition(":")
+        if sep and what in _SOURCE_FIELDS:
+            sources.setdefault(name, {})[what] = int(v)
+    seed = raw.get(b"seed")
+    return ProducerProgress(seed=None if seed is None else int(seed),
+                            last_skipped=raw.get(b"last_skipped", b"").decode(),
+                            sources={n: SourcePosition(**p) for n, p in sorted(sources.items())},
+                            **_ints(raw, _PRODUCER_INTS))
+
+
+def start_producer(r: Client, keys: Keys, *, seed: int) -> None:
+    """Mark the run as started by a producer with `seed`."""
+    r.hset(keys.producer, mapping={"seed": seed, "admitted": 0, "rows_skipped": 0})
+
+
+def write_admission(pipe: Client, keys: Keys, *, positions: dict[str, tuple[int, int]], admitted: int,
+                    skipped: list[tuple[str, str]], truncated: int = 0, tokens_cut: int = 0) -> None:
+    """One admission, on the pipeline whose transaction pushes its prompts: every source's
+    (epoch, offset), `admitted` more prompts, the rows skipped as (source, "row id: why"), and the
+    sft conversations truncated."""
+    if truncated:
+        pipe.hincrby(keys.producer, "sft_truncated", truncated)
+        pipe.hincrby(keys.producer, "sft_tokens_cut", tokens_cut)
+    pipe.hset(keys.producer, mapping={f"{name}:{what}": value for name, (epoch, offset) in positions.items()
+                                      for what, value in (("epoch", epoch), ("offset", offset))})
+    pipe.hincrby(keys.producer, "admitted", admitted)
+    for source, why in skipped:
+        pipe.hincrby(keys.producer, "rows_skipped", 1)
+        pipe.hincrby(keys.producer, f"{source}:rows_skipped", 1)
+        pipe.hset(keys.producer, "last_skipped", why[:500])

@@ -1,0 +1,161 @@
+"""The code's shape: process packages side by side, never importing one another, and no import
+cycle anywhere (a late import inside a function counts: it is a cycle all the same)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+PROCESSES = {"producers", "generators", "trainer", "evaluator"}
+# What each shared package may import of ours: common stands alone, tasks is plain Python (the
+# reward workers load it), engines sit on common.
+SHARED = {"common": {"common"}, "tasks": {"tasks"}, "engines": {"engines", "common"}}
+PACKAGES = PROCESSES | set(SHARED)
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """{dotted module name: file} of every module of our packages under `root`."""
+    found = {}
+    for package in sorted(PACKAGES):
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def imports(path: Path, name: str, known: set[str]) -> list[tuple[str, int]]:
+    """(module of ours, line) for every import in the file, at any depth; `from a import b` is
+    module a.b where that is a module, else a."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target.split(".")[0] in PACKAGES:
+                out.append((target, node.lineno))
+    return out
+
+
+def layout_violations(root: Path) -> list[str]:
+    """What breaks the layout under `root`: a process package importing another process package,
+    a shared package importing outside what it may, and import cycles between modules."""
+    found = modules(root)
+    known = set(found)
+    graph: dict[str, set[str]] = {}
+    problems = []
+    for name, path in found.items():
+        own = name.split(".")[0]
+        allowed = SHARED.get(own, {own, *SHARED})
+        graph[name] = set()
+        for target, line in imports(path, name, known):
+            top = target.split(".")[0]
+            if top not in allowed:
+                problems.append(f"{path.relative_to(root)}:{line}: {own} imports {target}")
+            resolved = target
+            while resolved not in known and "." in resolved:
+                resolved = resolved.rpartition(".")[0]
+            if resolved in known and resolved != name:
+                graph[name].add(resolved)
+    problems += [f"import cycle: {' -> '.join(cycle)}" for cycle in cycles(graph)]
+    return problems
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(_cycle_in(sorted(component), graph))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _cycle_in(component: list[str], graph: dict[str, set[str]]) -> list[str]:
+    """A path from the component's first module back to itself, within the component."""
+    inside, start = set(component), component[0]
+    path, seen = [start], {start}
+    while True:
+        nxt = sorted(graph[path[-1]] & inside)
+        back = [w for w in nxt if w == start]
+        if back:
+            return [*path, start]
+        step = next((w for w in nxt if w not in seen), None)
+        if step is None:  # dead end inside the component: go round from a module already seen
+            step = nxt[0]
+            return [*path[path.index(step):], step]
+        path.append(step)
+        seen.add(step)
+
+
+def test_process_packages_import_no_other_and_nothing_imports_in_a_cycle():
+    assert layout_violations(ROOT) == []
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for package in PACKAGES:
+        (root / package).mkdir(parents=True, exist_ok=True)
+        (root / package / "__init__.py").write_text("")
+    for name, text in files.items():
+        (root / name).write_text(text)
+    return root
+
+
+def test_a_producer_importing_a_generator_is_caught(tmp_path):
+    root = write_tree(tmp_path, {"producers/main.py": "import json\n\ndef f():\n    import generators\n",
+                                 "generators/main.py": "from common import keys\nfrom tasks import gsm8k\n",
+                                 "common/keys.py": "", "tasks/gsm8k.py": ""})
+    assert layout_violations(root) == ["producers/main.py:4: producers imports generators"]
+
+
+def test_shared_packages_may_not_reach_up_into_a_process(tmp_path):
+    root = write_tree(tmp_path, {"common/config.py": "from trainer.main import run\n",
+                                 "engines/hf.py": "from tasks import arithmetic\n", "tasks/arithmetic.py": "",
+                                 "trainer/main.py": ""})
+    assert layout_violations(root) == ["common/config.py:1: common imports trainer.main",
+                                       "engines/hf.py:1: engines imports tasks.arithmetic"]
+
+
+def test_an_import_cycle_is_caught_even_through_a_late_import(tmp_path):
+    root = write_tree(tmp_path, {
+        "engines/base.py": "def pick():\n    from engines.hf import HF\n",
+        "engines/hf.py": "from engines.base import pick\n",
+        "engines/vllm.py": "from .base import pick\n"})
+    assert layout_violations(root) == ["import cycle: engines.base -> engines.hf -> engines.base"]
