@@ -64,7 +64,9 @@ def accounting(r, keys) -> dict[str, int]:
     `duplicate` counts extra groups refused for an id already trained; `prompt_entries` and
     `sample_entries` are every entry ever added to the two streams.
     """
+    from common.heartbeats import read_counters
     from common.keys import GENERATORS_GROUP, TRAINER_GROUP
+    from common.progress import read_producer, read_trainer
 
     def group(stream: str, name: str) -> tuple[int, int]:
         if not r.exists(stream):
@@ -78,17 +80,17 @@ def accounting(r, keys) -> dict[str, int]:
     def added(stream: str) -> int:
         return r.xinfo_stream(stream)["entries-added"] if r.exists(stream) else 0
 
-    t = {k.decode(): int(v) for k, v in r.hgetall(keys.trainer).items() if k.decode().startswith("groups_")}
+    t = read_trainer(r, keys)
     prompts_pending, prompts_waiting = group(keys.prompts, GENERATORS_GROUP)
     samples_pending, samples_waiting = group(keys.samples, TRAINER_GROUP)
     acc = {
-        "admitted": int(r.hget(keys.producer, "admitted") or 0),
-        "trained": t.get("groups_trained", 0),
-        "dropped_stale": t.get("groups_dropped_stale", 0),
-        "dead_groups": t.get("groups_dead", 0),
+        "admitted": read_producer(r, keys).admitted,
+        "trained": t.groups_trained,
+        "dropped_stale": t.groups_dropped_stale,
+        "dead_groups": t.groups_dead,
         "dead_prompts": r.xlen(keys.prompts_dead),
-        "dropped_zero_variance": int(r.hget(keys.generators, "groups_dropped_zero_variance") or 0),
-        "duplicate": t.get("groups_duplicate", 0),
+        "dropped_zero_variance": read_counters(r, keys).groups_dropped_zero_variance,
+        "duplicate": t.groups_duplicate,
         "prompts_waiting": prompts_waiting, "prompts_pending": prompts_pending,
         "samples_waiting": samples_waiting, "samples_pending": samples_pending,
         "prompt_entries": added(keys.prompts), "sample_entries": added(keys.samples),

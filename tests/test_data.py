@@ -12,6 +12,7 @@ from datasets import Dataset, DatasetDict
 from common.config import ConfigError, SourceConfig, config_from_dict
 from common.keys import PAYLOAD, Keys
 from common.messages import decode_prompt
+from common.progress import read_producer, write_step
 from producers.data import DataError, Source, choose
 from producers.main import admit, load_positions
 from tasks import arithmetic, countdown
@@ -165,9 +166,9 @@ def test_bad_rows_are_skipped_counted_and_named(tmp_path, r):
     assert "'question' is a NoneType" in skipped[0][1].reason
     assert "empty" in skipped[1][1].reason and "int" in skipped[2][1].reason
     assert "####" in skipped[3][1].reason
-    assert int(r.hget(keys.producer, "rows_skipped")) == 4
-    assert int(r.hget(keys.producer, "qa:rows_skipped")) == 4
-    assert r.hget(keys.producer, "last_skipped").startswith(b"qa:0:4")
+    assert read_producer(r, keys).rows_skipped == 4
+    assert read_producer(r, keys).sources["qa"].rows_skipped == 4
+    assert read_producer(r, keys).last_skipped.startswith("qa:0:4")
 
 
 # ---------------------------------------------------------------------- mixtures
@@ -189,7 +190,7 @@ def test_a_two_source_mixture_is_admitted_in_its_configured_proportion(r):
     assert all(t.id.startswith(t.meta["source"] + ":") for t in tasks)
     count_ids = [t.id for t in tasks if t.meta["source"] == "count"]
     assert count_ids == [f"count:0:{i}" for i in range(len(count_ids))]  # no gap within a source
-    assert r.hget(keys.producer, "count:offset") == str(len(count_ids)).encode()
+    assert read_producer(r, keys).sources["count"].offset == len(count_ids)
     assert [choose(seed=0, index=i, weights=[3.0, 1.0]) for i in range(50)] == \
         [choose(seed=0, index=i, weights=[3.0, 1.0]) for i in range(50)]
 
@@ -231,13 +232,13 @@ kind = "arithmetic"
     proc = producer("killed")
     try:
         wait_for(lambda: r.xlen(killed.prompts) == 3, timeout=60, what="3 prompts", procs=[proc])
-        r.hset(killed.trainer, "version", 2)
+        write_step(r, killed, step=2, version=2)
         wait_for(lambda: r.xlen(killed.prompts) == 9, timeout=30, what="9 prompts", procs=[proc])
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        epoch, offset = int(r.hget(killed.producer, "qa:epoch")), int(r.hget(killed.producer, "qa:offset"))
-        assert epoch >= 1 or offset > 0, "killed before any qa row"
-        r.hset(killed.trainer, "version", 5)
+        at = read_producer(r, killed).sources["qa"]
+        assert at.epoch >= 1 or at.offset > 0, "killed before any qa row"
+        write_step(r, killed, step=5, version=5)
         proc = producer("killed")
         wait_for(lambda: r.xlen(killed.prompts) == 18, timeout=60, what="18 prompts", procs=[proc])
     finally:
@@ -245,7 +246,7 @@ kind = "arithmetic"
 
     # ---- never killed: straight to version 5
     straight = Keys("straight")
-    r.hset(straight.trainer, "version", 5)
+    write_step(r, straight, step=5, version=5)
     proc = producer("straight")
     try:
         wait_for(lambda: r.xlen(straight.prompts) == 18, timeout=60, what="18 prompts", procs=[proc])
@@ -259,7 +260,7 @@ kind = "arithmetic"
     epochs = [[int(i.split(":")[2]) for i in qa if i.split(":")[1] == e] for e in ("0", "1")]
     assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(5)), qa  # whole epochs, no gap
     assert epochs[0] != epochs[1], "the second epoch was not reshuffled"
-    assert int(r.hget(killed.producer, "admitted")) == 18
+    assert read_producer(r, killed).admitted == 18
 
 
 # ---------------------------------------------------------------------- built-in builders

@@ -4,8 +4,10 @@ import json
 import re
 
 from common.cli import status_lines
+from common.heartbeats import read_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import decode_group
+from common.progress import read_trainer
 from engines.choice import vllm_available
 from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
 
@@ -70,8 +72,8 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
         # Both generators sampled groups, and both load the new weights, even with nothing left to
         # sample (the run's last prompts may all go to one of them).
         def both_on_v2():
-            beats = {gid: r.hgetall(keys.generator(gid)) for gid in ("g1", "g2")}
-            return all(int(b.get(b"version", -1)) >= 2 and int(b.get(b"groups", 0)) > 0 for b in beats.values())
+            beats = [read_heartbeat(r, keys, gid) for gid in ("g1", "g2")]
+            return all(b is not None and b.version >= 2 and b.groups > 0 for b in beats)
         wait_for(both_on_v2, timeout=180, what="g1 and g2 heartbeats at version >= 2 with groups written",
                  procs=[procs["g1"], procs["g2"]])
         # Each group is stamped with the version it was sampled with: a generator's versions only
@@ -113,7 +115,7 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
     assert all(m["staleness/max"] <= 1 for m in metrics)
 
     # ---- the trainer published a checkpoint per step and the run's version says so
-    assert int(r.hget(keys.trainer, "version")) == STEPS
+    assert read_trainer(r, keys).version == STEPS
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_1", "step_2", "step_3"]
 
     # ---- no prompt was lost: admitted = trained + dropped + still pending somewhere (the streams

@@ -15,6 +15,7 @@ import redis
 
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import decode_prompt
+from common.progress import read_trainer
 from tests.conftest import free_port, start_redis
 from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
 
@@ -133,7 +134,7 @@ def test_generator_sigkill_holding_prompts(tmp_path, redis_url, r, tiny_model, e
                                            engine=engine))
     for name in ("producer", "g1", "g2", "trainer"):
         pipe.start(name)
-    wait_for(lambda: int(r.hget(KEYS.trainer, "step") or 0) >= 1, timeout=180, what="step 1",
+    wait_for(lambda: read_trainer(r, KEYS).step >= 1, timeout=180, what="step 1",
              procs=list(pipe.procs.values()))
     g1 = pipe.procs["g1"]
 
@@ -162,7 +163,7 @@ def test_generator_sigkill_holding_prompts(tmp_path, redis_url, r, tiny_model, e
     report("generator SIGKILL", at_kill, after)
     print(f"generator SIGKILL: g1 held {len(held)} prompts when killed: {', '.join(held)}")
     assert_accounted(after)
-    steps = int(r.hget(KEYS.trainer, "step"))
+    steps = read_trainer(r, KEYS).step
     ids = trained_once(r, tmp_path, steps)
     assert after["trained"] == len(ids) == steps * 4
     assert all(ids.count(p) == 1 for p in held), f"prompts g1 held, as trained: {held} in {ids}"
@@ -179,7 +180,7 @@ def test_trainer_sigkill_between_checkpoints(tmp_path, redis_url, r, tiny_model)
              procs=list(pipe.procs.values()))
     pipe.kill("trainer")
     at_kill = accounting(r, KEYS)
-    assert int(r.hget(KEYS.trainer, "state_step")) in (2, 4)
+    assert read_trainer(r, KEYS).state_step in (2, 4)
     pipe.start("trainer")
     pipe.finish()
     after = accounting(r, KEYS)
@@ -194,7 +195,7 @@ def test_producer_sigkill_mid_run(tmp_path, redis_url, r, tiny_model):
     pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps))
     for name in ("producer", "generator", "trainer"):
         pipe.start(name)
-    wait_for(lambda: int(r.hget(KEYS.trainer, "step") or 0) >= 1, timeout=180, what="step 1",
+    wait_for(lambda: read_trainer(r, KEYS).step >= 1, timeout=180, what="step 1",
              procs=list(pipe.procs.values()))
     pipe.kill("producer")
     at_kill = accounting(r, KEYS)
@@ -224,7 +225,7 @@ def test_redis_sigkill_and_restart_from_its_append_only_file(tmp_path, tiny_mode
             pipe.start(name)
         def busy() -> dict | None:  # past step 2, with a generator mid-batch
             acc = accounting(r, KEYS)
-            return acc if int(r.hget(KEYS.trainer, "step") or 0) >= 2 and acc["prompts_pending"] else None
+            return acc if read_trainer(r, KEYS).step >= 2 and acc["prompts_pending"] else None
 
         at_kill = wait_for(busy, timeout=180, what="step 2 and prompts in flight", procs=list(pipe.procs.values()),
                            poll=0.05)

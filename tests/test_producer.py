@@ -2,6 +2,7 @@ import signal
 
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import decode_prompt
+from common.progress import read_producer, start_producer, write_step
 from producers.admission import admission_limit
 from tasks.arithmetic import problem
 from tests.helpers import spawn, stop, wait_for
@@ -36,12 +37,12 @@ def test_producer_admits_as_the_trainer_advances_and_resumes_after_sigkill(tmp_p
         wait_for(lambda: r.xlen(keys.prompts) == 6, timeout=60, what="6 prompts at version 0", procs=[proc])
         first = decode_prompt(r.xrange(keys.prompts, count=1)[0][1][PAYLOAD])
         assert first.n == 5 and first.meta["answer"] == problem(seed=0, index=0, max_operand=20, ops=["+", "-"]).answer
-        r.hset(keys.trainer, mapping={"version": 2, "step": 2})
+        write_step(r, keys, step=2, version=2)
         wait_for(lambda: r.xlen(keys.prompts) == 12, timeout=30, what="12 prompts at version 2", procs=[proc])
 
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        r.hset(keys.trainer, mapping={"version": 4, "step": 4})
+        write_step(r, keys, step=4, version=4)
         proc = spawn("producers", cwd=tmp_path, env=env, log=tmp_path / "producer.log")
         wait_for(lambda: r.xlen(keys.prompts) == 18, timeout=60, what="18 prompts at version 4", procs=[proc])
         assert r.xlen(keys.prompts) == 18, "admitted beyond the limit"
@@ -49,12 +50,12 @@ def test_producer_admits_as_the_trainer_advances_and_resumes_after_sigkill(tmp_p
         assert stop(proc) == 0, (tmp_path / "producer.log").read_text()
 
     assert admitted_ids(r, keys) == [f"arithmetic:0:{i}" for i in range(18)]
-    assert int(r.hget(keys.producer, "admitted")) == 18
+    assert read_producer(r, keys).admitted == 18
     assert any(g["name"] == GENERATORS_GROUP.encode() for g in r.xinfo_groups(keys.prompts))
 
 
 def test_producer_refuses_a_changed_seed(tmp_path, redis_url, r):
-    r.hset(Keys("p").producer, mapping={"seed": 0, "offset": 0, "admitted": 0})
+    start_producer(r, Keys("p"), seed=0)
     env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "p", "ROLLOUTS_TASK__SEED": "9"}
     proc = spawn("producers", cwd=tmp_path, env=env, log=tmp_path / "producer.log")
     assert proc.wait(timeout=60) != 0

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.config import config_from_dict, load_config
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import decode_group, encode
+from common.progress import read_producer, read_trainer
 from producers.sft import conversation_group, truncate
 from tests.helpers import spawn, stop, wait_for
 from tests.test_trainer import make_group
@@ -119,8 +120,8 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     groups = [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
     assert groups and all(len(g.completions) == 1 and g.version == 0 for g in groups)
     assert all(len(g.prompt_ids) + len(g.completions[0].ids) <= 56 for g in groups)
-    producer_hash = {k.decode(): v.decode() for k, v in r.hgetall(keys.producer).items()}
-    assert int(producer_hash["rows_skipped"]) >= 1 and int(producer_hash["sft_truncated"]) >= 1
+    progress = read_producer(r, keys)
+    assert progress.rows_skipped >= 1 and progress.sft_truncated >= 1
     assert r.xlen(keys.prompts) == 0
 
     # Six SFT steps, nothing stale or dead; the console shows the SFT loss.
@@ -129,7 +130,7 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     assert all(m["groups/dropped_stale"] == 0 and m["groups/dead"] == 0 for m in metrics)
     assert all(m["reward/mean"] is None and "loss/policy" not in m for m in metrics)
     assert "| sft " in log
-    assert r.hget(keys.trainer, "groups_trained") == b"24"
+    assert read_trainer(r, keys).groups_trained == 24
     assert r.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0
 
     # The assistant tokens' NLL falls from the initial model to the checkpoint.

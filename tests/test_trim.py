@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import decode_prompt, encode
+from common.progress import read_trainer
 from common.streams import ensure_group
 from common.trim import trim_acknowledged
 from tests.helpers import accounting, assert_accounted, spawn, stop
@@ -71,7 +72,7 @@ dedup_window = {window}
             got = r.xreadgroup(GENERATORS_GROUP, "test", {keys.prompts: ">"}, count=per_step, block=100)
             for entry_id, fields in (got[0][1] if got else []):
                 task = decode_prompt(fields[PAYLOAD])
-                group = make_group(model, task.id, version=int(r.hget(keys.trainer, "version") or 0), rng=rng)
+                group = make_group(model, task.id, version=read_trainer(r, keys).version, rng=rng)
                 with r.pipeline(transaction=True) as pipe:
                     pipe.xadd(keys.samples, {PAYLOAD: encode(group)})
                     pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
