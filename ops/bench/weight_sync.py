@@ -141,7 +141,7 @@ threads = 1
 
         # Every generator busy before the first publish: groups are coming out of each.
         wait("every generator's first group", lambda: sum(
-            int(beat.get(b"groups", b"0")) > 0 for beat in heartbeats(r, keys, generators)) == generators)
+            beat is not None and beat.groups > 0 for beat in heartbeats(r, keys, generators)) == generators)
         rng = random.Random(0)
         for v in range(1, versions + 1):
             at = time.monotonic() + rng.uniform(1.0, 4.0)
@@ -173,9 +173,11 @@ threads = 1
     return {k: statistics.median(row[k] for row in rows) for k in rows[0]}
 
 
-def heartbeats(r, keys, count: int) -> list[dict[bytes, bytes]]:
-    """The heartbeat hash of each generator w1..w{count} (empty before its first)."""
-    return [r.hgetall(keys.generator(f"w{g + 1}")) for g in range(count)]
+def heartbeats(r, keys, count: int) -> list:
+    """The heartbeat of each generator w1..w{count} (None before its first)."""
+    from common.heartbeats import read_heartbeat
+
+    return [read_heartbeat(r, keys, f"w{g + 1}") for g in range(count)]
 
 
 def main() -> None:
