@@ -14,8 +14,8 @@ from tests.test_grpo import clip_case
 from tests.test_trainer import make_group
 from trainer.batch import group_rows, micro_batches, split_rows
 from trainer.grpo import LossOptions, group_advantages, grpo_loss, kl_penalty, token_entropy
-from trainer.main import train_step
 from trainer.schedule import lr_factor
+from trainer.step import train_step
 
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 2.0]])
 

@@ -18,7 +18,7 @@ from tests.helpers import spawn, stop, wait_for
 from tests.test_trainer import make_group
 from trainer.batch import micro_batches
 from trainer.grpo import sft_loss, token_logprobs
-from trainer.main import step_metrics, summary_line
+from trainer.metrics import step_metrics, summary_line
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Data parallelism under torchrun: FSDP2 sharding and the few collectives the trainer needs.
+"""Data parallelism under torchrun: FSDP2 sharding, the few collectives the trainer needs, rank 0's console.
 
 Started by `torchrun --nproc-per-node N -m trainer`, every rank joins a process group (gloo on
 CPU, NCCL on GPU) and its model is sharded with `fully_shard` per transformer block, then the
@@ -32,6 +32,12 @@ def world_size() -> int:
 
 def is_main() -> bool:
     return not distributed() or dist.get_rank() == 0
+
+
+def say(line: str) -> None:
+    """Print `line` on rank 0 only: the console is rank 0's."""
+    if is_main():
+        print(line, flush=True)
 
 
 def parallelize(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,5 +1,6 @@
-"""Where the trainer's per-step metrics go: metrics.jsonl, the metrics stream, the trainer-status
-hash (for `rollouts status`), and TensorBoard or Weights & Biases when `trainer.report_to` names them.
+"""Where the trainer's per-step metrics (trainer/metrics.py) go: metrics.jsonl, the metrics stream,
+the trainer-status hash (for `rollouts status`), and TensorBoard or Weights & Biases when
+`trainer.report_to` names them.
 
 The resolved config is logged with the run: `config.json` in the output directory (the Redis
 password masked), the config of the W&B run, and a text entry in TensorBoard.

@@ -7,7 +7,7 @@ tokens, completions of 4-24, behaviour log-probs from the model itself) and writ
 For each world size two processes train on exactly them, one thread per rank:
 
     bare:   this script's worker (`torchrun --nproc-per-node W` at W > 1): the model sharded as the
-            trainer shards it, then `trainer.main.train_step` over the groups held in memory,
+            trainer shards it, then `trainer.step.train_step` over the groups held in memory,
             each rank on its share of each step's groups;
     stream: the real trainer (`python -m trainer`, or `torchrun --nproc-per-node W -m trainer`)
             reading the same groups from a real redis-server's samples stream (publishing weights
@@ -94,9 +94,10 @@ def bare_worker(groups_file: Path, *, redis_url: str, steps: int, lr: float) -> 
     import torch
 
     from common.messages import decode_group
+    from trainer.checkpoints import load_model
     from trainer.grpo import LossOptions
-    from trainer.main import load_model, train_step
     from trainer.parallel import finish, init_distributed, parallelize
+    from trainer.step import train_step
 
     rank, world = init_distributed()
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ generators`, `--engine` hf or vllm, the demo's settings: 4 completions per promp
 tokens, `max_in_flight` 8, `batch_prompts` 4, one thread), kept busy: the prompts stream never
 runs dry.
 This process then publishes `--versions` new weight versions with the trainer's own
-`trainer.main.publish` (checkpoint to a temporary name and rename, checksums, one MULTI/EXEC
+`trainer.checkpoints.publish` (checkpoint to a temporary name and rename, checksums, one MULTI/EXEC
 that sets `weights:latest`; no optimizer state, as on the demo's steps between `state_every`),
 each at a random moment of the generators' work, and times from each generator's log line
 `loaded weights version V (verify a s, reload b s)`, stamped as it arrives:
@@ -85,7 +85,7 @@ def bench_model(name: str, model_dir: Path, *, engine: str, generators: int, ver
     from common.keys import GENERATORS_GROUP, Keys
     from common.streams import ensure_group
     from tests.conftest import free_port, start_redis
-    from trainer.main import load_model, publish
+    from trainer.checkpoints import load_model, publish
 
     tmp.mkdir(parents=True)
     port = free_port()

@@ -1,0 +1,192 @@
+"""Checkpoints: publishing weights with the acknowledgement of the groups they hold, and resuming from them.
+
+A checkpoint is a complete HF directory of safetensors (the tokenizer files copied from the
+initial model), written under a temporary name and renamed to `checkpoints/step_N`; the trainer
+state saved beside it (optimizer, scheduler, RNG: trainer/state.py) is what a restart needs besides.
+
+Delivery. Groups are acknowledged, and added to the `trained` sorted set, in the same transaction
+that publishes the checkpoint holding their update, and only with a saved trainer state; the
+samples stream is then trimmed of what every consumer group (recorders included) has acknowledged
+(common/trim.py). A restarted trainer loads the newest saved state (or published checkpoint),
+continues from its step, and first re-reads its own pending entries in stream order
+(trainer/samples.py), so it trains on what an uninterrupted run would have and ends with the same
+weights.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import redis
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.checkpoints import checksum_dir, verify_dir
+from common.keys import PAYLOAD, TRAINER_GROUP, WEIGHTS_MAXLEN, Keys
+from common.messages import WeightVersion, encode
+from common.streams import latest_weights
+from common.trim import trim_acknowledged
+from trainer.parallel import full_state_dict, is_main, parallelize, say
+from trainer.schedule import build_scheduler
+from trainer.state import load_state, save_state, state_dir
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+def load_model(path: Path) -> torch.nn.Module:
+    """The model in checkpoint directory `path`, from its safetensors only: a pickled
+    `pytorch_model.bin` can run code when loaded, so a directory without safetensors is refused."""
+    from common.models import ModelError
+
+    if not any(Path(path).glob("*.safetensors")):
+        found = ", ".join(sorted(p.name for p in Path(path).glob("*.bin"))) or "no weights"
+        raise ModelError(f"model at {path}: no .safetensors weights ({found}); the trainer loads safetensors "
+                         "only, never pickle: save the model with save_pretrained(..., safe_serialization=True)")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+
+
+# --------------------------------------------------------------------------- writing checkpoints
+
+
+def copy_tokenizer_files(source: Path, dest: Path) -> None:
+    """Copy what `dest` lacks from `source` (tokenizer, chat template), weights excepted."""
+    for f in source.iterdir():
+        if f.is_file() and not f.name.startswith(".") and not f.name.endswith(WEIGHT_SUFFIXES) \
+                and not (dest / f.name).exists():
+            shutil.copy2(f, dest / f.name)
+
+
+def save_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, source_dir: Path,
+                    state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write `checkpoint_dir/step_{step}` as a complete HF directory: temporary name, then rename.
+
+    `state_dict`: the gathered weights of a sharded model; None saves the model's own.
+    """
+    tmp = checkpoint_dir / f".step_{step}.tmp"
+    final = checkpoint_dir / f"step_{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    copy_tokenizer_files(source_dir, tmp)
+    if final.exists():  # written by a run that crashed before publishing it: never seen by anyone
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    return final.resolve()
+
+
+def remove_unfinished(checkpoint_dir: Path) -> None:
+    """Delete checkpoints half-written by a trainer that was killed (their temporary names)."""
+    for tmp in checkpoint_dir.glob(".step_*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prune_checkpoints(checkpoint_dir: Path, *, keep: int) -> None:
+    """Delete all but the newest `keep` step_N directories."""
+    dirs = sorted((p for p in checkpoint_dir.glob("step_*") if p.name[5:].isdigit()),
+                  key=lambda p: int(p.name[5:]))
+    for old in dirs[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int, checkpoint_dir: Path,
+            state_root: Path, source_dir: Path, keep: int, save_state_now: bool, entry_ids: list[bytes],
+            group_ids: list[str], dedup_window: int) -> WeightVersion | None:
+    """Checkpoint and trainer state on disk, then in one transaction: announce it and
+    acknowledge the groups it holds (every rank's: `entry_ids` and `group_ids` are global).
+
+    Every rank takes part (gathering the weights, writing its state shards); rank 0 writes the
+    checkpoint and talks to Redis, and alone returns the WeightVersion.
+    """
+    weights = full_state_dict(model)
+    path = save_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
+                           state_dict=weights) if is_main() else None
+    assert save_state_now or not entry_ids, "groups are acknowledged only with a saved trainer state"
+    if save_state_now:
+        save_state(model, optimizer, scheduler, step=step, state_root=state_root, keep=keep)
+    if not is_main():
+        return None
+    wv = WeightVersion(version=step, step=step, path=str(path), format="safetensors",
+                       checksums=checksum_dir(path), created_at=time.time())
+    blob = encode(wv)
+    pipe = r.pipeline(transaction=True)
+    pipe.xadd(keys.weights, {PAYLOAD: blob}, maxlen=WEIGHTS_MAXLEN, approximate=True)
+    pipe.set(keys.weights_latest, blob)
+    pipe.hset(keys.trainer, mapping={"step": step, "version": step})
+    if save_state_now:
+        pipe.hset(keys.trainer, "state_step", step)
+    if entry_ids:
+        pipe.xack(keys.samples, TRAINER_GROUP, *entry_ids)
+        pipe.zadd(keys.trained, dict.fromkeys(group_ids, step))
+        pipe.zremrangebyscore(keys.trained, "-inf", f"({step - dedup_window}")
+    pipe.hincrby(keys.trainer, "groups_trained", len(group_ids))
+    pipe.execute()
+    trim_acknowledged(r, keys.samples)  # what every group has acknowledged; nothing of ours is pending
+    prune_checkpoints(checkpoint_dir, keep=keep)
+    return wv
+
+
+# --------------------------------------------------------------------------- the trainer's progress, and resume
+
+
+def record_step(r: redis.Redis, keys: Keys, *, step: int, version: int | None = None) -> None:
+    """Write the steps done (and, if given, the published version) to the trainer hash (rank 0's call)."""
+    if version is None:
+        r.hset(keys.trainer, "step", step)
+    else:
+        r.hset(keys.trainer, mapping={"step": step, "version": version})
+
+
+def saved_progress(r: redis.Redis, keys: Keys) -> tuple[int, int, bool]:
+    """From the trainer hash: the steps done, the step of the newest saved trainer state (0: none),
+    and whether any group was acknowledged."""
+    step = int(r.hget(keys.trainer, "step") or 0)
+    state_step = int(r.hget(keys.trainer, "state_step") or 0)
+    acknowledged = state_step > 0 or int(r.hget(keys.trainer, "groups_trained") or 0) > 0
+    return step, state_step, acknowledged
+
+
+def resume_point(r: redis.Redis, keys: Keys, *, source_dir: Path, state_root: Path) -> tuple[int, Path]:
+    """The step to go on from, and the weights to load for it."""
+    step, state_step, acknowledged = saved_progress(r, keys)
+    latest = latest_weights(r, keys) if step > 0 else None
+    if state_step > 0 and state_dir(state_root, state_step).is_dir():
+        # The newest saved state holds the weights too: every group trained after it is still
+        # pending and is re-trained, in order, reproducing the versions published since.
+        return state_step, source_dir
+    # Published weights hold groups still pending when no state was saved yet (state_every >
+    # sync_every): nothing acknowledged, so the initial model is the state to re-train them from.
+    if latest is not None and acknowledged:
+        verify_dir(latest.path, latest.checksums)
+        return latest.step, Path(latest.path)
+    if step > 0:
+        say(f"trainer: run {keys.run!r} reached step {step} but saved no trainer state; "
+            "re-training its groups from the initial model")
+    return 0, source_dir
+
+
+def resume(r: redis.Redis, keys: Keys, *, source_dir: Path, state_root: Path, lr: float, weight_decay: float,
+           lr_schedule: str, warmup_steps: int, total_steps: int
+           ) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, int]:
+    """The model (sharded), its AdamW and lr schedule, and the step they are at: where this run's
+    newest saved trainer state or published checkpoint left off, else the initial model at step 0.
+    Rank 0 records the step in the trainer hash as both steps done and published version."""
+    step, weights = resume_point(r, keys, source_dir=source_dir, state_root=state_root)
+    model = load_model(weights)
+    if is_main():
+        record_step(r, keys, step=step, version=step)  # the newest published weights (the initial ones are 0)
+    model = parallelize(model)  # FSDP2 under torchrun; as it is in a single process
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    scheduler = build_scheduler(optimizer, schedule=lr_schedule, warmup_steps=warmup_steps, total_steps=total_steps)
+    if step > 0:
+        state = state_dir(state_root, step)
+        if state.is_dir():
+            load_state(model, optimizer, scheduler, path=state)
+            say(f"trainer: resuming at step {step} from its trainer state {state}")
+        else:
+            say(f"trainer: resuming at step {step} from {weights}; no trainer state at {state}, "
+                "so AdamW and the lr schedule start fresh")
+    return model, optimizer, scheduler, step

@@ -1,0 +1,127 @@
+"""Reading one step's sample groups from the samples stream, and turning away what cannot be trained on.
+
+Each rank is its own consumer (`rank{N}`) in the `trainer` group and reads its share of groups. A
+restarted trainer first re-reads its own pending entries in stream order (read by an earlier
+incarnation, never acknowledged), then new ones. Entries it will never train on are acknowledged
+at once and counted in the trainer hash: undecodable or untrainable ones are dead-lettered with
+the reason (`groups_dead`), a group whose id is already trained or waiting to be published is a
+duplicate (`groups_duplicate`), and one staler than `max_staleness` is dropped
+(`groups_dropped_stale`).
+
+The `trained` sorted set (group id -> step, written by trainer/checkpoints.py's `publish`) guards
+against a second group made from the same prompt (two generators racing on a reclaimed prompt); it
+keeps the ids of the last `dedup_window` steps only: a copy arriving later than that was sampled so
+long ago that the staleness limit drops it anyway, unless a generator sat on a claimed prompt for
+that many steps before sampling it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from common.config import LimitsConfig
+from common.keys import PAYLOAD, TRAINER_GROUP, Keys
+from common.messages import MessageError, SampleGroup, decode_group
+from common.streams import dead_letter
+from trainer.shutdown import Shutdown
+
+BLOCK_MS = 1000  # longest wait on the samples stream before checking for a stop request
+
+
+@dataclass
+class Collected:
+    """The sample groups of one step, and what was turned away while collecting them."""
+
+    groups: list[SampleGroup] = field(default_factory=list)
+    entry_ids: list[bytes] = field(default_factory=list)  # stream entries of `groups`, to ack on publish
+    dead: int = 0
+    duplicate: int = 0
+    stale: int = 0
+    wait_s: float = 0.0  # seconds blocked on the stream with nothing to read
+
+
+def read_entries(r: redis.Redis, keys: Keys, *, consumer: str, cursor: bytes | None, count: int
+                 ) -> tuple[list[tuple[bytes, dict]], bytes | None]:
+    """Up to `count` entries, and the cursor to read from next.
+
+    `cursor` walks this consumer's own pending entries (read but never acknowledged by an
+    earlier incarnation) from "0"; once they are exhausted it becomes None and reads are of new
+    entries (">"), blocking up to BLOCK_MS.
+    """
+    if cursor is not None:
+        reply = r.xreadgroup(TRAINER_GROUP, consumer, {keys.samples: cursor}, count=count)
+        entries = reply[0][1] if reply else []
+        if entries:
+            return [(eid, fields or {}) for eid, fields in entries], entries[-1][0]
+    reply = r.xreadgroup(TRAINER_GROUP, consumer, {keys.samples: ">"}, count=count, block=BLOCK_MS)
+    return [(eid, fields or {}) for eid, fields in (reply[0][1] if reply else [])], None
+
+
+def validate(fields: dict, *, vocab_size: int, objective: str = "grpo", limits: LimitsConfig | None = None
+             ) -> SampleGroup:
+    """The entry's group, or MessageError saying why it cannot be trained on (None: default limits)."""
+    limits = limits or LimitsConfig()
+    blob = fields.get(PAYLOAD)
+    if blob is None:
+        raise MessageError(f"entry has no payload field {PAYLOAD!r} (fields: {sorted(fields)})")
+    group = decode_group(blob, vocab_size=vocab_size, max_bytes=limits.max_message_bytes,
+                         max_tokens=limits.max_completion_tokens, max_completions=limits.max_group_size)
+    if objective == "grpo" and len(group.completions) < 2:
+        raise MessageError(f"group {group.id}: {len(group.completions)} completion(s); "
+                           "a group-relative advantage needs at least 2")
+    if not any(c.loss_mask is None or any(c.loss_mask) for c in group.completions):
+        raise MessageError(f"group {group.id}: loss_mask is 0 everywhere; nothing to train on")
+    return group
+
+
+def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, counter: str,
+           fields: dict | None = None, reason: str = "") -> None:
+    """Acknowledge an entry that will never be trained on and count it (dead-letter it if `fields`)."""
+    pipe = r.pipeline(transaction=True)
+    if fields is not None:
+        dead_letter(pipe, dead_stream=keys.samples_dead, source=keys.samples, entry_id=entry_id,
+                    fields=fields, reason=reason)
+    pipe.xack(keys.samples, TRAINER_GROUP, entry_id)
+    pipe.hincrby(keys.trainer, counter, 1)
+    pipe.execute()
+
+
+def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: int | None, vocab_size: int,
+            unpublished: set[str], consumer: str, cursor: bytes | None, shutdown: Shutdown,
+            objective: str = "grpo", limits: LimitsConfig | None = None) -> tuple[Collected | None, bytes | None]:
+    """`want` trainable groups (None if a stop was requested first), and the next read cursor.
+    `max_staleness` None: no group is too stale (sft)."""
+    got = Collected()
+    seen = set(unpublished)
+    while len(got.groups) < want:
+        if shutdown.requested:
+            return None, cursor
+        t0 = time.monotonic()
+        entries, cursor = read_entries(r, keys, consumer=consumer, cursor=cursor, count=want - len(got.groups))
+        if not entries:
+            got.wait_s += time.monotonic() - t0
+        for entry_id, fields in entries:
+            try:
+                group = validate(fields, vocab_size=vocab_size, objective=objective, limits=limits)
+            except MessageError as err:
+                reject(r, keys, entry_id, counter="groups_dead", fields=fields, reason=str(err))
+                print(f"trainer: dead-lettered sample entry {entry_id.decode()}: {err}",
+                      file=sys.stderr, flush=True)
+                got.dead += 1
+                continue
+            if group.id in seen or r.zscore(keys.trained, group.id) is not None:
+                reject(r, keys, entry_id, counter="groups_duplicate")
+                got.duplicate += 1
+                continue
+            if max_staleness is not None and step - group.version > max_staleness:
+                reject(r, keys, entry_id, counter="groups_dropped_stale")
+                got.stale += 1
+                continue
+            seen.add(group.id)
+            got.groups.append(group)
+            got.entry_ids.append(entry_id)
+    return got, cursor
