@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 from common.checkpoints import checksum_dir, verify_dir
 from common.keys import PAYLOAD, TRAINER_GROUP, WEIGHTS_MAXLEN, Keys
 from common.messages import WeightVersion, encode
+from common.progress import count_trained, read_trainer, write_step
 from common.streams import latest_weights
 from common.trim import trim_acknowledged
 from trainer.parallel import full_state_dict, is_main, parallelize, say
@@ -115,14 +116,12 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
     pipe = r.pipeline(transaction=True)
     pipe.xadd(keys.weights, {PAYLOAD: blob}, maxlen=WEIGHTS_MAXLEN, approximate=True)
     pipe.set(keys.weights_latest, blob)
-    pipe.hset(keys.trainer, mapping={"step": step, "version": step})
-    if save_state_now:
-        pipe.hset(keys.trainer, "state_step", step)
+    write_step(pipe, keys, step=step, version=step, state_step=step if save_state_now else None)
     if entry_ids:
         pipe.xack(keys.samples, TRAINER_GROUP, *entry_ids)
         pipe.zadd(keys.trained, dict.fromkeys(group_ids, step))
         pipe.zremrangebyscore(keys.trained, "-inf", f"({step - dedup_window}")
-    pipe.hincrby(keys.trainer, "groups_trained", len(group_ids))
+    count_trained(pipe, keys, len(group_ids))
     pipe.execute()
     trim_acknowledged(r, keys.samples)  # what every group has acknowledged; nothing of ours is pending
     prune_checkpoints(checkpoint_dir, keep=keep)
@@ -132,26 +131,11 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
 # --------------------------------------------------------------------------- the trainer's progress, and resume
 
 
-def record_step(r: redis.Redis, keys: Keys, *, step: int, version: int | None = None) -> None:
-    """Write the steps done (and, if given, the published version) to the trainer hash (rank 0's call)."""
-    if version is None:
-        r.hset(keys.trainer, "step", step)
-    else:
-        r.hset(keys.trainer, mapping={"step": step, "version": version})
-
-
-def saved_progress(r: redis.Redis, keys: Keys) -> tuple[int, int, bool]:
-    """From the trainer hash: the steps done, the step of the newest saved trainer state (0: none),
-    and whether any group was acknowledged."""
-    step = int(r.hget(keys.trainer, "step") or 0)
-    state_step = int(r.hget(keys.trainer, "state_step") or 0)
-    acknowledged = state_step > 0 or int(r.hget(keys.trainer, "groups_trained") or 0) > 0
-    return step, state_step, acknowledged
-
-
 def resume_point(r: redis.Redis, keys: Keys, *, source_dir: Path, state_root: Path) -> tuple[int, Path]:
     """The step to go on from, and the weights to load for it."""
-    step, state_step, acknowledged = saved_progress(r, keys)
+    progress = read_trainer(r, keys)
+    step, state_step = progress.step, progress.state_step
+    acknowledged = state_step > 0 or progress.groups_trained > 0
     latest = latest_weights(r, keys) if step > 0 else None
     if state_step > 0 and state_dir(state_root, state_step).is_dir():
         # The newest saved state holds the weights too: every group trained after it is still
@@ -177,7 +161,7 @@ def resume(r: redis.Redis, keys: Keys, *, source_dir: Path, state_root: Path, lr
     step, weights = resume_point(r, keys, source_dir=source_dir, state_root=state_root)
     model = load_model(weights)
     if is_main():
-        record_step(r, keys, step=step, version=step)  # the newest published weights (the initial ones are 0)
+        write_step(r, keys, step=step, version=step)  # the newest published weights (the initial ones are 0)
     model = parallelize(model)  # FSDP2 under torchrun; as it is in a single process
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     scheduler = build_scheduler(optimizer, schedule=lr_schedule, warmup_steps=warmup_steps, total_steps=total_steps)

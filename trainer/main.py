@@ -37,8 +37,9 @@ from common.evals import enqueue_eval
 from common.keys import TRAINER_GROUP, Keys
 from common.messages import SampleGroup, WeightVersion
 from common.models import resolve_model_path
+from common.progress import write_step
 from common.streams import connect, ensure_group
-from trainer.checkpoints import load_model, publish, record_step, remove_unfinished, resume
+from trainer.checkpoints import load_model, publish, remove_unfinished, resume
 from trainer.grpo import LossOptions
 from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say
@@ -122,7 +123,7 @@ def publish_if_due(r: redis.Redis, keys: Keys, state: State, *, last: bool, conf
         if wv is not None and config.eval.every and wv.version % config.eval.every == 0:
             enqueue_eval(r, config, wv)  # the evaluator process scores it on held-out problems
     elif is_main():
-        record_step(r, keys, step=state.step)
+        write_step(r, keys, step=state.step)
 
 
 def run(config: Config) -> None:

@@ -9,14 +9,15 @@ from typing import Any
 import redis
 import torch
 
+from common.heartbeats import read_heartbeats
 from common.keys import Keys
 from common.messages import SampleGroup
+from common.metrics import PolicyStats, StepMetrics
 from trainer.samples import Collected
-from trainer.tracking import generator_metrics
 
 
-def step_metrics(groups: list[SampleGroup], *, step: int, staleness: list[int], rewarded: bool = True) -> dict:
-    """Reward, accuracy, length and staleness metrics of one step's groups (TRL's names).
+def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: bool = True) -> dict[str, Any]:
+    """Reward, accuracy, length and staleness metrics of one step's groups, as StepMetrics fields.
 
     Reward fields are None where there are none to report: unrewarded (sft) groups, or no group
     of 2 or more completions for the per-group std."""
@@ -27,23 +28,21 @@ def step_metrics(groups: list[SampleGroup], *, step: int, staleness: list[int], 
     correct = [c.rewards["correct"] for c in completions if "correct" in c.rewards]
     lengths = [len(c.ids) for c in completions]
     return {
-        "reward/mean": rewards.mean().item() if rewarded else None,
-        # mean of per-group stds, as TRL's reward_std
-        "reward/std": sum(group_std) / len(group_std) if group_std else None,
+        "reward_mean": rewards.mean().item() if rewarded else None,
+        "reward_std": sum(group_std) / len(group_std) if group_std else None,  # mean of per-group stds
         "accuracy": sum(correct) / len(correct) if correct else None,
         "frac_reward_zero_std": sum(s < 1e-8 for s in group_std) / len(group_std) if group_std else None,
-        # completions whose reward function raised, timed out or returned garbage (scored 0)
-        "reward/errors": sum(c.reward_error is not None for c in completions) if rewarded else None,
-        "completions/mean_length": sum(lengths) / len(lengths),
-        "completions/max_length": max(lengths),
-        "staleness/mean": sum(staleness) / len(staleness),
-        "staleness/max": max(staleness),
+        "reward_errors": sum(c.reward_error is not None for c in completions) if rewarded else None,
+        "mean_length": sum(lengths) / len(lengths),
+        "max_length": max(lengths),
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": max(staleness),
     }
 
 
 def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: dict[str, float], *, step: int,
                 version: int, lr: float, staleness: list[int], sft: bool, t_step: float, train_s: float,
-                publish_s: float) -> dict[str, Any]:
+                publish_s: float) -> StepMetrics:
     """The metrics of trainer step `step` (counted once done), as the trackers record them.
 
     `everyone`: every rank's collected groups; `stats`: the update's (trainer/step.py); `lr`: the
@@ -51,37 +50,30 @@ def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: di
     seconds spent updating and publishing. Generators' metrics are read from their heartbeats.
     """
     all_groups = [g for c in everyone for g in c.groups]
-    policy = {"clip_ratio": stats["clip_ratio/region_mean"],
-              **{k: v for k, v in stats.items() if k.startswith(("clip_ratio/", "ratio/", "tis/"))},
-              "loss/policy": stats["loss/policy"], "kl": stats["kl"]} if not sft \
-        else {"loss/sft": stats["loss/sft"]}
-    return {
-        "step": step,
-        **step_metrics(all_groups, step=step, staleness=staleness, rewarded=not sft),
-        **policy,
-        "entropy": stats["entropy"],
-        "grad_norm": stats["grad_norm"],
-        "lr": lr,  # the rate this step's updates used
-        "groups/dropped_stale": sum(c.stale for c in everyone),
-        "groups/dead": sum(c.dead for c in everyone),
-        "groups/duplicate": sum(c.duplicate for c in everyone),
-        "tokens/trained": stats["tokens/trained"],
-        "tokens_per_s": stats["tokens/forward"] / train_s,  # prompt + completion tokens through the model
-        "time/step": time.monotonic() - t_step,
-        "time/wait_data": max(c.wait_s for c in everyone),
-        "time/train": train_s,
-        "time/publish": publish_s,
-        "version": version,
-        **generator_metrics(r, keys),
-        "group_ids": [g.id for g in all_groups],
-    }
+    policy = None if sft else PolicyStats(
+        loss=stats["loss/policy"], kl=stats["kl"], clip_low=stats["clip_ratio/low_mean"],
+        clip_high=stats["clip_ratio/high_mean"], clip_region=stats["clip_ratio/region_mean"],
+        ratio=stats["ratio/mean"], tis=stats["tis/mean"])
+    beats = read_heartbeats(r, keys).values()
+    return StepMetrics(
+        step=step, version=version, **step_metrics(all_groups, staleness=staleness, rewarded=not sft),
+        policy=policy, sft_loss=stats["loss/sft"] if sft else None, entropy=stats["entropy"],
+        grad_norm=stats["grad_norm"], lr=lr,
+        dropped_stale=sum(c.stale for c in everyone), dead=sum(c.dead for c in everyone),
+        duplicate=sum(c.duplicate for c in everyone), tokens_trained=stats["tokens/trained"],
+        tokens_per_s=stats["tokens/forward"] / train_s,  # prompt + completion tokens through the model
+        time_step=time.monotonic() - t_step, time_wait_data=max(c.wait_s for c in everyone),
+        time_train=train_s, time_publish=publish_s,
+        generators_alive=float(len(beats)), generators_tokens_per_s=sum(b.tokens_per_s for b in beats),
+        group_ids=[g.id for g in all_groups])
 
 
-def summary_line(m: dict) -> str:
-    def num(key: str, spec: str) -> str:
-        return "  -  " if m.get(key) is None else format(m[key], spec)
+def summary_line(m: StepMetrics) -> str:
+    def num(value: float | None, spec: str) -> str:
+        return "  -  " if value is None else format(value, spec)
 
-    loss = f"sft {m['loss/sft']:.4f}" if "loss/sft" in m else f"loss {num('loss/policy', '+.4f')}"
-    return (f"step {m['step']:4d} | reward {num('reward/mean', '.3f')} | acc {num('accuracy', '.3f')} | "
-            f"len {m['completions/mean_length']:5.1f} | stale {m['staleness/mean']:.1f}/{m['staleness/max']} | "
-            f"{loss} | ent {m['entropy']:.3f} | lr {m['lr']:.2e} | {m['time/step']:.2f}s")
+    loss = f"sft {m.sft_loss:.4f}" if m.sft_loss is not None else \
+        f"loss {num(m.policy.loss if m.policy else None, '+.4f')}"
+    return (f"step {m.step:4d} | reward {num(m.reward_mean, '.3f')} | acc {num(m.accuracy, '.3f')} | "
+            f"len {m.mean_length:5.1f} | stale {m.staleness_mean:.1f}/{m.staleness_max} | "
+            f"{loss} | ent {m.entropy:.3f} | lr {m.lr:.2e} | {m.time_step:.2f}s")

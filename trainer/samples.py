@@ -26,6 +26,7 @@ import redis
 from common.config import LimitsConfig
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import MessageError, SampleGroup, decode_group
+from common.progress import Refused, count_refused
 from common.streams import dead_letter
 from trainer.shutdown import Shutdown
 
@@ -78,7 +79,7 @@ def validate(fields: dict, *, vocab_size: int, objective: str = "grpo", limits: 
     return group
 
 
-def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, counter: str,
+def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, why: Refused,
            fields: dict | None = None, reason: str = "") -> None:
     """Acknowledge an entry that will never be trained on and count it (dead-letter it if `fields`)."""
     pipe = r.pipeline(transaction=True)
@@ -86,7 +87,7 @@ def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, counter: str,
         dead_letter(pipe, dead_stream=keys.samples_dead, source=keys.samples, entry_id=entry_id,
                     fields=fields, reason=reason)
     pipe.xack(keys.samples, TRAINER_GROUP, entry_id)
-    pipe.hincrby(keys.trainer, counter, 1)
+    count_refused(pipe, keys, why)
     pipe.execute()
 
 
@@ -108,17 +109,17 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
             try:
                 group = validate(fields, vocab_size=vocab_size, objective=objective, limits=limits)
             except MessageError as err:
-                reject(r, keys, entry_id, counter="groups_dead", fields=fields, reason=str(err))
+                reject(r, keys, entry_id, why=Refused.DEAD, fields=fields, reason=str(err))
                 print(f"trainer: dead-lettered sample entry {entry_id.decode()}: {err}",
                       file=sys.stderr, flush=True)
                 got.dead += 1
                 continue
             if group.id in seen or r.zscore(keys.trained, group.id) is not None:
-                reject(r, keys, entry_id, counter="groups_duplicate")
+                reject(r, keys, entry_id, why=Refused.DUPLICATE)
                 got.duplicate += 1
                 continue
             if max_staleness is not None and step - group.version > max_staleness:
-                reject(r, keys, entry_id, counter="groups_dropped_stale")
+                reject(r, keys, entry_id, why=Refused.STALE)
                 got.stale += 1
                 continue
             seen.add(group.id)

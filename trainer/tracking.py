@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import redis
 
 from common.config import Config
-from common.keys import METRICS_MAXLEN, PAYLOAD, Keys
+from common.keys import Keys
+from common.metrics import StepMetrics, write_metrics
+from common.progress import TrainerStatus, write_status
 from common.streams import redacted
-
-# Trainer-status fields `rollouts status` reads, taken from each step's metrics.
-STATUS_FIELDS = {"time/step": "last_step_s", "time/wait_data": "last_wait_s", "staleness/mean": "staleness_mean",
-                 "staleness/max": "staleness_max", "tokens_per_s": "tokens_per_s"}
 
 
 def resolved_config(config: Config) -> dict[str, Any]:
@@ -31,18 +27,6 @@ def resolved_config(config: Config) -> dict[str, Any]:
     data = config.model_dump(mode="json")
     data["redis_url"] = redacted(config.redis_url)
     return data
-
-
-def generator_metrics(r: redis.Redis, keys: Keys) -> dict[str, float]:
-    """Live generators (an unexpired heartbeat) and the sum of their tokens/s."""
-    alive, tokens_per_s = 0, 0.0
-    for key in r.scan_iter(match=keys.generator_pattern, count=100):
-        value = r.hget(key, "tokens_per_s")
-        if value is None:  # expired between SCAN and HGET
-            continue
-        alive += 1
-        tokens_per_s += float(value)
-    return {"generators/alive": float(alive), "generators/tokens_per_s": tokens_per_s}
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -79,15 +63,16 @@ class Tracker:
             self.wandb = wandb.init(project=config.trainer.wandb_project, name=config.run, id=config.run,
                                     resume="allow", config=resolved, dir=config.output_dir)
 
-    def log(self, metrics: dict[str, Any]) -> None:
+    def log(self, m: StepMetrics) -> None:
         """Append one step's metrics everywhere, and its summary to the trainer-status hash."""
+        metrics = m.entry()
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        summary = {field: metrics[name] for name, field in STATUS_FIELDS.items() if metrics.get(name) is not None}
+        status = TrainerStatus(last_step_s=m.time_step, last_wait_s=m.time_wait_data, staleness_mean=m.staleness_mean,
+                               staleness_max=m.staleness_max, tokens_per_s=m.tokens_per_s)
         with self.r.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.keys.metrics, {PAYLOAD: msgpack.packb(metrics, use_bin_type=True)},
-                      maxlen=METRICS_MAXLEN, approximate=True)
-            pipe.hset(self.keys.trainer_status, mapping={**summary, "updated_at": time.time()})
+            write_metrics(pipe, self.keys, metrics)
+            write_status(pipe, self.keys, status)
             pipe.execute()
         step = int(metrics["step"])
         numbers = scalars({k: v for k, v in metrics.items() if k != "step"})
