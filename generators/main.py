@@ -1,6 +1,9 @@
 """The generator process: take prompts, sample and score groups, publish them; follow the weights.
 
-Concurrent tasks under one trio nursery, each a loop:
+`run` starts up (Redis, a GPU, the engine in its thread, the reward workers) and cleans up after;
+`serve` wires the stages together and runs them as concurrent trio tasks, each a loop over one
+`Generator` (what they share and never change: Redis, the engine, the channels between them) and
+one `State` (what they hand over and count):
   intake     takes prompts while fewer than `max_in_flight` are held: this consumer's own
              pending ones first (a restart under the same id), then ones idle in a dead
              generator's pending list (XAUTOCLAIM), then new ones (XREADGROUP); decodes and
@@ -13,6 +16,10 @@ Concurrent tasks under one trio nursery, each a loop:
              the samples stream + XACK the prompt
   weights    reads `weights:latest` every `weights_poll_s`
   heartbeat  writes the heartbeat hash (version, engine, tokens/s, prompts in flight)
+  signals    stops the intake at the first signal, everything at the second
+The first three are the pipeline, which ends when every taken prompt is written; the others run
+beside it until then. What is read from and written to Redis for prompts and groups (the
+MULTI/EXECs above, dead letters, reclaiming) is in `generators.prompts`.
 Blocking calls (Redis, the engine, rewards) run in threads; the engine always in one thread of
 its own, the thread it was created in.
 
@@ -31,6 +38,7 @@ reclaimed.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import math
 import signal
 import socket
@@ -38,49 +46,28 @@ import sys
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import trio
-from jinja2 import TemplateError
 
 from common import streams
 from common.checkpoints import CheckpointError, verify_dir
-from common.config import Config, LimitsConfig
-from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import (
-    Completion,
-    MessageError,
-    PromptTask,
-    SampleGroup,
-    decode_prompt,
-    decode_weights,
-    encode,
-)
+from common.config import Config, GeneratorConfig, LimitsConfig
+from common.keys import GENERATORS_GROUP, Keys
+from common.messages import Completion, MessageError, PromptTask, SampleGroup, decode_weights
 from engines.base import Engine, Finished, SamplingSettings
 from engines.choice import engine_name, open_engine
 from generators import devices
+from generators.prompts import drop_group, leave_group, own_pending, prepare_prompts, publish, take_prompts, touch_held
 from generators.scoring import RewardRunner, reward_names
 
-BLOCK_MS = 1000  # longest wait for new prompts before the intake comes round (stop, capacity)
 RATE_WINDOW_S = 30.0  # tokens/s in the heartbeat is over this window
 
-Entry = tuple[bytes, dict[bytes, bytes]]  # (stream entry id, fields)
-
-# Reset the idle time of every prompt still pending for this consumer, so that live generators
-# never reclaim a prompt it holds for longer than claim_idle_s (a long queue, a slow engine).
-# Atomic: an entry another generator already claimed is not taken back.
-_TOUCH_HELD = """
-local mine = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1000, ARGV[2])
-if #mine == 0 then return 0 end
-local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
-for _, e in ipairs(mine) do args[#args + 1] = e[1] end
-args[#args + 1] = 'JUSTID'
-redis.call(unpack(args))
-return #mine
-"""
+T = TypeVar("T")
 
 
 @dataclass
@@ -122,6 +109,33 @@ class State:
         return round(sum(t for _, t in self.produced) / span, 1)
 
 
+@dataclass(frozen=True)
+class Generator:
+    """How the generator's tasks are wired together: made once by `serve`, never changed."""
+
+    id: str  # its consumer name in the prompts group, heartbeat key and GPU lease owner
+    r: redis.Redis
+    keys: Keys
+    settings: GeneratorConfig
+    sampling: SamplingSettings  # every request's, with n replaced by its prompt's
+    limits: LimitsConfig  # what a prompt message may hold
+    engine: Engine
+    engine_thread: concurrent.futures.Executor  # the one thread every engine call runs in
+    rewards: RewardRunner
+    host: str
+    gpu: str | None  # the GPU it leased on this host; None: it runs without one
+    arrived_send: trio.MemorySendChannel[Held]  # intake -> engine: prompts taken
+    arrived: trio.MemoryReceiveChannel[Held]
+    finished_send: trio.MemorySendChannel[tuple[Finished, Held]]  # engine -> scoring: prompts sampled
+    finished: trio.MemoryReceiveChannel[tuple[Finished, Held]]
+    capacity: trio.Semaphore  # one token per held prompt: at most max_in_flight
+    intake_scope: trio.CancelScope  # cancelled by the first signal
+
+    @property
+    def name(self) -> str:
+        return f"generator {self.id}"
+
+
 def run(config: Config, *, generator_id: str) -> None:
     name = f"generator {generator_id}"
     from transformers.utils import logging as hf_logging
@@ -145,7 +159,8 @@ def run(config: Config, *, generator_id: str) -> None:
     print(f"{name}: {engine.name} engine on {engine.path}{f' (GPU {gpu})' if gpu else ''}, "
           f"up to {gen.max_in_flight} prompts in flight", flush=True)
     try:
-        trio.run(serve, r, keys, config, engine, engine_thread, rewards, state, generator_id, gpu)
+        trio.run(partial(serve, config, state, r=r, keys=keys, engine=engine, engine_thread=engine_thread,
+                         rewards=rewards, generator_id=generator_id, host=host, gpu=gpu))
     except BaseExceptionGroup as group:  # a task's error: raise it as itself, for __main__'s handlers
         leaves = leaf_errors(group)
         if len(leaves) == 1:
@@ -186,194 +201,133 @@ def open_engine_for(config: Config, *, seed: int) -> Engine:
     return open_engine(engine, path, dtype=config.model.dtype, seed=seed, **options)
 
 
-async def serve(r: redis.Redis, keys: Keys, config: Config, engine: Engine,
-                engine_thread: concurrent.futures.Executor, rewards: RewardRunner, state: State,
-                generator_id: str, gpu: str | None) -> None:
-    name = f"generator {generator_id}"
+async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, engine: Engine,
+                engine_thread: concurrent.futures.Executor, rewards: RewardRunner, generator_id: str,
+                host: str, gpu: str | None) -> None:
+    """Wire the stages together and run them: the pipeline until every taken prompt is written."""
     gen, rollout = config.generator, config.rollout
-    sampling = dict(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                    top_p=rollout.top_p, top_k=rollout.top_k)
     arrived_send, arrived = trio.open_memory_channel[Held](math.inf)
     finished_send, finished = trio.open_memory_channel[tuple[Finished, Held]](math.inf)
-    capacity = trio.Semaphore(gen.max_in_flight)  # one token per held prompt
-    intake_scope = trio.CancelScope()  # cancelled by the first signal
+    g = Generator(
+        id=generator_id, r=r, keys=keys, settings=gen, limits=config.limits,
+        sampling=SamplingSettings(n=1, max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                                  top_p=rollout.top_p, top_k=rollout.top_k),
+        engine=engine, engine_thread=engine_thread, rewards=rewards, host=host, gpu=gpu,
+        arrived_send=arrived_send, arrived=arrived, finished_send=finished_send, finished=finished,
+        capacity=trio.Semaphore(gen.max_in_flight), intake_scope=trio.CancelScope())
     # A late starter loads the newest weights before its first prompt.
     state.latest = await trio.to_thread.run_sync(r.get, keys.weights_latest)
-
-    async def on_engine(fn, *args):
-        token, done = trio.lowlevel.current_trio_token(), trio.Event()
-        future = engine_thread.submit(fn, *args)
-        future.add_done_callback(lambda _: token.run_sync_soon(done.set))
-        await done.wait()
-        return future.result()
-
-    # -------------------------------------------------------------- intake
-    async def intake() -> None:
-        backlog = await trio.to_thread.run_sync(lambda: own_pending(r, stream=keys.prompts, consumer=generator_id))
-        if backlog:
-            print(f"{name}: {len(backlog)} pending prompts of its own", flush=True)
-        with intake_scope:
-            while True:
-                await capacity.acquire()  # where a stop signal finds it waiting
-                count = 1
-                while count < gen.batch_prompts:
-                    try:
-                        capacity.acquire_nowait()
-                    except trio.WouldBlock:
-                        break
-                    count += 1
-                with trio.CancelScope(shield=True):  # what is taken from the stream is held
-                    entries, backlog = backlog[:count], backlog[count:]
-                    if len(entries) < count:
-                        entries += await trio.to_thread.run_sync(partial(
-                            take_prompts, r, stream=keys.prompts, consumer=generator_id, count=count - len(entries),
-                            claim_idle_ms=int(gen.claim_idle_s * 1000), wait=not entries))
-                    work = await trio.to_thread.run_sync(lambda es=entries: prepare_prompts(
-                        r, engine, es, keys=keys, name=name, max_new_tokens=rollout.max_new_tokens,
-                        limits=config.limits))
-                    now = time.perf_counter()
-                    for entry_id, task, ids in work:
-                        held = Held(entry_id=entry_id, task=task, prompt_ids=ids, taken_at=now)
-                        state.held[entry_id.decode()] = held
-                        arrived_send.send_nowait(held)
-                    for _ in range(count - len(work)):
-                        capacity.release()
-        await arrived_send.aclose()
-
-    # -------------------------------------------------------------- engine
-    async def engine_loop() -> None:
-        waiting: deque[Held] = deque()  # arrived, not yet added to the engine
-        running = 0  # added to the engine, not finished; at most engine.max_running, so that
-        # the rest wait here, where newer weights can still reach them before they start
-        asked = -1  # the newest admitted_at weights:latest was read for
-        intake_done = False
-        while True:
-            while True:  # everything that arrived, without waiting
-                try:
-                    waiting.append(arrived.receive_nowait())
-                except trio.WouldBlock:
-                    break
-                except trio.EndOfChannel:
-                    intake_done = True
-                    break
-            # A prompt admitted at a newer version than ours: read the latest weights now, once
-            # per version asked for (later ones come with the watcher's polls).
-            wanted = max((h.task.admitted_at for h in waiting), default=-1)
-            if wanted > max(engine.version, asked):
-                asked = wanted
-                state.latest = await trio.to_thread.run_sync(r.get, keys.weights_latest)
-            newer = state.latest is not None and state.latest != state.acted_on
-            if newer and not engine.has_unfinished():
-                await load_weights(state, engine, on_engine, name=name)
-                newer = False
-            if waiting and not newer and running < engine.max_running:
-                # join the running batch; with newer weights pending, drain first
-                version, now = engine.version, time.perf_counter()
-                batch = [waiting.popleft() for _ in range(min(len(waiting), engine.max_running - running))]
-                running += len(batch)
-                for h in batch:
-                    h.version, h.added_at = version, now
-                await on_engine(add_all, engine, [(h.entry_id.decode(), h.prompt_ids, SamplingSettings(
-                    n=h.task.n, **sampling)) for h in batch])
-            if engine.has_unfinished():
-                for done in await on_engine(engine.step):
-                    running -= 1
-                    finished_send.send_nowait((done, state.held[done.request_id]))
-                continue
-            if intake_done and not waiting:
-                break
-            # idle: wait for a prompt to arrive or newer weights to show up
-            with trio.move_on_after(gen.weights_poll_s):
-                try:
-                    waiting.append(await arrived.receive())
-                except trio.EndOfChannel:
-                    intake_done = True
-        await finished_send.aclose()
-
-    # -------------------------------------------------------------- scoring and writing
-    async def scoring() -> None:
-        async with trio.open_nursery() as writers:
-            limit = trio.Semaphore(max(gen.reward_workers, 1))  # groups being scored at once
-            async for done, held in finished:
-                await limit.acquire()
-                writers.start_soon(score_and_publish, done, held, limit)
-
-    async def score_and_publish(done: Finished, held: Held, limit: trio.Semaphore) -> None:
-        try:
-            group, errors = await trio.to_thread.run_sync(lambda: make_group(
-                engine, rewards, held, done, generator_id=generator_id))
-            drop = gen.drop_zero_variance and len({c.reward for c in group.completions}) == 1
-            await trio.to_thread.run_sync(lambda: (drop_group if drop else publish)(
-                r, keys=keys, entry_id=held.entry_id, group=group))
-        finally:
-            limit.release()
-        del state.held[done.request_id]
-        capacity.release()
-        tokens = sum(len(c.ids) for c in group.completions)
-        state.produced.append((time.monotonic(), tokens))
-        state.reward_errors += len(errors)
-        if drop:
-            state.dropped_zero_variance += 1
-        else:
-            state.groups += 1
-        for err in errors[:1]:
-            print(f"{name}: reward error ({len(errors)} in group {group.id}): {err}", file=sys.stderr, flush=True)
-        if state.groups % 8 == 0 or drop:
-            print(f"{name} v{group.version}: {state.groups} groups written"
-                  f"{f', {state.dropped_zero_variance} dropped (zero reward variance)' if drop else ''}, "
-                  f"{state.tokens_per_s():.0f} tok/s, {len(state.held)} in flight", flush=True)
-
-    # -------------------------------------------------------------- weights, heartbeat, signals
-    async def watch_weights() -> None:
-        while True:
-            blob = await trio.to_thread.run_sync(r.get, keys.weights_latest)
-            if blob is not None:
-                state.latest = blob
-            await trio.sleep(gen.weights_poll_s)
-
-    async def heartbeats() -> None:
-        host = socket.gethostname()
-        touched = time.monotonic()
-        while True:
-            if time.monotonic() - touched > gen.claim_idle_s / 3:
-                touched = time.monotonic()
-                await trio.to_thread.run_sync(lambda: touch_held(r, stream=keys.prompts, consumer=generator_id))
-            fields = {"engine": engine.name, "version": engine.version, "tokens_per_s": state.tokens_per_s(),
-                      "in_flight": len(state.held), "groups": state.groups, "reward_errors": state.reward_errors,
-                      "dropped_zero_variance": state.dropped_zero_variance,
-                      "weights_refused": state.weights_refused, "last_refusal": state.last_refusal}
-            await trio.to_thread.run_sync(lambda f=fields: heartbeat(
-                r, key=keys.generator(generator_id), ttl_s=gen.heartbeat_ttl_s, fields=f))
-            if gpu is not None:
-                await trio.to_thread.run_sync(lambda: devices.renew_gpu(
-                    r, keys, host=host, device=gpu, owner=generator_id, ttl_s=gen.heartbeat_ttl_s))
-            with trio.move_on_after(min(5.0, gen.heartbeat_ttl_s / 3, gen.claim_idle_s / 3)):
-                await state.news.wait()
-            state.news = trio.Event()
-
-    async def signals(everything: trio.CancelScope) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
-            async for signum in received:
-                if state.stopping:
-                    print(f"{name}: second signal, exiting now", file=sys.stderr, flush=True)
-                    state.exit_code = 128 + signum
-                    everything.cancel()
-                    return
-                state.stopping = True
-                intake_scope.cancel()
-                print(f"{name}: finishing the {len(state.held)} prompts it holds (signal again to exit now)",
-                      file=sys.stderr, flush=True)
-
     with trio.CancelScope() as everything:
         async with trio.open_nursery() as background:
-            background.start_soon(watch_weights)
-            background.start_soon(heartbeats)
-            background.start_soon(signals, everything)
+            background.start_soon(watch_weights, g, state)
+            background.start_soon(heartbeats, g, state)
+            background.start_soon(signals, g, state, everything)
             async with trio.open_nursery() as pipeline:  # ends when every taken prompt is written
-                pipeline.start_soon(intake)
-                pipeline.start_soon(engine_loop)
-                pipeline.start_soon(scoring)
+                pipeline.start_soon(intake, g, state)
+                pipeline.start_soon(engine_loop, g, state)
+                pipeline.start_soon(scoring, g, state)
             background.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------- intake
+
+
+async def intake(g: Generator, state: State) -> None:
+    """Take prompts while there is capacity, own pending ones first, and send them to the engine
+    loop; until the first signal."""
+    backlog = await trio.to_thread.run_sync(lambda: own_pending(g.r, stream=g.keys.prompts, consumer=g.id))
+    if backlog:
+        print(f"{g.name}: {len(backlog)} pending prompts of its own", flush=True)
+    with g.intake_scope:
+        while True:
+            await g.capacity.acquire()  # where a stop signal finds it waiting
+            count = 1
+            while count < g.settings.batch_prompts:
+                try:
+                    g.capacity.acquire_nowait()
+                except trio.WouldBlock:
+                    break
+                count += 1
+            with trio.CancelScope(shield=True):  # what is taken from the stream is held
+                entries, backlog = backlog[:count], backlog[count:]
+                if len(entries) < count:
+                    entries += await trio.to_thread.run_sync(partial(
+                        take_prompts, g.r, stream=g.keys.prompts, consumer=g.id, count=count - len(entries),
+                        claim_idle_ms=int(g.settings.claim_idle_s * 1000), wait=not entries))
+                work = await trio.to_thread.run_sync(partial(
+                    prepare_prompts, g.r, g.engine, entries, keys=g.keys, name=g.name,
+                    max_new_tokens=g.sampling.max_new_tokens, limits=g.limits))
+                now = time.perf_counter()
+                for entry_id, task, ids in work:
+                    held = Held(entry_id=entry_id, task=task, prompt_ids=ids, taken_at=now)
+                    state.held[entry_id.decode()] = held
+                    g.arrived_send.send_nowait(held)
+                for _ in range(count - len(work)):
+                    g.capacity.release()
+    await g.arrived_send.aclose()
+
+
+# ---------------------------------------------------------------------- engine
+
+
+async def engine_loop(g: Generator, state: State) -> None:
+    """Add arrived prompts to the engine and step it; load newer weights when nothing is in flight.
+    Ends when the intake has ended and every prompt it took has been sampled."""
+    waiting: deque[Held] = deque()  # arrived, not yet added to the engine
+    running = 0  # added to the engine, not finished; at most engine.max_running, so that
+    # the rest wait here, where newer weights can still reach them before they start
+    asked = -1  # the newest admitted_at weights:latest was read for
+    intake_done = False
+    while True:
+        if take_arrived(g.arrived, waiting):
+            intake_done = True
+        # A prompt admitted at a newer version than ours: read the latest weights now, once
+        # per version asked for (later ones come with the watcher's polls).
+        wanted = max((h.task.admitted_at for h in waiting), default=-1)
+        if wanted > max(g.engine.version, asked):
+            asked = wanted
+            state.latest = await trio.to_thread.run_sync(g.r.get, g.keys.weights_latest)
+        newer = state.latest is not None and state.latest != state.acted_on
+        if newer and not g.engine.has_unfinished():
+            await load_weights(state, g.engine, g.engine_thread, name=g.name)
+            newer = False
+        if waiting and not newer and running < g.engine.max_running:
+            # join the running batch; with newer weights pending, drain first
+            running += await add_waiting(g, waiting, room=g.engine.max_running - running)
+        if g.engine.has_unfinished():
+            running -= await step_engine(g, state)
+            continue
+        if intake_done and not waiting:
+            break
+        # idle: wait for a prompt to arrive or newer weights to show up
+        with trio.move_on_after(g.settings.weights_poll_s):
+            try:
+                waiting.append(await g.arrived.receive())
+            except trio.EndOfChannel:
+                intake_done = True
+    await g.finished_send.aclose()
+
+
+def take_arrived(arrived: trio.MemoryReceiveChannel[Held], waiting: deque[Held]) -> bool:
+    """Move every prompt that has arrived to `waiting`, without waiting; whether the intake has ended."""
+    while True:
+        try:
+            waiting.append(arrived.receive_nowait())
+        except trio.WouldBlock:
+            return False
+        except trio.EndOfChannel:
+            return True
+
+
+async def add_waiting(g: Generator, waiting: deque[Held], *, room: int) -> int:
+    """Add up to `room` waiting prompts to the engine, stamped with its weight version; how many."""
+    version, now = g.engine.version, time.perf_counter()
+    batch = [waiting.popleft() for _ in range(min(len(waiting), room))]
+    for h in batch:
+        h.version, h.added_at = version, now
+    requests = [(h.entry_id.decode(), h.prompt_ids, dataclasses.replace(g.sampling, n=h.task.n)) for h in batch]
+    await run_on_engine(g.engine_thread, add_all, g.engine, requests)
+    return len(batch)
 
 
 def add_all(engine: Engine, requests: list[tuple[str, list[int], SamplingSettings]]) -> None:
@@ -381,10 +335,25 @@ def add_all(engine: Engine, requests: list[tuple[str, list[int], SamplingSetting
         engine.add(request_id, ids, sampling)
 
 
-# ---------------------------------------------------------------------- weights
+async def step_engine(g: Generator, state: State) -> int:
+    """One engine step; each prompt it finished goes on to scoring. How many finished."""
+    finished = await run_on_engine(g.engine_thread, g.engine.step)
+    for done in finished:
+        g.finished_send.send_nowait((done, state.held[done.request_id]))
+    return len(finished)
 
 
-async def load_weights(state: State, engine: Engine, on_engine, *, name: str) -> None:
+async def run_on_engine(thread: concurrent.futures.Executor, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in the engine's own thread (trio's worker threads are any of several)."""
+    token, done = trio.lowlevel.current_trio_token(), trio.Event()
+    future = thread.submit(fn, *args)
+    future.add_done_callback(lambda _: token.run_sync_soon(done.set))
+    await done.wait()
+    return future.result()
+
+
+async def load_weights(state: State, engine: Engine, engine_thread: concurrent.futures.Executor, *,
+                       name: str) -> None:
     """Load the WeightVersion in `state.latest` if it is newer than the engine's; a refusal (the
     payload does not decode, the files fail their checksums or do not fit the model) is counted
     and reported, and the engine keeps its weights."""
@@ -397,7 +366,7 @@ async def load_weights(state: State, engine: Engine, on_engine, *, name: str) ->
         t0 = time.perf_counter()
         await trio.to_thread.run_sync(verify_dir, wv.path, wv.checksums)
         t1 = time.perf_counter()
-        await on_engine(lambda: engine.load_weights(wv.path, version=wv.version))
+        await run_on_engine(engine_thread, lambda: engine.load_weights(wv.path, version=wv.version))
     except (MessageError, CheckpointError) as err:
         state.weights_refused += 1
         state.last_refusal = str(err)
@@ -409,70 +378,44 @@ async def load_weights(state: State, engine: Engine, on_engine, *, name: str) ->
           f"reload {time.perf_counter() - t1:.2f} s)", flush=True)
 
 
-# ---------------------------------------------------------------------- prompts in
+# ---------------------------------------------------------------------- scoring and writing
 
 
-def own_pending(r: redis.Redis, *, stream: str, consumer: str) -> list[Entry]:
-    """Prompts delivered to this consumer name and never acknowledged (it restarted)."""
-    got = r.xreadgroup(GENERATORS_GROUP, consumer, {stream: "0"})
-    return [e for _, es in got or [] for e in es]
+async def scoring(g: Generator, state: State) -> None:
+    """Score and write the group of each prompt the engine finished, `reward_workers` at once."""
+    async with trio.open_nursery() as writers:
+        limit = trio.Semaphore(max(g.settings.reward_workers, 1))  # groups being scored at once
+        async for done, held in g.finished:
+            await limit.acquire()
+            writers.start_soon(score_and_publish, g, state, done, held, limit)
 
 
-def take_prompts(r: redis.Redis, *, stream: str, consumer: str, count: int, claim_idle_ms: int,
-                 wait: bool) -> list[Entry]:
-    """Up to `count` prompt entries: first those idle longer than `claim_idle_ms` in another
-    (dead) generator's pending list, then new ones, waiting up to BLOCK_MS if `wait`."""
-    assert count >= 1, f"count must be >= 1, got {count}"
-    claimed = r.xautoclaim(stream, GENERATORS_GROUP, consumer, min_idle_time=claim_idle_ms,
-                           start_id="0-0", count=count)[1]
-    entries = list(claimed)
-    if len(entries) < count:
-        got = r.xreadgroup(GENERATORS_GROUP, consumer, {stream: ">"}, count=count - len(entries),
-                           block=BLOCK_MS if wait and not entries else None)
-        entries += [e for _, es in got or [] for e in es]
-    return entries
-
-
-def prepare_prompts(r: redis.Redis, engine: Engine, entries: list[Entry], *, keys: Keys,
-                    name: str, max_new_tokens: int, limits: LimitsConfig | None = None
-                    ) -> list[tuple[bytes, PromptTask, list[int]]]:
-    """(entry id, task, prompt token ids) of each entry that decodes and fits the model; the
-    others are moved to the dead-letter stream and acknowledged, in one MULTI/EXEC each."""
-    limits = limits or LimitsConfig()
-    work = []
-    for entry_id, fields in entries:
-        fields = fields or {}  # an entry deleted from the stream comes back without fields
-        try:
-            if PAYLOAD not in fields:
-                raise MessageError(f"entry has no {PAYLOAD.decode()!r} field")
-            task = decode_prompt(fields[PAYLOAD], max_bytes=limits.max_message_bytes, max_n=limits.max_group_size)
-            ids = engine.prompt_ids(task)
-            if len(ids) + max_new_tokens > engine.context_length:
-                raise MessageError(f"prompt {task.id}: {len(ids)} tokens + max_new_tokens "
-                                   f"{max_new_tokens} exceed the model's context {engine.context_length}")
-        except (MessageError, TemplateError) as err:
-            with r.pipeline(transaction=True) as pipe:
-                streams.dead_letter(pipe, dead_stream=keys.prompts_dead, source=keys.prompts,
-                                    entry_id=entry_id, fields=fields, reason=str(err))
-                pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
-                pipe.execute()
-            print(f"{name}: dead-lettered prompt entry {entry_id.decode()}: {err}",
-                  file=sys.stderr, flush=True)
-            continue
-        work.append((entry_id, task, ids))
-    return work
-
-
-# ---------------------------------------------------------------------- scoring
-
-
-def prompt_text(task: PromptTask) -> str:
-    """What the reward sees as the prompt: the last user message, or the raw text."""
-    if task.messages is None:
-        assert task.text is not None, f"prompt {task.id}: neither messages nor text"
-        return task.text
-    users = [m["content"] for m in task.messages if m["role"] == "user"]
-    return users[-1] if users else task.messages[-1]["content"]
+async def score_and_publish(g: Generator, state: State, done: Finished, held: Held, limit: trio.Semaphore) -> None:
+    """Score one finished prompt and write its group (or drop it: dynamic sampling); its place in
+    `capacity` goes back to the intake."""
+    try:
+        group, errors = await trio.to_thread.run_sync(partial(
+            make_group, g.engine, g.rewards, held, done, generator_id=g.id))
+        drop = g.settings.drop_zero_variance and len({c.reward for c in group.completions}) == 1
+        await trio.to_thread.run_sync(partial(
+            drop_group if drop else publish, g.r, keys=g.keys, entry_id=held.entry_id, group=group))
+    finally:
+        limit.release()
+    del state.held[done.request_id]
+    g.capacity.release()
+    tokens = sum(len(c.ids) for c in group.completions)
+    state.produced.append((time.monotonic(), tokens))
+    state.reward_errors += len(errors)
+    if drop:
+        state.dropped_zero_variance += 1
+    else:
+        state.groups += 1
+    for err in errors[:1]:
+        print(f"{g.name}: reward error ({len(errors)} in group {group.id}): {err}", file=sys.stderr, flush=True)
+    if state.groups % 8 == 0 or drop:
+        print(f"{g.name} v{group.version}: {state.groups} groups written"
+              f"{f', {state.dropped_zero_variance} dropped (zero reward variance)' if drop else ''}, "
+              f"{state.tokens_per_s():.0f} tok/s, {len(state.held)} in flight", flush=True)
 
 
 def make_group(engine: Engine, rewards: RewardRunner, held: Held, done: Finished, *,
@@ -496,38 +439,52 @@ def make_group(engine: Engine, rewards: RewardRunner, held: Held, done: Finished
     return group, [f"prompt {task.id}: {sc.error}" for sc in scored if sc.error is not None]
 
 
-# ---------------------------------------------------------------------- groups out, liveness
+def prompt_text(task: PromptTask) -> str:
+    """What the reward sees as the prompt: the last user message, or the raw text."""
+    if task.messages is None:
+        assert task.text is not None, f"prompt {task.id}: neither messages nor text"
+        return task.text
+    users = [m["content"] for m in task.messages if m["role"] == "user"]
+    return users[-1] if users else task.messages[-1]["content"]
 
 
-def publish(r: redis.Redis, *, keys: Keys, entry_id: bytes, group: SampleGroup) -> None:
-    """The group and its prompt's acknowledgement in one MULTI/EXEC: after a crash, a prompt is
-    either fully turned into a group or still pending."""
-    with r.pipeline(transaction=True) as pipe:
-        pipe.xadd(keys.samples, {PAYLOAD: encode(group)})
-        pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
-        pipe.execute()
+# ---------------------------------------------------------------------- weights, heartbeat, signals
 
 
-def drop_group(r: redis.Redis, *, keys: Keys, entry_id: bytes, group: SampleGroup) -> None:
-    """Dynamic sampling: acknowledge the prompt and count its group dropped, in one MULTI/EXEC
-    (the producer admits one more prompt for each)."""
-    with r.pipeline(transaction=True) as pipe:
-        pipe.hincrby(keys.generators, "groups_dropped_zero_variance", 1)
-        pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
-        pipe.execute()
+async def watch_weights(g: Generator, state: State) -> None:
+    """Read `weights:latest` every `weights_poll_s`, for the engine loop to load at a safe point."""
+    while True:
+        blob = await trio.to_thread.run_sync(g.r.get, g.keys.weights_latest)
+        if blob is not None:
+            state.latest = blob
+        await trio.sleep(g.settings.weights_poll_s)
 
 
-def leave_group(r: redis.Redis, *, stream: str, consumer: str) -> None:
-    """Remove this consumer from the prompts group if it holds nothing, so that `rollouts status`
-    does not list a generator that stopped cleanly as dead. One still holding prompts stays, for
-    the others to reclaim them (deleting it would drop them)."""
-    if not r.xpending_range(stream, GENERATORS_GROUP, "-", "+", 1, consumername=consumer):
-        r.xgroup_delconsumer(stream, GENERATORS_GROUP, consumer)
+async def heartbeats(g: Generator, state: State) -> None:
+    """Write the heartbeat hash and renew the GPU lease every few seconds (at once on news), and
+    keep the held prompts from looking idle to the other generators."""
+    touched = time.monotonic()
+    while True:
+        if time.monotonic() - touched > g.settings.claim_idle_s / 3:
+            touched = time.monotonic()
+            await trio.to_thread.run_sync(lambda: touch_held(g.r, stream=g.keys.prompts, consumer=g.id))
+        fields = heartbeat_fields(state, g.engine)
+        await trio.to_thread.run_sync(lambda f=fields: heartbeat(
+            g.r, key=g.keys.generator(g.id), ttl_s=g.settings.heartbeat_ttl_s, fields=f))
+        if g.gpu is not None:
+            await trio.to_thread.run_sync(lambda: devices.renew_gpu(
+                g.r, g.keys, host=g.host, device=g.gpu, owner=g.id, ttl_s=g.settings.heartbeat_ttl_s))
+        with trio.move_on_after(min(5.0, g.settings.heartbeat_ttl_s / 3, g.settings.claim_idle_s / 3)):
+            await state.news.wait()
+        state.news = trio.Event()
 
 
-def touch_held(r: redis.Redis, *, stream: str, consumer: str) -> int:
-    """Mark every prompt pending for `consumer` as just delivered; how many there are."""
-    return int(r.eval(_TOUCH_HELD, 1, stream, GENERATORS_GROUP, consumer))
+def heartbeat_fields(state: State, engine: Engine) -> dict[str, Any]:
+    """What the heartbeat hash says of this generator (`rollouts status` shows it)."""
+    return {"engine": engine.name, "version": engine.version, "tokens_per_s": state.tokens_per_s(),
+            "in_flight": len(state.held), "groups": state.groups, "reward_errors": state.reward_errors,
+            "dropped_zero_variance": state.dropped_zero_variance,
+            "weights_refused": state.weights_refused, "last_refusal": state.last_refusal}
 
 
 def heartbeat(r: redis.Redis, *, key: str, ttl_s: int, fields: dict[str, Any]) -> None:
@@ -535,3 +492,19 @@ def heartbeat(r: redis.Redis, *, key: str, ttl_s: int, fields: dict[str, Any]) -
         pipe.hset(key, mapping={**fields, "last_seen": time.time()})
         pipe.expire(key, ttl_s)
         pipe.execute()
+
+
+async def signals(g: Generator, state: State, everything: trio.CancelScope) -> None:
+    """The first SIGTERM/SIGINT stops the intake (what is held is finished); the second cancels
+    `everything` and sets the exit code."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+        async for signum in received:
+            if state.stopping:
+                print(f"{g.name}: second signal, exiting now", file=sys.stderr, flush=True)
+                state.exit_code = 128 + signum
+                everything.cancel()
+                return
+            state.stopping = True
+            g.intake_scope.cancel()
+            print(f"{g.name}: finishing the {len(state.held)} prompts it holds (signal again to exit now)",
+                  file=sys.stderr, flush=True)

@@ -217,7 +217,7 @@ def test_dynamic_sampling_drops_groups_without_reward_variance_and_counts_them(t
 
 
 def test_held_prompts_are_touched_so_live_generators_do_not_reclaim_them(r):
-    from generators.main import take_prompts, touch_held
+    from generators.prompts import take_prompts, touch_held
 
     stream = Keys("touch").prompts
     r.xgroup_create(stream, GENERATORS_GROUP, id="0", mkstream=True)
