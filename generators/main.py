@@ -57,6 +57,7 @@ import trio
 from common import streams
 from common.checkpoints import CheckpointError, verify_dir
 from common.config import Config, GeneratorConfig, LimitsConfig
+from common.heartbeats import Heartbeat, clear_heartbeat, write_heartbeat
 from common.keys import GENERATORS_GROUP, Keys
 from common.messages import Completion, MessageError, PromptTask, SampleGroup, decode_weights
 from engines.base import Engine, Finished, SamplingSettings
@@ -167,7 +168,7 @@ def run(config: Config, *, generator_id: str) -> None:
             raise leaves[0] from None
         raise
     finally:
-        r.delete(keys.generator(generator_id))  # a clean exit leaves no heartbeat behind
+        clear_heartbeat(r, keys, generator_id)  # a clean exit leaves no heartbeat behind
         leave_group(r, stream=keys.prompts, consumer=generator_id)
         if gpu is not None:
             devices.release_gpu(r, keys, host=host, device=gpu, owner=generator_id)
@@ -468,9 +469,9 @@ async def heartbeats(g: Generator, state: State) -> None:
         if time.monotonic() - touched > g.settings.claim_idle_s / 3:
             touched = time.monotonic()
             await trio.to_thread.run_sync(lambda: touch_held(g.r, stream=g.keys.prompts, consumer=g.id))
-        fields = heartbeat_fields(state, g.engine)
-        await trio.to_thread.run_sync(lambda f=fields: heartbeat(
-            g.r, key=g.keys.generator(g.id), ttl_s=g.settings.heartbeat_ttl_s, fields=f))
+        beat = heartbeat(state, g.engine)
+        await trio.to_thread.run_sync(lambda b=beat: write_heartbeat(
+            g.r, g.keys, g.id, b, ttl_s=g.settings.heartbeat_ttl_s))
         if g.gpu is not None:
             await trio.to_thread.run_sync(lambda: devices.renew_gpu(
                 g.r, g.keys, host=g.host, device=g.gpu, owner=g.id, ttl_s=g.settings.heartbeat_ttl_s))
@@ -479,19 +480,12 @@ async def heartbeats(g: Generator, state: State) -> None:
         state.news = trio.Event()
 
 
-def heartbeat_fields(state: State, engine: Engine) -> dict[str, Any]:
-    """What the heartbeat hash says of this generator (`rollouts status` shows it)."""
-    return {"engine": engine.name, "version": engine.version, "tokens_per_s": state.tokens_per_s(),
-            "in_flight": len(state.held), "groups": state.groups, "reward_errors": state.reward_errors,
-            "dropped_zero_variance": state.dropped_zero_variance,
-            "weights_refused": state.weights_refused, "last_refusal": state.last_refusal}
-
-
-def heartbeat(r: redis.Redis, *, key: str, ttl_s: int, fields: dict[str, Any]) -> None:
-    with r.pipeline(transaction=True) as pipe:
-        pipe.hset(key, mapping={**fields, "last_seen": time.time()})
-        pipe.expire(key, ttl_s)
-        pipe.execute()
+def heartbeat(state: State, engine: Engine) -> Heartbeat:
+    """What the heartbeat says of this generator now (`rollouts status` shows it)."""
+    return Heartbeat(engine=engine.name, version=engine.version, tokens_per_s=state.tokens_per_s(),
+                     in_flight=len(state.held), groups=state.groups, reward_errors=state.reward_errors,
+                     dropped_zero_variance=state.dropped_zero_variance, weights_refused=state.weights_refused,
+                     last_refusal=state.last_refusal)
 
 
 async def signals(g: Generator, state: State, everything: trio.CancelScope) -> None:

@@ -17,6 +17,7 @@ from jinja2 import TemplateError
 
 from common import streams
 from common.config import LimitsConfig
+from common.heartbeats import count_dropped_zero_variance
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import MessageError, PromptTask, SampleGroup, decode_prompt, encode
 from engines.base import Engine
@@ -125,6 +126,6 @@ def drop_group(r: redis.Redis, *, keys: Keys, entry_id: bytes, group: SampleGrou
     """Dynamic sampling: acknowledge the prompt and count its group dropped, in one MULTI/EXEC
     (the producer admits one more prompt for each)."""
     with r.pipeline(transaction=True) as pipe:
-        pipe.hincrby(keys.generators, "groups_dropped_zero_variance", 1)
+        count_dropped_zero_variance(pipe, keys)
         pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
         pipe.execute()

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from common.checkpoints import CheckpointError, checksum_dir, verify_dir
+from common.heartbeats import read_counters, read_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import WeightVersion, decode_group, encode
 from tests.helpers import spawn, stop, wait_for
@@ -74,10 +75,9 @@ def test_generator_process_turns_prompts_into_groups_and_follows_weights(engine,
                  what="no pending prompts", procs=[proc])
         dead = r.xrange(keys.prompts_dead)
         assert len(dead) == 1 and dead[0][1][b"entry_id"] == garbage and dead[0][1][b"reason"]
-        beat = r.hgetall(hb)
-        wait_for(lambda: int(r.hget(hb, "groups") or 0) == 4, timeout=10, what="heartbeat of 4 groups", procs=[proc])
-        beat = r.hgetall(hb)
-        assert beat[b"version"] == b"0" and beat[b"engine"] == engine.encode()
+        beat = wait_for(lambda: (b := read_heartbeat(r, keys, "g1")) and b.groups == 4 and b, timeout=10,
+                        what="heartbeat of 4 groups", procs=[proc])
+        assert beat.version == 0 and beat.engine == engine
         assert 0 < r.ttl(hb) <= 30
 
         # -- version 1 published: loaded at the next safe point, stamped on later groups
@@ -85,7 +85,8 @@ def test_generator_process_turns_prompts_into_groups_and_follows_weights(engine,
         step_1 = perturbed_copy(tiny_model, ckpt / "step_1", seed=1)
         publish_weights(r, keys, WeightVersion(version=1, step=1, path=str(step_1), format="safetensors",
                                                checksums=checksum_dir(step_1), created_at=time.time()))
-        wait_for(lambda: r.hget(hb, "version") == b"1", timeout=30, what="heartbeat version 1", procs=[proc])
+        wait_for(lambda: read_heartbeat(r, keys, "g1").version == 1, timeout=30, what="heartbeat version 1",
+                 procs=[proc])
         for i in range(4, 6):
             r.xadd(keys.prompts, {PAYLOAD: encode(ask(i))})
         wait_for(lambda: r.xlen(keys.samples) >= 6, timeout=60, what="6 groups", procs=[proc])
@@ -96,15 +97,15 @@ def test_generator_process_turns_prompts_into_groups_and_follows_weights(engine,
         sums = checksum_dir(step_2) | {"model.safetensors": "0" * 64}
         publish_weights(r, keys, WeightVersion(version=2, step=2, path=str(step_2), format="safetensors",
                                                checksums=sums, created_at=time.time()))
-        wait_for(lambda: int(r.hget(hb, "weights_refused") or 0) >= 1, timeout=30,
+        wait_for(lambda: read_heartbeat(r, keys, "g1").weights_refused >= 1, timeout=30,
                  what="weights refused", procs=[proc])
         for i in range(6, 8):
             r.xadd(keys.prompts, {PAYLOAD: encode(ask(i))})
         wait_for(lambda: r.xlen(keys.samples) >= 8, timeout=60, what="8 groups", procs=[proc])
         assert [g.version for g in groups(r, keys)[6:]] == [1, 1]
-        beat = r.hgetall(hb)
-        assert beat[b"version"] == b"1" and b"sha256" in beat[b"last_refusal"]
-        assert int(beat[b"weights_refused"]) == 1, "a refused version is not re-checked every pass"
+        beat = read_heartbeat(r, keys, "g1")
+        assert beat.version == 1 and "sha256" in beat.last_refusal
+        assert beat.weights_refused == 1, "a refused version is not re-checked every pass"
     finally:
         code = stop(proc)
     output = log.read_text()
@@ -178,7 +179,7 @@ def test_rewards_that_raise_or_hang_are_recorded_errors_and_the_generator_goes_o
     proc = spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=log)
     try:
         wait_for(lambda: r.xlen(keys.samples) >= len(moods), timeout=120, what="every group", procs=[proc])
-        wait_for(lambda: int(r.hget(keys.generator("g1"), "reward_errors") or 0) == 6, timeout=15,
+        wait_for(lambda: read_heartbeat(r, keys, "g1").reward_errors == 6, timeout=15,
                  what="6 reward errors in the heartbeat", procs=[proc])
         from common.cli import status_lines
 
@@ -205,7 +206,7 @@ def test_dynamic_sampling_drops_groups_without_reward_variance_and_counts_them(t
     log = tmp_path / "generator.log"
     proc = spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=log)
     try:
-        wait_for(lambda: r.hget(keys.generators, "groups_dropped_zero_variance") == b"4", timeout=120,
+        wait_for(lambda: read_counters(r, keys).groups_dropped_zero_variance == 4, timeout=120,
                  what="4 groups dropped", procs=[proc])
     finally:
         code = stop(proc)

@@ -3,6 +3,7 @@
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from common.messages import decode_group, encode
 from common.progress import read_producer, read_trainer
 from producers.sft import conversation_group, truncate
 from tests.helpers import spawn, stop, wait_for
+from tests.test_plot import STEP
 from tests.test_trainer import make_group
 from trainer.batch import micro_batches
 from trainer.grpo import sft_loss, token_logprobs
@@ -43,9 +45,9 @@ def test_sft_groups_batch_with_one_completion_and_metrics_have_no_reward(tiny_mo
     batches, total_tokens, total_seqs = micro_batches([group], micro_batch_size=4, objective="sft")
     assert total_tokens == sum(group.completions[0].loss_mask) > 0 and total_seqs == 1
     assert batches[0].advantages.tolist() == [0.0]
-    m = step_metrics([group], step=3, staleness=[0], rewarded=False)
-    assert m["reward/mean"] is None and m["reward/std"] is None and m["frac_reward_zero_std"] is None
-    line = summary_line({**m, "step": 3, "loss/sft": 1.5, "entropy": 2.0, "lr": 1e-3, "time/step": 0.1})
+    m = step_metrics([group], staleness=[0], rewarded=False)
+    assert m["reward_mean"] is None and m["reward_std"] is None and m["frac_reward_zero_std"] is None
+    line = summary_line(replace(STEP, **m, step=3, policy=None, sft_loss=1.5, entropy=2.0, lr=1e-3, time_step=0.1))
     assert "sft 1.5000" in line and "reward   -  " in line
 
     # Truncation keeps the prompt and cuts the completion; nothing trainable left: None.

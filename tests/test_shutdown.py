@@ -14,6 +14,7 @@ import redis
 
 from common.keys import PAYLOAD
 from common.messages import decode_prompt
+from common.progress import read_producer, read_trainer, write_step
 from tests.conftest import free_port, start_redis
 from tests.helpers import ROOT, accounting, assert_accounted, spawn, spawn_ops_honcho, stop, wait_for
 from tests.test_faults import KEYS, Pipeline, metrics, report, trained_once, write_config
@@ -32,10 +33,11 @@ def two_signals(proc) -> float:
 def saved_consistently(r, tmp_path) -> int:
     """The trainer's step, checking that what it acknowledged is exactly what its newest saved
     state holds and that nothing half-written is left."""
-    step, state_step, version = (int(r.hget(KEYS.trainer, k) or 0) for k in ("step", "state_step", "version"))
+    progress = read_trainer(r, KEYS)
+    step, state_step, version = progress.step, progress.state_step, progress.version
     trained = {m.decode(): int(s) for m, s in r.zrange(KEYS.trained, 0, -1, withscores=True)}
     assert all(s <= state_step for s in trained.values()), f"acknowledged past the saved state {state_step}"
-    assert int(r.hget(KEYS.trainer, "groups_trained") or 0) == len(trained)
+    assert read_trainer(r, KEYS).groups_trained == len(trained)
     if state_step:
         assert (tmp_path / "run" / "trainer_state" / f"step_{state_step}").is_dir()
         assert (tmp_path / "run" / "checkpoints" / f"step_{version}").is_dir()
@@ -60,7 +62,7 @@ def test_trainer_first_sigterm_finishes_the_step_saves_and_a_restart_resumes(tmp
     assert "SIGTERM: finishing the current step" in log and "stopped at step" in log, log
     # everything it trained is saved and acknowledged: the step it was in, finished, is the last
     step = saved_consistently(r, tmp_path)
-    assert int(r.hget(KEYS.trainer, "state_step")) == step == max(m["step"] for m in metrics(tmp_path))
+    assert read_trainer(r, KEYS).state_step == step == max(m["step"] for m in metrics(tmp_path))
     stopped = accounting(r, KEYS)
     assert stopped["trained"] == 4 * step, stopped
     print(f"\ntrainer SIGTERM at step {step}: saved state step {step}, groups trained {stopped['trained']}, "
@@ -90,9 +92,9 @@ def test_trainer_second_signal_exits_at_once_and_a_restart_retrains_what_was_not
     log = pipe.log("trainer").read_text()
     assert code == 130 and "second signal, exiting now" in log, (code, log)
     assert seconds < 5, f"the second signal took {seconds:.1f}s to stop the trainer"
-    assert int(r.hget(KEYS.trainer, "state_step") or 0) == 0 and r.zcard(KEYS.trained) == 0
+    assert read_trainer(r, KEYS).state_step == 0 and r.zcard(KEYS.trained) == 0
     stopped = accounting(r, KEYS)
-    print(f"\ntrainer second signal: exited in {seconds:.2f}s at step {r.hget(KEYS.trainer, 'step').decode()}, "
+    print(f"\ntrainer second signal: exited in {seconds:.2f}s at step {read_trainer(r, KEYS).step}, "
           f"nothing saved; groups left pending {stopped['samples_pending']}")
     assert stopped["samples_pending"] >= 8  # the groups of the two steps it trained: not lost
 
@@ -112,13 +114,13 @@ def test_producer_first_sigterm_stops_cleanly_and_a_second_at_once(tmp_path, red
         return spawn("producers", cwd=tmp_path, env=env, log=log)
 
     def admitted() -> int:
-        return int(r.hget(KEYS.producer, "admitted") or 0)
+        return read_producer(r, KEYS).admitted
 
     def consistent() -> int:
         """Admitted prompts, each on the stream once, the position where the next one starts."""
         n = admitted()
         assert r.xinfo_stream(KEYS.prompts)["entries-added"] == n
-        assert int(r.hget(KEYS.producer, "arithmetic:offset")) == n
+        assert read_producer(r, KEYS).sources["arithmetic"].offset == n
         return n
 
     # first signal: it stops after the admission in hand, exit 0
@@ -134,7 +136,7 @@ def test_producer_first_sigterm_stops_cleanly_and_a_second_at_once(tmp_path, red
     producer = start()
     wait_for(lambda: "resuming after 8 prompts" in log.read_text(), timeout=60, what="the restart",
              procs=[producer])
-    r.hset(KEYS.trainer, "version", 3)  # the limit is now (1 + 3 + 1) * 4 = 20
+    write_step(r, KEYS, step=3, version=3)  # the limit is now (1 + 3 + 1) * 4 = 20
     wait_for(lambda: admitted() == 20, timeout=60, what="20 prompts admitted", procs=[producer])
 
     # a second signal exits at once, leaving the position and the stream in step
@@ -143,7 +145,7 @@ def test_producer_first_sigterm_stops_cleanly_and_a_second_at_once(tmp_path, red
     assert "producer: second signal, exiting now" in log.read_text()
     assert consistent() == 20
     producer = start()
-    r.hset(KEYS.trainer, "version", 4)
+    write_step(r, KEYS, step=4, version=4)
     wait_for(lambda: admitted() == 24, timeout=60, what="24 prompts admitted", procs=[producer])
     assert stop(producer) == 0
     assert consistent() == 24
@@ -174,7 +176,7 @@ def test_ops_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_pa
 
     def step() -> int:
         try:
-            return int(r.hget(KEYS.trainer, "step") or 0)
+            return read_trainer(r, KEYS).step
         except redis.exceptions.ConnectionError:
             return 0
 

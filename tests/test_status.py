@@ -1,28 +1,33 @@
 """`rollouts status` against a real Redis holding a run's state."""
 
 import re
+from dataclasses import replace
 
 from common.cli import main, status_lines
 from common.config import config_from_dict
+from common.heartbeats import Heartbeat, write_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
+from common.progress import count_trained, write_step
 from tests.helpers import wait_for
+from tests.test_plot import STEP
 from trainer.tracking import Tracker
 
 
 def test_status_shows_trainer_timing_and_marks_a_dead_generator(tmp_path, r, redis_url, capsys):
     keys = Keys("st")
     config = config_from_dict({"run": "st", "redis_url": redis_url, "output_dir": str(tmp_path / "run")})
-    r.hset(keys.trainer, mapping={"step": 7, "version": 6, "groups_trained": 28})
-    Tracker(r, config).log({"step": 7, "time/step": 10.0, "time/wait_data": 2.5, "staleness/mean": 0.5,
-                            "staleness/max": 1, "tokens_per_s": 123.4})
+    write_step(r, keys, step=7, version=6)
+    count_trained(r, keys, 28)
+    Tracker(r, config).log(replace(STEP, step=7, time_step=10.0, time_wait_data=2.5, staleness_mean=0.5,
+                                   staleness_max=1, tokens_per_s=123.4))
     # Prompts admitted; the generator "gone" took two of them and then its heartbeat expired.
     r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
     for i in range(3):
         r.xadd(keys.prompts, {PAYLOAD: b"x%d" % i})
     r.xreadgroup(GENERATORS_GROUP, "gone", {keys.prompts: ">"}, count=2)
-    r.hset(keys.generator("alive"), mapping={"engine": "hf", "version": 6, "tokens_per_s": 51.25,
-                                             "in_flight": 1, "last_seen": 0})
-    r.expire(keys.generator("alive"), 60)
+    write_heartbeat(r, keys, "alive", Heartbeat(engine="hf", version=6, tokens_per_s=51.25, in_flight=1, groups=3,
+                                                reward_errors=0, dropped_zero_variance=0, weights_refused=0),
+                    ttl_s=60)
 
     screen = "\n".join(status_lines(r, "st"))
     assert "trainer    step 7  version 6  trained+saved 28" in screen
@@ -56,7 +61,7 @@ def test_metrics_reach_tensorboard_and_wandb_with_the_config(tmp_path, r, redis_
                                "trainer": {"report_to": ["tensorboard", "wandb"], "wandb_project": "p"}})
     tracker = Tracker(r, config)
     for step, reward in [(1, 0.25), (2, 0.5)]:
-        tracker.log({"step": step, "reward/mean": reward, "accuracy": None, "group_ids": ["a"]})
+        tracker.log(replace(STEP, step=step, reward_mean=reward, accuracy=None))
     tracker.close()
 
     events = EventAccumulator(str(tmp_path / "tensorboard"))

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.checkpoints import verify_dir
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import Completion, SampleGroup, decode_weights, encode
+from common.progress import TrainerProgress, read_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "t"
@@ -111,9 +112,8 @@ def test_trainer_trains_publishes_and_dead_letters(tmp_path, redis_url, r, tiny_
     assert "at least 2" in reasons[4]
 
     # Progress, every valid group trained once, nothing left pending.
-    h = {k.decode(): int(v) for k, v in r.hgetall(KEYS.trainer).items()}
-    assert h == {"step": 3, "version": 3, "state_step": 3, "groups_trained": 6, "groups_dead": 5,
-                 "groups_duplicate": 1, "groups_dropped_stale": 1}
+    assert read_trainer(r, KEYS) == TrainerProgress(step=3, version=3, state_step=3, groups_trained=6, groups_dead=5,
+                                                    groups_duplicate=1, groups_dropped_stale=1)
     assert {m.decode() for m in r.zrange(KEYS.trained, 0, -1)} == {g.id for g in good}
     assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0
 
@@ -153,7 +153,7 @@ def test_restarted_trainer_resumes_and_never_retrains_a_group(tmp_path, redis_ur
     for g in first:
         xadd(r, encode(g))
     run_trainer(tmp_path, redis_url, tiny_model, max_steps=1)
-    assert r.hget(KEYS.trainer, "step") == b"1"
+    assert read_trainer(r, KEYS).step == 1
 
     # The same group again (a redelivery), then two new ones: only the new ones are trained.
     xadd(r, encode(first[0]))
@@ -163,8 +163,8 @@ def test_restarted_trainer_resumes_and_never_retrains_a_group(tmp_path, redis_ur
     assert "resuming at step 1" in proc.stdout
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [(m["step"], m["group_ids"]) for m in lines] == [(1, ["a0", "a1"]), (2, ["b0", "b1"])]
-    assert r.hget(KEYS.trainer, "groups_duplicate") == b"1"
-    assert r.hget(KEYS.trainer, "groups_trained") == b"4"
+    assert read_trainer(r, KEYS).groups_duplicate == 1
+    assert read_trainer(r, KEYS).groups_trained == 4
     assert decode_weights(r.get(KEYS.weights_latest)).version == 2
     assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0
 
@@ -193,7 +193,7 @@ def test_sigterm_publishes_unpublished_steps_and_exits_0(tmp_path, redis_url, r,
         while not (metrics.exists() and len(metrics.read_text().splitlines()) == 2):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
-        assert r.hget(KEYS.trainer, "version") == b"0" and r.zcard(KEYS.trained) == 0
+        assert read_trainer(r, KEYS).version == 0 and r.zcard(KEYS.trained) == 0
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     finally:

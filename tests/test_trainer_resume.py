@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import encode
+from common.progress import read_trainer
 from tests.test_trainer import make_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,8 +89,8 @@ def test_sigkill_between_checkpoints_then_restart_matches_an_uninterrupted_run(t
         if proc.poll() is None:
             proc.kill()
     # Step 3's weights were published only with sync_every 1; its state was saved in neither case.
-    assert r.hget(keys.trainer, "version") == (b"3" if sync_every == 1 else b"2")
-    assert r.hget(keys.trainer, "state_step") == b"2"
+    assert read_trainer(r, keys).version == (3 if sync_every == 1 else 2)
+    assert read_trainer(r, keys).state_step == 2
     assert r.xpending(keys.samples, TRAINER_GROUP)["pending"] == 2  # step 3's groups, never acknowledged
 
     for blob in blobs[6:]:
