@@ -12,6 +12,7 @@ from common.checkpoints import CheckpointError, checksum_dir, verify_dir
 from common.heartbeats import read_counters, read_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import WeightVersion, decode_group, encode
+from common.progress import read_trainer
 from tests.helpers import spawn, stop, wait_for
 from tests.test_engines import ask, need, perturbed_copy
 
@@ -214,7 +215,8 @@ def test_dynamic_sampling_drops_groups_without_reward_variance_and_counts_them(t
     assert r.xlen(keys.samples) == 0 and r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0
     from producers.main import dropped_groups
 
-    assert dropped_groups(r, keys) == 4, "the producer admits one more prompt for each dropped group"
+    assert dropped_groups(r, keys, read_trainer(r, keys)) == 4, \
+        "the producer admits one more prompt for each dropped group"
 
 
 def test_held_prompts_are_touched_so_live_generators_do_not_reclaim_them(r):
