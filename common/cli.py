@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -117,8 +118,27 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
+def dotenv(path: Path) -> dict[str, str]:
+    """The variables of an env file as honcho reads it (`.env`: KEY=VALUE lines, # comments,
+    optional quotes); {} if there is none."""
+    if not path.is_file():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key and not key.startswith("#"):
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            out[key.strip().removeprefix("export ").strip()] = value
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    # Run from the checkout without --config, the command sees the run the processes see: honcho
+    # gives them `.env` (the Redis URL, the config file); the environment, where set, still wins.
+    env = dict(os.environ) if getattr(args, "config", None) else {**dotenv(Path(".env")), **os.environ}
     if args.command == "prepare-model":
         from common.models import prepare_default_model
 
@@ -126,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     try:
-        config = load_config(args.config) if args.command != "plot" or not args.metrics else None
+        config = load_config(args.config, env=env) if args.command != "plot" or not args.metrics else None
     except ConfigError as err:
         sys.exit(f"rollouts: {err}")
 

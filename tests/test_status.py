@@ -1,6 +1,9 @@
 """`rollouts status` against a real Redis holding a run's state."""
 
+import os
 import re
+import subprocess
+import sys
 from dataclasses import replace
 
 from common.cli import main, status_lines
@@ -74,3 +77,21 @@ def test_metrics_reach_tensorboard_and_wandb_with_the_config(tmp_path, r, redis_
     # wandb's own service process writes the record; it may land just after finish() returns.
     wait_for(lambda: b"reward/mean" in record.read_bytes(), timeout=60, what="the metric in the W&B record")
     assert b"wandb_project" in record.read_bytes()  # the resolved config
+
+
+def test_rollouts_status_as_the_readme_gives_it_finds_the_run_through_dotenv(tmp_path, r, redis_url):
+    """`.venv/bin/rollouts status` from the checkout during `./ops/run`: no flags, no variables set;
+    the Redis URL and the config come from `.env`, as honcho gives them to the processes."""
+    (tmp_path / "demo.toml").write_text('run = "readme"\n')
+    (tmp_path / ".env").write_text(f"# read by honcho\nROLLOUTS_REDIS_URL={redis_url}\nROLLOUTS_CONFIG='demo.toml'\n")
+    write_step(r, Keys("readme"), step=4, version=4)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    done = subprocess.run([sys.executable, "-m", "common.cli", "status"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("run readme\n") and "trainer    step 4  version 4" in done.stdout
+    # The environment still wins over .env.
+    env["ROLLOUTS_RUN"] = "other"
+    done = subprocess.run([sys.executable, "-m", "common.cli", "status"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("run other\n"), done.stderr
