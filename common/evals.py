@@ -52,6 +52,10 @@ class EvalRequest:
     evals_path: str  # JSONL file the result is appended to; "" for none
 
 
+_KINDS = {"int": int, "str": str, "float": (int, float), "list[str]": list, "dict[str, str]": dict}  # JSON's types
+assert {f.type for f in fields(EvalRequest)} <= set(_KINDS), "an EvalRequest field type has no JSON check"
+
+
 def eval_queue(r: redis.Redis, keys: Keys) -> Queue:
     return Queue(keys.eval_queue, connection=r, serializer=JSONSerializer)
 
@@ -79,7 +83,7 @@ def read_request(spec: dict[str, Any]) -> EvalRequest:
         raise EvalRequestError(f"evaluation spec: missing {missing}, unknown {unknown}")
     request = EvalRequest(**spec)
     for f in fields(EvalRequest):
-        kind = {"int": int, "str": str, "float": (int, float), "list[str]": list, "dict[str, str]": dict}[f.type]
+        kind = _KINDS[f.type]
         value = getattr(request, f.name)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise EvalRequestError(f"evaluation spec: {f.name} is {value!r}, not {f.type}")

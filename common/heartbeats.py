@@ -35,6 +35,7 @@ class Heartbeat:
 
 _TYPES = {f.name: f.type for f in fields(Heartbeat)}
 _PARSE = {"str": bytes.decode, "int": int, "float": float}
+assert set(_TYPES.values()) <= set(_PARSE), f"a Heartbeat field type has no parser: {_TYPES}"
 
 
 def write_heartbeat(r: redis.Redis, keys: Keys, generator_id: str, beat: Heartbeat, *, ttl_s: float) -> None:

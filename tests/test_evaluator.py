@@ -1,14 +1,14 @@
 import json
 import zlib
 
-import msgpack
 from rq.registry import FailedJobRegistry
 
 from common.checkpoints import checksum_dir
 from common.config import config_from_dict
 from common.evals import enqueue_eval, eval_queue
-from common.keys import PAYLOAD, Keys
+from common.keys import Keys
 from common.messages import WeightVersion
+from common.metrics import read_metrics_stream
 from tests.helpers import spawn
 
 RUN = "ev"
@@ -33,8 +33,7 @@ def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(tmp_path, redis_ur
     assert json.loads(zlib.decompress(r.hget(f"rq:job:{job.id}", "data")))
 
     assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
-    [(_, fields)] = r.xrange(Keys(RUN).metrics)
-    result = msgpack.unpackb(fields[PAYLOAD])
+    [result] = read_metrics_stream(r, Keys(RUN))
     assert result["kind"] == "eval" and result["version"] == 3 and result["eval/prompts"] == 4
     assert 0.0 <= result["eval/pass@1"] <= result["eval/pass@2"] <= 1.0
     assert json.loads(r.hget(Keys(RUN).evals, "3")) == result
