@@ -19,7 +19,8 @@ from common import streams
 from common.config import LimitsConfig
 from common.heartbeats import count_dropped_zero_variance
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import MessageError, PromptTask, SampleGroup, decode_prompt, encode
+from common.messages import MessageError, PromptTask, SampleGroup, decode_prompt, encode, peek_id
+from common.progress import settle
 from engines.base import Engine
 
 BLOCK_MS = 1000  # longest wait for new prompts before the intake comes round (stop, capacity)
@@ -86,6 +87,8 @@ def prepare_prompts(r: redis.Redis, engine: Engine, entries: list[Entry], *, key
                 streams.dead_letter(pipe, dead_stream=keys.prompts_dead, source=keys.prompts,
                                     entry_id=entry_id, fields=fields, reason=str(err))
                 pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
+                # an admitted prompt given up for good: the producer admits another in its place
+                settle(pipe, keys, [i for i in [peek_id(fields.get(PAYLOAD, b""))] if i], dropped=True)
                 pipe.execute()
             print(f"{name}: dead-lettered prompt entry {entry_id.decode()}: {err}",
                   file=sys.stderr, flush=True)
@@ -127,5 +130,6 @@ def drop_group(r: redis.Redis, *, keys: Keys, entry_id: bytes, group: SampleGrou
     (the producer admits one more prompt for each)."""
     with r.pipeline(transaction=True) as pipe:
         count_dropped_zero_variance(pipe, keys)
+        settle(pipe, keys, [group.id], dropped=True)
         pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
         pipe.execute()

@@ -14,13 +14,13 @@ import time
 import redis
 
 from common.config import Config
-from common.heartbeats import read_counters
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import PromptTask, SampleGroup, encode
 from common.models import resolve_model_path
 from common.progress import (
     SourcePosition,
-    TrainerProgress,
+    add_outstanding,
+    read_dropped,
     read_producer,
     read_trainer,
     start_producer,
@@ -39,13 +39,6 @@ MAX_PER_TRANSACTION = 64
 
 class ProducerError(RuntimeError):
     """The run's stored position does not fit this producer's configuration."""
-
-
-def dropped_groups(r: redis.Redis, keys: Keys, trainer: TrainerProgress) -> int:
-    """Admitted prompts that will never fill a trainer step: dropped (too stale, or by dynamic
-    sampling for zero reward variance) or dead-lettered. Admitting as many more over-samples."""
-    zero_variance = read_counters(r, keys).groups_dropped_zero_variance
-    return trainer.groups_dropped_stale + trainer.groups_dead + zero_variance + r.xlen(keys.prompts_dead)
 
 
 def load_positions(r: redis.Redis, keys: Keys, *, seed: int,
@@ -85,6 +78,7 @@ def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[fl
     With a `tokenizer` (sft sources) each is a conversation's SampleGroup on the samples stream."""
     pipe = r.pipeline(transaction=True)
     skipped = []
+    ids = []
     truncated = tokens_cut = 0
     for index in range(admitted, admitted + count):
         source = sources[choose(seed=seed, index=index, weights=weights)]
@@ -100,6 +94,7 @@ def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[fl
             if source.size is not None and misses > source.size:  # a whole epoch of nothing
                 raise DataError(f"source {source.name!r}: no row makes a trainable conversation "
                                 f"(last: {made.reason})")
+        ids.append(made.id)
         if tokenizer is not None:
             truncated, tokens_cut = truncated + (cut > 0), tokens_cut + cut
             pipe.xadd(keys.samples, {PAYLOAD: encode(made)})
@@ -107,6 +102,7 @@ def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[fl
         msg = PromptTask(id=made.id, messages=made.messages, text=made.text, meta=made.meta,
                          n=n, admitted_at=version)
         pipe.xadd(keys.prompts, {PAYLOAD: encode(msg)})
+    add_outstanding(pipe, keys, ids)
     write_admission(pipe, keys, positions={s.name: (s.epoch, s.offset) for s in sources}, admitted=count,
                     skipped=[(source.name, f"{row.id}: {row.reason}") for source, row in skipped],
                     truncated=truncated, tokens_cut=tokens_cut)
@@ -161,7 +157,7 @@ def run(config: Config) -> None:
         version = trainer.step if sft else trainer.version
         limit = admission_limit(version=version, max_staleness=config.rollout.max_staleness,
                                 prompts_per_step=config.rollout.prompts_per_step,
-                                dropped=dropped_groups(r, keys, trainer))
+                                dropped=read_dropped(r, keys))
         count = min(limit - admitted, MAX_PER_TRANSACTION)
         if count <= 0:
             time.sleep(POLL_S)

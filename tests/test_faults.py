@@ -185,6 +185,7 @@ def test_trainer_sigkill_between_checkpoints(tmp_path, redis_url, r, tiny_model)
     pipe.finish()
     after = accounting(r, KEYS)
     report("trainer SIGKILL", at_kill, after)
+    assert after["dropped_stale"] == 0, "a fault made admitted prompts go stale"
     assert "from its trainer state" in pipe.log("trainer").read_text()
     assert_accounted(after)
     assert after["trained"] == len(trained_once(r, tmp_path, steps)) == steps * 4
@@ -203,6 +204,7 @@ def test_producer_sigkill_mid_run(tmp_path, redis_url, r, tiny_model):
     pipe.finish()
     after = accounting(r, KEYS)
     report("producer SIGKILL", at_kill, after)
+    assert after["dropped_stale"] == 0, "a fault made admitted prompts go stale"
     assert_accounted(after)
     ids = trained_once(r, tmp_path, steps)
     assert after["trained"] == len(ids) == steps * 4
@@ -215,7 +217,7 @@ def test_redis_sigkill_and_restart_from_its_append_only_file(tmp_path, tiny_mode
     steps = 5
     port = free_port()
     data = tmp_path / "redis"
-    args = ("--appendfsync", "always")  # every write on disk before Redis answers it
+    args = ("--appendfsync", "everysec")  # as the Procfile ships it: a SIGKILL keeps the page cache
     server = start_redis(data, port, *args)
     url = f"redis://127.0.0.1:{port}/0"
     r = redis.Redis.from_url(url)
@@ -237,6 +239,7 @@ def test_redis_sigkill_and_restart_from_its_append_only_file(tmp_path, tiny_mode
         pipe.finish()
         after = accounting(r, KEYS)
         report("Redis SIGKILL", at_kill, after)
+        assert after["dropped_stale"] == 0, "a fault made admitted prompts go stale"
         assert_accounted(after)
         assert after["trained"] == len(trained_once(r, tmp_path, steps)) == steps * 4
         assert after["admitted"] >= at_kill["admitted"]

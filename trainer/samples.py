@@ -25,8 +25,8 @@ import redis
 
 from common.config import LimitsConfig
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
-from common.messages import MessageError, SampleGroup, decode_group
-from common.progress import Refused, count_refused
+from common.messages import MessageError, SampleGroup, decode_group, peek_id
+from common.progress import Refused, count_refused, settle
 from common.streams import dead_letter
 from trainer.shutdown import Shutdown
 
@@ -79,15 +79,19 @@ def validate(fields: dict, *, vocab_size: int, objective: str = "grpo", limits: 
     return group
 
 
-def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, why: Refused,
+def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, why: Refused, group_id: str | None = None,
            fields: dict | None = None, reason: str = "") -> None:
-    """Acknowledge an entry that will never be trained on and count it (dead-letter it if `fields`)."""
+    """Acknowledge an entry that will never be trained on and count it (dead-letter it if
+    `fields`); a stale or dead group settles its prompt `group_id` as dropped, if the producer
+    admitted it and nothing settled it yet (a duplicate never does: its prompt is settled)."""
     pipe = r.pipeline(transaction=True)
     if fields is not None:
         dead_letter(pipe, dead_stream=keys.samples_dead, source=keys.samples, entry_id=entry_id,
                     fields=fields, reason=reason)
     pipe.xack(keys.samples, TRAINER_GROUP, entry_id)
     count_refused(pipe, keys, why)
+    if group_id is not None and why is not Refused.DUPLICATE:
+        settle(pipe, keys, [group_id], dropped=True)
     pipe.execute()
 
 
@@ -109,7 +113,8 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
             try:
                 group = validate(fields, vocab_size=vocab_size, objective=objective, limits=limits)
             except MessageError as err:
-                reject(r, keys, entry_id, why=Refused.DEAD, fields=fields, reason=str(err))
+                reject(r, keys, entry_id, why=Refused.DEAD, group_id=peek_id(fields.get(PAYLOAD, b"")),
+                       fields=fields, reason=str(err))
                 print(f"trainer: dead-lettered sample entry {entry_id.decode()}: {err}",
                       file=sys.stderr, flush=True)
                 got.dead += 1
@@ -119,7 +124,7 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
                 got.duplicate += 1
                 continue
             if max_staleness is not None and step - group.version > max_staleness:
-                reject(r, keys, entry_id, why=Refused.STALE)
+                reject(r, keys, entry_id, why=Refused.STALE, group_id=group.id)
                 got.stale += 1
                 continue
             seen.add(group.id)
