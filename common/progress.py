@@ -72,6 +72,14 @@ def count_trained(r: Client, keys: Keys, groups: int) -> None:
     r.hincrby(keys.trainer, "groups_trained", groups)
 
 
+def restore_trained(pipe: Client, keys: Keys, *, groups_trained: int, trained: dict[str, int]) -> None:
+    """Put back the trainer's own count of trained groups and ids of trained groups (id -> step)
+    into a Redis that lost writes (trainer/record.py)."""
+    pipe.hset(keys.trainer, "groups_trained", groups_trained)
+    if trained:
+        pipe.zadd(keys.trained, trained)
+
+
 def count_refused(r: Client, keys: Keys, why: Refused) -> None:
     r.hincrby(keys.trainer, why.value, 1)
 

@@ -31,13 +31,17 @@ Entry = tuple[bytes, dict[bytes, bytes]]  # (stream entry id, fields)
 # never reclaim a prompt it holds for longer than claim_idle_s (a long queue, a slow engine).
 # Atomic: an entry another generator already claimed is not taken back.
 _TOUCH_HELD = """
+local held = {}
+for i = 3, #ARGV do held[ARGV[i]] = true end
 local mine = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1000, ARGV[2])
-if #mine == 0 then return 0 end
 local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
-for _, e in ipairs(mine) do args[#args + 1] = e[1] end
+for _, e in ipairs(mine) do
+  if held[e[1]] then args[#args + 1] = e[1] end
+end
+if #args == 5 then return 0 end
 args[#args + 1] = 'JUSTID'
 redis.call(unpack(args))
-return #mine
+return #args - 6
 """
 
 
@@ -100,9 +104,13 @@ def prepare_prompts(r: redis.Redis, engine: Engine, entries: list[Entry], *, key
 # ---------------------------------------------------------------------- prompts held
 
 
-def touch_held(r: redis.Redis, *, stream: str, consumer: str) -> int:
-    """Mark every prompt pending for `consumer` as just delivered; how many there are."""
-    return int(r.eval(_TOUCH_HELD, 1, stream, GENERATORS_GROUP, consumer))
+def touch_held(r: redis.Redis, *, stream: str, consumer: str, held: list[str]) -> int:
+    """Mark the prompts `held` (entry ids) that are pending for `consumer` as just delivered;
+    how many there were. Others pending for it (their acknowledgement lost with a second of
+    Redis's writes) age, and another generator, or this one, takes them over."""
+    if not held:
+        return 0
+    return int(r.eval(_TOUCH_HELD, 1, stream, GENERATORS_GROUP, consumer, *held))
 
 
 def leave_group(r: redis.Redis, *, stream: str, consumer: str) -> None:

@@ -56,6 +56,16 @@ def load_positions(r: redis.Redis, keys: Keys, *, seed: int,
     return {name: (p.epoch, p.offset) for name, p in at.items()}, stored.admitted
 
 
+def open_sources(r: redis.Redis, keys: Keys, config: Config) -> tuple[list[Source], int]:
+    """The run's sources at their stored positions, and the prompts admitted so far."""
+    seed = config.task.seed
+    positions, admitted = load_positions(r, keys, seed=seed, names=[s.name for s in config.sources])
+    sources = [Source(s, seed=seed, field=f"data.sources.{i}" if config.data.sources else "task",
+                      epoch=positions[s.name][0], offset=positions[s.name][1])
+               for i, s in enumerate(config.sources)]
+    return sources, admitted
+
+
 def sft_group(source: Source, made: Prompt, tokenizer) -> tuple[SampleGroup | Skipped, int]:
     """(the conversation's SampleGroup cut to the source's max_length, tokens cut), or
     (Skipped, 0) when it has nothing to train on."""
@@ -137,10 +147,7 @@ def run(config: Config) -> None:
     else:
         ensure_group(r, keys.prompts, GENERATORS_GROUP)
     seed = config.task.seed
-    positions, admitted = load_positions(r, keys, seed=seed, names=[s.name for s in config.sources])
-    sources = [Source(s, seed=seed, field=f"data.sources.{i}" if config.data.sources else "task",
-                      epoch=positions[s.name][0], offset=positions[s.name][1])
-               for i, s in enumerate(config.sources)]
+    sources, admitted = open_sources(r, keys, config)
     weights = [s.weight for s in config.sources]
     where = ", ".join(f"{s.name} epoch {s.epoch} offset {s.offset}" for s in sources)
     print(f"producer: run {config.run!r}, resuming after {admitted} prompts at {where}", flush=True)
@@ -153,6 +160,12 @@ def run(config: Config) -> None:
         # ---- how many prompts the trainer's version allows. SFT data never goes stale and waits
         # for no weights, so it is admitted against the trainer's step: with sync_every > 1 the
         # published version would hold it back at (max_staleness + 1) steps, short of a publish.
+        if (stored := read_producer(r, keys).admitted) != admitted:
+            # Redis lost writes (power loss within appendfsync's second): admit again from where it
+            # says, so the prompts it forgot are admitted again rather than skipped
+            print(f"producer: Redis says {stored} prompts admitted, this producer admitted {admitted}: "
+                  "Redis lost writes; admitting again from its positions", file=sys.stderr, flush=True)
+            sources, admitted = open_sources(r, keys, config)
         trainer = read_trainer(r, keys)
         version = trainer.step if sft else trainer.version
         limit = admission_limit(version=version, max_staleness=config.rollout.max_staleness,

@@ -82,24 +82,31 @@ def validate(fields: dict, *, vocab_size: int, objective: str = "grpo", limits: 
 def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, why: Refused, group_id: str | None = None,
            fields: dict | None = None, reason: str = "") -> None:
     """Acknowledge an entry that will never be trained on and count it (dead-letter it if
-    `fields`); a stale or dead group settles its prompt `group_id` as dropped, if the producer
-    admitted it and nothing settled it yet (a duplicate never does: its prompt is settled)."""
+    `fields`); with a `group_id` its prompt settles as dropped, if the producer admitted it and
+    nothing settled it yet (a prompt admitted again after Redis lost writes, whose group was
+    trained before, is such a one)."""
     pipe = r.pipeline(transaction=True)
     if fields is not None:
         dead_letter(pipe, dead_stream=keys.samples_dead, source=keys.samples, entry_id=entry_id,
                     fields=fields, reason=reason)
     pipe.xack(keys.samples, TRAINER_GROUP, entry_id)
     count_refused(pipe, keys, why)
-    if group_id is not None and why is not Refused.DUPLICATE:
+    if group_id is not None:
         settle(pipe, keys, [group_id], dropped=True)
     pipe.execute()
 
 
 def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: int | None, vocab_size: int,
             unpublished: set[str], consumer: str, cursor: bytes | None, shutdown: Shutdown,
-            objective: str = "grpo", limits: LimitsConfig | None = None) -> tuple[Collected | None, bytes | None]:
+            objective: str = "grpo", limits: LimitsConfig | None = None, trained: dict[str, int] | None = None,
+            skip: set[bytes] | None = None) -> tuple[Collected | None, bytes | None]:
     """`want` trainable groups (None if a stop was requested first), and the next read cursor.
-    `max_staleness` None: no group is too stale (sft)."""
+    `max_staleness` None: no group is too stale (sft). A group is a duplicate if its id is
+    `unpublished` (trained since the last saved state), in `trained` (the trainer's own record of
+    the ids it trained) or in Redis's `trained` set; entries in `skip` (trained, acknowledged with
+    the next saved state) are passed over when this rank's pending entries are read again."""
+    trained = trained or {}
+    skip = skip or set()
     got = Collected()
     seen = set(unpublished)
     while len(got.groups) < want:
@@ -110,6 +117,8 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
         if not entries:
             got.wait_s += time.monotonic() - t0
         for entry_id, fields in entries:
+            if entry_id in skip:
+                continue
             try:
                 group = validate(fields, vocab_size=vocab_size, objective=objective, limits=limits)
             except MessageError as err:
@@ -119,8 +128,12 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
                       file=sys.stderr, flush=True)
                 got.dead += 1
                 continue
-            if group.id in seen or r.zscore(keys.trained, group.id) is not None:
+            if group.id in seen:  # its twin's prompt settles when the twin is published
                 reject(r, keys, entry_id, why=Refused.DUPLICATE)
+                got.duplicate += 1
+                continue
+            if group.id in trained or r.zscore(keys.trained, group.id) is not None:
+                reject(r, keys, entry_id, why=Refused.DUPLICATE, group_id=group.id)
                 got.duplicate += 1
                 continue
             if max_staleness is not None and step - group.version > max_staleness:
