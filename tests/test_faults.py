@@ -18,7 +18,7 @@ from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import decode_prompt
 from common.progress import read_dropped, read_producer, read_trainer
 from tests.conftest import free_port, start_redis
-from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
+from tests.helpers import accounting, assert_accounted, spawn, stop, unaccounted, wait_for
 
 RUN = "faults"
 KEYS = Keys(RUN)
@@ -295,3 +295,44 @@ def test_power_loss_forgets_a_second_of_redis_and_nothing_is_trained_twice_or_lo
         assert len(missing) <= read_dropped(r, KEYS), (sorted(missing), read_dropped(r, KEYS))
     finally:
         server.kill()
+
+
+def test_generator_stopped_past_claim_idle_comes_back_and_its_late_groups_are_refused(
+        tmp_path, redis_url, r, tiny_model):
+    """A generator cut off longer than claim_idle_s (SIGSTOP: a partition or a stall) finds its
+    prompts taken over and trained by another; the groups it writes when it comes back are
+    recognised as duplicates and counted, and nothing is trained twice."""
+    pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=100, claim_idle_s=4))
+    for name in ("producer", "g1", "g2", "trainer"):
+        pipe.start(name)
+    wait_for(lambda: read_trainer(r, KEYS).step >= 1, timeout=180, what="step 1", procs=list(pipe.procs.values()))
+    g1 = pipe.procs["g1"]
+
+    def g1_stopped_holding_prompts() -> list[str] | None:
+        if not r.xpending_range(KEYS.prompts, GENERATORS_GROUP, min="-", max="+", count=1, consumername="g1"):
+            return None
+        g1.send_signal(signal.SIGSTOP)
+        held = held_prompts(r, "g1")
+        if not held:
+            g1.send_signal(signal.SIGCONT)
+        return held or None
+
+    held = wait_for(g1_stopped_holding_prompts, timeout=120, what="g1 holding prompts",
+                    procs=list(pipe.procs.values()), poll=0.01)
+    wait_for(lambda: all(r.zscore(KEYS.trained, p) is not None for p in held), timeout=120,
+             what=f"the prompts g1 held ({held}) trained by g2", procs=[pipe.procs["trainer"], pipe.procs["g2"]])
+    duplicates_before = read_trainer(r, KEYS).groups_duplicate
+    g1.send_signal(signal.SIGCONT)  # back: it finishes the prompts it thinks it holds
+    wait_for(lambda: read_trainer(r, KEYS).groups_duplicate == duplicates_before + len(held), timeout=120,
+             what=f"g1's {len(held)} late groups refused as duplicates", procs=list(pipe.procs.values()))
+    pipe.procs["trainer"].send_signal(signal.SIGTERM)
+    pipe.finish()
+    after = accounting(r, KEYS)
+    print(f"\ngenerator SIGSTOP: g1 held {len(held)} prompts; after: admitted {after['admitted']} = trained "
+          f"{after['trained']} + dropped {after['dropped']} + pending {after['pending']}; its late groups refused "
+          f"as duplicates {after['duplicate']}")
+    steps = read_trainer(r, KEYS).step
+    ids = trained_once(r, tmp_path, steps)  # nothing trained twice
+    assert after["trained"] == len(ids) == steps * 4
+    assert after["duplicate"] == len(held), after
+    assert unaccounted(after) == [f"{after['duplicate']} group(s) made twice from one prompt"], unaccounted(after)
