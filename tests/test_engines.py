@@ -200,6 +200,10 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_the_weights_kept(engine, 
     (broken / "model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(CheckpointError):
         engine.load_weights(broken, version=1)
+    pickled = shutil.copytree(wide, tmp_path / "pickled")  # published without safetensors: refused
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="no .safetensors files"):
+        engine.load_weights(pickled, version=1)
     assert engine.version == 0
     assert engine.greedy(probe, max_new_tokens=12) == before
 

@@ -79,6 +79,9 @@ def test_the_evaluator_runs_only_evaluation_jobs(tmp_path, redis_url, r, tiny_mo
     planted = tmp_path / "planted"
     foreign = queue.enqueue_call("os.mkdir", args=[str(planted)], retry=Retry(max=2))
     callback = queue.enqueue_call(JOB_FUNCTION, kwargs={"spec": {}}, on_failure=Callback("os.mkdir"))
+    method = queue.enqueue_call(JOB_FUNCTION, kwargs={"spec": {}})
+    method.instance = str(planted)  # the evaluation function's name, but as a method of an object
+    method.save()
     wv = WeightVersion(version=1, step=1, path=str(tiny_model), format="safetensors",
                        checksums=checksum_dir(tiny_model), created_at=0.0)
     legit = enqueue_eval(r, config(redis_url), wv)
@@ -87,11 +90,12 @@ def test_the_evaluator_runs_only_evaluation_jobs(tmp_path, redis_url, r, tiny_mo
     log = (tmp_path / "evaluator.log").read_text()
     assert not planted.exists(), "the evaluator ran a job that named os.mkdir"
     failed = FailedJobRegistry(queue=queue).get_job_ids()
-    assert foreign.id in failed and callback.id in failed, (failed, log)
+    assert {foreign.id, callback.id, method.id} <= set(failed), (failed, log)
     foreign.refresh()
     assert foreign.get_status() == "failed" and foreign.retries_left == 0  # refused once, not retried
     assert f"it names 'os.mkdir'; this evaluator runs only {JOB_FUNCTION}" in foreign.latest_result().exc_string
     assert "it names callbacks ['os.mkdir']" in callback.latest_result().exc_string
+    assert f"it names \"a method '{JOB_FUNCTION}' of str\"" in method.latest_result().exc_string
     assert f"evaluator: job {foreign.id} refused" in log
     # the worker went on to the evaluation queued after them
     legit.refresh()

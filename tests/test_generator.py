@@ -3,10 +3,13 @@ fail, dynamic sampling. The engines themselves: tests/test_engines.py."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from common.checkpoints import CheckpointError, checksum_dir, verify_dir
 from common.heartbeats import read_counters, read_heartbeat
@@ -17,15 +20,31 @@ from tests.helpers import spawn, stop, wait_for
 from tests.test_engines import ask, need, perturbed_copy
 
 
-def test_a_corrupted_checkpoint_fails_its_checksums(tiny_model, tmp_path):
+def test_the_verifier_refuses_a_checkpoint_unlike_the_one_published(tiny_model, tmp_path):
     ckpt = shutil.copytree(tiny_model, tmp_path / "step_1")
     sums = checksum_dir(ckpt)
-    verify_dir(ckpt, sums)
+    verify_dir(ckpt, sums)  # as published: accepted
+    refusals = {  # what the announcement or the directory says: what the verifier answers
+        "a directory that is not there": (tmp_path / "step_9", sums, "step_9 does not exist"),
+        "a file name with a path in it": (ckpt, {**sums, "../model.safetensors": sums["model.safetensors"]},
+                                          "'../model.safetensors' is not a plain name"),
+        "a published file missing": (ckpt, {**sums, "extra.safetensors": "0" * 64}, "extra.safetensors is missing"),
+    }
+    for what, (path, published, said) in refusals.items():
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            verify_dir(path, published)
+            pytest.fail(f"{what} was accepted")
     blob = bytearray((ckpt / "model.safetensors").read_bytes())
-    blob[-100] ^= 0xFF
+    blob[-100] ^= 0xFF  # one flipped byte
     (ckpt / "model.safetensors").write_bytes(bytes(blob))
     with pytest.raises(CheckpointError, match="model.safetensors has sha256"):
         verify_dir(ckpt, sums)
+    # published without safetensors (pickled weights only), its checksums right: refused all the same
+    pickled = shutil.copytree(tiny_model, tmp_path / "step_2")
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no \.safetensors file among \[.*'pytorch_model\.bin'"):
+        verify_dir(pickled, checksum_dir(pickled))
 
 
 # ---------------------------------------------------------------------- the process
