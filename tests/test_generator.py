@@ -245,9 +245,12 @@ def test_held_prompts_are_touched_so_live_generators_do_not_reclaim_them(r):
     r.xgroup_create(stream, GENERATORS_GROUP, id="0", mkstream=True)
     ids = [r.xadd(stream, {PAYLOAD: b"x"}) for _ in range(3)]
     assert len(r.xreadgroup(GENERATORS_GROUP, "a", {stream: ">"}, count=3)[0][1]) == 3
-    time.sleep(0.3)
-    r.xclaim(stream, GENERATORS_GROUP, "b", 0, [ids[0]])  # b took one over (a was thought dead)
+    # idle times set, not waited for: a last touched its prompts a minute ago; b took one over (a
+    # was thought dead) and has not touched it since
+    r.xclaim(stream, GENERATORS_GROUP, "a", 0, ids, idle=60_000)
+    r.xclaim(stream, GENERATORS_GROUP, "b", 0, [ids[0]], idle=60_000)
     assert touch_held(r, stream=stream, consumer="a") == 2, "only what is still its own"
-    assert take_prompts(r, stream=stream, consumer="c", count=3, claim_idle_ms=200, wait=False) == []
+    taken = take_prompts(r, stream=stream, consumer="c", count=3, claim_idle_ms=30_000, wait=False)
+    assert [entry_id for entry_id, _ in taken] == [ids[0]], "c reclaims what was not touched, and only that"
     owners = {e["message_id"]: e["consumer"] for e in r.xpending_range(stream, GENERATORS_GROUP, "-", "+", 10)}
-    assert owners == {ids[0]: b"b", ids[1]: b"a", ids[2]: b"a"}
+    assert owners == {ids[0]: b"c", ids[1]: b"a", ids[2]: b"a"}

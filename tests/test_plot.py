@@ -44,18 +44,29 @@ def test_a_metrics_line_missing_a_metric_is_refused_naming_it(tmp_path):
 
 
 def test_plot_writes_a_png_of_the_runs_metrics(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps(replace(STEP, step=s, reward_mean=s / 10).entry()) + "\n"
-                               for s in range(1, 8)))
+    from matplotlib.image import imread
+
+    def plot(rewards: list[float], out) -> None:
+        metrics = tmp_path / "metrics.jsonl"
+        metrics.write_text("".join(json.dumps(replace(STEP, step=s, reward_mean=x).entry()) + "\n"
+                                   for s, x in enumerate(rewards, start=1)))
+        done = subprocess.run([sys.executable, "-m", "common.cli", "plot", "--metrics", str(metrics),
+                               "--out", str(out)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+
     # The evaluator's results beside them, out of order and with one pruned checkpoint.
     (tmp_path / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
         {"step": 6, "version": 6, "eval/pass@1": 0.5}, {"step": 3, "version": 3, "eval/pass@1": 0.25},
         {"step": 4, "version": 4, "eval/skipped": "checkpoint pruned before its evaluation ran"}]))
-    out = tmp_path / "run.png"
-    done = subprocess.run([sys.executable, "-m", "common.cli", "plot", "--metrics", str(metrics), "--out", str(out)],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    rising, falling = tmp_path / "rising.png", tmp_path / "falling.png"
+    plot([s / 10 for s in range(1, 8)], rising)
+    plot([1 - s / 10 for s in range(1, 8)], falling)
+    image = imread(rising)  # a PNG that decodes: the 2 x 4 panels, 20 x 8 inches at 100 dpi
+    assert image.shape[:2] == (800, 2000), image.shape
+    assert (image[..., :3] < 0.9).any(axis=-1).mean() > 0.02, "next to nothing drawn"
+    other = imread(falling)
+    assert other.shape == image.shape and (other != image).any(axis=-1).mean() > 0.001, \
+        "the chart does not change with the run's rewards"
 
 
 def test_plot_of_an_empty_run_says_so(tmp_path):

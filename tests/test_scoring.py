@@ -59,17 +59,16 @@ def test_a_hanging_reward_times_out_and_the_worker_is_replaced(how):
         assert runner.score("m", prompt="p", completions=group("ok"), meta={}) == [OK]
         t0 = time.monotonic()
         out = runner.score("m", prompt="p", completions=group("ok", how, "ok"), meta={})
-        elapsed = time.monotonic() - t0
+        assert time.monotonic() - t0 >= 0.5, "the reward had its budget before it was given up"
         assert out == [OK, Scored(0.0, {}, "timeout after 0.5 s"), OK]  # the replacement scored the last
-        assert 0.5 <= elapsed < 0.5 + 2.0, f"took {elapsed:.2f}s"  # the budget, a kill and a fresh worker
         assert runner.restarts == 1
         assert runner.score("m", prompt="p", completions=group("ok", "ok"), meta={}) == [OK, OK]
 
 
 def test_each_completion_has_its_own_budget():
-    # three completions of 0.3 s each fit a budget of 0.5 s per completion, not per group
-    with RewardRunner({"s": f"{FIX}:slow_pid"}, timeout_s=0.5, workers=1) as runner:
-        out = runner.score("s", prompt="p", completions=group("a", "b", "c"), meta={"sleep": 0.3})
+    # three completions of 1 s each fit a budget of 2 s per completion, not per group (3 s)
+    with RewardRunner({"s": f"{FIX}:slow_pid"}, timeout_s=2.0, workers=1) as runner:
+        out = runner.score("s", prompt="p", completions=group("a", "b", "c"), meta={"sleep": 1.0})
     assert all(s.error is None for s in out) and runner.restarts == 0
 
 
@@ -86,7 +85,7 @@ def test_a_timeout_kills_what_the_reward_started(tmp_path: Path):
         out = runner.score("m", prompt="p", completions=group("child"), meta={"pidfile": str(pidfile)})
     assert out[0].error == "timeout after 1 s"
     child = int(pidfile.read_text())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a guard: it goes with its worker
     while time.monotonic() < deadline and _alive(child):
         time.sleep(0.05)
     assert not _alive(child), f"the reward's child {child} outlived its killed worker"
@@ -111,24 +110,23 @@ def test_sources_pick_their_reward_and_an_unknown_one_is_an_error():
             "no reward configured for source None (have ['h', 'p'])"
 
 
-def test_concurrent_calls_use_different_workers():
-    with RewardRunner({"s": f"{FIX}:slow_pid"}, timeout_s=5, workers=2) as runner:
-        runner.score("s", prompt="p", completions=group("a"), meta={"sleep": 0})  # both ready
+def test_concurrent_calls_use_different_workers(tmp_path: Path):
+    # each reward returns only once both have started: they ran at the same time, in two workers
+    with RewardRunner({"r": f"{FIX}:rendezvous"}, timeout_s=30, workers=2) as runner:
         out: list[list[Scored]] = [[], []]
 
         def call(i: int) -> None:
-            out[i] = runner.score("s", prompt="p", completions=group("a", "b"), meta={"sleep": 0.4})
+            out[i] = runner.score("r", prompt="p", completions=group(f"call{i}"),
+                                  meta={"dir": str(tmp_path), "parties": 2})
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
-        t0 = time.monotonic()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        elapsed = time.monotonic() - t0
+    assert [s.error for calls in out for s in calls] == [None, None], out
     pids = {s.reward for calls in out for s in calls}
     assert len(pids) == 2 and os.getpid() not in pids, f"two workers, not this process: {pids}"
-    assert elapsed < 1.5, f"two groups of 0.8 s each on two workers took {elapsed:.2f}s"
 
 
 def test_many_threads_get_their_own_results():
@@ -189,7 +187,7 @@ def test_workers_end_with_a_killed_generator(tmp_path: Path):
         returncode = subprocess.run([sys.executable, "-c", code], cwd=root, stdout=f, stderr=f, timeout=60).returncode
     pids = [int(p) for p in out.read_text().split()[:2]]
     assert returncode == -9 and len(pids) == 2, (returncode, out.read_text())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a guard: they notice within a second or so
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids), f"workers {pids} outlived their generator"
