@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -97,3 +98,24 @@ def test_read_evals_orders_by_step(tmp_path):
                     '{"step": 2, "version": 2, "eval/skipped": "pruned"}\n'
                     '{"step": 1, "version": 1, "eval/pass@1": 0.0}\n')
     assert [(e.step, e.skipped) for e in read_evals_file(path)] == [(1, None), (2, "pruned"), (4, None)]
+
+
+def test_the_readmes_plot_command_writes_the_chart_where_it_says(tmp_path):
+    """README: `.venv/bin/rollouts plot --config configs/demo.toml` (writes `runs/demo/metrics.png`),
+    run as written, in a checkout whose demo run has metrics."""
+    import shutil
+    from pathlib import Path
+
+    from tests.helpers import ROOT
+
+    rollouts = Path(sys.executable).parent / "rollouts"  # .venv/bin/rollouts
+    assert rollouts.is_file(), f"{rollouts}: the project is not installed in this environment (pip install -e .)"
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    (tmp_path / "runs" / "demo" / "metrics.jsonl").write_text(
+        "".join(json.dumps(replace(STEP, step=s).entry()) + "\n" for s in range(1, 4)))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([str(rollouts), "plot", "--config", "configs/demo.toml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "runs" / "demo" / "metrics.png").is_file(), done.stdout
