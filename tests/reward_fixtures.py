@@ -63,6 +63,13 @@ def rendezvous(*, completion: str, meta: dict, **_) -> float:
     return float(os.getpid())
 
 
+def hang_once_started(*, meta: dict, **_) -> float:
+    """Creates the file meta["started"], then hangs: the caller knows the reward is running."""
+    open(meta["started"], "w").close()
+    time.sleep(1e9)
+    return 0.0
+
+
 def answer_and_format(**kw) -> dict[str, float]:
     """Two built-ins combined, as the `tasks` package docstring shows: correctness plus a small
     format bonus."""

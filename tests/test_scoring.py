@@ -171,20 +171,23 @@ def test_a_closed_runner_has_no_workers_left():
 
 def test_workers_end_with_a_killed_generator(tmp_path: Path):
     # the idle worker sees its pipe close; the one stuck in a reward notices its parent is gone
-    code = textwrap.dedent("""
+    started = tmp_path / "started"
+    code = textwrap.dedent(f"""
         import os, threading, time
         from generators.scoring import RewardRunner
-        runner = RewardRunner({"m": "tests.reward_fixtures:moody"}, timeout_s=60, workers=2)
+        runner = RewardRunner({{"m": "tests.reward_fixtures:hang_once_started"}}, timeout_s=600, workers=2)
         print(*(w.process.pid for w in runner._live), flush=True)
+        meta = {{"started": {str(started)!r}}}
         threading.Thread(target=runner.score, args=("m",), daemon=True,
-                         kwargs={"prompt": "p", "completions": [("hang", [1])], "meta": {}}).start()
-        time.sleep(0.5)
+                         kwargs={{"prompt": "p", "completions": [("x", [1])], "meta": meta}}).start()
+        while not os.path.exists({str(started)!r}):  # one worker is inside the reward
+            time.sleep(0.01)
         os.kill(os.getpid(), 9)
     """)
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "out"
     with out.open("w") as f:  # a file, not a pipe: the workers inherit it and may outlive the script
-        returncode = subprocess.run([sys.executable, "-c", code], cwd=root, stdout=f, stderr=f, timeout=60).returncode
+        returncode = subprocess.run([sys.executable, "-c", code], cwd=root, stdout=f, stderr=f, timeout=120).returncode
     pids = [int(p) for p in out.read_text().split()[:2]]
     assert returncode == -9 and len(pids) == 2, (returncode, out.read_text())
     deadline = time.monotonic() + 30  # a guard: they notice within a second or so
