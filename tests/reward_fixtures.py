@@ -50,6 +50,26 @@ def slow_pid(*, meta: dict, **_) -> float:
     return float(os.getpid())
 
 
+def rendezvous(*, completion: str, meta: dict, **_) -> float:
+    """Waits (up to 20 s) until meta["parties"] calls have arrived in the folder meta["dir"], then
+    says which process scored it: it returns only if that many rewards run at the same time."""
+    folder = meta["dir"]
+    open(os.path.join(folder, f"{os.getpid()}-{completion}"), "w").close()
+    deadline = time.monotonic() + 20
+    while len(os.listdir(folder)) < meta["parties"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(os.listdir(folder))} of {meta['parties']} arrived")
+        time.sleep(0.01)
+    return float(os.getpid())
+
+
+def hang_once_started(*, meta: dict, **_) -> float:
+    """Creates the file meta["started"], then hangs: the caller knows the reward is running."""
+    open(meta["started"], "w").close()
+    time.sleep(1e9)
+    return 0.0
+
+
 def answer_and_format(**kw) -> dict[str, float]:
     """Two built-ins combined, as the `tasks` package docstring shows: correctness plus a small
     format bonus."""

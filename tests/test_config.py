@@ -47,7 +47,15 @@ def test_missing_file_and_bad_toml(tmp_path):
         load_config(write(tmp_path, "run = \n"), env={})
 
 
-def test_shipped_demo_config_is_valid():
-    cfg = load_config("configs/demo.toml", env={})
-    assert cfg.model.path == ""
-    assert cfg.rollout.max_staleness >= 0
+def test_shipped_demo_config_is_what_the_readme_describes():
+    from tests.helpers import ROOT
+
+    cfg = load_config(ROOT / "configs" / "demo.toml", env={})
+    assert cfg.model.path == ""  # the built-in default model
+    assert (cfg.run, cfg.output_dir) == ("demo", "runs/demo")  # runs/demo/..., rollouts:demo:...
+    assert cfg.task.name == "arithmetic" and cfg.generator.engine == "auto"
+    assert (cfg.eval.every, cfg.eval.prompts) == (10, 32)  # every tenth checkpoint, 32 held-out problems
+    dotenv = dict(line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines()
+                  if "=" in line and not line.startswith("#"))
+    assert dotenv["ROLLOUTS_CONFIG"] == "configs/demo.toml" and dotenv["REDIS_PORT"] == "6390"
+    assert dotenv["ROLLOUTS_REDIS_URL"] == "redis://127.0.0.1:6390/0"

@@ -1,14 +1,18 @@
 import json
+import re
 import zlib
 
+import torch
 from rq.registry import FailedJobRegistry
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checkpoints import checksum_dir
 from common.config import config_from_dict
-from common.evals import enqueue_eval, eval_queue
+from common.evals import enqueue_eval, eval_queue, read_request
 from common.keys import Keys
 from common.messages import WeightVersion
 from common.metrics import read_metrics_stream
+from tasks import arithmetic
 from tests.helpers import spawn
 
 RUN = "ev"
@@ -35,7 +39,21 @@ def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(tmp_path, redis_ur
     assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
     [result] = read_metrics_stream(r, Keys(RUN))
     assert result["kind"] == "eval" and result["version"] == 3 and result["eval/prompts"] == 4
-    assert 0.0 <= result["eval/pass@1"] <= result["eval/pass@2"] <= 1.0
+    # pass@1 as a user would work it out: the model's greedy answer to each held-out problem, by
+    # transformers' own generate, against the problem's answer
+    req = read_request(job.kwargs["spec"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    right = 0
+    for i in range(req.prompts):
+        p = arithmetic.problem(seed=req.seed, index=i, max_operand=req.max_operand, ops=req.ops)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p.question}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        out = model.generate(ids, do_sample=False, max_new_tokens=req.max_new_tokens, pad_token_id=0)
+        numbers = re.findall(r"-?\d+", tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        right += bool(numbers) and int(numbers[-1]) == p.answer
+    assert result["eval/pass@1"] == right / req.prompts
+    assert result["eval/pass@1"] <= result["eval/pass@2"]
     assert json.loads(r.hget(Keys(RUN).evals, "3")) == result
 
 
@@ -79,6 +97,9 @@ def test_the_evaluator_runs_only_evaluation_jobs(tmp_path, redis_url, r, tiny_mo
     planted = tmp_path / "planted"
     foreign = queue.enqueue_call("os.mkdir", args=[str(planted)], retry=Retry(max=2))
     callback = queue.enqueue_call(JOB_FUNCTION, kwargs={"spec": {}}, on_failure=Callback("os.mkdir"))
+    method = queue.enqueue_call(JOB_FUNCTION, kwargs={"spec": {}})
+    method.instance = str(planted)  # the evaluation function's name, but as a method of an object
+    method.save()
     wv = WeightVersion(version=1, step=1, path=str(tiny_model), format="safetensors",
                        checksums=checksum_dir(tiny_model), created_at=0.0)
     legit = enqueue_eval(r, config(redis_url), wv)
@@ -87,11 +108,12 @@ def test_the_evaluator_runs_only_evaluation_jobs(tmp_path, redis_url, r, tiny_mo
     log = (tmp_path / "evaluator.log").read_text()
     assert not planted.exists(), "the evaluator ran a job that named os.mkdir"
     failed = FailedJobRegistry(queue=queue).get_job_ids()
-    assert foreign.id in failed and callback.id in failed, (failed, log)
+    assert {foreign.id, callback.id, method.id} <= set(failed), (failed, log)
     foreign.refresh()
     assert foreign.get_status() == "failed" and foreign.retries_left == 0  # refused once, not retried
     assert f"it names 'os.mkdir'; this evaluator runs only {JOB_FUNCTION}" in foreign.latest_result().exc_string
     assert "it names callbacks ['os.mkdir']" in callback.latest_result().exc_string
+    assert f"it names \"a method '{JOB_FUNCTION}' of str\"" in method.latest_result().exc_string
     assert f"evaluator: job {foreign.id} refused" in log
     # the worker went on to the evaluation queued after them
     legit.refresh()

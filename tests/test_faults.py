@@ -4,7 +4,6 @@ started again (a dead generator's prompts are reclaimed by the other one instead
 accounting: every admitted prompt is trained, dropped for a counted reason or still pending, and
 no group is trained twice. Run with -s to see the numbers."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import decode_prompt
 from common.progress import read_dropped, read_producer, read_trainer
 from tests.conftest import free_port, start_redis
-from tests.helpers import accounting, assert_accounted, spawn, stop, unaccounted, wait_for
+from tests.helpers import accounting, assert_accounted, need_vllm, spawn, stop, unaccounted, wait_for
 
 RUN = "faults"
 KEYS = Keys(RUN)
@@ -127,8 +126,8 @@ def held_prompts(r, consumer: str) -> list[str]:
 
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_generator_sigkill_holding_prompts(tmp_path, redis_url, r, tiny_model, engine):
-    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed")
+    if engine == "vllm":
+        need_vllm()
     # claim_idle_s: long enough that a live generator's prompts are not taken from it, short
     # enough that the test does not wait long for the dead one's
     pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=100, claim_idle_s=4,

@@ -3,10 +3,13 @@ fail, dynamic sampling. The engines themselves: tests/test_engines.py."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from common.checkpoints import CheckpointError, checksum_dir, verify_dir
 from common.heartbeats import read_counters, read_heartbeat
@@ -17,15 +20,31 @@ from tests.helpers import spawn, stop, wait_for
 from tests.test_engines import ask, need, perturbed_copy
 
 
-def test_a_corrupted_checkpoint_fails_its_checksums(tiny_model, tmp_path):
+def test_the_verifier_refuses_a_checkpoint_unlike_the_one_published(tiny_model, tmp_path):
     ckpt = shutil.copytree(tiny_model, tmp_path / "step_1")
     sums = checksum_dir(ckpt)
-    verify_dir(ckpt, sums)
+    verify_dir(ckpt, sums)  # as published: accepted
+    refusals = {  # what the announcement or the directory says: what the verifier answers
+        "a directory that is not there": (tmp_path / "step_9", sums, "step_9 does not exist"),
+        "a file name with a path in it": (ckpt, {**sums, "../model.safetensors": sums["model.safetensors"]},
+                                          "'../model.safetensors' is not a plain name"),
+        "a published file missing": (ckpt, {**sums, "extra.safetensors": "0" * 64}, "extra.safetensors is missing"),
+    }
+    for what, (path, published, said) in refusals.items():
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            verify_dir(path, published)
+            pytest.fail(f"{what} was accepted")
     blob = bytearray((ckpt / "model.safetensors").read_bytes())
-    blob[-100] ^= 0xFF
+    blob[-100] ^= 0xFF  # one flipped byte
     (ckpt / "model.safetensors").write_bytes(bytes(blob))
     with pytest.raises(CheckpointError, match="model.safetensors has sha256"):
         verify_dir(ckpt, sums)
+    # published without safetensors (pickled weights only), its checksums right: refused all the same
+    pickled = shutil.copytree(tiny_model, tmp_path / "step_2")
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no \.safetensors file among \[.*'pytorch_model\.bin'"):
+        verify_dir(pickled, checksum_dir(pickled))
 
 
 # ---------------------------------------------------------------------- the process
@@ -225,13 +244,14 @@ def test_held_prompts_are_touched_so_live_generators_do_not_reclaim_them(r):
     r.xgroup_create(stream, GENERATORS_GROUP, id="0", mkstream=True)
     ids = [r.xadd(stream, {PAYLOAD: b"x"}) for _ in range(4)]
     assert len(r.xreadgroup(GENERATORS_GROUP, "a", {stream: ">"}, count=4)[0][1]) == 4
-    time.sleep(0.3)
-    r.xclaim(stream, GENERATORS_GROUP, "b", 0, [ids[0]])  # b took one over (a was thought dead)
-    # a holds the first three; the fourth is pending for a but a does not hold it (its
-    # acknowledgement was lost with Redis's last second of writes)
+    # idle times set, not waited for: a last touched its prompts a minute ago; b took one over (a
+    # was thought dead) and has not touched it since. a holds the first three in memory; the
+    # fourth is pending for a but not held (its acknowledgement was lost with Redis's last second)
+    r.xclaim(stream, GENERATORS_GROUP, "a", 0, ids, idle=60_000)
+    r.xclaim(stream, GENERATORS_GROUP, "b", 0, [ids[0]], idle=60_000)
     held = [i.decode() for i in ids[:3]]
     assert touch_held(r, stream=stream, consumer="a", held=held) == 2, "only what is still its own"
-    taken = take_prompts(r, stream=stream, consumer="c", count=4, claim_idle_ms=200, wait=False)
-    assert [e for e, _ in taken] == [ids[3]], "what a does not hold ages and is taken over"
+    taken = take_prompts(r, stream=stream, consumer="c", count=4, claim_idle_ms=30_000, wait=False)
+    assert [entry_id for entry_id, _ in taken] == [ids[0], ids[3]], "c reclaims what was not touched, and only that"
     owners = {e["message_id"]: e["consumer"] for e in r.xpending_range(stream, GENERATORS_GROUP, "-", "+", 10)}
-    assert owners == {ids[0]: b"b", ids[1]: b"a", ids[2]: b"a", ids[3]: b"c"}
+    assert owners == {ids[0]: b"c", ids[1]: b"a", ids[2]: b"a", ids[3]: b"c"}

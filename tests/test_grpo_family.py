@@ -197,7 +197,7 @@ def steps(tiny_model):
     rng = random.Random(5)
     groups = [make_group(base, f"g{i}", version=0, rng=rng) for i in range(3)]
 
-    def run(**kw):
+    def run(groups=groups, **kw):
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient itself
         args = dict(loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
@@ -232,3 +232,39 @@ def test_updates_per_batch_recomputes_old_logp(steps, tiny_model):
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).requires_grad_(False)
     _, st3 = steps(ref_model=ref, loss=LossOptions(kl_coef=0.1))
     assert st3["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before its first update
+
+
+def initial_weights(tiny_model) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_gradients_are_clipped_to_max_grad_norm(steps, tiny_model):
+    start = initial_weights(tiny_model)
+    free, st = steps()  # max_grad_norm 1e9: never clipped
+    norm = st["grad_norm"]
+    assert norm > 0
+    clipped, st_clipped = steps(max_grad_norm=norm / 4)
+    assert st_clipped["grad_norm"] == pytest.approx(norm, rel=1e-5)  # the norm before clipping is reported
+    # with SGD at lr 1 the update is the gradient: clipped to a quarter of its norm, same direction
+    torch.testing.assert_close(clipped - start, (free - start) / 4, rtol=1e-3, atol=1e-7)
+    loose, _ = steps(max_grad_norm=norm * 2)  # a bound above the norm changes nothing
+    torch.testing.assert_close(loose, free)
+
+
+def test_a_step_with_nothing_to_train_on_leaves_the_weights(steps, tiny_model):
+    from dataclasses import replace
+
+    start = initial_weights(tiny_model)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    groups = [make_group(base, f"g{i}", version=0, rng=random.Random(i)) for i in range(2)]
+    # every completion truncated and overlong = "mask": no token to train on
+    truncated = [replace(g, completions=[replace(c, finish="length") for c in g.completions]) for g in groups]
+    after, st = steps(groups=truncated, overlong="mask")
+    assert st["tokens/trained"] == 0 and st["grad_norm"] == 0 and st["loss/policy"] == 0, st
+    assert torch.equal(after, start)
+    # every group's completions rewarded alike: every advantage is 0, so is the gradient
+    alike = [replace(g, completions=[replace(c, reward=1.0) for c in g.completions]) for g in groups]
+    after, st = steps(groups=alike)
+    assert st["tokens/trained"] > 0 and st["grad_norm"] == 0 and math.isfinite(st["entropy"]), st
+    assert torch.equal(after, start)

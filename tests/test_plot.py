@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -44,18 +45,29 @@ def test_a_metrics_line_missing_a_metric_is_refused_naming_it(tmp_path):
 
 
 def test_plot_writes_a_png_of_the_runs_metrics(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps(replace(STEP, step=s, reward_mean=s / 10).entry()) + "\n"
-                               for s in range(1, 8)))
+    from matplotlib.image import imread
+
+    def plot(rewards: list[float], out) -> None:
+        metrics = tmp_path / "metrics.jsonl"
+        metrics.write_text("".join(json.dumps(replace(STEP, step=s, reward_mean=x).entry()) + "\n"
+                                   for s, x in enumerate(rewards, start=1)))
+        done = subprocess.run([sys.executable, "-m", "common.cli", "plot", "--metrics", str(metrics),
+                               "--out", str(out)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+
     # The evaluator's results beside them, out of order and with one pruned checkpoint.
     (tmp_path / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in [
         {"step": 6, "version": 6, "eval/pass@1": 0.5}, {"step": 3, "version": 3, "eval/pass@1": 0.25},
         {"step": 4, "version": 4, "eval/skipped": "checkpoint pruned before its evaluation ran"}]))
-    out = tmp_path / "run.png"
-    done = subprocess.run([sys.executable, "-m", "common.cli", "plot", "--metrics", str(metrics), "--out", str(out)],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    rising, falling = tmp_path / "rising.png", tmp_path / "falling.png"
+    plot([s / 10 for s in range(1, 8)], rising)
+    plot([1 - s / 10 for s in range(1, 8)], falling)
+    image = imread(rising)  # a PNG that decodes: the 2 x 4 panels, 20 x 8 inches at 100 dpi
+    assert image.shape[:2] == (800, 2000), image.shape
+    assert (image[..., :3] < 0.9).any(axis=-1).mean() > 0.02, "next to nothing drawn"
+    other = imread(falling)
+    assert other.shape == image.shape and (other != image).any(axis=-1).mean() > 0.001, \
+        "the chart does not change with the run's rewards"
 
 
 def test_plot_of_an_empty_run_says_so(tmp_path):
@@ -86,3 +98,24 @@ def test_read_evals_orders_by_step(tmp_path):
                     '{"step": 2, "version": 2, "eval/skipped": "pruned"}\n'
                     '{"step": 1, "version": 1, "eval/pass@1": 0.0}\n')
     assert [(e.step, e.skipped) for e in read_evals_file(path)] == [(1, None), (2, "pruned"), (4, None)]
+
+
+def test_the_readmes_plot_command_writes_the_chart_where_it_says(tmp_path):
+    """README: `.venv/bin/rollouts plot --config configs/demo.toml` (writes `runs/demo/metrics.png`),
+    run as written, in a checkout whose demo run has metrics."""
+    import shutil
+    from pathlib import Path
+
+    from tests.helpers import ROOT
+
+    rollouts = Path(sys.executable).parent / "rollouts"  # .venv/bin/rollouts
+    assert rollouts.is_file(), f"{rollouts}: the project is not installed in this environment (pip install -e .)"
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    (tmp_path / "runs" / "demo" / "metrics.jsonl").write_text(
+        "".join(json.dumps(replace(STEP, step=s).entry()) + "\n" for s in range(1, 4)))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([str(rollouts), "plot", "--config", "configs/demo.toml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "runs" / "demo" / "metrics.png").is_file(), done.stdout

@@ -59,17 +59,16 @@ def test_a_hanging_reward_times_out_and_the_worker_is_replaced(how):
         assert runner.score("m", prompt="p", completions=group("ok"), meta={}) == [OK]
         t0 = time.monotonic()
         out = runner.score("m", prompt="p", completions=group("ok", how, "ok"), meta={})
-        elapsed = time.monotonic() - t0
+        assert time.monotonic() - t0 >= 0.5, "the reward had its budget before it was given up"
         assert out == [OK, Scored(0.0, {}, "timeout after 0.5 s"), OK]  # the replacement scored the last
-        assert 0.5 <= elapsed < 0.5 + 2.0, f"took {elapsed:.2f}s"  # the budget, a kill and a fresh worker
         assert runner.restarts == 1
         assert runner.score("m", prompt="p", completions=group("ok", "ok"), meta={}) == [OK, OK]
 
 
 def test_each_completion_has_its_own_budget():
-    # three completions of 0.3 s each fit a budget of 0.5 s per completion, not per group
-    with RewardRunner({"s": f"{FIX}:slow_pid"}, timeout_s=0.5, workers=1) as runner:
-        out = runner.score("s", prompt="p", completions=group("a", "b", "c"), meta={"sleep": 0.3})
+    # three completions of 1 s each fit a budget of 2 s per completion, not per group (3 s)
+    with RewardRunner({"s": f"{FIX}:slow_pid"}, timeout_s=2.0, workers=1) as runner:
+        out = runner.score("s", prompt="p", completions=group("a", "b", "c"), meta={"sleep": 1.0})
     assert all(s.error is None for s in out) and runner.restarts == 0
 
 
@@ -86,7 +85,7 @@ def test_a_timeout_kills_what_the_reward_started(tmp_path: Path):
         out = runner.score("m", prompt="p", completions=group("child"), meta={"pidfile": str(pidfile)})
     assert out[0].error == "timeout after 1 s"
     child = int(pidfile.read_text())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a guard: it goes with its worker
     while time.monotonic() < deadline and _alive(child):
         time.sleep(0.05)
     assert not _alive(child), f"the reward's child {child} outlived its killed worker"
@@ -111,35 +110,35 @@ def test_sources_pick_their_reward_and_an_unknown_one_is_an_error():
             "no reward configured for source None (have ['h', 'p'])"
 
 
-def test_concurrent_calls_use_different_workers():
-    with RewardRunner({"s": f"{FIX}:slow_pid"}, timeout_s=5, workers=2) as runner:
-        runner.score("s", prompt="p", completions=group("a"), meta={"sleep": 0})  # both ready
+def test_concurrent_calls_use_different_workers(tmp_path: Path):
+    # each reward returns only once both have started: they ran at the same time, in two workers
+    with RewardRunner({"r": f"{FIX}:rendezvous"}, timeout_s=30, workers=2) as runner:
         out: list[list[Scored]] = [[], []]
 
         def call(i: int) -> None:
-            out[i] = runner.score("s", prompt="p", completions=group("a", "b"), meta={"sleep": 0.4})
+            out[i] = runner.score("r", prompt="p", completions=group(f"call{i}"),
+                                  meta={"dir": str(tmp_path), "parties": 2})
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
-        t0 = time.monotonic()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        elapsed = time.monotonic() - t0
+    assert [s.error for calls in out for s in calls] == [None, None], out
     pids = {s.reward for calls in out for s in calls}
     assert len(pids) == 2 and os.getpid() not in pids, f"two workers, not this process: {pids}"
-    assert elapsed < 1.5, f"two groups of 0.8 s each on two workers took {elapsed:.2f}s"
 
 
 def test_many_threads_get_their_own_results():
-    with RewardRunner({"l": f"{FIX}:length", "m": f"{FIX}:moody"}, timeout_s=0.5, workers=2) as runner:
+    # a budget that a trivial reward meets even on a loaded machine, short enough to keep it quick
+    with RewardRunner({"l": f"{FIX}:length", "m": f"{FIX}:moody"}, timeout_s=2.0, workers=2) as runner:
         errors: list[str] = []
 
         def call(i: int) -> None:
             texts = ["x" * j for j in range(i, i + 4)]
             if i % 4 == 0:  # some hang meanwhile: their workers are replaced under the others' feet
                 got = runner.score("m", prompt="p", completions=group("hang", "ok"), meta={})
-                expected = [Scored(0.0, {}, "timeout after 0.5 s"), OK]
+                expected = [Scored(0.0, {}, "timeout after 2 s"), OK]
             else:
                 got = runner.score("l", prompt="p", completions=[(t, [0] * i) for t in texts], meta={})
                 expected = [Scored(len(t) + i, {"chars": len(t), "tokens": i}, None) for t in texts]
@@ -173,23 +172,26 @@ def test_a_closed_runner_has_no_workers_left():
 
 def test_workers_end_with_a_killed_generator(tmp_path: Path):
     # the idle worker sees its pipe close; the one stuck in a reward notices its parent is gone
-    code = textwrap.dedent("""
+    started = tmp_path / "started"
+    code = textwrap.dedent(f"""
         import os, threading, time
         from generators.scoring import RewardRunner
-        runner = RewardRunner({"m": "tests.reward_fixtures:moody"}, timeout_s=60, workers=2)
+        runner = RewardRunner({{"m": "tests.reward_fixtures:hang_once_started"}}, timeout_s=600, workers=2)
         print(*(w.process.pid for w in runner._live), flush=True)
+        meta = {{"started": {str(started)!r}}}
         threading.Thread(target=runner.score, args=("m",), daemon=True,
-                         kwargs={"prompt": "p", "completions": [("hang", [1])], "meta": {}}).start()
-        time.sleep(0.5)
+                         kwargs={{"prompt": "p", "completions": [("x", [1])], "meta": meta}}).start()
+        while not os.path.exists({str(started)!r}):  # one worker is inside the reward
+            time.sleep(0.01)
         os.kill(os.getpid(), 9)
     """)
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "out"
     with out.open("w") as f:  # a file, not a pipe: the workers inherit it and may outlive the script
-        returncode = subprocess.run([sys.executable, "-c", code], cwd=root, stdout=f, stderr=f, timeout=60).returncode
+        returncode = subprocess.run([sys.executable, "-c", code], cwd=root, stdout=f, stderr=f, timeout=120).returncode
     pids = [int(p) for p in out.read_text().split()[:2]]
     assert returncode == -9 and len(pids) == 2, (returncode, out.read_text())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a guard: they notice within a second or so
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids), f"workers {pids} outlived their generator"

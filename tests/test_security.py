@@ -1,16 +1,18 @@
-"""Security: the pipeline against a Redis that requires a password, with every process but the
-producer signed in as an ACL user that may touch only its run's keys (and RQ's); a missing or
-wrong password stops each process with one line that says so and never shows the password."""
+"""Security: the pipeline against a Redis that requires a password, every process signed in over
+TLS as an ACL user that may touch only its run's keys (and RQ's), its password percent-encoded in
+the URL; a missing or wrong password stops each process with one line that says so and never
+shows the password."""
 
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import redis
 
-from common.cli import status_lines
 from common.keys import Keys
 from tests.conftest import free_port, start_redis
 from tests.helpers import ROOT, spawn, stop, wait_for
@@ -19,6 +21,8 @@ RUN = "sec"
 KEYS = Keys(RUN)
 PASSWORD = "default-pw-7f3a"  # the default user's (requirepass)
 USER, USER_PASSWORD = "rollouts-sec", "acl-pw-91c2"
+# a password with the characters a URL must percent-encode (README: "percent-encode @, : and /")
+TLS_PASSWORD = "acl@pw:91/c2"
 # The README's example: the run's keys, RQ's keys and channels, every command but the dangerous
 # ones, plus INFO (RQ reads the server version with it; without it RQ assumes an old server).
 ACL_RULE = f"on >{USER_PASSWORD} resetkeys ~rollouts:{RUN}:* ~rq:* resetchannels &rq:* +@all -@dangerous +info"
@@ -52,10 +56,10 @@ prompts = 4
     return str(path)
 
 
-def locked_redis(tmp_path):
+def locked_redis(tmp_path, *extra: str):
     """A real redis-server that requires PASSWORD, with the ACL user USER; (process, port)."""
     port = free_port()
-    server = start_redis(tmp_path / "redis", port)
+    server = start_redis(tmp_path / "redis", port, *extra)
     redis.Redis(port=port).config_set("requirepass", PASSWORD)  # as `--requirepass` would
     admin = redis.Redis(port=port, password=PASSWORD)
     admin.execute_command("ACL", "SETUSER", USER, *ACL_RULE.split())
@@ -67,31 +71,53 @@ def env(url: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}, "ROLLOUTS_REDIS_URL": url}
 
 
-def test_pipeline_runs_with_a_password_and_an_acl_user_limited_to_its_run(tmp_path, tiny_model):
-    server, port = locked_redis(tmp_path)
+def self_signed(tmp_path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key: the server's, the clients' and the CA."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_pipeline_runs_over_tls_as_an_acl_user_limited_to_its_run(tmp_path, tiny_model):
+    cert, key = self_signed(tmp_path)
+    tls_port = free_port()
+    # the README's TLS flags (client certificates required, Redis's default); the plain port is the test's own
+    server, port = locked_redis(tmp_path, "--tls-port", str(tls_port), "--tls-cert-file", str(cert),
+                                "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert))
+    redis.Redis(port=port, password=PASSWORD).execute_command("ACL", "SETUSER", USER, f">{TLS_PASSWORD}")
     password_url = f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
-    acl_url = f"redis://{USER}:{USER_PASSWORD}@127.0.0.1:{port}/0"
+    acl_url = (f"rediss://{USER}:{quote(TLS_PASSWORD, safe='')}@127.0.0.1:{tls_port}/0"
+               f"?ssl_ca_certs={cert}&ssl_certfile={cert}&ssl_keyfile={key}")
     r = redis.Redis.from_url(password_url)
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis(port=port).ping()  # nobody gets in without a password
+    with pytest.raises(redis.exceptions.ConnectionError):  # nor without TLS on the TLS port
+        redis.Redis(port=tls_port, username=USER, password=TLS_PASSWORD, socket_timeout=5).ping()
     config = write_config(tmp_path, tiny_model, steps=2, eval_every=1)
     logs = tmp_path / "logs"
     logs.mkdir()
 
-    def start(name: str, module: str, url: str, *args: str) -> subprocess.Popen:
-        env = {"ROLLOUTS_CONFIG": config, "ROLLOUTS_REDIS_URL": url}
+    def start(name: str, module: str, *args: str) -> subprocess.Popen:
+        env = {"ROLLOUTS_CONFIG": config, "ROLLOUTS_REDIS_URL": acl_url}
         return spawn(module, *args, cwd=tmp_path, env=env, log=logs / f"{name}.log")
 
-    procs = {"producer": start("producer", "producers", password_url),
-             "generator": start("generator", "generators", acl_url, "--id", "g1"),
-             "trainer": start("trainer", "trainer", acl_url), "evaluator": start("evaluator", "evaluator", acl_url)}
+    procs = {"producer": start("producer", "producers"), "generator": start("generator", "generators", "--id", "g1"),
+             "trainer": start("trainer", "trainer"), "evaluator": start("evaluator", "evaluator")}
     try:
         assert procs["trainer"].wait(timeout=300) == 0, (logs / "trainer.log").read_text()[-3000:]
         wait_for(lambda: r.hexists(KEYS.evals, "2"), timeout=120, what="the evaluation of version 2",
                  procs=list(procs.values()))
-        # `rollouts status` reads the run as the ACL user too
-        screen = "\n".join(status_lines(redis.Redis.from_url(acl_url), RUN))
-        assert "step 2  version 2" in screen and "eval       v2  pass@1" in screen, screen
+        # every process signed in as the confined user, over TLS (the test's own client is the default user)
+        mine, clients = r.client_id(), r.client_list()
+        theirs = [c for c in clients if int(c["id"]) != mine]
+        assert len(theirs) >= 3 and all(c["user"] == USER and c["laddr"].endswith(f":{tls_port}")
+                                        for c in theirs), clients
+        # `rollouts status` reads the run as the ACL user, over TLS, too
+        status = subprocess.run([sys.executable, "-m", "common.cli", "status", "--config", config],
+                                env=env(acl_url), cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert "step 2  version 2" in status.stdout and "eval       v2  pass@1" in status.stdout, status
         # the user really is confined to its run: another run's keys are refused
         with pytest.raises(redis.exceptions.NoPermissionError):
             redis.Redis.from_url(acl_url).set("rollouts:other:producer", 1)
@@ -99,9 +125,11 @@ def test_pipeline_runs_with_a_password_and_an_acl_user_limited_to_its_run(tmp_pa
         codes = {name: stop(p) for name, p in procs.items()}
         server.kill()
     assert codes == dict.fromkeys(procs, 0), {n: (logs / f"{n}.log").read_text()[-3000:] for n in procs}
-    for name in procs:  # no password in any log
-        text = (logs / f"{name}.log").read_text()
-        assert PASSWORD not in text and USER_PASSWORD not in text, f"{name} logged a password"
+    run_config = (tmp_path / "run" / "config.json").read_text()
+    for name, text in {**{n: (logs / f"{n}.log").read_text() for n in procs}, "config.json": run_config}.items():
+        for secret in (PASSWORD, TLS_PASSWORD, quote(TLS_PASSWORD, safe="")):
+            assert secret not in text, f"{name} shows a password"
+    assert f"{USER}:***@127.0.0.1:{tls_port}" in run_config
 
 
 def test_a_missing_or_wrong_password_stops_each_process_with_one_line(tmp_path, tiny_model):

@@ -204,3 +204,27 @@ def test_sigterm_publishes_unpublished_steps_and_exits_0(tmp_path, redis_url, r,
     assert decode_weights(r.get(KEYS.weights_latest)).version == 2
     assert {m.decode() for m in r.zrange(KEYS.trained, 0, -1)} == {g.id for g in groups}
     assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0
+
+
+def test_kl_to_the_initial_model_and_reward_errors_reach_the_metrics(tmp_path, redis_url, r, tiny_model):
+    """kl_coef > 0 in a real trainer process: the reference model is loaded and used (its KL is 0
+    while the policy is still the initial model, then grows); completions whose reward failed are
+    counted in `reward/errors`."""
+    from dataclasses import replace
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(3)
+    groups = [make_group(model, f"g{i}", version=0, rng=rng) for i in range(6)]
+    failed = {"g0": [1], "g3": [0, 2], "g5": [1, 2, 3]}  # group: completions whose reward raised
+    for i, g in enumerate(groups):
+        bad = failed.get(g.id, [])
+        completions = [replace(c, reward=0.0, rewards={}, reward_error="ValueError: no good") if j in bad else c
+                       for j, c in enumerate(g.completions)]
+        xadd(r, encode(replace(g, version=min(i // 2, 1), completions=completions)))
+    run_trainer(tmp_path, redis_url, tiny_model, lr=1e-2, kl_coef=0.5, kl_estimator='"k3"')
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["group_ids"] for m in lines] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]
+    assert [m["reward/errors"] for m in lines] == [1, 2, 3]
+    kl = [m["kl"] for m in lines]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7), kl  # the policy is the reference before its first update
+    assert kl[1] > 1e-5 and kl[2] > kl[1], kl  # then moves away from it, and further

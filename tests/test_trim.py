@@ -8,10 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import decode_prompt, encode
+from common.messages import decode_prompt
 from common.progress import read_trainer
 from common.streams import ensure_group
 from common.trim import trim_acknowledged
+from generators.prompts import publish
 from tests.helpers import accounting, assert_accounted, spawn, stop
 from tests.test_trainer import make_group
 
@@ -36,7 +37,7 @@ def test_trim_keeps_what_any_group_has_not_acknowledged(r):
 
 def test_a_long_run_keeps_its_streams_and_trained_set_bounded(tmp_path, redis_url, r, tiny_model):
     """The real producer and trainer for 24 steps; the test plays the generator (a group per
-    prompt, written with the prompt's acknowledgement as a generator does)."""
+    prompt, written with the prompt's acknowledgement by the generator's own `publish`)."""
     steps, per_step, window = 24, 2, 3
     keys = Keys("long")
     config = tmp_path / "long.toml"
@@ -73,10 +74,7 @@ dedup_window = {window}
             for entry_id, fields in (got[0][1] if got else []):
                 task = decode_prompt(fields[PAYLOAD])
                 group = make_group(model, task.id, version=read_trainer(r, keys).version, rng=rng)
-                with r.pipeline(transaction=True) as pipe:
-                    pipe.xadd(keys.samples, {PAYLOAD: encode(group)})
-                    pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
-                    pipe.execute()
+                publish(r, keys=keys, entry_id=entry_id, group=group)  # the generator's own write
             for name, key in (("prompts", keys.prompts), ("samples", keys.samples)):
                 longest[name] = max(longest[name], r.xlen(key))
             longest["trained"] = max(longest["trained"], r.zcard(keys.trained))
