@@ -179,7 +179,7 @@ def test_sigterm_publishes_unpublished_steps_and_exits_0(tmp_path, redis_url, r,
     # trainer waits for data; a stop then publishes them before exiting.
     toml = "\n".join([
         f'run = "{RUN}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / "out"}"',
-        "[model]", f'path = "{tiny_model}"', "[rollout]", "prompts_per_step = 2",
+        "[model]", f'path = "{tiny_model}"', "[rollout]", "prompts_per_step = 2", "max_staleness = 4",
         "[trainer]", "sync_every = 5", "threads = 1",
     ])
     (tmp_path / "rollouts.toml").write_text(toml + "\n")
