@@ -196,7 +196,8 @@ class GeneratorConfig(_Section):
     weights_poll_s: float = Field(0.5, gt=0.0)
     # Dynamic sampling (DAPO): a group whose completions all got the same reward teaches nothing
     # under group-normalised advantages; drop it (counted, never written) and let the producer
-    # admit another prompt in its place.
+    # admit another prompt in its place. Judged on the rewards the trainer learns from: after
+    # trainer.overlong's penalty, completions whose reward failed left out.
     drop_zero_variance: bool = False
     # vLLM's KV cache on a CPU (GiB, VLLM_CPU_KVCACHE_SPACE) and its share of GPU memory.
     kv_cache_gib: float = Field(1.0, gt=0.0)
@@ -210,7 +211,8 @@ class GeneratorConfig(_Section):
     # Seed of the sampler; each generator offsets it by a hash of its id.
     seed: int = 0
     # Seconds one completion's reward may run; past it the worker running it is killed and the
-    # completion gets reward 0 with a recorded "timeout" error.
+    # completion gets reward 0 with a recorded "timeout" error; the trainer leaves such completions
+    # (and those whose reward raised) out of the loss and of their group's advantage statistics.
     reward_timeout_s: float = Field(5.0, gt=0)
     # Worker processes that run reward functions (concurrent groups use different ones); 0 runs
     # them in the generator process itself, with no timeout (debugging).

@@ -204,3 +204,26 @@ def test_sigterm_publishes_unpublished_steps_and_exits_0(tmp_path, redis_url, r,
     assert decode_weights(r.get(KEYS.weights_latest)).version == 2
     assert {m.decode() for m in r.zrange(KEYS.trained, 0, -1)} == {g.id for g in groups}
     assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0
+
+
+def test_a_configuration_that_would_stall_is_refused_at_start(tmp_path, redis_url):
+    # sync_every 3 > max_staleness 1 + 1: after two steps every group would be dropped as stale
+    # before the next publish, and the run would wait for ever. The trainer (and every process
+    # reading the same config) refuses it at start-up, naming both fields on one line.
+    toml = "\n".join([
+        f'run = "{RUN}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / "out"}"',
+        "[rollout]", "max_staleness = 1", "[trainer]", "sync_every = 3",
+    ])
+    (tmp_path / "rollouts.toml").write_text(toml + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    env.update(ROLLOUTS_CONFIG=str(tmp_path / "rollouts.toml"), PYTHONPATH=str(ROOT))
+    for process in ("trainer", "producers"):
+        try:
+            proc = subprocess.run([sys.executable, "-m", process], cwd=tmp_path, env=env, capture_output=True,
+                                  text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{process} started with sync_every 3 > max_staleness 1 + 1 instead of refusing it")
+        assert proc.returncode != 0
+        named = [line for line in proc.stderr.splitlines()
+                 if "trainer.sync_every" in line and "rollout.max_staleness" in line]
+        assert len(named) == 1, proc.stderr

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from common.messages import SampleGroup
+from common.shaping import shaped_rewards
 from trainer.grpo import Estimator, group_advantages
 
 
@@ -49,9 +50,8 @@ def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: s
     assert objective == "sft" or len(group.completions) >= 2, \
         f"group {group.id}: {len(group.completions)} completions, need >= 2"
     assert overlong in ("none", "mask", "penalty"), f"overlong must be none, mask or penalty, got {overlong!r}"
-    penalty = overlong_penalty if overlong == "penalty" else 0.0
-    scored = [objective == "sft" or c.reward_error is None for c in group.completions]
-    rewards = [c.reward - (penalty if c.finish == "length" else 0.0) for c in group.completions]
+    rewards = shaped_rewards(group, overlong=overlong, overlong_penalty=overlong_penalty)
+    scored = [objective == "sft" or x is not None for x in rewards]
     advantages = [0.0] * len(group.completions)
     if objective != "sft" and sum(scored) >= 2:
         kept = group_advantages(torch.tensor([[r for r, ok in zip(rewards, scored, strict=True) if ok]],
