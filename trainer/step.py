@@ -181,10 +181,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
 
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
-             micro_batch_size: int, micro_batch_tokens: int, max_grad_norm: float) -> dict[str, float]:
+             micro_batch_size: int, micro_batch_tokens: int, max_grad_norm: float,
+             step: int = 0) -> dict[str, float]:
     """One optimizer step of supervised cross-entropy over `groups`' loss-masked completion
     tokens, normalised by the global masked-token count as `train_step`'s token_mean (so any
-    world size gives the same update)."""
+    world size gives the same update). `step` is unused (sft data is never stale); a non-finite
+    loss or gradient norm skips the step (counted in "steps_skipped")."""
     batched = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                            objective="sft")[0]
     total_tokens, world = batched.tokens, world_size()
@@ -200,5 +202,8 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: l
         (mb_loss * world).backward()
         stats["loss/sft"] += mb_loss.item()
         stats["entropy"] += (token_entropy(logits, 1.0) * mb.mask).sum().item() / total_tokens
-    stats["grad_norm"] = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm) / world  # summed below
+    grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm,
+                              loss_finite=math.isfinite(stats["loss/sft"]))
+    stats["grad_norm"] = grad_norm / world if math.isfinite(grad_norm) else 0.0  # summed below
+    stats["steps_skipped"] = 0.0 if math.isfinite(grad_norm) else 1.0 / world
     return {**sum_over_ranks(stats), **base}
