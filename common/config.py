@@ -176,8 +176,9 @@ class RolloutConfig(_Section):
     max_staleness: int = Field(1, ge=0)
     # Sampling: the trainer uses the same temperature for its log-probs.
     temperature: float = Field(1.0, gt=0.0)
-    # Truncation of the sampling distribution (1.0 and 0: off). Behaviour log-probs are those of
-    # the truncated distribution; the trainer's importance ratio corrects for the difference.
+    # Truncation of the sampling distribution (1.0 and 0: off): temperature, then top-k, then
+    # top-p. Behaviour log-probs are those of the truncated, renormalised distribution, and the
+    # trainer computes its log-probs under the same truncation, so the on-policy ratio is 1.
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(32, ge=1)

@@ -1,11 +1,13 @@
 """GRPO's pure parts: group-relative advantages, token log-probs and entropy, the policy loss.
 
 The loss is one function whose options select a member of the GRPO family: the PPO ratio per
-token or per sequence (GSPO), token-mean or sequence-mean aggregation (both normalised by
-counts of the whole step, so micro-batches add up exactly), a truncated importance-sampling
-weight (TIS) between the policy that started the step and the behaviour policy, and an
-optional KL penalty to a frozen reference with Schulman's k1/k2/k3 estimators.
-"""
+token or per sequence (GSPO), token-mean, sequence-mean or Dr. GRPO's constant-normalised
+aggregation (normalised by counts of the whole (mini-)batch, so micro-batches add up exactly),
+an off-policy correction between the behaviour policy (the generator's log-probs) and the
+proximal one (the weights at the start of the step): PPO's clip against the behaviour policy,
+decoupled PPO's capped weight, or token/sequence masking; an optional dual clip; and an
+optional KL penalty to a frozen reference with Schulman's k1/k2/k3 estimators (and TRL's
+bias-corrected k3). Log-probs can be taken under the sampler's top-k/top-p truncation."""
 
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ completion tokens of groups of any size (the producer's sft sources), no advanta
 staleness limit (such groups carry version 0 and are never stale).
 
 Versions. `step` counts trainer steps done (each is `updates_per_batch` optimizer steps on one
-batch of groups; the lr schedule also counts trainer steps); the published weight `version` is
+batch of groups, one per PPO mini-batch; the lr schedule also counts trainer steps; a step whose
+every update was skipped for a non-finite loss is not counted); the published weight `version` is
 the step that wrote them, so with sync_every = 1 the two are equal after every step. A sample's staleness is
 `step - sample.version`: how many optimizer steps the policy has moved since the weights that
 sampled it (this is the DESIGN's "trainer version − sample version", counting unpublished steps

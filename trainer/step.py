@@ -136,7 +136,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
         ref = [[forward_logp(ref_model, mb)[0] if ref_model is not None else None for mb in m.batches]
                for m in minis]
     model.train()
-    oldest = all_max(max(step - g.version for g in groups) if groups else 0)
+    oldest = all_max(max([0] + [step - g.version for g in groups]))
     stats: dict[str, float] = {"loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0, "steps_skipped": 0.0,
                                **{f"staleness/{s}/{k}": 0.0 for s in range(oldest + 1) for k in ("gap_sum", "tokens")}}
     gap_max, applied = 0.0, 0
@@ -159,8 +159,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
             measured = logp.detach() if prox_logp is None else prox_logp  # the policy before this update
             weight = behaviour_weight(measured, mb.behaviour_logp, mb.mask, correction=loss.correction,
                                       tis_cap=loss.tis_cap, mask_low=loss.mask_low, mask_high=loss.mask_high)
-            mb_stats.update(mismatch_stats(measured, mb.behaviour_logp, mb.mask, weight == 0, step - mb.versions,
-                                           total_tokens=mini.tokens))
+            mb_stats.update(mismatch_stats(measured, mb.behaviour_logp, mb.mask, weight == 0,
+                                           (step - mb.versions).clamp(min=0), total_tokens=mini.tokens))
             gap_max = max(gap_max, mb_stats.pop("mismatch/abs_log_ratio_max"))
             for k, v in mb_stats.items():  # shares of the mini-batch's tokens: weighted to the step's
                 stats[k] = stats.get(k, 0.0) + (v if k.startswith("staleness/") else v * share)
