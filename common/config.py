@@ -176,8 +176,9 @@ class RolloutConfig(_Section):
     max_staleness: int = Field(1, ge=0)
     # Sampling: the trainer uses the same temperature for its log-probs.
     temperature: float = Field(1.0, gt=0.0)
-    # Truncation of the sampling distribution (1.0 and 0: off). Behaviour log-probs are those of
-    # the truncated distribution; the trainer's importance ratio corrects for the difference.
+    # Truncation of the sampling distribution (1.0 and 0: off): temperature, then top-k, then
+    # top-p. Behaviour log-probs are those of the truncated, renormalised distribution, and the
+    # trainer computes its log-probs under the same truncation, so the on-policy ratio is 1.
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(32, ge=1)
@@ -196,7 +197,8 @@ class GeneratorConfig(_Section):
     weights_poll_s: float = Field(0.5, gt=0.0)
     # Dynamic sampling (DAPO): a group whose completions all got the same reward teaches nothing
     # under group-normalised advantages; drop it (counted, never written) and let the producer
-    # admit another prompt in its place.
+    # admit another prompt in its place. Judged on the rewards the trainer learns from: after
+    # trainer.overlong's penalty, completions whose reward failed left out.
     drop_zero_variance: bool = False
     # vLLM's KV cache on a CPU (GiB, VLLM_CPU_KVCACHE_SPACE) and its share of GPU memory.
     kv_cache_gib: float = Field(1.0, gt=0.0)
@@ -210,7 +212,8 @@ class GeneratorConfig(_Section):
     # Seed of the sampler; each generator offsets it by a hash of its id.
     seed: int = 0
     # Seconds one completion's reward may run; past it the worker running it is killed and the
-    # completion gets reward 0 with a recorded "timeout" error.
+    # completion gets reward 0 with a recorded "timeout" error; the trainer leaves such completions
+    # (and those whose reward raised) out of the loss and of their group's advantage statistics.
     reward_timeout_s: float = Field(5.0, gt=0)
     # Worker processes that run reward functions (concurrent groups use different ones); 0 runs
     # them in the generator process itself, with no timeout (debugging).
@@ -238,24 +241,52 @@ class TrainerConfig(_Section):
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.2, ge=0.0)
     # "token": a ratio per token (PPO/GRPO); "sequence": GSPO's geometric-mean ratio per sequence,
-    # clipped per sequence (GSPO uses tiny clip ranges, e.g. clip_low 3e-4, clip_high 4e-4).
+    # clipped per sequence (GSPO uses tiny clip ranges, e.g. clip_low 3e-4, clip_high 4e-4). GSPO
+    # averages each sequence, then the sequences: "sequence" needs loss_agg = "seq_mean".
     ratio_level: Literal["token", "sequence"] = "token"
-    # "token_mean": loss summed over the step's tokens / its token count (DAPO, Dr. GRPO);
-    # "seq_mean": mean over each sequence's tokens, then mean over the step's sequences (GRPO paper).
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    # Optimizer steps taken on each trainer step's batch. Above 1, a no-grad pass at the start of
-    # the step gives the "old" log-probs the PPO ratio is taken against.
+    # How the per-token losses become the step's loss:
+    # "token_mean": their sum / the step's trained-token count (DAPO). Long completions weigh more.
+    # "seq_mean": mean over each sequence's tokens, then mean over the step's sequences (GRPO paper);
+    #   carries GRPO's length bias (a short wrong answer is pushed down harder per token).
+    # "token_sum_norm": their sum / a constant, completions x rollout.max_new_tokens (Dr. GRPO): no
+    #   length bias and no dependence on the step's lengths either.
+    loss_agg: Literal["token_mean", "seq_mean", "token_sum_norm"] = "token_mean"
+    # PPO mini-batches: each trainer step's batch is split into this many consecutive mini-batches
+    # of completions, one optimizer step each (one pass over the batch). Above 1 the later
+    # mini-batches are trained by a policy that has moved, and the clip bounds that move.
     updates_per_batch: int = Field(1, ge=1)
-    # With one update: take the PPO ratio against a no-grad pass of the current policy (true) or
-    # against the generator's behaviour log-probs (false: old == behaviour, no extra pass).
-    recompute_old_logp: bool = False
-    # Truncated importance sampling: each token's loss is weighted by
-    # min(exp(old_logp - behaviour_logp), tis_cap); 0 turns it off (weight 1).
-    tis_cap: float = Field(2.0, ge=0.0)
+    # Off-policy correction: how the loss treats the gap between the policy that sampled a token
+    # (the generator's behaviour log-probs: older weights, another engine, bf16 kernels) and the
+    # trainer's policy. pi_prox is the proximal policy: a no-grad pass with the weights at the
+    # start of the step (one more forward pass over the batch).
+    # "behaviour_clip": PPO's ratio pi / pi_behav, clipped; staleness and engine mismatch go into
+    #   the clipped ratio; no extra pass.
+    # "decoupled": decoupled PPO (AReaL): ratio pi / pi_prox, clipped, times the no-gradient weight
+    #   min(pi_prox / pi_behav, tis_cap).
+    # "token_mask": ratio pi / pi_prox, clipped, times pi_prox / pi_behav where that lies in
+    #   [mask_low, mask_high]; tokens outside the band are dropped from the loss (MIS, icepop).
+    # "sequence_mask": as token_mask with the sequence's geometric mean of pi_prox / pi_behav: a
+    #   sequence outside the band is dropped whole (TRL's sequence_mask).
+    correction: Literal["behaviour_clip", "decoupled", "token_mask", "sequence_mask"] = "behaviour_clip"
+    # "decoupled": cap of the behaviour weight pi_prox / pi_behav.
+    tis_cap: float = Field(2.0, gt=0.0)
+    # "token_mask" / "sequence_mask": the band [mask_low, mask_high] of pi_prox / pi_behav kept.
+    mask_low: float = Field(0.5, ge=0.0, le=1.0)
+    mask_high: float = Field(2.0, ge=1.0)
+    # Dual clip (verl's clip_ratio_c): where the advantage is negative, a token's loss is at most
+    # -A * clip_ratio_c however large its ratio (an off-policy token the policy now favours cannot
+    # blow up the update); 0 turns it off, else it must be > 1 (verl uses 3).
+    clip_ratio_c: float = Field(0.0, ge=0.0)
     # KL penalty to the frozen initial model, per token; 0: no reference model is kept.
     kl_coef: float = Field(0.0, ge=0.0)
-    # Estimator of the KL (Schulman's note): "k1" (log-ratio), "k2" (half squared), "k3" (r - 1 - log r).
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    # Estimator of KL(policy || reference) per sampled token, log r = log ref - log pi (Schulman's
+    # note); what each does as a loss is its gradient, in expectation over the sampled tokens:
+    # "k1" = -log r: unbiased value; gradient grad log pi, 0 in expectation (pure noise, no pull).
+    # "k2" = (log r)^2 / 2: biased value; gradient that of KL(pi || ref) (the reverse KL).
+    # "k3" = r - 1 - log r: unbiased value, >= 0 (GRPO's); gradient that of KL(ref || pi) (forward).
+    # "k3_is": k3 times the ratio pi / pi_old (TRL's bias-corrected k3, use_bias_correction_kl):
+    #   corrects for the tokens being sampled by the old policy.
+    kl_estimator: Literal["k1", "k2", "k3", "k3_is"] = "k3"
     # Completions cut at max_new_tokens (finish == "length"): "none" trains on them as they are,
     # "mask" excludes their tokens from the loss, "penalty" subtracts overlong_penalty from their reward.
     overlong: Literal["none", "mask", "penalty"] = "none"
@@ -292,6 +323,15 @@ class TrainerConfig(_Section):
     def _check_state_every(self) -> TrainerConfig:
         if self.state_every and self.state_every % self.sync_every:
             raise ValueError(f"state_every ({self.state_every}) must be a multiple of sync_every ({self.sync_every})")
+        return self
+
+    @model_validator(mode="after")
+    def _check_loss(self) -> TrainerConfig:
+        if self.ratio_level == "sequence" and self.loss_agg != "seq_mean":
+            raise ValueError(f"ratio_level: \"sequence\" (GSPO) averages per sequence; it needs loss_agg = "
+                             f"\"seq_mean\", got {self.loss_agg!r}")
+        if 0 < self.clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c: must be 0 (off) or > 1, got {self.clip_ratio_c}")
         return self
 
     @model_validator(mode="after")
@@ -348,6 +388,20 @@ class Config(_Section):
         scheme = self.redis_url.split("://", 1)[0]
         if scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_staleness(self) -> Config:
+        # The trainer at step s has published version s - s % sync_every at best, and drops a group
+        # sampled more than max_staleness steps ago: past that, no sample can ever fill a step.
+        t, ro = self.trainer, self.rollout
+        if t.objective == "grpo" and t.sync_every > ro.max_staleness + 1:
+            raise ValueError(f"trainer.sync_every ({t.sync_every}) must be at most rollout.max_staleness + 1 "
+                             f"({ro.max_staleness + 1}): the trainer would drop every group as stale before "
+                             "the next publish")
+        if t.updates_per_batch > ro.prompts_per_step * ro.group_size:
+            raise ValueError(f"trainer.updates_per_batch ({t.updates_per_batch}) exceeds the completions of a "
+                             f"step (rollout.prompts_per_step x group_size = {ro.prompts_per_step * ro.group_size})")
         return self
 
     @property
@@ -415,6 +469,9 @@ def _describe(err: ValidationError, source: str) -> str:
         named = re.match(r"^Value error, (\w+): (.*)$", msg, re.S)
         if named:
             field, msg = f"{field}.{named[1]}" if e["loc"] else named[1], named[2]
+        elif not e["loc"]:  # a check across sections: its message names the fields
+            lines.append(f"  {msg.removeprefix('Value error, ')}")
+            continue
         lines.append(f"  {field}: {msg} (got {e.get('input')!r})")
     return "\n".join(lines)
 

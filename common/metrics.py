@@ -8,7 +8,7 @@ dict of those names, as TRL logs them ("reward/mean", "clip_ratio/low_mean", ...
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,14 @@ class PolicyStats:
     clip_high: float  # share clipped above 1 + clip_high (advantage > 0)
     clip_region: float  # clip_low + clip_high
     ratio: float  # mean importance ratio to the policy that started the step
-    tis: float  # mean truncated importance weight (behaviour correction; 1 when off)
+    tis: float  # mean behaviour weight of the correction (decoupled: min(pi_prox / pi_behav, cap)); 1: none
+    # Since the off-policy corrections: absent from older entries, read as their defaults.
+    clip_dual: float = 0.0  # share of tokens the dual clip bounded (0 when off)
+    mismatch_mean: float = 0.0  # mean |log pi_prox - log pi_behav| over trained tokens (behaviour vs proximal policy)
+    mismatch_max: float = 0.0  # ... its largest
+    masked: float = 0.0  # share of trained tokens the correction's weight dropped (token_mask, sequence_mask)
+    # staleness -> mean |log pi_prox - log pi_behav| of the tokens sampled that many steps ago
+    mismatch_by_staleness: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +69,7 @@ class StepMetrics:
     time_publish: float  # of which checkpointing and publishing
     generators_alive: float  # generators with a live heartbeat
     generators_tokens_per_s: float  # their tokens/s, summed
+    steps_skipped: int = 0  # optimizer updates of this step skipped: non-finite loss or gradient norm
     group_ids: list[str] = field(default_factory=list)  # the groups trained, every rank's
 
     def entry(self) -> dict[str, Any]:
@@ -82,9 +90,10 @@ class StepMetrics:
         """The record an entry holds; KeyError naming the first metric it lacks."""
         policy = None
         if POLICY_NAMES["loss"] in entry:
-            policy = PolicyStats(**{name: entry[wire] for name, wire in POLICY_NAMES.items()})
+            policy = PolicyStats(**{name: entry[wire] for name, wire in POLICY_NAMES.items()
+                                    if wire in entry or name not in _DEFAULTED})
         values = {name: entry.get(wire) if name == "sft_loss" else entry[wire]
-                  for name, wire in NAMES.items() if name != "policy"}
+                  for name, wire in NAMES.items() if name != "policy" and (wire in entry or name not in _DEFAULTED)}
         return cls(policy=policy, **values)
 
 
@@ -95,6 +104,7 @@ NAMES = {  # StepMetrics field -> the name it is written under
     "staleness_mean": "staleness/mean", "staleness_max": "staleness/max", "policy": "",
     "sft_loss": "loss/sft", "entropy": "entropy", "grad_norm": "grad_norm", "lr": "lr",
     "dropped_stale": "groups/dropped_stale", "dead": "groups/dead", "duplicate": "groups/duplicate",
+    "steps_skipped": "steps_skipped",
     "tokens_trained": "tokens/trained", "tokens_per_s": "tokens_per_s", "time_step": "time/step",
     "time_wait_data": "time/wait_data", "time_train": "time/train", "time_publish": "time/publish",
     "generators_alive": "generators/alive", "generators_tokens_per_s": "generators/tokens_per_s",
@@ -103,7 +113,12 @@ NAMES = {  # StepMetrics field -> the name it is written under
 POLICY_NAMES = {  # PolicyStats field -> the name it is written under
     "loss": "loss/policy", "kl": "kl", "clip_low": "clip_ratio/low_mean", "clip_high": "clip_ratio/high_mean",
     "clip_region": "clip_ratio/region_mean", "ratio": "ratio/mean", "tis": "tis/mean",
+    "clip_dual": "clip_ratio/dual_mean", "mismatch_mean": "mismatch/abs_log_ratio_mean",
+    "mismatch_max": "mismatch/abs_log_ratio_max", "masked": "mismatch/masked",
+    "mismatch_by_staleness": "mismatch/by_staleness",
 }
+_DEFAULTED = {f.name for cls in (PolicyStats, StepMetrics) for f in fields(cls)  # may be absent from an entry
+              if f.name not in ("group_ids",) and (f.default is not MISSING or f.default_factory is not MISSING)}
 assert set(NAMES) == {f.name for f in fields(StepMetrics)}, "every StepMetrics field needs its name"
 assert set(POLICY_NAMES) == {f.name for f in fields(PolicyStats)}, "every PolicyStats field needs its name"
 

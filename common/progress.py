@@ -41,6 +41,7 @@ class TrainerProgress:
     groups_dead: int = 0  # sample entries dead-lettered (did not decode or validate)
     groups_duplicate: int = 0  # groups refused for an id already trained
     groups_dropped_stale: int = 0  # groups staler than rollout.max_staleness, acknowledged untrained
+    steps_skipped: int = 0  # optimizer updates skipped for a non-finite loss or gradient norm (not applied)
 
 
 class Refused(enum.Enum):
@@ -78,6 +79,10 @@ def restore_trained(pipe: Client, keys: Keys, *, groups_trained: int, trained: d
     pipe.hset(keys.trainer, "groups_trained", groups_trained)
     if trained:
         pipe.zadd(keys.trained, trained)
+
+
+def count_skipped(r: Client, keys: Keys, updates: int) -> None:
+    r.hincrby(keys.trainer, "steps_skipped", updates)
 
 
 def count_refused(r: Client, keys: Keys, why: Refused) -> None:

@@ -56,10 +56,11 @@ import trio
 
 from common import streams
 from common.checkpoints import CheckpointError, verify_dir
-from common.config import Config, GeneratorConfig, LimitsConfig
+from common.config import Config, GeneratorConfig, LimitsConfig, TrainerConfig
 from common.heartbeats import Heartbeat, clear_heartbeat, write_heartbeat
 from common.keys import GENERATORS_GROUP, Keys
 from common.messages import Completion, MessageError, PromptTask, SampleGroup, decode_weights
+from common.shaping import zero_variance
 from engines.base import Engine, Finished, SamplingSettings
 from engines.choice import engine_name, open_engine
 from generators import devices
@@ -118,6 +119,7 @@ class Generator:
     r: redis.Redis
     keys: Keys
     settings: GeneratorConfig
+    trainer: TrainerConfig  # its overlong penalty shapes the rewards dynamic sampling judges
     sampling: SamplingSettings  # every request's, with n replaced by its prompt's
     limits: LimitsConfig  # what a prompt message may hold
     engine: Engine
@@ -210,7 +212,7 @@ async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, eng
     arrived_send, arrived = trio.open_memory_channel[Held](math.inf)
     finished_send, finished = trio.open_memory_channel[tuple[Finished, Held]](math.inf)
     g = Generator(
-        id=generator_id, r=r, keys=keys, settings=gen, limits=config.limits,
+        id=generator_id, r=r, keys=keys, settings=gen, trainer=config.trainer, limits=config.limits,
         sampling=SamplingSettings(n=1, max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                                   top_p=rollout.top_p, top_k=rollout.top_k),
         engine=engine, engine_thread=engine_thread, rewards=rewards, host=host, gpu=gpu,
@@ -397,7 +399,8 @@ async def score_and_publish(g: Generator, state: State, done: Finished, held: He
     try:
         group, errors = await trio.to_thread.run_sync(partial(
             make_group, g.engine, g.rewards, held, done, generator_id=g.id))
-        drop = g.settings.drop_zero_variance and len({c.reward for c in group.completions}) == 1
+        drop = g.settings.drop_zero_variance and zero_variance(
+            group, overlong=g.trainer.overlong, overlong_penalty=g.trainer.overlong_penalty)
         await trio.to_thread.run_sync(partial(
             drop_group if drop else publish, g.r, keys=g.keys, entry_id=held.entry_id, group=group))
     finally:

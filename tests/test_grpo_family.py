@@ -93,7 +93,7 @@ def test_ratio_is_against_old_logp_and_tis_weights_by_the_behaviour_gap():
     old = behaviour + torch.tensor([[math.log(3.0), math.log(0.5)]])
     logp = old.clone().requires_grad_()
     loss, stats = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), clip_low=0.2,
-                            clip_high=0.2, total_tokens=2, old_logp=old, tis_cap=2.0)
+                            clip_high=0.2, total_tokens=2, old_logp=old, tis_cap=2.0, correction="decoupled")
     # (2 * -1 + 0.5 * -1) / 2 = -1.25; d/d logp = -w r A / 2 = -1, -0.25.
     assert loss.item() == pytest.approx(-1.25, abs=1e-6)
     assert stats["ratio/mean"] == pytest.approx(1.0) and stats["tis/mean"] == pytest.approx(1.25)
@@ -202,7 +202,7 @@ def steps(tiny_model):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient itself
         args = dict(loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
                     overlong_penalty=0.0, micro_batch_size=16, micro_batch_tokens=0, updates=1,
-                    recompute_old_logp=False, max_grad_norm=1e9)
+                    max_grad_norm=1e9)
         stats = train_step(model, opt, groups, **{**args, **kw})
         return torch.cat([p.detach().flatten() for p in model.parameters()]), stats
 
@@ -219,16 +219,20 @@ def test_micro_batching_does_not_change_the_update(steps, agg):
         torch.testing.assert_close(part, whole, atol=2e-6, rtol=0)
 
 
-def test_updates_per_batch_recomputes_old_logp(steps, tiny_model):
-    # The groups' behaviour log-probs are the initial model's: the recomputed old log-probs match
-    # them, so TIS is 1 and the first update equals the plain one.
+def test_decoupled_on_policy_equals_behaviour_clip_and_mini_batches_step_twice(steps, tiny_model):
+    # The groups' behaviour log-probs are the initial model's: the proximal pass matches them, so
+    # the behaviour weight is 1 and the decoupled update equals the behaviour-clipped one.
     one, plain = steps()
-    one_recomputed, st = steps(recompute_old_logp=True)
-    torch.testing.assert_close(one_recomputed, one, atol=1e-6, rtol=0)
+    decoupled, st = steps(loss=LossOptions(correction="decoupled"))
+    torch.testing.assert_close(decoupled, one, atol=1e-6, rtol=0)
     assert st["tis/mean"] == pytest.approx(1.0, abs=1e-4) and st["entropy"] > 0
-    two, st2 = steps(updates=2)
-    assert not torch.allclose(two, one)  # a second optimizer step moved it further
-    assert st2["tokens/forward"] == 2 * plain["tokens/forward"]
+    assert st["mismatch/abs_log_ratio_max"] < 1e-4 and st["mismatch/masked"] == 0.0
+    # Two PPO mini-batches: two optimizer steps in one pass over the batch; the second
+    # mini-batch's policy has moved (ratio off 1), which is what the clip bounds.
+    two, st2 = steps(updates=2, loss=LossOptions(correction="decoupled"))
+    assert not torch.allclose(two, one)
+    assert st2["tokens/forward"] == plain["tokens/forward"]
+    assert abs(st2["ratio/mean"] - 1.0) > 1e-4 and abs(plain["ratio/mean"] - 1.0) < 1e-5
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).requires_grad_(False)
     _, st3 = steps(ref_model=ref, loss=LossOptions(kl_coef=0.1))
     assert st3["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before its first update

@@ -179,7 +179,7 @@ def test_sigterm_publishes_unpublished_steps_and_exits_0(tmp_path, redis_url, r,
     # trainer waits for data; a stop then publishes them before exiting.
     toml = "\n".join([
         f'run = "{RUN}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / "out"}"',
-        "[model]", f'path = "{tiny_model}"', "[rollout]", "prompts_per_step = 2",
+        "[model]", f'path = "{tiny_model}"', "[rollout]", "prompts_per_step = 2", "max_staleness = 4",
         "[trainer]", "sync_every = 5", "threads = 1",
     ])
     (tmp_path / "rollouts.toml").write_text(toml + "\n")
@@ -228,3 +228,26 @@ def test_kl_to_the_initial_model_and_reward_errors_reach_the_metrics(tmp_path, r
     kl = [m["kl"] for m in lines]
     assert kl[0] == pytest.approx(0.0, abs=1e-7), kl  # the policy is the reference before its first update
     assert kl[1] > 1e-5 and kl[2] > kl[1], kl  # then moves away from it, and further
+
+
+def test_a_configuration_that_would_stall_is_refused_at_start(tmp_path, redis_url):
+    # sync_every 3 > max_staleness 1 + 1: after two steps every group would be dropped as stale
+    # before the next publish, and the run would wait for ever. The trainer (and every process
+    # reading the same config) refuses it at start-up, naming both fields on one line.
+    toml = "\n".join([
+        f'run = "{RUN}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / "out"}"',
+        "[rollout]", "max_staleness = 1", "[trainer]", "sync_every = 3",
+    ])
+    (tmp_path / "rollouts.toml").write_text(toml + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    env.update(ROLLOUTS_CONFIG=str(tmp_path / "rollouts.toml"), PYTHONPATH=str(ROOT))
+    for process in ("trainer", "producers"):
+        try:
+            proc = subprocess.run([sys.executable, "-m", process], cwd=tmp_path, env=env, capture_output=True,
+                                  text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{process} started with sync_every 3 > max_staleness 1 + 1 instead of refusing it")
+        assert proc.returncode != 0
+        named = [line for line in proc.stderr.splitlines()
+                 if "trainer.sync_every" in line and "rollout.max_staleness" in line]
+        assert len(named) == 1, proc.stderr

@@ -11,7 +11,8 @@ completion tokens of groups of any size (the producer's sft sources), no advanta
 staleness limit (such groups carry version 0 and are never stale).
 
 Versions. `step` counts trainer steps done (each is `updates_per_batch` optimizer steps on one
-batch of groups; the lr schedule also counts trainer steps); the published weight `version` is
+batch of groups, one per PPO mini-batch; the lr schedule also counts trainer steps; a step whose
+every update was skipped for a non-finite loss is not counted); the published weight `version` is
 the step that wrote them, so with sync_every = 1 the two are equal after every step. A sample's staleness is
 `step - sample.version`: how many optimizer steps the policy has moved since the weights that
 sampled it (this is the DESIGN's "trainer version − sample version", counting unpublished steps
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -32,25 +33,26 @@ import redis
 import torch
 from transformers.utils import logging as hf_logging
 
-from common.config import Config, TrainerConfig
+from common.config import Config, RolloutConfig, TrainerConfig
 from common.evals import enqueue_eval
 from common.keys import TRAINER_GROUP, Keys
 from common.messages import SampleGroup, WeightVersion
 from common.models import resolve_model_path
-from common.progress import read_trainer, write_step
+from common.progress import Refused, count_refused, count_skipped, read_trainer, write_step
 from common.streams import connect, ensure_group
 from trainer.checkpoints import load_model, publish, remove_unfinished, resume
 from trainer.grpo import LossOptions
 from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say
 from trainer.record import Record, forgotten, put_right
-from trainer.samples import collect
+from trainer.samples import Collected, collect
 from trainer.shutdown import Shutdown
 from trainer.step import sft_step, train_step
 from trainer.tracking import Tracker
 
-# One trainer step's update of (model, optimizer, this rank's groups), returning its stats.
-Update = Callable[[torch.nn.Module, torch.optim.Optimizer, list[SampleGroup]], dict[str, float]]
+# One trainer step's update of (model, optimizer, this rank's groups; step = trainer steps done),
+# returning its stats.
+Update = Callable[..., dict[str, float]]
 
 
 @dataclass
@@ -67,35 +69,77 @@ class State:
     unacked_entries: list[bytes] = field(default_factory=list)
     unacked_ids: list[str] = field(default_factory=list)
     record: Record = field(default_factory=lambda: Record(step=0, version=0, state_step=0, groups_trained=0))
+    updates: int = 1  # optimizer updates per trainer step (trainer.updates_per_batch; 1 for sft)
 
 
-def objective(cfg: TrainerConfig, *, temperature: float, source_dir: Path) -> Update:
+def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path) -> Update:
     """The update of `cfg.objective` with its options bound; for grpo with a KL term, the frozen
-    reference (the initial model) is loaded here."""
+    reference (the initial model) is loaded here. The GRPO family's log-probs are those of the
+    generators' sampling distribution (`rollout`'s temperature, top_k, top_p)."""
     if cfg.objective == "sft":
         return partial(sft_step, micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
                        max_grad_norm=cfg.max_grad_norm)
     ref_model = None
     if cfg.kl_coef > 0:  # the frozen reference: the initial model
         ref_model = load_model(source_dir).eval().requires_grad_(False)
-    loss = LossOptions(clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_level=cfg.ratio_level,
-                       aggregation=cfg.loss_agg, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
-                       kl_estimator=cfg.kl_estimator)
-    return partial(train_step, loss=loss, ref_model=ref_model, temperature=temperature, estimator=cfg.advantage,
-                   overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
+    loss = LossOptions(clip_low=cfg.clip_low, clip_high=cfg.clip_high, correction=cfg.correction,
+                       ratio_level=cfg.ratio_level, aggregation=cfg.loss_agg, tis_cap=cfg.tis_cap,
+                       mask_low=cfg.mask_low, mask_high=cfg.mask_high, clip_ratio_c=cfg.clip_ratio_c,
+                       kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
+    return partial(train_step, loss=loss, ref_model=ref_model, temperature=rollout.temperature,
+                   top_k=rollout.top_k, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
+                   estimator=cfg.advantage, overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
                    micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
-                   updates=cfg.updates_per_batch, recompute_old_logp=cfg.recompute_old_logp,
-                   max_grad_norm=cfg.max_grad_norm)
+                   updates=cfg.updates_per_batch, max_grad_norm=cfg.max_grad_norm)
 
 
-def train(state: State, update: Update, groups: list[SampleGroup]) -> tuple[dict[str, float], float]:
+def train(state: State, update: Update, groups: list[SampleGroup], *, r: redis.Redis,
+          keys: Keys) -> tuple[dict[str, float], float]:
     """One trainer step on this rank's `groups`: the update, then the lr schedule's step. Returns
-    the update's stats and the lr it used."""
+    the update's stats and the lr it used. A step whose every optimizer update was skipped (a
+    non-finite loss or gradient norm) left the weights as they were: it is not counted (the step,
+    the schedule and the published version stay), its groups are spent all the same."""
     lr = state.optimizer.param_groups[0]["lr"]
-    stats = update(state.model, state.optimizer, groups)
-    state.scheduler.step()
-    state.step += 1
+    stats = update(state.model, state.optimizer, groups, step=state.step)
+    skipped = int(stats.get("steps_skipped", 0))
+    if skipped:
+        if is_main():
+            count_skipped(r, keys, skipped)
+        say(f"trainer: {skipped} update(s) of step {state.step + 1} skipped: non-finite loss or gradient norm")
+    if skipped < state.updates:
+        state.scheduler.step()
+        state.step += 1
     return stats, lr
+
+
+def gather_groups(r: redis.Redis, keys: Keys, got: Collected, rank: int) -> tuple[list[Collected], list[SampleGroup]]:
+    """Every rank's collected groups (for the acknowledgement and the metrics), a group two ranks
+    read kept once and counted as a duplicate; and the groups this rank trains on."""
+    gathered = gather(got)
+    everyone, mine = cross_rank_duplicates(gathered, rank)
+    if rank == 0:
+        for _ in range(sum(c.duplicate for c in everyone) - sum(c.duplicate for c in gathered)):
+            count_refused(r, keys, Refused.DUPLICATE)
+    return everyone, mine
+
+
+def cross_rank_duplicates(everyone: list[Collected], rank: int) -> tuple[list[Collected], list[SampleGroup]]:
+    """Two copies of one group (two generators raced on a reclaimed prompt) read by two ranks in
+    the same step: `everyone` with each group id kept at its first rank only (each dropped copy
+    counts as a duplicate; its entry stays, to be acknowledged), and the groups rank `rank` trains
+    on, where a dropped copy stays with nothing to train on (every loss mask 0), so that every rank
+    keeps its rows for the step's collectives."""
+    seen: set[str] = set()
+    out, mine = [], []
+    for n, got in enumerate(everyone):
+        keep = [g for g in got.groups if g.id not in seen]
+        seen.update(g.id for g in keep)
+        out.append(replace(got, groups=keep, duplicate=got.duplicate + len(got.groups) - len(keep)))
+        if n == rank:
+            kept = {id(g) for g in keep}
+            mine = [g if id(g) in kept else replace(g, completions=[
+                replace(c, loss_mask=[0] * len(c.ids)) for c in g.completions]) for g in got.groups]
+    return out, mine
 
 
 def checkpoint(r: redis.Redis, keys: Keys, state: State, *, save: bool, config: Config, source_dir: Path,
@@ -153,8 +197,7 @@ def run(config: Config) -> None:
         f"rollout.prompts_per_step = {rollout.prompts_per_step} must be a multiple of the world size {world}")
     keys = Keys(config.run)
     torch.manual_seed(cfg.seed)
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())  # 0: torch's default
     source_dir = resolve_model_path(config.model.path)
     state_root = Path(config.output_dir) / "trainer_state"  # DCP trainer state beside each checkpoint
     if rank == 0:
@@ -167,10 +210,10 @@ def run(config: Config) -> None:
     model, optimizer, scheduler, step = resume(
         r, keys, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps)
-    state = State(model, optimizer, scheduler, step=step, version=step, record=Record.of(read_trainer(r, keys)))
-    vocab_size = model.config.vocab_size
+    state = State(model, optimizer, scheduler, step=step, version=step, record=Record.of(read_trainer(r, keys)),
+                  updates=1 if cfg.objective == "sft" else cfg.updates_per_batch)
     sft = cfg.objective == "sft"
-    update = objective(cfg, temperature=rollout.temperature, source_dir=source_dir)
+    update = objective(cfg, rollout, source_dir=source_dir)
     tracker = Tracker(r, config) if rank == 0 else None
     say(f"trainer: run {config.run!r}, model {source_dir}, step {state.step}, "
         f"{rollout.prompts_per_step} groups per step, {world} rank(s)")
@@ -181,22 +224,25 @@ def run(config: Config) -> None:
         t_step = time.monotonic()
         check_redis(r, keys, state)
         got, state.cursor = collect(r, keys, want=rollout.prompts_per_step // world, step=state.step,
-                                    max_staleness=None if sft else rollout.max_staleness, vocab_size=vocab_size,
+                                    max_staleness=None if sft else rollout.max_staleness,
+                                    vocab_size=model.config.vocab_size,
                                     unpublished=set(state.unacked_ids), consumer=f"rank{rank}",
                                     cursor=state.cursor, shutdown=shutdown, objective=cfg.objective,
                                     limits=config.limits, trained=state.record.trained,
                                     skip=set(state.unacked_entries))
         if any_rank(got is None):  # a stop while waiting: what this rank read stays pending
             break
-        everyone = gather(got)  # every rank's groups, for the acknowledgement and the metrics
+        everyone, mine = gather_groups(r, keys, got, rank)
         all_groups = [g for c in everyone for g in c.groups]
         staleness = [0 if sft else state.step - g.version for g in all_groups]  # sft data is never stale
 
         t_train = time.monotonic()
-        stats, lr = train(state, update, got.groups)
+        stats, lr = train(state, update, mine, r=r, keys=keys)
         train_s = time.monotonic() - t_train
         state.unacked_entries += [e for c in everyone for e in c.entry_ids]
         state.unacked_ids += [g.id for g in all_groups]
+        if stats.get("steps_skipped", 0) >= state.updates:  # nothing applied: nothing to publish or record
+            continue
 
         t_publish = time.monotonic()
         last = any_rank(shutdown.requested) or (cfg.max_steps > 0 and state.step >= cfg.max_steps)

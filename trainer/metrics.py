@@ -53,14 +53,18 @@ def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: di
     policy = None if sft else PolicyStats(
         loss=stats["loss/policy"], kl=stats["kl"], clip_low=stats["clip_ratio/low_mean"],
         clip_high=stats["clip_ratio/high_mean"], clip_region=stats["clip_ratio/region_mean"],
-        ratio=stats["ratio/mean"], tis=stats["tis/mean"])
+        ratio=stats["ratio/mean"], tis=stats["tis/mean"], clip_dual=stats["clip_ratio/dual_mean"],
+        mismatch_mean=stats["mismatch/abs_log_ratio_mean"], mismatch_max=stats["mismatch/abs_log_ratio_max"],
+        masked=stats["mismatch/masked"], mismatch_by_staleness={
+            k.rsplit("_", 1)[1]: v for k, v in stats.items() if k.startswith("mismatch/abs_log_ratio_mean/staleness_")})
     beats = read_heartbeats(r, keys).values()
     return StepMetrics(
         step=step, version=version, **step_metrics(all_groups, staleness=staleness, rewarded=not sft),
         policy=policy, sft_loss=stats["loss/sft"] if sft else None, entropy=stats["entropy"],
         grad_norm=stats["grad_norm"], lr=lr,
         dropped_stale=sum(c.stale for c in everyone), dead=sum(c.dead for c in everyone),
-        duplicate=sum(c.duplicate for c in everyone), tokens_trained=stats["tokens/trained"],
+        duplicate=sum(c.duplicate for c in everyone), steps_skipped=int(stats.get("steps_skipped", 0)),
+        tokens_trained=stats["tokens/trained"],
         tokens_per_s=stats["tokens/forward"] / train_s,  # prompt + completion tokens through the model
         time_step=time.monotonic() - t_step, time_wait_data=max(c.wait_s for c in everyone),
         time_train=train_s, time_publish=publish_s,

@@ -10,49 +10,74 @@ share of global counts, summed over the ranks at the end.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from common.messages import SampleGroup
-from trainer.batch import MicroBatch, micro_batches
-from trainer.grpo import Estimator, LossOptions, grpo_loss, sft_loss, token_entropy, token_logprobs
-from trainer.parallel import all_max, all_sum, world_size
+from trainer.batch import MicroBatch, mini_batches
+from trainer.grpo import (
+    Estimator,
+    LossOptions,
+    behaviour_weight,
+    grpo_loss,
+    mismatch_stats,
+    sft_loss,
+    token_entropy,
+    token_logprobs,
+)
+from trainer.parallel import all_max, all_sum, any_rank, gather, world_size
 
 
 @dataclass(frozen=True)
 class StepBatches:
-    """This rank's micro-batches of one step, padded to every rank's count, and the step's counts
+    """This rank's micro-batches of one (mini-)batch, padded to every rank's count, and its counts
     summed over the ranks."""
 
     batches: list[MicroBatch]
     tokens: int  # trained (loss-masked) completion tokens
     seqs: int  # sequences with a trained token
     tokens_in: int  # prompt + completion tokens through the model in one pass over the batches
+    rows: int = 0  # completions (trained or not): Dr. GRPO's constant normaliser counts them
 
 
 def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int,
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
-                 objective: str = "grpo") -> StepBatches:
-    """`groups` as micro-batches (trainer/batch.py), padded with empty ones to the most any rank has."""
-    batches, tokens, seqs = micro_batches(groups, micro_batch_size=micro_batch_size,
-                                          micro_batch_tokens=micro_batch_tokens, estimator=estimator,
-                                          overlong=overlong, overlong_penalty=overlong_penalty, objective=objective)
-    tokens_in = sum(int(mb.attention_mask.sum()) for mb in batches)
-    tokens, seqs, tokens_in = (int(x) for x in all_sum([tokens, seqs, tokens_in]))
-    empty = replace(batches[-1], mask=torch.zeros_like(batches[-1].mask))
-    batches += [empty] * (all_max(len(batches)) - len(batches))
-    return StepBatches(batches=batches, tokens=tokens, seqs=seqs, tokens_in=tokens_in)
+                 objective: str = "grpo", parts: int = 1) -> list[StepBatches]:
+    """`groups` as `parts` mini-batches of micro-batches (trainer/batch.py), each padded with empty
+    micro-batches to the most any rank has."""
+    out = []
+    for batches, tokens, seqs in mini_batches(groups, parts=parts, micro_batch_size=micro_batch_size,
+                                              micro_batch_tokens=micro_batch_tokens, estimator=estimator,
+                                              overlong=overlong, overlong_penalty=overlong_penalty,
+                                              objective=objective):
+        tokens_in = sum(int(mb.attention_mask.sum()) for mb in batches)
+        rows = sum(mb.input_ids.shape[0] for mb in batches)
+        tokens, seqs, tokens_in, rows = (int(x) for x in all_sum([tokens, seqs, tokens_in, rows]))
+        empty = replace(batches[-1], mask=torch.zeros_like(batches[-1].mask))
+        batches += [empty] * (all_max(len(batches)) - len(batches))
+        out.append(StepBatches(batches=batches, tokens=tokens, seqs=seqs, tokens_in=tokens_in, rows=rows))
+    return out
 
 
-def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> float:
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
+                  loss_finite: bool = True) -> float:
     """Clip the accumulated gradients to `max_grad_norm` and take the optimizer step; return the
-    gradient norm before clipping (of the whole model: under FSDP every rank gets the same)."""
+    gradient norm before clipping (of the whole model: under FSDP every rank gets the same).
+
+    A non-finite gradient norm, or `loss_finite` false on any rank, skips the step: the gradients
+    are dropped, the weights and the optimizer state stay as they were, and NaN is returned
+    (on every rank) for the caller to count the skip."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
         grad_norm = grad_norm.full_tensor()
+    norm = float(grad_norm)
+    if any_rank(not (loss_finite and math.isfinite(norm))):
+        optimizer.zero_grad(set_to_none=True)
+        return math.nan
     optimizer.step()
-    return float(grad_norm)
+    return norm
 
 
 def sum_over_ranks(stats: dict[str, float]) -> dict[str, float]:
@@ -61,64 +86,109 @@ def sum_over_ranks(stats: dict[str, float]) -> dict[str, float]:
     return dict(zip(names, all_sum([stats[k] for k in names]), strict=True))
 
 
+EMPTY_GRPO_STATS = {"loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0, "kl": 0.0, "clip_ratio/low_mean": 0.0,
+                    "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0, "clip_ratio/dual_mean": 0.0,
+                    "ratio/mean": 1.0, "tis/mean": 1.0, "mismatch/abs_log_ratio_mean": 0.0,
+                    "mismatch/abs_log_ratio_max": 0.0, "mismatch/masked": 0.0, "steps_skipped": 0.0}
+
+
+def by_staleness(stats: dict[str, float]) -> dict[str, float]:
+    """`stats` with the per-staleness sums (grpo.mismatch_stats) turned into means,
+    "mismatch/abs_log_ratio_mean/staleness_{s}" for each staleness with a trained token."""
+    out = {k: v for k, v in stats.items() if not k.startswith("staleness/")}
+    for key in stats:
+        if key.startswith("staleness/") and key.endswith("/tokens") and stats[key] > 0:
+            s = key.split("/")[1]
+            out[f"mismatch/abs_log_ratio_mean/staleness_{s}"] = stats[f"staleness/{s}/gap_sum"] / stats[key]
+    return out
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
                loss: LossOptions, ref_model: torch.nn.Module | None, temperature: float,
                estimator: Estimator, overlong: str, overlong_penalty: float, micro_batch_size: int,
-               micro_batch_tokens: int, updates: int, recompute_old_logp: bool,
-               max_grad_norm: float) -> dict[str, float]:
-    """`updates` optimizer steps of the GRPO family over `groups`, gradients accumulated over micro-batches.
+               micro_batch_tokens: int, updates: int, max_grad_norm: float, top_k: int = 0, top_p: float = 1.0,
+               max_new_tokens: int = 0, step: int = 0) -> dict[str, float]:
+    """One trainer step of the GRPO family over `groups`: `updates` PPO mini-batches, one
+    optimizer step each, gradients accumulated over each one's micro-batches.
 
-    The PPO ratio is taken against the policy at the start of the step: a no-grad pass when
-    `updates` > 1 or `recompute_old_logp`, else the behaviour log-probs stand in for it. Stats
-    are averaged over the updates; entropy is that of the policy that started the step.
+    The corrections other than behaviour_clip take the PPO ratio against the proximal policy:
+    a no-grad pass, dropout off, with the weights at the start of the step. Log-probs are those
+    of the sampler's distribution (temperature, `top_k`, `top_p`). An update whose loss or
+    gradient norm is not finite is skipped (counted in "steps_skipped"). `step` (trainer steps
+    done) gives each group's staleness for the mismatch metrics. Stats are shares of the step's
+    trained tokens; the loss and grad norm are means over the applied updates.
     """
-    batched = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                           estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty)
-    batches, total_tokens, world = batched.batches, batched.tokens, world_size()
+    minis = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+                         estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty, parts=updates)
+    total_tokens, world = sum(m.tokens for m in minis), world_size()
     base = {"tokens/trained": float(total_tokens), "tokens/forward": 0.0}
     if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
-        return {**base, "loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0, "kl": 0.0,
-                "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0,
-                "ratio/mean": 1.0, "tis/mean": 1.0}
+        return {**EMPTY_GRPO_STATS, **base}
 
     def forward_logp(m: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         logits = m(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        return token_logprobs(logits, mb.targets, temperature), logits  # (B, T), (B, T, V)
+        return token_logprobs(logits, mb.targets, temperature, top_k=top_k, top_p=top_p), logits  # (B, T), (B, T, V)
 
-    model.train()
+    model.eval()  # the no-grad passes run with dropout off
     with torch.no_grad():
-        old = [forward_logp(model, mb)[0] for mb in batches] if updates > 1 or recompute_old_logp \
-            else [None] * len(batches)
-        ref = [forward_logp(ref_model, mb)[0] for mb in batches] if ref_model is not None \
-            else [None] * len(batches)
-    stats: dict[str, float] = {"loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0}
-    for update in range(updates):
+        prox = [[forward_logp(model, mb)[0] for mb in m.batches] if loss.correction != "behaviour_clip"
+                else [None] * len(m.batches) for m in minis]
+        ref = [[forward_logp(ref_model, mb)[0] if ref_model is not None else None for mb in m.batches]
+               for m in minis]
+    model.train()
+    oldest = all_max(max([0] + [step - g.version for g in groups]))
+    stats: dict[str, float] = {"loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0, "steps_skipped": 0.0,
+                               **{f"staleness/{s}/{k}": 0.0 for s in range(oldest + 1) for k in ("gap_sum", "tokens")}}
+    gap_max, applied = 0.0, 0
+    for mini, mini_prox, mini_ref in zip(minis, prox, ref, strict=True):
+        if mini.tokens == 0:
+            continue
         optimizer.zero_grad(set_to_none=True)
-        for mb, old_logp, ref_logp in zip(batches, old, ref, strict=True):
+        share, mini_loss = mini.tokens / total_tokens, 0.0
+        for mb, prox_logp, ref_logp in zip(mini.batches, mini_prox, mini_ref, strict=True):
             logp, logits = forward_logp(model, mb)
             mb_loss, mb_stats = grpo_loss(
-                logp, mb.behaviour_logp, mb.advantages, mb.mask, old_logp=old_logp, ref_logp=ref_logp,
-                total_tokens=total_tokens, total_seqs=batched.seqs, clip_low=loss.clip_low,
-                clip_high=loss.clip_high, ratio_level=loss.ratio_level, aggregation=loss.aggregation,
-                tis_cap=loss.tis_cap, kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator)
+                logp, mb.behaviour_logp, mb.advantages, mb.mask, old_logp=prox_logp, ref_logp=ref_logp,
+                correction=loss.correction, total_tokens=mini.tokens, total_seqs=mini.seqs,
+                norm_tokens=mini.rows * max_new_tokens, clip_low=loss.clip_low, clip_high=loss.clip_high,
+                ratio_level=loss.ratio_level, aggregation=loss.aggregation, tis_cap=loss.tis_cap,
+                mask_low=loss.mask_low, mask_high=loss.mask_high, clip_ratio_c=loss.clip_ratio_c,
+                kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator)
             (mb_loss * world).backward()
-            stats["loss/policy"] += mb_loss.item() / updates
-            for k, v in mb_stats.items():  # each is a share of total_tokens: they add up
-                stats[k] = stats.get(k, 0.0) + v / updates
-            if update == 0:
-                stats["entropy"] += (token_entropy(logits, temperature) * mb.mask).sum().item() / total_tokens
-        grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm)
-        stats["grad_norm"] += grad_norm / world / updates  # summed over ranks below
-    return {**sum_over_ranks(stats), **base, "tokens/forward": float(batched.tokens_in * updates)}
+            mini_loss += mb_loss.item()
+            measured = logp.detach() if prox_logp is None else prox_logp  # the policy before this update
+            weight = behaviour_weight(measured, mb.behaviour_logp, mb.mask, correction=loss.correction,
+                                      tis_cap=loss.tis_cap, mask_low=loss.mask_low, mask_high=loss.mask_high)
+            mb_stats.update(mismatch_stats(measured, mb.behaviour_logp, mb.mask, weight == 0,
+                                           (step - mb.versions).clamp(min=0), total_tokens=mini.tokens))
+            gap_max = max(gap_max, mb_stats.pop("mismatch/abs_log_ratio_max"))
+            for k, v in mb_stats.items():  # shares of the mini-batch's tokens: weighted to the step's
+                stats[k] = stats.get(k, 0.0) + (v if k.startswith("staleness/") else v * share)
+            stats["entropy"] += (token_entropy(logits, temperature) * mb.mask).sum().item() / total_tokens
+        grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm,
+                                  loss_finite=math.isfinite(mini_loss))
+        if math.isfinite(grad_norm):  # the same on every rank
+            stats["grad_norm"] += grad_norm / world  # summed over ranks below
+            stats["loss/policy"] += mini_loss  # this rank's part; summed over ranks below
+            applied += 1
+        else:
+            stats["steps_skipped"] += 1.0 / world
+    out = by_staleness(sum_over_ranks(stats))
+    out["loss/policy"] /= max(applied, 1)
+    out["grad_norm"] /= max(applied, 1)
+    out["mismatch/abs_log_ratio_max"] = max(gather(gap_max))
+    return {**out, **base, "tokens/forward": float(sum(m.tokens_in for m in minis))}
 
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
-             micro_batch_size: int, micro_batch_tokens: int, max_grad_norm: float) -> dict[str, float]:
+             micro_batch_size: int, micro_batch_tokens: int, max_grad_norm: float,
+             step: int = 0) -> dict[str, float]:
     """One optimizer step of supervised cross-entropy over `groups`' loss-masked completion
     tokens, normalised by the global masked-token count as `train_step`'s token_mean (so any
-    world size gives the same update)."""
+    world size gives the same update). `step` is unused (sft data is never stale); a non-finite
+    loss or gradient norm skips the step (counted in "steps_skipped")."""
     batched = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                           objective="sft")
+                           objective="sft")[0]
     total_tokens, world = batched.tokens, world_size()
     base = {"tokens/trained": float(total_tokens), "tokens/forward": float(batched.tokens_in)}
     if total_tokens == 0:
@@ -132,5 +202,8 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: l
         (mb_loss * world).backward()
         stats["loss/sft"] += mb_loss.item()
         stats["entropy"] += (token_entropy(logits, 1.0) * mb.mask).sum().item() / total_tokens
-    stats["grad_norm"] = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm) / world  # summed below
+    grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm,
+                              loss_finite=math.isfinite(stats["loss/sft"]))
+    stats["grad_norm"] = grad_norm / world if math.isfinite(grad_norm) else 0.0  # summed below
+    stats["steps_skipped"] = 0.0 if math.isfinite(grad_norm) else 1.0 / world
     return {**sum_over_ranks(stats), **base}

@@ -30,8 +30,9 @@ def resolved_config(config: Config) -> dict[str, Any]:
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
-    """The numeric, finite entries of `metrics` (what a chart can draw)."""
-    return {k: float(v) for k, v in metrics.items()
+    """The numeric, finite entries of `metrics` (what a chart can draw), a dict's as "name/key"."""
+    flat = {f"{k}/{sub}": v for k, d in metrics.items() if isinstance(d, dict) for sub, v in d.items()}
+    return {k: float(v) for k, v in {**metrics, **flat}.items()
             if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
 
 

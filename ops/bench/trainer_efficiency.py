@@ -115,7 +115,7 @@ def bare_worker(groups_file: Path, *, redis_url: str, steps: int, lr: float) -> 
         mine = groups[s * PER_STEP + rank * share:s * PER_STEP + (rank + 1) * share]
         train_step(model, optimizer, mine, loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo",
                    overlong="none", overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1,
-                   recompute_old_logp=False, max_grad_norm=1.0)
+                   max_grad_norm=1.0)
         r.rpush(BARE_DONE, rank)
     finish()
 

@@ -1,0 +1,157 @@
+"""Ablation of the off-policy corrections: reward and held-out pass@1 by correction and staleness.
+
+    python ops/bench/offpolicy_ablation.py [--steps 40] [--staleness 1 4] \
+        [--corrections behaviour_clip decoupled token_mask] [--out runs/offpolicy-ablation]
+
+Each run is `honcho start` of the project's processes (redis, producer, one generator, trainer;
+no evaluator) on the demo configuration (`configs/demo.toml`: the default model on the
+arithmetic task, every seed 0), with `rollout.max_staleness` and `trainer.correction` set, in its
+own directory under --out with its own Redis port, stopped by `trainer.max_steps = --steps`. The
+trainer state is saved only at the end (`state_every = --steps`), so no run pays for an optimizer
+save the others skip. After a run, its final checkpoint is scored here on the evaluator's
+held-out problems (eval.seed, eval.prompts, greedy pass@1, as evaluator/jobs.py does).
+
+Each finished run appends one JSON line to --out/results.jsonl (reward over the last 10 steps,
+pass@1, mean staleness, mismatch, masked share, seconds) and the Markdown table of every line so
+far is rewritten to --out/table.md, so a cut-short ablation keeps what finished. A run already
+in results.jsonl is not run again (rerun the command to finish an interrupted ablation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+PY = sys.executable
+LAST = 10  # reward is averaged over the last this many steps
+
+
+def run_pipeline(*, staleness: int, correction: str, steps: int, tmp: Path) -> list[dict]:
+    """The trainer's metrics of one honcho run."""
+    from tests.conftest import free_port
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    port = free_port()
+    (tmp / "Procfile").write_text("\n".join([
+        "redis: mkdir -p redis && exec redis-server --port ${REDIS_PORT} --bind 127.0.0.1 --appendonly yes "
+        "--dir redis --save ''",
+        f"producer: exec {PY} -m producers",
+        f"generator: exec {PY} -m generators",
+        f"trainer: exec {PY} -m trainer",
+    ]) + "\n")
+    (tmp / ".env").write_text("\n".join([
+        f"REDIS_PORT={port}", f"ROLLOUTS_REDIS_URL=redis://127.0.0.1:{port}/0",
+        f"ROLLOUTS_CONFIG={ROOT / 'configs' / 'demo.toml'}", f"ROLLOUTS_OUTPUT_DIR={tmp / 'run'}",
+        f"ROLLOUTS_TRAINER__MAX_STEPS={steps}", f"ROLLOUTS_TRAINER__STATE_EVERY={steps}",
+        f"ROLLOUTS_ROLLOUT__MAX_STALENESS={staleness}", f"ROLLOUTS_TRAINER__CORRECTION={correction}",
+        "ROLLOUTS_EVAL__EVERY=0", f"PYTHONPATH={ROOT}",
+        "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1",
+    ]) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    honcho = [str(Path(PY).parent / "honcho"), "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / ".env"),
+              "-d", str(tmp)]
+    with open(tmp / "honcho.log", "w") as log:
+        proc = subprocess.Popen(honcho, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    metrics_file = tmp / "run" / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
+    assert len(rows) == steps, f"expected {steps} trainer steps, got {len(rows)}: see {tmp / 'honcho.log'}"
+    return rows
+
+
+def pass_at_1(checkpoint: Path) -> float:
+    """Greedy pass@1 of `checkpoint` on the evaluator's held-out arithmetic problems (the demo's eval section)."""
+    from common.config import load_config
+    from common.messages import PromptTask
+    from engines.hf_engine import HFEngine
+    from tasks import arithmetic
+
+    cfg = load_config(ROOT / "configs" / "demo.toml", env={})
+    engine = HFEngine(str(checkpoint), dtype=cfg.model.dtype)
+    problems = [arithmetic.problem(seed=cfg.eval.seed, index=i, max_operand=cfg.task.max_operand, ops=cfg.task.ops)
+                for i in range(cfg.eval.prompts)]
+    tasks = [PromptTask(id=f"eval:{i}", messages=[{"role": "user", "content": p.question}], text=None,
+                        meta={"answer": p.answer}, n=1, admitted_at=0) for i, p in enumerate(problems)]
+    greedy = engine.greedy([engine.prompt_ids(t) for t in tasks], max_new_tokens=cfg.rollout.max_new_tokens)
+    hits = [arithmetic.reward(prompt=t.messages[0]["content"], completion=engine.decode(ids), completion_ids=ids,
+                              meta=t.meta)["correct"] == 1.0 for ids, t in zip(greedy, tasks, strict=True)]
+    return sum(hits) / len(hits)
+
+
+def summary(rows: list[dict], *, staleness: int, correction: str, seconds: float, pass1: float) -> dict:
+    last = rows[-LAST:]
+
+    def mean(key: str, of: list[dict]) -> float:
+        values = [r[key] for r in of if r.get(key) is not None]
+        return sum(values) / len(values) if values else float("nan")
+
+    return {"max_staleness": staleness, "correction": correction, "steps": len(rows),
+            "reward_last10": mean("reward/mean", last), "accuracy_last10": mean("accuracy", last),
+            "reward_first10": mean("reward/mean", rows[:LAST]), "pass@1": pass1,
+            "staleness_mean": mean("staleness/mean", rows), "mismatch_mean": mean("mismatch/abs_log_ratio_mean", rows),
+            "mismatch_max": max(r.get("mismatch/abs_log_ratio_max", 0.0) for r in rows),
+            "masked": mean("mismatch/masked", rows), "clip_region": mean("clip_ratio/region_mean", rows),
+            "seconds": round(seconds, 1)}
+
+
+def table(results: list[dict]) -> str:
+    head = ("| max_staleness | correction | steps | reward (last 10) | reward (first 10) | held-out pass@1 | "
+            "staleness mean | mismatch mean / max | masked | clipped | minutes |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for x in results:
+        lines.append(f"| {x['max_staleness']} | {x['correction']} | {x['steps']} | {x['reward_last10']:.3f} | "
+                     f"{x['reward_first10']:.3f} | {x['pass@1']:.3f} | {x['staleness_mean']:.2f} | "
+                     f"{x['mismatch_mean']:.4f} / {x['mismatch_max']:.3f} | {x['masked']:.4f} | "
+                     f"{x['clip_region']:.4f} | {x['seconds'] / 60:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--staleness", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--corrections", nargs="+", default=["behaviour_clip", "decoupled", "token_mask"])
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "offpolicy-ablation")
+    args = ap.parse_args()
+    assert args.steps >= LAST, f"--steps must be >= {LAST}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    results_file = args.out / "results.jsonl"
+    results = [json.loads(x) for x in results_file.read_text().splitlines()] if results_file.is_file() else []
+    done = {(x["max_staleness"], x["correction"]) for x in results}
+    for staleness in args.staleness:
+        for correction in args.corrections:
+            if (staleness, correction) in done:
+                continue
+            t0 = time.monotonic()
+            tmp = args.out / f"s{staleness}-{correction}"
+            rows = run_pipeline(staleness=staleness, correction=correction, steps=args.steps, tmp=tmp)
+            final = tmp / "run" / "checkpoints" / f"step_{args.steps}"
+            x = summary(rows, staleness=staleness, correction=correction, seconds=time.monotonic() - t0,
+                        pass1=pass_at_1(final))
+            results.append(x)
+            with open(results_file, "a") as f:
+                f.write(json.dumps(x) + "\n")
+            (args.out / "table.md").write_text(table(results))
+            print(json.dumps(x), flush=True)
+            for heavy in ("trainer_state", "checkpoints"):  # gigabytes each; metrics.jsonl stays
+                shutil.rmtree(tmp / "run" / heavy, ignore_errors=True)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
