@@ -13,13 +13,21 @@ import os
 import torch
 import torch.distributed as dist
 
+from trainer.devices import backend_device, trainer_device
+
 
 def init_distributed() -> tuple[int, int]:
     """(rank, world size); joins the process group when started by torchrun."""
     if "WORLD_SIZE" not in os.environ or dist.is_initialized():
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = trainer_device()  # cuda:LOCAL_RANK first: NCCL binds to the current device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
     return dist.get_rank(), dist.get_world_size()
+
+
+def collective_device() -> torch.device:
+    """Where the buffers of this process group's collectives live (CUDA for NCCL, CPU for gloo)."""
+    return backend_device(dist.get_backend())
 
 
 def distributed() -> bool:
@@ -69,7 +77,7 @@ def all_sum(values: list[float]) -> list[float]:
     """Element-wise sums over the ranks."""
     if not distributed():
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
 
@@ -77,7 +85,7 @@ def all_sum(values: list[float]) -> list[float]:
 def all_max(value: int) -> int:
     if not distributed():
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 

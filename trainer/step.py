@@ -16,7 +16,9 @@ import torch
 
 from common.messages import SampleGroup
 from trainer.batch import MicroBatch, micro_batches
-from trainer.grpo import Estimator, LossOptions, grpo_loss, sft_loss, token_entropy, token_logprobs
+from trainer.devices import model_device, to_device
+from trainer.grpo import Estimator, LossOptions, grpo_loss, sft_loss
+from trainer.logprobs import sequence_logprobs
 from trainer.parallel import all_max, all_sum, world_size
 
 
@@ -33,8 +35,9 @@ class StepBatches:
 
 def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int,
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
-                 objective: str = "grpo") -> StepBatches:
-    """`groups` as micro-batches (trainer/batch.py), padded with empty ones to the most any rank has."""
+                 objective: str = "grpo", device: torch.device | None = None) -> StepBatches:
+    """`groups` as micro-batches (trainer/batch.py), padded with empty ones to the most any rank has,
+    their tensors on `device` (None: where collate made them, the CPU)."""
     batches, tokens, seqs = micro_batches(groups, micro_batch_size=micro_batch_size,
                                           micro_batch_tokens=micro_batch_tokens, estimator=estimator,
                                           overlong=overlong, overlong_penalty=overlong_penalty, objective=objective)
@@ -42,6 +45,8 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
     tokens, seqs, tokens_in = (int(x) for x in all_sum([tokens, seqs, tokens_in]))
     empty = replace(batches[-1], mask=torch.zeros_like(batches[-1].mask))
     batches += [empty] * (all_max(len(batches)) - len(batches))
+    if device is not None:
+        batches = [to_device(mb, device) for mb in batches]
     return StepBatches(batches=batches, tokens=tokens, seqs=seqs, tokens_in=tokens_in)
 
 
@@ -65,7 +70,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                loss: LossOptions, ref_model: torch.nn.Module | None, temperature: float,
                estimator: Estimator, overlong: str, overlong_penalty: float, micro_batch_size: int,
                micro_batch_tokens: int, updates: int, recompute_old_logp: bool,
-               max_grad_norm: float) -> dict[str, float]:
+               max_grad_norm: float, chunk_tokens: int = 2048) -> dict[str, float]:
     """`updates` optimizer steps of the GRPO family over `groups`, gradients accumulated over micro-batches.
 
     The PPO ratio is taken against the policy at the start of the step: a no-grad pass when
@@ -73,7 +78,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     are averaged over the updates; entropy is that of the policy that started the step.
     """
     batched = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                           estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty)
+                           estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty,
+                           device=model_device(model))
     batches, total_tokens, world = batched.batches, batched.tokens, world_size()
     base = {"tokens/trained": float(total_tokens), "tokens/forward": 0.0}
     if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
@@ -81,9 +87,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                 "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0,
                 "ratio/mean": 1.0, "tis/mean": 1.0}
 
-    def forward_logp(m: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = m(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        return token_logprobs(logits, mb.targets, temperature), logits  # (B, T), (B, T, V)
+    def forward_logp(m: torch.nn.Module, mb: MicroBatch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return sequence_logprobs(m, mb.input_ids, mb.attention_mask, mb.targets, temperature=temperature,
+                                 entropy=entropy, chunk_tokens=chunk_tokens)  # (B, T), (B, T) or None
 
     model.train()
     with torch.no_grad():
@@ -95,7 +101,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     for update in range(updates):
         optimizer.zero_grad(set_to_none=True)
         for mb, old_logp, ref_logp in zip(batches, old, ref, strict=True):
-            logp, logits = forward_logp(model, mb)
+            logp, entropy = forward_logp(model, mb, entropy=update == 0)
             mb_loss, mb_stats = grpo_loss(
                 logp, mb.behaviour_logp, mb.advantages, mb.mask, old_logp=old_logp, ref_logp=ref_logp,
                 total_tokens=total_tokens, total_seqs=batched.seqs, clip_low=loss.clip_low,
@@ -106,19 +112,20 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
             for k, v in mb_stats.items():  # each is a share of total_tokens: they add up
                 stats[k] = stats.get(k, 0.0) + v / updates
             if update == 0:
-                stats["entropy"] += (token_entropy(logits, temperature) * mb.mask).sum().item() / total_tokens
+                stats["entropy"] += (entropy * mb.mask).sum().item() / total_tokens
         grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm)
         stats["grad_norm"] += grad_norm / world / updates  # summed over ranks below
     return {**sum_over_ranks(stats), **base, "tokens/forward": float(batched.tokens_in * updates)}
 
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
-             micro_batch_size: int, micro_batch_tokens: int, max_grad_norm: float) -> dict[str, float]:
+             micro_batch_size: int, micro_batch_tokens: int, max_grad_norm: float,
+             chunk_tokens: int = 2048) -> dict[str, float]:
     """One optimizer step of supervised cross-entropy over `groups`' loss-masked completion
     tokens, normalised by the global masked-token count as `train_step`'s token_mean (so any
     world size gives the same update)."""
     batched = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                           objective="sft")
+                           objective="sft", device=model_device(model))
     total_tokens, world = batched.tokens, world_size()
     base = {"tokens/trained": float(total_tokens), "tokens/forward": float(batched.tokens_in)}
     if total_tokens == 0:
@@ -127,10 +134,11 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: l
     optimizer.zero_grad(set_to_none=True)
     stats = {"loss/sft": 0.0, "entropy": 0.0}
     for mb in batched.batches:
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        mb_loss = sft_loss(token_logprobs(logits, mb.targets, 1.0), mb.mask, total_tokens=total_tokens)
+        logp, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
+                                          entropy=True, chunk_tokens=chunk_tokens)  # (B, T), (B, T)
+        mb_loss = sft_loss(logp, mb.mask, total_tokens=total_tokens)
         (mb_loss * world).backward()
         stats["loss/sft"] += mb_loss.item()
-        stats["entropy"] += (token_entropy(logits, 1.0) * mb.mask).sum().item() / total_tokens
+        stats["entropy"] += (entropy * mb.mask).sum().item() / total_tokens
     stats["grad_norm"] = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm) / world  # summed below
     return {**sum_over_ranks(stats), **base}
