@@ -32,7 +32,9 @@ class ModelConfig(_Section):
     # Local HF checkpoint directory; "" means the built-in default model
     # (SmolLM2-135M-Instruct, prepared by `rollouts prepare-model`).
     path: str = ""
-    # Weights' dtype in every process; float32 is the only one the CPU paths are tested with.
+    # The model's dtype in every process: the generators' and evaluator's engines load it in this,
+    # the trainer computes forward and backward in it (keeping float32 master weights unless
+    # trainer.master_fp32 = false) and publishes checkpoints in it. "bfloat16" on GPUs.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
@@ -261,6 +263,17 @@ class TrainerConfig(_Section):
     overlong: Literal["none", "mask", "penalty"] = "none"
     overlong_penalty: float = Field(1.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
+    # With model.dtype below float32: keep float32 master weights and AdamW state, computing in
+    # model.dtype (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction; autocast in a
+    # single process). false holds the weights and AdamW's moments in model.dtype (half the memory;
+    # updates much smaller than a weight's bf16 spacing are lost, as lr 1e-6 often is).
+    master_fp32: bool = True
+    # Recompute each transformer block's activations in the backward pass instead of keeping them:
+    # less memory for longer sequences, about a third more compute.
+    activation_checkpointing: bool = False
+    # Log-probs and entropy take the model's head over this many (sequence x position) rows at a
+    # time: a (rows x vocabulary) float32 tensor is the largest the head makes, never the batch's.
+    logits_chunk_tokens: int = Field(2048, ge=1)
     # Sequences per forward/backward pass; gradients accumulate over a step.
     micro_batch_size: int = Field(8, ge=1)
     # Padded tokens (rows x longest row) per forward/backward pass, besides micro_batch_size; 0: no limit.

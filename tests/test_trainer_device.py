@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 

@@ -10,7 +10,7 @@ counts) is read off with `.item()` / `.tolist()`.
 from __future__ import annotations
 
 import os
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import TypeVar
 
 import torch
@@ -52,3 +52,29 @@ def to_device(batch: T, device: torch.device) -> T:
     moved = {f.name: getattr(batch, f.name).to(device, non_blocking=True) for f in fields(batch)
              if isinstance(getattr(batch, f.name), torch.Tensor)}
     return replace(batch, **moved)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and in what precision the trainer's models live (from `model.dtype` and the trainer's
+    `master_fp32` and `activation_checkpointing`)."""
+
+    device: torch.device
+    dtype: torch.dtype  # model.dtype: forward and backward run in it; checkpoints are published in it
+    master_fp32: bool  # keep float32 weights and AdamW state under a lower dtype (mixed precision)
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the trained weights (and so AdamW's moments) are held in."""
+        return torch.float32 if self.master_fp32 else self.dtype
+
+
+def placement(*, dtype: str, master_fp32: bool, activation_checkpointing: bool) -> Placement:
+    """This process's placement: its device (trainer_device) and the config's precision."""
+    assert dtype in DTYPES, f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}"
+    return Placement(device=trainer_device(), dtype=DTYPES[dtype], master_fp32=master_fp32,
+                     activation_checkpointing=activation_checkpointing)

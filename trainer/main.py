@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -39,7 +39,8 @@ from common.messages import SampleGroup, WeightVersion
 from common.models import resolve_model_path
 from common.progress import write_step
 from common.streams import connect, ensure_group
-from trainer.checkpoints import load_model, publish, remove_unfinished, resume
+from trainer.checkpoints import load_model, place, publish, remove_unfinished, resume
+from trainer.devices import DTYPES, Placement, placement
 from trainer.grpo import LossOptions
 from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say
@@ -67,15 +68,17 @@ class State:
     unacked_ids: list[str] = field(default_factory=list)
 
 
-def objective(cfg: TrainerConfig, *, temperature: float, source_dir: Path) -> Update:
+def objective(cfg: TrainerConfig, *, temperature: float, source_dir: Path, where: Placement) -> Update:
     """The update of `cfg.objective` with its options bound; for grpo with a KL term, the frozen
-    reference (the initial model) is loaded here."""
+    reference (the initial model) is loaded here, in the model's dtype (no master weights: it is
+    never trained), placed and sharded like the policy."""
     if cfg.objective == "sft":
         return partial(sft_step, micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
-                       max_grad_norm=cfg.max_grad_norm)
+                       max_grad_norm=cfg.max_grad_norm, chunk_tokens=cfg.logits_chunk_tokens)
     ref_model = None
     if cfg.kl_coef > 0:  # the frozen reference: the initial model
-        ref_model = load_model(source_dir).eval().requires_grad_(False)
+        frozen = replace(where, master_fp32=False, activation_checkpointing=False)
+        ref_model = place(load_model(source_dir, frozen.weights_dtype), frozen).eval().requires_grad_(False)
     loss = LossOptions(clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_level=cfg.ratio_level,
                        aggregation=cfg.loss_agg, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
                        kl_estimator=cfg.kl_estimator)
@@ -83,7 +86,7 @@ def objective(cfg: TrainerConfig, *, temperature: float, source_dir: Path) -> Up
                    overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
                    micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
                    updates=cfg.updates_per_batch, recompute_old_logp=cfg.recompute_old_logp,
-                   max_grad_norm=cfg.max_grad_norm)
+                   max_grad_norm=cfg.max_grad_norm, chunk_tokens=cfg.logits_chunk_tokens)
 
 
 def train(state: State, update: Update, groups: list[SampleGroup]) -> tuple[dict[str, float], float]:
@@ -104,7 +107,8 @@ def checkpoint(r: redis.Redis, keys: Keys, state: State, *, save: bool, config: 
     wv = publish(r, keys, state.model, state.optimizer, state.scheduler, step=state.step,
                  checkpoint_dir=config.checkpoint_dir, state_root=state_root, source_dir=source_dir,
                  keep=cfg.keep_checkpoints, save_state_now=save, entry_ids=state.unacked_entries if save else [],
-                 group_ids=state.unacked_ids if save else [], dedup_window=cfg.dedup_window)
+                 group_ids=state.unacked_ids if save else [], dedup_window=cfg.dedup_window,
+                 dtype=DTYPES[config.model.dtype])
     if save:
         state.unacked_entries, state.unacked_ids = [], []
     return wv
@@ -145,16 +149,19 @@ def run(config: Config) -> None:
     # ---- connect, and resume from the newest published checkpoint if this run has one
     r = connect(config.redis_url)
     ensure_group(r, keys.samples, TRAINER_GROUP)
+    where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32,
+                      activation_checkpointing=cfg.activation_checkpointing)
     model, optimizer, scheduler, step = resume(
-        r, keys, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps)
     state = State(model, optimizer, scheduler, step=step, version=step)
     vocab_size = model.config.vocab_size
     sft = cfg.objective == "sft"
-    update = objective(cfg, temperature=rollout.temperature, source_dir=source_dir)
+    update = objective(cfg, temperature=rollout.temperature, source_dir=source_dir, where=where)
     tracker = Tracker(r, config) if rank == 0 else None
     say(f"trainer: run {config.run!r}, model {source_dir}, step {state.step}, "
-        f"{rollout.prompts_per_step} groups per step, {world} rank(s)")
+        f"{rollout.prompts_per_step} groups per step, {world} rank(s) on {where.device.type}, "
+        f"{config.model.dtype}{' (float32 master weights)' if where.weights_dtype != where.dtype else ''}")
 
     # ---- steps: collect groups, update, publish every sync_every steps
     # Every decision that leads to a collective (stop, train, publish) is agreed by all ranks.
