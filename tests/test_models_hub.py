@@ -68,3 +68,23 @@ def test_an_uncached_hub_id_gives_one_clear_line(tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1, proc.stderr
         assert REPO in lines[0] and "not in the Hugging Face cache" in lines[0] and why in lines[0], lines[0]
+
+
+LOAD_DATA = """
+import sys
+from common.config import SourceConfig
+from producers.data import DataError, load
+try:
+    load(SourceConfig(name="gsm8k", path="openai/gsm8k", subset="main", prompt_column="question"),
+         field="data.sources[0]")
+except DataError as err:
+    sys.exit(str(err))
+"""
+
+
+def test_an_uncached_hub_data_set_gives_one_clear_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", LOAD_DATA], env=offline_env(tmp_path, HF_HUB_OFFLINE="1"),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert "'openai/gsm8k' is not in the datasets cache" in lines[0] and "HF_HUB_OFFLINE is set" in lines[0], lines[0]

@@ -46,7 +46,7 @@ def _chunk(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, targets: Tensor, *,
                       temperature: float, entropy: bool = False,
-                      chunk_tokens: int = 2048) -> tuple[Tensor, Tensor | None]:
+                      chunk_tokens: int = 1024) -> tuple[Tensor, Tensor | None]:
     """log_softmax(logits / temperature) at `targets`, (B, T), and with `entropy` the entropy of that
     distribution at each position, (B, T) in nats without gradient (else None). Equal to
     `token_logprobs(model(...).logits, ...)` and `token_entropy` up to float rounding."""

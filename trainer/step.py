@@ -70,7 +70,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                loss: LossOptions, ref_model: torch.nn.Module | None, temperature: float,
                estimator: Estimator, overlong: str, overlong_penalty: float, micro_batch_size: int,
                micro_batch_tokens: int, updates: int, recompute_old_logp: bool,
-               max_grad_norm: float, chunk_tokens: int = 2048) -> dict[str, float]:
+               max_grad_norm: float, chunk_tokens: int = 1024) -> dict[str, float]:
     """`updates` optimizer steps of the GRPO family over `groups`, gradients accumulated over micro-batches.
 
     The PPO ratio is taken against the policy at the start of the step: a no-grad pass when
@@ -120,7 +120,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
              micro_batch_size: int, micro_batch_tokens: int, max_grad_norm: float,
-             chunk_tokens: int = 2048) -> dict[str, float]:
+             chunk_tokens: int = 1024) -> dict[str, float]:
     """One optimizer step of supervised cross-entropy over `groups`' loss-masked completion
     tokens, normalised by the global masked-token count as `train_step`'s token_mean (so any
     world size gives the same update)."""
