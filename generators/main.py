@@ -152,7 +152,9 @@ def run(config: Config, *, generator_id: str) -> None:
     r = streams.connect(config.redis_url)
     streams.ensure_group(r, keys.prompts, GENERATORS_GROUP)
     host = socket.gethostname()
-    gpu = devices.pick_gpu(r, keys, host=host, owner=generator_id, ttl_s=gen.heartbeat_ttl_s)
+    # One GPU leased per generator; a tensor-parallel one uses the GPUs CUDA_VISIBLE_DEVICES gives it.
+    gpu = devices.pick_gpu(r, keys, host=host, owner=generator_id, ttl_s=gen.heartbeat_ttl_s) \
+        if gen.tensor_parallel_size == 1 else None
     # The engine lives in one thread: created there, every call made there.
     engine_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     engine: Engine = engine_thread.submit(
@@ -200,7 +202,9 @@ def open_engine_for(config: Config, *, seed: int) -> Engine:
     engine = engine_name(gen.engine)
     options: dict[str, Any] = {"max_batch": gen.batch_prompts} if engine == "hf" else {
         "kv_cache_gib": gen.kv_cache_gib, "gpu_memory_utilization": gen.gpu_memory_utilization,
-        "max_num_seqs": gen.max_in_flight * config.rollout.group_size, "threads": gen.threads}
+        "max_num_seqs": gen.max_in_flight * config.rollout.group_size, "threads": gen.threads,
+        "tensor_parallel_size": gen.tensor_parallel_size, "max_model_len": gen.max_model_len,
+        "enforce_eager": gen.enforce_eager}
     return open_engine(engine, path, dtype=config.model.dtype, seed=seed, **options)
 
 

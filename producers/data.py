@@ -118,6 +118,15 @@ def load(source: SourceConfig, *, field: str):
                                          streaming=source.streaming)
         return datasets.load_dataset(fmt, data_files={source.split: _data_files(path, fmt)},
                                      split=source.split, streaming=source.streaming)
+    except ConnectionError:  # a hub data set neither cached nor reachable
+        if fmt != "hub":
+            raise
+        from huggingface_hub import constants
+
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
+        raise DataError(f"{field}.path: hub data set {source.path!r} is not in the datasets cache "
+                        f"({datasets.config.HF_DATASETS_CACHE}) and {why}; load it once where there is a "
+                        "network with the same HF_HOME, or give a local file") from None
     except (FileNotFoundError, ValueError) as err:
         if isinstance(err, DataError):
             raise

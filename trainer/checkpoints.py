@@ -15,6 +15,7 @@ weights.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -30,6 +31,7 @@ from common.messages import WeightVersion, encode
 from common.progress import count_trained, read_trainer, settle, write_step
 from common.streams import latest_weights
 from common.trim import trim_acknowledged
+from trainer.devices import Placement
 from trainer.parallel import full_state_dict, is_main, parallelize, say
 from trainer.schedule import build_scheduler
 from trainer.state import load_state, save_state, state_dir
@@ -37,8 +39,8 @@ from trainer.state import load_state, save_state, state_dir
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 
 
-def load_model(path: Path) -> torch.nn.Module:
-    """The model in checkpoint directory `path`, from its safetensors only: a pickled
+def load_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model in checkpoint directory `path`, in `dtype`, from its safetensors only: a pickled
     `pytorch_model.bin` can run code when loaded, so a directory without safetensors is refused."""
     from common.models import ModelError
 
@@ -46,7 +48,13 @@ def load_model(path: Path) -> torch.nn.Module:
         found = ", ".join(sorted(p.name for p in Path(path).glob("*.bin"))) or "no weights"
         raise ModelError(f"model at {path}: no .safetensors weights ({found}); the trainer loads safetensors "
                          "only, never pickle: save the model with save_pretrained(..., safe_serialization=True)")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+
+
+def place(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
+    """`model` on its device, sharded under torchrun, computing in `where.dtype` (trainer/parallel.py)."""
+    return parallelize(model, device=where.device, compute_dtype=where.dtype,
+                       activation_checkpointing=where.activation_checkpointing)
 
 
 # --------------------------------------------------------------------------- writing checkpoints
@@ -60,17 +68,37 @@ def copy_tokenizer_files(source: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
+def in_dtype(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`state_dict` on the CPU with its floating tensors in `dtype`; tensors shared before (tied
+    embeddings) are shared after, so save_pretrained still recognises them."""
+    done: dict[int, torch.Tensor] = {}
+    out = {}
+    for k, v in state_dict.items():
+        key = (v.data_ptr(), tuple(v.shape))
+        if key not in done:
+            done[key] = v.detach().to("cpu", dtype=dtype if v.is_floating_point() else v.dtype)
+        out[k] = done[key]
+    return out
+
+
 def save_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, source_dir: Path,
-                    state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+                    state_dict: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> Path:
     """Write `checkpoint_dir/step_{step}` as a complete HF directory: temporary name, then rename.
 
-    `state_dict`: the gathered weights of a sharded model; None saves the model's own.
+    `state_dict`: the gathered weights of a sharded model; None saves the model's own. `dtype`:
+    the weights' dtype on disk (and config.json's), None: as they are (the master weights').
     """
     tmp = checkpoint_dir / f".step_{step}.tmp"
     final = checkpoint_dir / f"step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        state_dict = in_dtype(model.state_dict() if state_dict is None else state_dict, dtype)
     model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    if dtype is not None:  # save_pretrained writes the live model's dtype (the master weights')
+        config = json.loads((tmp / "config.json").read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     copy_tokenizer_files(source_dir, tmp)
     if final.exists():  # written by a run that crashed before publishing it: never seen by anyone
         shutil.rmtree(final)
@@ -95,16 +123,17 @@ def prune_checkpoints(checkpoint_dir: Path, *, keep: int) -> None:
 def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int, checkpoint_dir: Path,
             state_root: Path, source_dir: Path, keep: int, save_state_now: bool, entry_ids: list[bytes],
-            group_ids: list[str], dedup_window: int) -> WeightVersion | None:
+            group_ids: list[str], dedup_window: int, dtype: torch.dtype | None = None) -> WeightVersion | None:
     """Checkpoint and trainer state on disk, then in one transaction: announce it and
     acknowledge the groups it holds (every rank's: `entry_ids` and `group_ids` are global).
 
     Every rank takes part (gathering the weights, writing its state shards); rank 0 writes the
-    checkpoint and talks to Redis, and alone returns the WeightVersion.
+    checkpoint (its weights in `dtype`, None: the master weights') and talks to Redis, and alone
+    returns the WeightVersion.
     """
     weights = full_state_dict(model)
     path = save_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
-                           state_dict=weights) if is_main() else None
+                           state_dict=weights, dtype=dtype) if is_main() else None
     assert save_state_now or not entry_ids, "groups are acknowledged only with a saved trainer state"
     if save_state_now:
         save_state(model, optimizer, scheduler, step=step, state_root=state_root, keep=keep)
@@ -153,17 +182,18 @@ def resume_point(r: redis.Redis, keys: Keys, *, source_dir: Path, state_root: Pa
     return 0, source_dir
 
 
-def resume(r: redis.Redis, keys: Keys, *, source_dir: Path, state_root: Path, lr: float, weight_decay: float,
-           lr_schedule: str, warmup_steps: int, total_steps: int
+def resume(r: redis.Redis, keys: Keys, *, where: Placement, source_dir: Path, state_root: Path, lr: float,
+           weight_decay: float, lr_schedule: str, warmup_steps: int, total_steps: int
            ) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, int]:
-    """The model (sharded), its AdamW and lr schedule, and the step they are at: where this run's
-    newest saved trainer state or published checkpoint left off, else the initial model at step 0.
+    """The model (placed and sharded as `where` says), its AdamW and lr schedule, and the step they
+    are at: where this run's newest saved trainer state or published checkpoint left off, else the
+    initial model at step 0.
     Rank 0 records the step in the trainer hash as both steps done and published version."""
     step, weights = resume_point(r, keys, source_dir=source_dir, state_root=state_root)
-    model = load_model(weights)
+    model = load_model(weights, where.weights_dtype)
     if is_main():
         write_step(r, keys, step=step, version=step)  # the newest published weights (the initial ones are 0)
-    model = parallelize(model)  # FSDP2 under torchrun; as it is in a single process
+    model = place(model, where)  # on its device; FSDP2 under torchrun
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     scheduler = build_scheduler(optimizer, schedule=lr_schedule, warmup_steps=warmup_steps, total_steps=total_steps)
     if step > 0:

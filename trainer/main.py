@@ -40,7 +40,8 @@ from common.messages import SampleGroup, WeightVersion
 from common.models import resolve_model_path
 from common.progress import Refused, count_refused, count_skipped, read_trainer, write_step
 from common.streams import connect, ensure_group
-from trainer.checkpoints import load_model, publish, remove_unfinished, resume
+from trainer.checkpoints import load_model, place, publish, remove_unfinished, resume
+from trainer.devices import DTYPES, Placement, placement
 from trainer.grpo import LossOptions
 from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say
@@ -72,16 +73,18 @@ class State:
     updates: int = 1  # optimizer updates per trainer step (trainer.updates_per_batch; 1 for sft)
 
 
-def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path) -> Update:
+def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, where: Placement) -> Update:
     """The update of `cfg.objective` with its options bound; for grpo with a KL term, the frozen
-    reference (the initial model) is loaded here. The GRPO family's log-probs are those of the
-    generators' sampling distribution (`rollout`'s temperature, top_k, top_p)."""
+    reference (the initial model) is loaded here, in the model's dtype (no master weights: it is
+    never trained), placed and sharded like the policy. The GRPO family's log-probs are those of
+    the generators' sampling distribution (`rollout`'s temperature, top_k, top_p)."""
     if cfg.objective == "sft":
         return partial(sft_step, micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
-                       max_grad_norm=cfg.max_grad_norm)
+                       max_grad_norm=cfg.max_grad_norm, chunk_tokens=cfg.logits_chunk_tokens)
     ref_model = None
     if cfg.kl_coef > 0:  # the frozen reference: the initial model
-        ref_model = load_model(source_dir).eval().requires_grad_(False)
+        frozen = replace(where, master_fp32=False, activation_checkpointing=False)
+        ref_model = place(load_model(source_dir, frozen.weights_dtype), frozen).eval().requires_grad_(False)
     loss = LossOptions(clip_low=cfg.clip_low, clip_high=cfg.clip_high, correction=cfg.correction,
                        ratio_level=cfg.ratio_level, aggregation=cfg.loss_agg, tis_cap=cfg.tis_cap,
                        mask_low=cfg.mask_low, mask_high=cfg.mask_high, clip_ratio_c=cfg.clip_ratio_c,
@@ -90,7 +93,8 @@ def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path) -
                    top_k=rollout.top_k, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
                    estimator=cfg.advantage, overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
                    micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
-                   updates=cfg.updates_per_batch, max_grad_norm=cfg.max_grad_norm)
+                   updates=cfg.updates_per_batch, max_grad_norm=cfg.max_grad_norm,
+                   chunk_tokens=cfg.logits_chunk_tokens)
 
 
 def train(state: State, update: Update, groups: list[SampleGroup], *, r: redis.Redis,
@@ -150,7 +154,8 @@ def checkpoint(r: redis.Redis, keys: Keys, state: State, *, save: bool, config: 
     wv = publish(r, keys, state.model, state.optimizer, state.scheduler, step=state.step,
                  checkpoint_dir=config.checkpoint_dir, state_root=state_root, source_dir=source_dir,
                  keep=cfg.keep_checkpoints, save_state_now=save, entry_ids=state.unacked_entries if save else [],
-                 group_ids=state.unacked_ids if save else [], dedup_window=cfg.dedup_window)
+                 group_ids=state.unacked_ids if save else [], dedup_window=cfg.dedup_window,
+                 dtype=DTYPES[config.model.dtype])
     state.record.published(wv, step=state.step, saved=save, group_ids=state.unacked_ids if save else [],
                            dedup_window=cfg.dedup_window)
     if save:
@@ -189,6 +194,18 @@ def check_redis(r: redis.Redis, keys: Keys, state: State) -> None:
     state.cursor = b"0"
 
 
+def wind_up(r: redis.Redis, keys: Keys, state: State, tracker: Tracker | None, *, config: Config,
+            source_dir: Path, state_root: Path) -> None:
+    """After the last step: publish what was trained since the last checkpoint (a stop while
+    waiting for data), close the tracker, leave the process group."""
+    if state.unacked_ids:
+        checkpoint(r, keys, state, save=True, config=config, source_dir=source_dir, state_root=state_root)
+    if tracker is not None:
+        tracker.close()
+    say(f"trainer: stopped at step {state.step}")
+    finish()
+
+
 def run(config: Config) -> None:
     cfg, rollout = config.trainer, config.rollout
     hf_logging.disable_progress_bar()  # one console line per step, not progress bars
@@ -207,16 +224,19 @@ def run(config: Config) -> None:
     # ---- connect, and resume from the newest published checkpoint if this run has one
     r = connect(config.redis_url)
     ensure_group(r, keys.samples, TRAINER_GROUP)
+    where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32,
+                      activation_checkpointing=cfg.activation_checkpointing)
     model, optimizer, scheduler, step = resume(
-        r, keys, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps)
     state = State(model, optimizer, scheduler, step=step, version=step, record=Record.of(read_trainer(r, keys)),
                   updates=1 if cfg.objective == "sft" else cfg.updates_per_batch)
     sft = cfg.objective == "sft"
-    update = objective(cfg, rollout, source_dir=source_dir)
+    update = objective(cfg, rollout, source_dir=source_dir, where=where)
     tracker = Tracker(r, config) if rank == 0 else None
     say(f"trainer: run {config.run!r}, model {source_dir}, step {state.step}, "
-        f"{rollout.prompts_per_step} groups per step, {world} rank(s)")
+        f"{rollout.prompts_per_step} groups per step, {world} rank(s) on {where.device.type}, "
+        f"{config.model.dtype}{' (float32 master weights)' if where.weights_dtype != where.dtype else ''}")
 
     # ---- steps: collect groups, update, publish every sync_every steps
     # Every decision that leads to a collective (stop, train, publish) is agreed by all ranks.
@@ -255,10 +275,4 @@ def run(config: Config) -> None:
             tracker.log(metrics)
             print(summary_line(metrics), flush=True)
 
-    # ---- a stop while waiting for data: publish what was trained since the last checkpoint
-    if state.unacked_ids:
-        checkpoint(r, keys, state, save=True, config=config, source_dir=source_dir, state_root=state_root)
-    if tracker is not None:
-        tracker.close()
-    say(f"trainer: stopped at step {state.step}")
-    finish()
+    wind_up(r, keys, state, tracker, config=config, source_dir=source_dir, state_root=state_root)

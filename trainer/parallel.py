@@ -8,18 +8,28 @@ process group and every function here is the identity: a world of one.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.distributed as dist
+
+from trainer.devices import backend_device, trainer_device
 
 
 def init_distributed() -> tuple[int, int]:
     """(rank, world size); joins the process group when started by torchrun."""
     if "WORLD_SIZE" not in os.environ or dist.is_initialized():
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = trainer_device()  # cuda:LOCAL_RANK first: NCCL binds to the current device
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return dist.get_rank(), dist.get_world_size()
+
+
+def collective_device() -> torch.device:
+    """Where the buffers of this process group's collectives live (CUDA for NCCL, CPU for gloo)."""
+    return backend_device(dist.get_backend())
 
 
 def distributed() -> bool:
@@ -40,20 +50,49 @@ def say(line: str) -> None:
         print(line, flush=True)
 
 
-def parallelize(model: torch.nn.Module) -> torch.nn.Module:
-    """Shard `model` over all ranks: each transformer block, then the root (FSDP2)."""
+def parallelize(model: torch.nn.Module, *, device: torch.device, compute_dtype: torch.dtype = torch.float32,
+                activation_checkpointing: bool = False) -> torch.nn.Module:
+    """Place `model` on `device` and, under torchrun, shard it over all ranks: each transformer block,
+    then the root (FSDP2). The model's own dtype is that of its master weights (and so of AdamW's
+    state); a lower `compute_dtype` runs forward and backward in it: FSDP2's MixedPrecisionPolicy
+    (parameters gathered in `compute_dtype`, gradients reduced in float32) or, in a single
+    process, autocast. With `activation_checkpointing` each block's activations are recomputed
+    in the backward pass instead of kept."""
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    master = next(model.parameters()).dtype
+    mixed = compute_dtype != master
     if not distributed():
+        model.to(device)
+        if mixed:
+            autocast_forward(model, device_type=device.type, dtype=compute_dtype)
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world_size(),))
+    # fully_shard moves each rank's shards (only) to the mesh's device.
+    mesh = init_device_mesh(device.type, (world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if mixed \
+        else MixedPrecisionPolicy()
     blocks = model.get_decoder().layers
     assert len(blocks) > 0, "model has no transformer blocks to shard"
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def autocast_forward(model: torch.nn.Module, *, device_type: str, dtype: torch.dtype) -> None:
+    """Run `model`'s forward under autocast to `dtype` (a single process's mixed precision: float32
+    weights and optimizer state, matmuls in `dtype`)."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def mixed_forward(*args, **kwargs):
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            return forward(*args, **kwargs)
+
+    model.forward = mixed_forward
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
@@ -69,7 +108,7 @@ def all_sum(values: list[float]) -> list[float]:
     """Element-wise sums over the ranks."""
     if not distributed():
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
 
@@ -77,7 +116,7 @@ def all_sum(values: list[float]) -> list[float]:
 def all_max(value: int) -> int:
     if not distributed():
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 

@@ -17,16 +17,9 @@ import torch
 
 from common.messages import SampleGroup
 from trainer.batch import MicroBatch, mini_batches
-from trainer.grpo import (
-    Estimator,
-    LossOptions,
-    behaviour_weight,
-    grpo_loss,
-    mismatch_stats,
-    sft_loss,
-    token_entropy,
-    token_logprobs,
-)
+from trainer.devices import model_device, to_device
+from trainer.grpo import Estimator, LossOptions, behaviour_weight, grpo_loss, mismatch_stats, sft_loss
+from trainer.logprobs import sequence_logprobs
 from trainer.parallel import all_max, all_sum, any_rank, gather, world_size
 
 
@@ -44,9 +37,10 @@ class StepBatches:
 
 def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int,
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
-                 objective: str = "grpo", parts: int = 1) -> list[StepBatches]:
+                 objective: str = "grpo", parts: int = 1, device: torch.device | None = None) -> list[StepBatches]:
     """`groups` as `parts` mini-batches of micro-batches (trainer/batch.py), each padded with empty
-    micro-batches to the most any rank has."""
+    micro-batches to the most any rank has, their tensors on `device` (None: where collate made
+    them, the CPU)."""
     out = []
     for batches, tokens, seqs in mini_batches(groups, parts=parts, micro_batch_size=micro_batch_size,
                                               micro_batch_tokens=micro_batch_tokens, estimator=estimator,
@@ -57,6 +51,8 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
         tokens, seqs, tokens_in, rows = (int(x) for x in all_sum([tokens, seqs, tokens_in, rows]))
         empty = replace(batches[-1], mask=torch.zeros_like(batches[-1].mask))
         batches += [empty] * (all_max(len(batches)) - len(batches))
+        if device is not None:
+            batches = [to_device(mb, device) for mb in batches]
         out.append(StepBatches(batches=batches, tokens=tokens, seqs=seqs, tokens_in=tokens_in, rows=rows))
     return out
 
@@ -107,7 +103,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                loss: LossOptions, ref_model: torch.nn.Module | None, temperature: float,
                estimator: Estimator, overlong: str, overlong_penalty: float, micro_batch_size: int,
                micro_batch_tokens: int, updates: int, max_grad_norm: float, top_k: int = 0, top_p: float = 1.0,
-               max_new_tokens: int = 0, step: int = 0) -> dict[str, float]:
+               max_new_tokens: int = 0, step: int = 0, chunk_tokens: int = 1024) -> dict[str, float]:
     """One trainer step of the GRPO family over `groups`: `updates` PPO mini-batches, one
     optimizer step each, gradients accumulated over each one's micro-batches.
 
@@ -119,15 +115,17 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     trained tokens; the loss and grad norm are means over the applied updates.
     """
     minis = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                         estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty, parts=updates)
+                         estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty, parts=updates,
+                         device=model_device(model))
     total_tokens, world = sum(m.tokens for m in minis), world_size()
     base = {"tokens/trained": float(total_tokens), "tokens/forward": 0.0}
     if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
         return {**EMPTY_GRPO_STATS, **base}
 
-    def forward_logp(m: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = m(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        return token_logprobs(logits, mb.targets, temperature, top_k=top_k, top_p=top_p), logits  # (B, T), (B, T, V)
+    def forward_logp(m: torch.nn.Module, mb: MicroBatch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return sequence_logprobs(m, mb.input_ids, mb.attention_mask, mb.targets, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, entropy=entropy,
+                                 chunk_tokens=chunk_tokens)  # (B, T), (B, T) or None
 
     model.eval()  # the no-grad passes run with dropout off
     with torch.no_grad():
@@ -146,7 +144,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
         optimizer.zero_grad(set_to_none=True)
         share, mini_loss = mini.tokens / total_tokens, 0.0
         for mb, prox_logp, ref_logp in zip(mini.batches, mini_prox, mini_ref, strict=True):
-            logp, logits = forward_logp(model, mb)
+            logp, entropy = forward_logp(model, mb, entropy=True)
             mb_loss, mb_stats = grpo_loss(
                 logp, mb.behaviour_logp, mb.advantages, mb.mask, old_logp=prox_logp, ref_logp=ref_logp,
                 correction=loss.correction, total_tokens=mini.tokens, total_seqs=mini.seqs,
@@ -164,7 +162,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
             gap_max = max(gap_max, mb_stats.pop("mismatch/abs_log_ratio_max"))
             for k, v in mb_stats.items():  # shares of the mini-batch's tokens: weighted to the step's
                 stats[k] = stats.get(k, 0.0) + (v if k.startswith("staleness/") else v * share)
-            stats["entropy"] += (token_entropy(logits, temperature) * mb.mask).sum().item() / total_tokens
+            stats["entropy"] += (entropy * mb.mask).sum().item() / total_tokens
         grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm,
                                   loss_finite=math.isfinite(mini_loss))
         if math.isfinite(grad_norm):  # the same on every rank
@@ -182,13 +180,13 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
              micro_batch_size: int, micro_batch_tokens: int, max_grad_norm: float,
-             step: int = 0) -> dict[str, float]:
+             step: int = 0, chunk_tokens: int = 1024) -> dict[str, float]:
     """One optimizer step of supervised cross-entropy over `groups`' loss-masked completion
     tokens, normalised by the global masked-token count as `train_step`'s token_mean (so any
     world size gives the same update). `step` is unused (sft data is never stale); a non-finite
     loss or gradient norm skips the step (counted in "steps_skipped")."""
     batched = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                           objective="sft")[0]
+                           objective="sft", device=model_device(model))[0]
     total_tokens, world = batched.tokens, world_size()
     base = {"tokens/trained": float(total_tokens), "tokens/forward": float(batched.tokens_in)}
     if total_tokens == 0:
@@ -197,11 +195,12 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: l
     optimizer.zero_grad(set_to_none=True)
     stats = {"loss/sft": 0.0, "entropy": 0.0}
     for mb in batched.batches:
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-        mb_loss = sft_loss(token_logprobs(logits, mb.targets, 1.0), mb.mask, total_tokens=total_tokens)
+        logp, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
+                                          entropy=True, chunk_tokens=chunk_tokens)  # (B, T), (B, T)
+        mb_loss = sft_loss(logp, mb.mask, total_tokens=total_tokens)
         (mb_loss * world).backward()
         stats["loss/sft"] += mb_loss.item()
-        stats["entropy"] += (token_entropy(logits, 1.0) * mb.mask).sum().item() / total_tokens
+        stats["entropy"] += (entropy * mb.mask).sum().item() / total_tokens
     grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm,
                               loss_finite=math.isfinite(stats["loss/sft"]))
     stats["grad_norm"] = grad_norm / world if math.isfinite(grad_norm) else 0.0  # summed below

@@ -95,6 +95,7 @@ def bare_worker(groups_file: Path, *, redis_url: str, steps: int, lr: float) -> 
 
     from common.messages import decode_group
     from trainer.checkpoints import load_model
+    from trainer.devices import trainer_device
     from trainer.grpo import LossOptions
     from trainer.parallel import finish, init_distributed, parallelize
     from trainer.step import train_step
@@ -105,7 +106,7 @@ def bare_worker(groups_file: Path, *, redis_url: str, steps: int, lr: float) -> 
     r = redis.Redis.from_url(redis_url)
     blobs, model_dir = msgpack.unpackb(groups_file.read_bytes(), raw=False)
     groups = [decode_group(b) for b in blobs]
-    model = parallelize(load_model(Path(model_dir)))
+    model = parallelize(load_model(Path(model_dir)), device=trainer_device())
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     share = PER_STEP // world
     r.rpush(BARE_READY, rank)

@@ -1,0 +1,63 @@
+"""The trainer keeps every tensor of a step on the model's device, and its collectives on the
+process group's: checked without a GPU by a dry run on the `meta` device, where a tensor left on
+the CPU makes an op raise "... is not on the expected device meta"."""
+
+import random
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from transformers import AutoModelForCausalLM
+
+from tests.test_trainer import make_group
+from trainer.grpo import LossOptions
+from trainer.step import sft_step, train_step
+
+# What reads a value back to Python; on meta there is none, so the dry run reads 0.
+# (`bool` is True: transformers asks "is there no padding?" and then takes its unmasked path.)
+READS = {torch.Tensor.item: 0.0, torch.Tensor.__float__: 0.0, torch.Tensor.__int__: 0, torch.Tensor.__bool__: True,
+         torch.Tensor.tolist: None}
+
+
+class ReadsOffMetaAreZero(TorchFunctionMode):
+    """Lets a step run to its end on the meta device: `.item()` and friends of a meta tensor give 0
+    (the step's numbers are meaningless; which device each op sees is what is checked)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in READS and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return READS[func] if func is not torch.Tensor.tolist else [0.0] * args[0].numel()
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def meta_run(tiny_model):
+    torch.set_num_threads(1)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(3)
+    groups = [make_group(base, f"g{i}", version=0, rng=rng) for i in range(2)]
+
+    def on_meta():
+        return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to("meta")
+
+    return groups, on_meta
+
+
+def test_a_grpo_step_builds_every_tensor_on_the_models_device(meta_run):
+    """Every path of train_step at once: the no-grad pass for old log-probs (2 updates), the frozen
+    reference (KL), TIS, two micro-batches and the entropy."""
+    groups, on_meta = meta_run
+    model, ref = on_meta(), on_meta().eval().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with ReadsOffMetaAreZero():
+        train_step(model, opt, groups, loss=LossOptions(kl_coef=0.1, tis_cap=2.0), ref_model=ref, temperature=0.7,
+                   estimator="grpo", overlong="none", overlong_penalty=0.0, micro_batch_size=4,
+                   micro_batch_tokens=0, updates=2, recompute_old_logp=True, max_grad_norm=1.0)
+    assert all(p.is_meta for p in model.parameters()), "the step moved the model off its device"
+
+
+def test_an_sft_step_builds_every_tensor_on_the_models_device(meta_run):
+    groups, on_meta = meta_run
+    model = on_meta()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with ReadsOffMetaAreZero():
+        sft_step(model, opt, groups, micro_batch_size=4, micro_batch_tokens=0, max_grad_norm=1.0)

@@ -1,0 +1,80 @@
+"""Where the trainer's tensors live: one device per process, decided here and nowhere else.
+
+Under torchrun on a machine with CUDA each rank takes `cuda:LOCAL_RANK` (one GPU per rank); a
+single process takes `cuda` (the current device) when CUDA exists; otherwise the CPU. The model,
+the reference model, every tensor a step builds (inputs, targets, masks, behaviour log-probs,
+advantages) and the buffers of the collectives live on it; what comes back to Python (stats,
+counts) is read off with `.item()` / `.tolist()`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def trainer_device() -> torch.device:
+    """This process's device: cuda:LOCAL_RANK under torchrun, cuda alone, else cpu. Makes it CUDA's
+    current device, so that NCCL and any `device="cuda"` land on the same GPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+    assert index < torch.cuda.device_count(), (
+        f"LOCAL_RANK {index} but only {torch.cuda.device_count()} GPU(s) visible: start at most one rank per GPU "
+        "(torchrun --nproc-per-node <= GPUs, or set CUDA_VISIBLE_DEVICES)")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def backend_device(backend: str) -> torch.device:
+    """The device a collective's buffers must be on for a process group of `backend`: NCCL takes
+    CUDA tensors only (of the rank's current GPU), gloo CPU tensors."""
+    if backend == "nccl":
+        return torch.device("cuda")  # the current device: trainer_device() set it
+    assert backend == "gloo", f"unknown process group backend {backend!r}: expected nccl or gloo"
+    return torch.device("cpu")
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device the model computes on (that of its first parameter; sharded ones hold their
+    local shard there)."""
+    p = next(model.parameters())
+    return p.to_local().device if hasattr(p, "to_local") else p.device
+
+
+def to_device(batch: T, device: torch.device) -> T:
+    """A dataclass of tensors (a micro-batch) with every tensor field on `device`."""
+    moved = {f.name: getattr(batch, f.name).to(device, non_blocking=True) for f in fields(batch)
+             if isinstance(getattr(batch, f.name), torch.Tensor)}
+    return replace(batch, **moved)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and in what precision the trainer's models live (from `model.dtype` and the trainer's
+    `master_fp32` and `activation_checkpointing`)."""
+
+    device: torch.device
+    dtype: torch.dtype  # model.dtype: forward and backward run in it; checkpoints are published in it
+    master_fp32: bool  # keep float32 weights and AdamW state under a lower dtype (mixed precision)
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the trained weights (and so AdamW's moments) are held in."""
+        return torch.float32 if self.master_fp32 else self.dtype
+
+
+def placement(*, dtype: str, master_fp32: bool, activation_checkpointing: bool) -> Placement:
+    """This process's placement: its device (trainer_device) and the config's precision."""
+    assert dtype in DTYPES, f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}"
+    return Placement(device=trainer_device(), dtype=DTYPES[dtype], master_fp32=master_fp32,
+                     activation_checkpointing=activation_checkpointing)

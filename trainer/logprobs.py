@@ -1,0 +1,78 @@
+"""Token log-probs and entropy of a causal LM without its full-vocabulary logits.
+
+`model(...).logits` is (B, T, V); for a 150k-token vocabulary at T = 4096 that is 2.4 GiB per
+sequence in float32, held again by autograd for the backward pass. Here the model runs to its
+final hidden states (B, T, H) only (its own head sees one position), and the head is applied a
+chunk of positions at a time: logits of the chunk -> float32 -> log-softmax at the targets
+(`picked - logsumexp`, as trainer/grpo.py `token_logprobs`), and the entropy alike. With
+gradients on, each chunk is recomputed in the backward pass (activation checkpointing of the
+chunk), so autograd keeps only the hidden states, never a chunk's logits: the peak is about
+one chunk of `chunk_tokens` rows of V float32 values, whatever B and T are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from trainer.grpo import TRUNCATED_LOGP, truncate
+
+
+def final_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The hidden states the model's head is applied to, (B, T, H): the decoder's output, caught as
+    the whole model runs (its forward hooks, FSDP's unsharding and mixed precision included)."""
+    caught: list[Tensor] = []
+    hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: caught.append(out.last_hidden_state))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    assert len(caught) == 1, f"the decoder ran {len(caught)} times in one forward pass"
+    return caught[0]
+
+
+def _chunk(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float,
+           entropy: bool, top_k: int, top_p: float) -> tuple[Tensor, Tensor]:
+    """Log-prob of each target under the sampler's distribution (temperature, then top-k and
+    top-p as trainer/grpo.py `token_logprobs`) and (if `entropy`, else zeros) the entropy of the
+    untruncated distribution, for one chunk of positions."""
+    logits = head(hidden.to(head.weight.dtype)).float() / temperature  # (B, c, V): the only V-wide tensors
+    lse = torch.logsumexp(logits, dim=-1)  # (B, c)
+    if top_k > 0 or top_p < 1.0:
+        cut = truncate(logits, top_k=top_k, top_p=top_p)
+        picked = cut.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, c), -inf where cut
+        logp = (picked - torch.logsumexp(cut, dim=-1)).clamp(min=TRUNCATED_LOGP)
+    else:
+        logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # (B, c)
+    if not entropy:
+        return logp, torch.zeros_like(lse).detach()
+    with torch.no_grad():
+        logsm = logits - lse.unsqueeze(-1)  # (B, c, V)
+        ent = -(logsm.exp() * logsm).sum(-1)  # (B, c)
+    return logp, ent
+
+
+def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, targets: Tensor, *,
+                      temperature: float, top_k: int = 0, top_p: float = 1.0, entropy: bool = False,
+                      chunk_tokens: int = 1024) -> tuple[Tensor, Tensor | None]:
+    """log_softmax(logits / temperature) at `targets`, (B, T), and with `entropy` the entropy of that
+    distribution at each position, (B, T) in nats without gradient (else None). Equal to
+    `token_logprobs(model(...).logits, ...)` and `token_entropy` up to float rounding."""
+    assert temperature > 0, f"temperature must be > 0, got {temperature}"
+    assert chunk_tokens > 0, f"chunk_tokens must be > 0, got {chunk_tokens}"
+    assert input_ids.shape == targets.shape, f"input_ids {tuple(input_ids.shape)} vs targets {tuple(targets.shape)}"
+    hidden = final_hidden(model, input_ids, attention_mask)  # (B, T, H)
+    head = model.get_output_embeddings()
+    width = max(1, chunk_tokens // input_ids.shape[0])  # positions per chunk
+    logps, ents = [], []
+    for start in range(0, input_ids.shape[1], width):
+        args = (head, hidden[:, start:start + width], targets[:, start:start + width], temperature, entropy,
+                top_k, top_p)
+        if torch.is_grad_enabled() and hidden.requires_grad:  # recompute in backward: keep no logits
+            logp, ent = checkpoint(_chunk, *args, use_reentrant=False)
+        else:
+            logp, ent = _chunk(*args)
+        logps.append(logp)
+        ents.append(ent)
+    return torch.cat(logps, dim=1), torch.cat(ents, dim=1) if entropy else None  # (B, T), (B, T)
