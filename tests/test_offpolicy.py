@@ -20,6 +20,7 @@ from engines.hf_engine import HFEngine
 from producers.admission import admission_limit
 from tests.test_trainer import make_group
 from trainer.batch import group_rows
+from trainer.devices import placement
 from trainer.grpo import LossOptions, grpo_loss, kl_penalty, token_logprobs
 from trainer.main import State, cross_rank_duplicates, objective, train
 from trainer.samples import Collected
@@ -202,7 +203,8 @@ def test_non_finite_update_is_skipped_not_applied_and_counted(tiny_model, r):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = State(model, opt, build_scheduler(opt, schedule="constant", warmup_steps=0, total_steps=0),
                   step=3, version=3)
-    update = objective(TrainerConfig(), RolloutConfig(), source_dir=tiny_model)
+    where = placement(dtype="float32", master_fp32=True, activation_checkpointing=False)
+    update = objective(TrainerConfig(), RolloutConfig(), source_dir=tiny_model, where=where)
     stats, _ = train(state, update, groups, r=r, keys=Keys("nf"))
     assert stats["steps_skipped"] == 1
     assert state.step == 3 and state.scheduler.last_epoch == 0  # not counted: nothing to publish

@@ -43,15 +43,17 @@ def meta_run(tiny_model):
 
 
 def test_a_grpo_step_builds_every_tensor_on_the_models_device(meta_run):
-    """Every path of train_step at once: the no-grad pass for old log-probs (2 updates), the frozen
-    reference (KL), TIS, two micro-batches and the entropy."""
+    """Every path of train_step at once: the no-grad proximal pass (decoupled PPO), two PPO
+    mini-batches, the frozen reference (KL), TIS, the sampler's top-k/top-p truncation, micro-batches
+    and the entropy."""
     groups, on_meta = meta_run
     model, ref = on_meta(), on_meta().eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with ReadsOffMetaAreZero():
-        train_step(model, opt, groups, loss=LossOptions(kl_coef=0.1, tis_cap=2.0), ref_model=ref, temperature=0.7,
-                   estimator="grpo", overlong="none", overlong_penalty=0.0, micro_batch_size=4,
-                   micro_batch_tokens=0, updates=2, recompute_old_logp=True, max_grad_norm=1.0)
+        train_step(model, opt, groups, loss=LossOptions(correction="decoupled", kl_coef=0.1, tis_cap=2.0),
+                   ref_model=ref, temperature=0.7, top_k=4, top_p=0.9, estimator="grpo", overlong="none",
+                   overlong_penalty=0.0, micro_batch_size=4, micro_batch_tokens=0, updates=2, step=1,
+                   max_grad_norm=1.0)
     assert all(p.is_meta for p in model.parameters()), "the step moved the model off its device"
 
 

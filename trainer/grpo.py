@@ -242,10 +242,10 @@ def mismatch_stats(prox: Tensor, behaviour: Tensor, mask: Tensor, weight_zero: T
     stats = {"mismatch/abs_log_ratio_mean": (gap.sum() / total_tokens).item(),
              "mismatch/abs_log_ratio_max": gap.max().item() if gap.numel() else 0.0,
              "mismatch/masked": ((weight_zero.float() * mask).sum() / total_tokens).item()}
-    for s in staleness.unique().tolist():
-        rows = staleness == s  # (B,)
-        stats[f"staleness/{s}/gap_sum"] = gap[rows].sum().item()
-        stats[f"staleness/{s}/tokens"] = mask[rows].sum().item()
+    for s in sorted(set(staleness.tolist())):  # a few values: read to the host (no unique kernel on every device)
+        rows = (staleness == s).float()  # (B,), 1 on the rows of staleness s (no boolean indexing: shapes stay fixed)
+        stats[f"staleness/{s}/gap_sum"] = (gap.sum(dim=1) * rows).sum().item()
+        stats[f"staleness/{s}/tokens"] = (mask.sum(dim=1) * rows).sum().item()
     return stats
 
 
