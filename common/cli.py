@@ -64,6 +64,7 @@ def status_lines(r, run: str) -> list[str]:
     """What `rollouts status` prints: the run's state as Redis holds it."""
     from common.evals import read_evals
     from common.keys import GENERATORS_GROUP, TRAINER_GROUP, Keys
+    from common.metrics import latest_step, status_line
     from common.progress import read_producer, read_status, read_trainer
 
     keys = Keys(run)
@@ -80,6 +81,9 @@ def status_lines(r, run: str) -> list[str]:
         f"dead {r.xlen(keys.samples_dead)}",
         _trainer_line(read_trainer(r, keys), read_status(r, keys), now),
     ]
+    last = latest_step(r, keys)
+    if last is not None:
+        lines.append(status_line(last))
     evals = read_evals(r, keys)
     if evals:
         newest = evals[max(evals)]

@@ -12,7 +12,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -58,6 +58,9 @@ DEFAULT_REWARDS = {"arithmetic": "tasks.arithmetic:reward",
                    "sft": "tasks.gsm8k:reward"}  # unused: SFT groups are not sampled
 
 
+_REWARD_NAME = r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
 class SourceConfig(_Section):
     # Name of the source: prompt ids are "{name}:{epoch}:{index}" and meta["source"] = name.
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
@@ -71,7 +74,13 @@ class SourceConfig(_Section):
     weight: float = Field(1.0, gt=0.0)
     # Reward of this source's prompts, "module:function"; "" = the kind's built-in
     # (arithmetic: exact integer; countdown: expression reaches the target; dataset: final answer).
-    reward: str = Field("", pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    reward: str = Field("", pattern=_REWARD_NAME)
+    # Several reward functions instead of `reward`, as TRL's GRPOConfig lists them: "module:function"
+    # each, TRL's signature (prompts, completions, completion_ids, **columns -> list of float or
+    # None) or the per-completion one (generators/rewards.py); the reward is their weighted sum.
+    reward_funcs: list[Annotated[str, Field(pattern=_REWARD_NAME)]] = Field(default_factory=list)
+    # One weight per reward_funcs entry; empty = 1.0 each (TRL's reward_weights).
+    reward_weights: list[float] = Field(default_factory=list)
 
     # ---- arithmetic and countdown (see [task] for what they mean)
     max_operand: int = Field(20, ge=1)
@@ -122,6 +131,15 @@ class SourceConfig(_Section):
     max_length: int = Field(2048, ge=2)
 
     @model_validator(mode="after")
+    def _check_rewards(self) -> SourceConfig:
+        if self.reward and self.reward_funcs:
+            raise ValueError("reward_funcs: give either reward or reward_funcs, not both")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights: {len(self.reward_weights)} weights for "
+                             f"{len(self.reward_funcs)} reward_funcs")
+        return self
+
+    @model_validator(mode="after")
     def _check_dataset(self) -> SourceConfig:
         if self.kind == "sft":
             if not self.path:
@@ -146,8 +164,15 @@ class SourceConfig(_Section):
 
     @property
     def reward_name(self) -> str:
-        """The "module:function" of this source's reward."""
-        return self.reward or DEFAULT_REWARDS[self.kind]
+        """The "module:function" of this source's reward (the first, when it has several)."""
+        return self.reward_functions[0][0]
+
+    @property
+    def reward_functions(self) -> list[tuple[str, float]]:
+        """[("module:function", weight), ...] of this source's rewards."""
+        if self.reward_funcs:
+            return list(zip(self.reward_funcs, self.reward_weights or [1.0] * len(self.reward_funcs), strict=True))
+        return [(self.reward or DEFAULT_REWARDS[self.kind], 1.0)]
 
 
 class DataConfig(_Section):

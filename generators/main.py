@@ -428,7 +428,7 @@ def make_group(engine: Engine, rewards: RewardRunner, held: Held, done: Finished
     source = task.meta.get("source")
     scored = rewards.score(source if isinstance(source, str) else None, prompt=prompt_text(task),
                            completions=[(text, s.ids) for text, s in zip(texts, done.samples, strict=True)],
-                           meta=task.meta)
+                           meta=task.meta, messages=task.messages)
     completions = [Completion(ids=s.ids, logprobs=s.logprobs, reward=sc.reward, rewards=sc.rewards,
                               finish=s.finish, text=text, reward_error=sc.error)
                    for s, text, sc in zip(done.samples, texts, scored, strict=True)]

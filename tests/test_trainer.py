@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = "t"
 KEYS = Keys(RUN)
 METRIC_FIELDS = [
-    "step", "reward/mean", "reward/std", "accuracy", "frac_reward_zero_std", "completions/mean_length",
-    "completions/max_length", "clip_ratio", "loss/policy", "grad_norm", "lr", "staleness/mean",
+    "step", "reward", "reward_std", "accuracy", "frac_reward_zero_std", "completions/mean_length",
+    "completions/max_length", "completions/clipped_ratio", "loss", "grad_norm", "learning_rate", "staleness/mean",
     "staleness/max", "groups/dropped_stale", "groups/dead", "tokens_per_s", "time/step",
     "time/wait_data", "time/publish", "version", "group_ids", "entropy", "kl", "clip_ratio/low_mean",
     "clip_ratio/high_mean", "tis/mean",
