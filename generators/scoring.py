@@ -133,8 +133,8 @@ class RewardRunner:
 
     def __init__(self, names: Names, *, timeout_s: float, workers: int) -> None:
         """names: {source name: "module:function" or [("module:function", weight), ...]}.
-        workers=0: run in this process, no timeout A name that does not load raises ValueError; a worker that
-        cannot load them raises RuntimeError."""
+        workers=0: run in this process, no timeout (for tests and debugging). A name that does not
+        load raises ValueError; a worker that cannot load them raises RuntimeError."""
         assert timeout_s > 0, f"timeout_s must be positive, got {timeout_s}"
         assert workers >= 0, f"workers must be >= 0, got {workers}"
         self._names = dict(names)
