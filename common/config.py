@@ -77,7 +77,7 @@ class SourceConfig(_Section):
     reward: str = Field("", pattern=_REWARD_NAME)
     # Several reward functions instead of `reward`, as TRL's GRPOConfig lists them: "module:function"
     # each, TRL's signature (prompts, completions, completion_ids, **columns -> list of float or
-    # None) or the per-completion one (generators/rewards.py); the reward is their weighted sum.
+    # None) or the per-completion one (common/rewards.py); the reward is their weighted sum.
     reward_funcs: list[Annotated[str, Field(pattern=_REWARD_NAME)]] = Field(default_factory=list)
     # One weight per reward_funcs entry; empty = 1.0 each (TRL's reward_weights).
     reward_weights: list[float] = Field(default_factory=list)
@@ -331,9 +331,18 @@ class TrainerConfig(_Section):
 class EvalConfig(_Section):
     # Enqueue an evaluation of every this many published versions; 0 turns evaluation off.
     every: int = Field(0, ge=0)
-    # Held-out arithmetic problems scored per checkpoint (drawn with `seed`, not the task's seed).
+    # Evaluation sources (e.g. GSM8K's test split from a local file), as [[data.sources]] tables;
+    # empty = the run's own sources, on their held-out split.
+    sources: list[SourceConfig] = Field(default_factory=list)
+    # Share of each training source's distinct problems kept out of training for evaluation (a hash
+    # of the prompt decides), while evaluation is on and `sources` is empty.
+    holdout: float = Field(0.05, ge=0.0, le=0.5)
+    # Problems scored per source and checkpoint (fewer if the source or its held-out split has
+    # fewer distinct ones); synthetic ones are drawn with `seed`.
     prompts: int = Field(32, ge=1)
     seed: int = 1_000_003
+    # A completion passes when its reward (the source's reward functions, weighted) is at least this.
+    pass_reward: float = 1.0
     # Also sample k completions per problem at rollout.temperature and report pass@k; 0 = greedy only.
     pass_k: int = Field(0, ge=0)
     # Tries after the first failure before a job lands in RQ's failed registry.
@@ -383,6 +392,16 @@ class Config(_Section):
         t = self.task
         return [SourceConfig(name=t.name, kind=t.name, max_operand=t.max_operand, ops=t.ops,
                              numbers=t.numbers, max_number=t.max_number)]
+
+    @property
+    def holdout(self) -> float:
+        """The share of the training sources' problems the producer passes over (evaluated instead)."""
+        return self.eval.holdout if self.eval.every and not self.eval.sources else 0.0
+
+    @property
+    def eval_sources(self) -> list[SourceConfig]:
+        """What the evaluator scores: [eval.sources], else the run's prompt sources (held-out split)."""
+        return list(self.eval.sources) or [s for s in self.sources if s.kind != "sft"]
 
     @property
     def checkpoint_dir(self) -> Path:

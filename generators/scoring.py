@@ -40,7 +40,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
-from generators import rewards
+from common import rewards
 
 if TYPE_CHECKING:
     from common.config import Config

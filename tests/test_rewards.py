@@ -1,6 +1,6 @@
 import pytest
 
-from generators.rewards import score
+from common.rewards import score
 from tasks.arithmetic import reward as arithmetic
 
 
