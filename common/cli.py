@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.config import ConfigError, load_config
+from common.config import ConfigError, add_config_flags, load_config
 
 if TYPE_CHECKING:
     from common.progress import TrainerProgress, TrainerStatus
@@ -92,21 +92,35 @@ def status_lines(r, run: str) -> list[str]:
     return lines + _generator_lines(r, keys, now)
 
 
+PROCESSES = """\
+processes of a run (each reads the same config: --config FILE ..., ROLLOUTS_* variables,
+--section.field VALUE flags; `python -m trainer --help` lists every field):
+  ./ops/run                           all of them on this machine (honcho and the Procfile)
+  redis-server --appendonly yes ...   the meeting point; every process takes redis_url
+  python -m producers                 admits prompts from the run's sources
+  python -m generators [--id ID]      samples and scores groups (start any number, anywhere)
+  torchrun --nproc-per-node N -m trainer
+                                      GRPO/SFT steps, publishes weights (--nnodes for several hosts)
+  python -m evaluator [--burst]       scores published checkpoints (RQ worker, eval.every > 0)
+"""
+
+
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollouts", description="Operate a rollouts run.")
+    parser = argparse.ArgumentParser(prog="rollouts", description="Operate a rollouts run.", epilog=PROCESSES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare-model", help="convert the built-in default model into the cache (once)")
     prep.add_argument("--force", action="store_true", help="convert again even if present")
     st = sub.add_parser("status", help="the run's state, read from Redis")
-    st.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
+    st.set_defaults(overrides=add_config_flags(st))
     st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
     pl = sub.add_parser("plot", help="PNG charts of a run's per-step metrics")
-    pl.add_argument("--config", help="TOML file whose output_dir holds metrics.jsonl")
+    pl.set_defaults(overrides=add_config_flags(pl))  # the config's output_dir holds metrics.jsonl
     pl.add_argument("--metrics", help="a metrics.jsonl file (instead of the config's)")
     pl.add_argument("--out", help="PNG to write (default: metrics.png beside the metrics)")
     pl.add_argument("--title", default="", help="title above the charts")
     rec = sub.add_parser("record", help="write a run's streams to a file (msgpack), entries in order")
-    rec.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
+    rec.set_defaults(overrides=add_config_flags(rec))
     rec.add_argument("--stream", action="append", choices=["samples", "prompts", "weights"],
                      help="stream to record (repeat for several; default: samples)")
     rec.add_argument("--out", required=True, help="recording file to write")
@@ -114,7 +128,7 @@ def parser() -> argparse.ArgumentParser:
                      help="stop once no new entry came for SECONDS (default: until Ctrl-C)")
     rp = sub.add_parser("replay", help="write a recording into the streams of a fresh run")
     rp.add_argument("file", help="recording made by `rollouts record`")
-    rp.add_argument("--config", help="TOML file naming the run to write into")
+    rp.set_defaults(overrides=add_config_flags(rp))  # the config names the run to write into
     rp.add_argument("--pace", choices=["full", "recorded"], default="full",
                     help="full speed, or spaced as recorded")
     rp.add_argument("--stream", action="append", choices=["samples", "prompts", "weights"],
@@ -150,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     try:
-        config = load_config(args.config, env=env) if args.command != "plot" or not args.metrics else None
+        config = load_config(args.config, env=env, overrides=args.overrides(args)) \
+            if args.command != "plot" or not args.metrics else None
     except ConfigError as err:
         sys.exit(f"rollouts: {err}")
 

@@ -1,16 +1,21 @@
 """One typed, validated configuration per run.
 
 Every process loads the same TOML file (path from `--config`, else `$ROLLOUTS_CONFIG`, else
-`rollouts.toml` in the working directory). Environment variables override single fields:
-`ROLLOUTS_<SECTION>__<FIELD>` (`ROLLOUTS_TRAINER__LR=1e-5`, `ROLLOUTS_REDIS_URL=...`). A value
+`rollouts.toml` in the working directory; `--config a.toml --config b.toml`: b overrides a).
+Environment variables override single fields: `ROLLOUTS_<SECTION>__<FIELD>`
+(`ROLLOUTS_TRAINER__LR=1e-5`, `ROLLOUTS_REDIS_URL=...`), and command-line flags override both:
+`--trainer.lr 1e-5` (`python -m trainer --help` lists them all, with their defaults). A value
 that does not fit fails at start-up with an error naming the dotted field.
 """
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import os
 import re
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -45,9 +50,10 @@ class TaskConfig(_Section):
     # arithmetic: operands are drawn from [0, max_operand].
     max_operand: int = Field(20, ge=1)
     # arithmetic: operators to draw from.
-    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+    ops: list[Literal["+", "-", "*"]] = Field(["+", "-"], min_length=1)
     # countdown: numbers given per problem, each drawn from [1, max_number].
     numbers: int = Field(4, ge=2, le=6)
+    # countdown: the largest number given.
     max_number: int = Field(25, ge=2)
 
 
@@ -78,14 +84,18 @@ class SourceConfig(_Section):
     # Several reward functions instead of `reward`, as TRL's GRPOConfig lists them: "module:function"
     # each, TRL's signature (prompts, completions, completion_ids, **columns -> list of float or
     # None) or the per-completion one (common/rewards.py); the reward is their weighted sum.
-    reward_funcs: list[Annotated[str, Field(pattern=_REWARD_NAME)]] = Field(default_factory=list)
+    reward_funcs: list[Annotated[str, Field(pattern=_REWARD_NAME)]] = Field([])
     # One weight per reward_funcs entry; empty = 1.0 each (TRL's reward_weights).
-    reward_weights: list[float] = Field(default_factory=list)
+    reward_weights: list[float] = Field([])
 
-    # ---- arithmetic and countdown (see [task] for what they mean)
+    # ---- arithmetic and countdown (as in [task])
+    # arithmetic: operands are drawn from [0, max_operand].
     max_operand: int = Field(20, ge=1)
-    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+    # arithmetic: operators to draw from.
+    ops: list[Literal["+", "-", "*"]] = Field(["+", "-"], min_length=1)
+    # countdown: numbers given per problem.
     numbers: int = Field(4, ge=2, le=6)
+    # countdown: the largest number given.
     max_number: int = Field(25, ge=2)
 
     # ---- dataset
@@ -101,6 +111,7 @@ class SourceConfig(_Section):
     # Stream rows instead of loading the data set: for data too large for memory. Epochs then
     # reshuffle with a buffer of shuffle_buffer rows rather than a full permutation.
     streaming: bool = False
+    # Rows in the shuffle buffer of a streamed source.
     shuffle_buffer: int = Field(10_000, ge=1)
     # Reshuffle every epoch (a permutation of the row indices from (seed, epoch)); false keeps
     # the file's order.
@@ -125,7 +136,7 @@ class SourceConfig(_Section):
     # (the number after "####"), "boxed" (the last \boxed{...}).
     answer_extractor: Literal["none", "gsm8k", "boxed"] = "none"
     # Further columns copied into meta under their own names, for a custom reward.
-    meta_columns: list[str] = Field(default_factory=list)
+    meta_columns: list[str] = Field([])
     # ---- sft: conversations longer than this many tokens (prompt + completion) are cut to it;
     # the producer counts them (producer hash: sft_truncated, sft_tokens_cut).
     max_length: int = Field(2048, ge=2)
@@ -178,7 +189,7 @@ class SourceConfig(_Section):
 class DataConfig(_Section):
     # Where prompts come from: one [[data.sources]] table per source, mixed by weight.
     # Empty = the single built-in [task].
-    sources: list[SourceConfig] = Field(default_factory=list)
+    sources: list[SourceConfig] = Field([])
 
     @model_validator(mode="after")
     def _check_names(self) -> DataConfig:
@@ -204,7 +215,9 @@ class RolloutConfig(_Section):
     # Truncation of the sampling distribution (1.0 and 0: off). Behaviour log-probs are those of
     # the truncated distribution; the trainer's importance ratio corrects for the difference.
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # Sample from the k likeliest tokens only; 0: off.
     top_k: int = Field(0, ge=0)
+    # Longest completion, in tokens; a completion cut here finishes with "length".
     max_new_tokens: int = Field(32, ge=1)
 
 
@@ -225,6 +238,7 @@ class GeneratorConfig(_Section):
     drop_zero_variance: bool = False
     # vLLM's KV cache on a CPU (GiB, VLLM_CPU_KVCACHE_SPACE) and its share of GPU memory.
     kv_cache_gib: float = Field(1.0, gt=0.0)
+    # vLLM's share of the GPU's memory (weights and KV cache).
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     # A prompt pending this long in another generator's list is reclaimed (that one is dead).
     claim_idle_s: float = Field(120.0, gt=0.0)
@@ -250,6 +264,7 @@ class TrainerConfig(_Section):
     objective: Literal["grpo", "sft"] = "grpo"
     # Peak learning rate (AdamW); the schedule scales it.
     lr: float = Field(1e-6, gt=0.0)
+    # AdamW's decoupled weight decay.
     weight_decay: float = Field(0.0, ge=0.0)
     # "constant" or "cosine" (to 0 at total_steps), after a linear warm-up; counted in trainer steps.
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -261,6 +276,7 @@ class TrainerConfig(_Section):
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     # PPO clip range of the ratio: [1 - clip_low, 1 + clip_high].
     clip_low: float = Field(0.2, ge=0.0)
+    # Upper clip bound: 1 + clip_high (DAPO's clip-higher raises it).
     clip_high: float = Field(0.2, ge=0.0)
     # "token": a ratio per token (PPO/GRPO); "sequence": GSPO's geometric-mean ratio per sequence,
     # clipped per sequence (GSPO uses tiny clip ranges, e.g. clip_low 3e-4, clip_high 4e-4).
@@ -284,7 +300,9 @@ class TrainerConfig(_Section):
     # Completions cut at max_new_tokens (finish == "length"): "none" trains on them as they are,
     # "mask" excludes their tokens from the loss, "penalty" subtracts overlong_penalty from their reward.
     overlong: Literal["none", "mask", "penalty"] = "none"
+    # What overlong = "penalty" subtracts from a cut completion's reward.
     overlong_penalty: float = Field(1.0, ge=0.0)
+    # Gradients are clipped to this global norm.
     max_grad_norm: float = Field(1.0, gt=0.0)
     # Sequences per forward/backward pass; gradients accumulate over a step.
     micro_batch_size: int = Field(8, ge=1)
@@ -305,12 +323,15 @@ class TrainerConfig(_Section):
     dedup_window: int = Field(1000, ge=1)
     # Published checkpoints kept on disk (the newest ones), each with its trainer state for resume.
     keep_checkpoints: int = Field(3, ge=2)
+    # torch intra-op threads; 0 leaves torch's default.
     threads: int = Field(0, ge=0)
+    # Seed of torch's generators (model init of anything new, dropout).
     seed: int = 0
     # Metrics also go to these trackers, through their own libraries (besides metrics.jsonl and
     # the metrics stream, always): "tensorboard" (output_dir/tensorboard), "wandb" (online, or
     # offline with WANDB_MODE=offline). Install them with `pip install -e .[tracking]`.
-    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    report_to: list[Literal["tensorboard", "wandb"]] = Field([])
+    # The W&B project runs are logged to (report_to = ["wandb"]).
     wandb_project: str = "rollouts"
 
     @model_validator(mode="after")
@@ -333,13 +354,14 @@ class EvalConfig(_Section):
     every: int = Field(0, ge=0)
     # Evaluation sources (e.g. GSM8K's test split from a local file), as [[data.sources]] tables;
     # empty = the run's own sources, on their held-out split.
-    sources: list[SourceConfig] = Field(default_factory=list)
+    sources: list[SourceConfig] = Field([])
     # Share of each training source's distinct problems kept out of training for evaluation (a hash
     # of the prompt decides), while evaluation is on and `sources` is empty.
     holdout: float = Field(0.05, ge=0.0, le=0.5)
     # Problems scored per source and checkpoint (fewer if the source or its held-out split has
     # fewer distinct ones); synthetic ones are drawn with `seed`.
     prompts: int = Field(32, ge=1)
+    # Seed of the synthetic evaluation problems (apart from the task's).
     seed: int = 1_000_003
     # A completion passes when its reward (the source's reward functions, weighted) is at least this.
     pass_reward: float = 1.0
@@ -470,18 +492,77 @@ def config_from_dict(data: dict[str, Any], *, source: str = "dict") -> Config:
         raise ConfigError(_describe(err, source)) from None
 
 
-def load_config(path: str | os.PathLike | None = None, *, env: dict[str, str] | None = None) -> Config:
-    """The run's config: the TOML file, then environment overrides on top."""
+def load_config(path: str | os.PathLike | list[str] | None = None, *, env: dict[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> Config:
+    """The run's config: the TOML file (several: later ones override earlier ones), then environment
+    variables, then `overrides` (command-line flags) on top."""
     env = dict(os.environ) if env is None else env
-    path = path or env.get(ENV_CONFIG_FILE) or ("rollouts.toml" if Path("rollouts.toml").exists() else None)
+    paths = [path] if isinstance(path, str | os.PathLike) else list(path or [])
+    if not paths:
+        default = env.get(ENV_CONFIG_FILE) or ("rollouts.toml" if Path("rollouts.toml").exists() else None)
+        paths = [default] if default else []
     data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
+    for one in paths:
+        p = Path(one)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            data = tomllib.loads(p.read_text())
+            data = _merge(data, tomllib.loads(p.read_text()))
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {err}") from None
-    source = f"{path or 'defaults'} + environment"
-    return config_from_dict(_merge(data, _env_overrides(env)), source=source)
+    source = " + ".join([*(str(p) for p in paths), "environment"] + (["flags"] if overrides else []))
+    return config_from_dict(_merge(_merge(data, _env_overrides(env)), overrides or {}), source=source)
+
+
+# ---------------------------------------------------------------------- the command line
+# pydantic-settings' CLI source builds the flags from the model: `--section.field value` for
+# every field (its type, choices and default shown), lists by repeating the flag; the comment
+# above each field in this file is its help.
+
+def add_config_flags(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], dict[str, Any]]:
+    """Add `--config FILE` (repeatable) and `--<section>.<field> VALUE` for every field to
+    `parser`; returns what turns the parsed arguments into the overrides `load_config` takes."""
+    from pydantic_settings import CliSettingsSource
+
+    parser.add_argument("--config", action="append", metavar="FILE",
+                        help=f"TOML file; repeat it and later files override earlier ones (default: ${ENV_CONFIG_FILE} "
+                             "or ./rollouts.toml). Environment variables ROLLOUTS_<SECTION>__<FIELD> override the "
+                             "files, and the flags below override both.")
+    _document_fields()
+    source = CliSettingsSource(Config, root_parser=parser, cli_implicit_flags=True, cli_avoid_json=True,
+                               cli_hide_none_type=True, cli_use_class_docs_for_groups=False)
+
+    def overrides(args: argparse.Namespace) -> dict[str, Any]:
+        return source(parsed_args={k: v for k, v in vars(args).items() if "." in k or k in Config.model_fields})()
+
+    return overrides
+
+
+def config_from_args(prog: str, description: str, argv: list[str] | None = None,
+                     extra: Callable[[argparse.ArgumentParser], None] | None = None
+                     ) -> tuple[Config, argparse.Namespace]:
+    """A process's config from its command line (`extra` adds its own flags), the files it names
+    and the environment, and the parsed arguments; ConfigError naming the field of a bad value."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    if extra is not None:
+        extra(parser)
+    overrides = add_config_flags(parser)
+    args = parser.parse_args(argv)
+    return load_config(args.config, overrides=overrides(args)), args
+
+
+def _document_fields() -> None:
+    """Give every field of the config the comment above it in this file as its description."""
+    for cls in (Config, ModelConfig, TaskConfig, SourceConfig, DataConfig, RolloutConfig, GeneratorConfig,
+                TrainerConfig, EvalConfig, LimitsConfig):
+        comment: list[str] = []
+        for line in inspect.getsource(cls).splitlines()[1:]:
+            text = line.strip()
+            field = re.match(r"^(\w+)\s*:", text)
+            if text.startswith("#"):
+                comment.append(text.lstrip("#").strip())
+                continue
+            if field and field[1] in cls.model_fields and comment and not cls.model_fields[field[1]].description:
+                cls.model_fields[field[1]].description = " ".join(c for c in comment if not c.startswith("----"))
+            comment = []
