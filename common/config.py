@@ -256,6 +256,18 @@ class GeneratorConfig(_Section):
     reward_workers: int = Field(1, ge=0)
 
 
+class LoraConfig(_Section):
+    # LoRA adapter rank; 0 trains every weight (no LoRA). With LoRA the trainer trains the adapters
+    # only and publishes merged full weights (needs `pip install peft`).
+    rank: int = Field(0, ge=0)
+    # Scale of the adapter's update: alpha / rank.
+    alpha: float = Field(16.0, gt=0.0)
+    # Dropout on the adapter's input while training.
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # Names of the modules to adapt (peft's target_modules: suffixes of module names).
+    target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+
+
 class TrainerConfig(_Section):
     # "grpo": the GRPO-family policy loss on sampled, rewarded groups; "sft": cross-entropy on
     # the completions' loss-masked tokens (groups of one completion, e.g. from an sft source),
@@ -333,6 +345,8 @@ class TrainerConfig(_Section):
     report_to: list[Literal["tensorboard", "wandb"]] = Field([])
     # The W&B project runs are logged to (report_to = ["wandb"]).
     wandb_project: str = "rollouts"
+    # [trainer.lora]: train low-rank adapters instead of every weight.
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @model_validator(mode="after")
     def _check_state_every(self) -> TrainerConfig:
@@ -555,7 +569,7 @@ def config_from_args(prog: str, description: str, argv: list[str] | None = None,
 def _document_fields() -> None:
     """Give every field of the config the comment above it in this file as its description."""
     for cls in (Config, ModelConfig, TaskConfig, SourceConfig, DataConfig, RolloutConfig, GeneratorConfig,
-                TrainerConfig, EvalConfig, LimitsConfig):
+                TrainerConfig, LoraConfig, EvalConfig, LimitsConfig):
         comment: list[str] = []
         for line in inspect.getsource(cls).splitlines()[1:]:
             text = line.strip()

@@ -147,7 +147,8 @@ def run(config: Config) -> None:
     ensure_group(r, keys.samples, TRAINER_GROUP)
     model, optimizer, scheduler, step = resume(
         r, keys, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps)
+        lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps,
+        lora=cfg.lora)
     state = State(model, optimizer, scheduler, step=step, version=step)
     vocab_size = model.config.vocab_size
     sft = cfg.objective == "sft"
