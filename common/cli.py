@@ -1,4 +1,5 @@
-"""`rollouts`: the operator's command: `prepare-model`, `status`, `plot`, `record`, `replay`."""
+"""`rollouts`: the operator's command: `prepare-model`, `status`, `plot`, `record`, `replay`,
+`serve-checkpoints`."""
 
 from __future__ import annotations
 
@@ -126,6 +127,10 @@ def parser() -> argparse.ArgumentParser:
     rec.add_argument("--out", required=True, help="recording file to write")
     rec.add_argument("--until-idle", type=float, metavar="SECONDS",
                      help="stop once no new entry came for SECONDS (default: until Ctrl-C)")
+    sv = sub.add_parser("serve-checkpoints", help="serve the run's published checkpoints over HTTP, read-only "
+                        "(for generators without shared storage: generator.weights_url)")
+    sv.add_argument("--bind", default="127.0.0.1:8100", metavar="HOST:PORT", help="address to listen on")
+    sv.set_defaults(overrides=add_config_flags(sv))
     rp = sub.add_parser("replay", help="write a recording into the streams of a fresh run")
     rp.add_argument("file", help="recording made by `rollouts record`")
     rp.set_defaults(overrides=add_config_flags(rp))  # the config names the run to write into
@@ -150,6 +155,18 @@ def dotenv(path: Path) -> dict[str, str]:
                 value = value[1:-1]
             out[key.strip().removeprefix("export ").strip()] = value
     return out
+
+
+def serve_checkpoints(config, *, bind: str) -> None:
+    """`rollouts serve-checkpoints`: answer GETs for the run's published files until stopped."""
+    from common.checkpoint_server import CheckpointServer
+    from common.keys import Keys
+    from common.streams import connect
+
+    host, _, port = bind.rpartition(":")
+    server = CheckpointServer((host, int(port)), r=connect(config.redis_url, wait_s=2.0), keys=Keys(config.run))
+    print(f"rollouts: serving run {config.run!r}'s published checkpoints on http://{bind}", flush=True)
+    server.serve_forever()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     from common.streams import connect, lost_redis, no_permission, redacted
 
     try:  # a refused password or ACL permission, or Redis away: one line, not a traceback
+        if args.command == "serve-checkpoints":
+            return serve_checkpoints(config, bind=args.bind)
         if args.command in ("record", "replay"):
             from common.recording import record_command, replay_command
 

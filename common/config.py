@@ -251,6 +251,10 @@ class GeneratorConfig(_Section):
     # Seconds one completion's reward may run; past it the worker running it is killed and the
     # completion gets reward 0 with a recorded "timeout" error.
     reward_timeout_s: float = Field(5.0, gt=0)
+    # URL of the trainer host's checkpoint server (`rollouts serve-checkpoints`), e.g.
+    # "http://10.0.0.5:8100": each published version is fetched from it into output_dir/fetched,
+    # checked against its checksums. "" = load from the path the trainer announces (shared storage).
+    weights_url: str = Field("", pattern=r"^$|^https?://")
     # Worker processes that run reward functions (concurrent groups use different ones); 0 runs
     # them in the generator process itself, with no timeout (debugging).
     reward_workers: int = Field(1, ge=0)
