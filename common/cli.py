@@ -157,6 +157,23 @@ def dotenv(path: Path) -> dict[str, str]:
     return out
 
 
+def plot_command(metrics: Path, *, out: str | None, title: str) -> None:
+    """`rollouts plot`: the charts of a metrics file (and the evaluations beside it) as a PNG."""
+    from common.evals import read_evals_file
+    from common.metrics import read_metrics
+    from common.plot import plot
+
+    if not metrics.is_file():
+        sys.exit(f"rollouts: no metrics file at {metrics}")
+    try:
+        rows = read_metrics(metrics)
+    except ValueError as err:
+        sys.exit(f"rollouts: {err}")
+    evals = [e for e in read_evals_file(metrics.with_name("evals.jsonl"))  # the evaluator's, beside ours
+             if e.skipped is None]
+    print(plot(rows, out or metrics.with_name("metrics.png"), title=title, evals=evals))
+
+
 def serve_checkpoints(config, *, bind: str) -> None:
     """`rollouts serve-checkpoints`: answer GETs for the run's published files until stopped."""
     from common.checkpoint_server import CheckpointServer
@@ -187,21 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"rollouts: {err}")
 
     if args.command == "plot":
-        from common.evals import read_evals_file
-        from common.metrics import read_metrics
-        from common.plot import plot
-
-        metrics = Path(args.metrics) if args.metrics else config.metrics_path
-        if not metrics.is_file():
-            sys.exit(f"rollouts: no metrics file at {metrics}")
-        try:
-            rows = read_metrics(metrics)
-        except ValueError as err:
-            sys.exit(f"rollouts: {err}")
-        evals = [e for e in read_evals_file(metrics.with_name("evals.jsonl"))  # the evaluator's, beside ours
-                 if e.skipped is None]
-        print(plot(rows, args.out or metrics.with_name("metrics.png"), title=args.title, evals=evals))
-        return
+        return plot_command(Path(args.metrics) if args.metrics else config.metrics_path, out=args.out,
+                            title=args.title)
 
     import redis
 
