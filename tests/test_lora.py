@@ -56,3 +56,37 @@ def test_lora_trains_the_adapters_only_and_publishes_merged_weights(tmp_path, re
                                    rtol=1e-4, atol=1e-5)
     assert ours.tolist() == theirs.tolist()
     assert r.xlen(KEYS.weights) == 2
+
+
+def test_lora_under_two_fsdp_ranks_publishes_what_one_rank_does(tmp_path, redis_url, r, tiny_model):
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from common.keys import PAYLOAD, Keys
+    from tests.helpers import ROOT
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(5)
+    blobs = [encode(make_group(base, f"g{i}", version=0, rng=rng)) for i in range(4)]
+    for name in ("one", "two"):
+        for blob in blobs:
+            r.xadd(Keys(name).samples, {PAYLOAD: blob})
+        (tmp_path / f"{name}.toml").write_text("\n".join([
+            f'run = "{name}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / name}"',
+            "[model]", f'path = "{tiny_model}"', "[rollout]", "group_size = 4", "prompts_per_step = 2",
+            "[trainer]", "max_steps = 2", "lr = 0.05", "threads = 1", f"lora = {LORA}"]) + "\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+        env.update(ROLLOUTS_CONFIG=str(tmp_path / f"{name}.toml"), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        launcher = [] if name == "one" else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        done = subprocess.run([sys.executable, *launcher, "-m", "trainer"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{name}: {done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    a = load_file(tmp_path / "one" / "checkpoints" / "step_2" / "model.safetensors")
+    b = load_file(tmp_path / "two" / "checkpoints" / "step_2" / "model.safetensors")
+    assert a.keys() == b.keys() and a.keys() == {k for k in base.state_dict() if k != "lm_head.weight"} | (
+        {"lm_head.weight"} & a.keys())
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert any(not torch.equal(a[k], base.state_dict()[k]) for k in a)
