@@ -1,4 +1,5 @@
-"""`rollouts`: the operator's command: `prepare-model`, `status`, `plot`, `record`, `replay`."""
+"""`rollouts`: the operator's command: `prepare-model`, `status`, `plot`, `record`, `replay`,
+`serve-checkpoints`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.config import ConfigError, load_config
+from common.config import ConfigError, add_config_flags, load_config
 
 if TYPE_CHECKING:
     from common.progress import TrainerProgress, TrainerStatus
@@ -64,6 +65,7 @@ def status_lines(r, run: str) -> list[str]:
     """What `rollouts status` prints: the run's state as Redis holds it."""
     from common.evals import read_evals
     from common.keys import GENERATORS_GROUP, TRAINER_GROUP, Keys
+    from common.metrics import latest_step, status_line
     from common.progress import read_producer, read_status, read_trainer
 
     keys = Keys(run)
@@ -80,6 +82,9 @@ def status_lines(r, run: str) -> list[str]:
         f"dead {r.xlen(keys.samples_dead)}",
         _trainer_line(read_trainer(r, keys), read_status(r, keys), now),
     ]
+    last = latest_step(r, keys)
+    if last is not None:
+        lines.append(status_line(last))
     evals = read_evals(r, keys)
     if evals:
         newest = evals[max(evals)]
@@ -88,29 +93,47 @@ def status_lines(r, run: str) -> list[str]:
     return lines + _generator_lines(r, keys, now)
 
 
+PROCESSES = """\
+processes of a run (each reads the same config: --config FILE ..., ROLLOUTS_* variables,
+--section.field VALUE flags; `python -m trainer --help` lists every field):
+  ./ops/run                           all of them on this machine (honcho and the Procfile)
+  redis-server --appendonly yes ...   the meeting point; every process takes redis_url
+  python -m producers                 admits prompts from the run's sources
+  python -m generators [--id ID]      samples and scores groups (start any number, anywhere)
+  torchrun --nproc-per-node N -m trainer
+                                      GRPO/SFT steps, publishes weights (--nnodes for several hosts)
+  python -m evaluator [--burst]       scores published checkpoints (RQ worker, eval.every > 0)
+"""
+
+
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollouts", description="Operate a rollouts run.")
+    parser = argparse.ArgumentParser(prog="rollouts", description="Operate a rollouts run.", epilog=PROCESSES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare-model", help="convert the built-in default model into the cache (once)")
     prep.add_argument("--force", action="store_true", help="convert again even if present")
     st = sub.add_parser("status", help="the run's state, read from Redis")
-    st.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
+    st.set_defaults(overrides=add_config_flags(st))
     st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
     pl = sub.add_parser("plot", help="PNG charts of a run's per-step metrics")
-    pl.add_argument("--config", help="TOML file whose output_dir holds metrics.jsonl")
+    pl.set_defaults(overrides=add_config_flags(pl))  # the config's output_dir holds metrics.jsonl
     pl.add_argument("--metrics", help="a metrics.jsonl file (instead of the config's)")
     pl.add_argument("--out", help="PNG to write (default: metrics.png beside the metrics)")
     pl.add_argument("--title", default="", help="title above the charts")
     rec = sub.add_parser("record", help="write a run's streams to a file (msgpack), entries in order")
-    rec.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
+    rec.set_defaults(overrides=add_config_flags(rec))
     rec.add_argument("--stream", action="append", choices=["samples", "prompts", "weights"],
                      help="stream to record (repeat for several; default: samples)")
     rec.add_argument("--out", required=True, help="recording file to write")
     rec.add_argument("--until-idle", type=float, metavar="SECONDS",
                      help="stop once no new entry came for SECONDS (default: until Ctrl-C)")
+    sv = sub.add_parser("serve-checkpoints", help="serve the run's published checkpoints over HTTP, read-only "
+                        "(for generators without shared storage: generator.weights_url)")
+    sv.add_argument("--bind", default="127.0.0.1:8100", metavar="HOST:PORT", help="address to listen on")
+    sv.set_defaults(overrides=add_config_flags(sv))
     rp = sub.add_parser("replay", help="write a recording into the streams of a fresh run")
     rp.add_argument("file", help="recording made by `rollouts record`")
-    rp.add_argument("--config", help="TOML file naming the run to write into")
+    rp.set_defaults(overrides=add_config_flags(rp))  # the config names the run to write into
     rp.add_argument("--pace", choices=["full", "recorded"], default="full",
                     help="full speed, or spaced as recorded")
     rp.add_argument("--stream", action="append", choices=["samples", "prompts", "weights"],
@@ -134,6 +157,35 @@ def dotenv(path: Path) -> dict[str, str]:
     return out
 
 
+def plot_command(metrics: Path, *, out: str | None, title: str) -> None:
+    """`rollouts plot`: the charts of a metrics file (and the evaluations beside it) as a PNG."""
+    from common.evals import read_evals_file
+    from common.metrics import read_metrics
+    from common.plot import plot
+
+    if not metrics.is_file():
+        sys.exit(f"rollouts: no metrics file at {metrics}")
+    try:
+        rows = read_metrics(metrics)
+    except ValueError as err:
+        sys.exit(f"rollouts: {err}")
+    evals = [e for e in read_evals_file(metrics.with_name("evals.jsonl"))  # the evaluator's, beside ours
+             if e.skipped is None]
+    print(plot(rows, out or metrics.with_name("metrics.png"), title=title, evals=evals))
+
+
+def serve_checkpoints(config, *, bind: str) -> None:
+    """`rollouts serve-checkpoints`: answer GETs for the run's published files until stopped."""
+    from common.checkpoint_server import CheckpointServer
+    from common.keys import Keys
+    from common.streams import connect
+
+    host, _, port = bind.rpartition(":")
+    server = CheckpointServer((host, int(port)), r=connect(config.redis_url, wait_s=2.0), keys=Keys(config.run))
+    print(f"rollouts: serving run {config.run!r}'s published checkpoints on http://{bind}", flush=True)
+    server.serve_forever()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     # Run from the checkout without --config, the command sees the run the processes see: honcho
@@ -146,32 +198,22 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     try:
-        config = load_config(args.config, env=env) if args.command != "plot" or not args.metrics else None
+        config = load_config(args.config, env=env, overrides=args.overrides(args)) \
+            if args.command != "plot" or not args.metrics else None
     except ConfigError as err:
         sys.exit(f"rollouts: {err}")
 
     if args.command == "plot":
-        from common.evals import read_evals_file
-        from common.metrics import read_metrics
-        from common.plot import plot
-
-        metrics = Path(args.metrics) if args.metrics else config.metrics_path
-        if not metrics.is_file():
-            sys.exit(f"rollouts: no metrics file at {metrics}")
-        try:
-            rows = read_metrics(metrics)
-        except ValueError as err:
-            sys.exit(f"rollouts: {err}")
-        evals = [e for e in read_evals_file(metrics.with_name("evals.jsonl"))  # the evaluator's, beside ours
-                 if e.skipped is None]
-        print(plot(rows, args.out or metrics.with_name("metrics.png"), title=args.title, evals=evals))
-        return
+        return plot_command(Path(args.metrics) if args.metrics else config.metrics_path, out=args.out,
+                            title=args.title)
 
     import redis
 
     from common.streams import connect, lost_redis, no_permission, redacted
 
     try:  # a refused password or ACL permission, or Redis away: one line, not a traceback
+        if args.command == "serve-checkpoints":
+            return serve_checkpoints(config, bind=args.bind)
         if args.command in ("record", "replay"):
             from common.recording import record_command, replay_command
 

@@ -1,18 +1,23 @@
 """One typed, validated configuration per run.
 
 Every process loads the same TOML file (path from `--config`, else `$ROLLOUTS_CONFIG`, else
-`rollouts.toml` in the working directory). Environment variables override single fields:
-`ROLLOUTS_<SECTION>__<FIELD>` (`ROLLOUTS_TRAINER__LR=1e-5`, `ROLLOUTS_REDIS_URL=...`). A value
+`rollouts.toml` in the working directory; `--config a.toml --config b.toml`: b overrides a).
+Environment variables override single fields: `ROLLOUTS_<SECTION>__<FIELD>`
+(`ROLLOUTS_TRAINER__LR=1e-5`, `ROLLOUTS_REDIS_URL=...`), and command-line flags override both:
+`--trainer.lr 1e-5` (`python -m trainer --help` lists them all, with their defaults). A value
 that does not fit fails at start-up with an error naming the dotted field.
 """
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import os
 import re
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -47,9 +52,10 @@ class TaskConfig(_Section):
     # arithmetic: operands are drawn from [0, max_operand].
     max_operand: int = Field(20, ge=1)
     # arithmetic: operators to draw from.
-    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+    ops: list[Literal["+", "-", "*"]] = Field(["+", "-"], min_length=1)
     # countdown: numbers given per problem, each drawn from [1, max_number].
     numbers: int = Field(4, ge=2, le=6)
+    # countdown: the largest number given.
     max_number: int = Field(25, ge=2)
 
 
@@ -58,6 +64,9 @@ DEFAULT_REWARDS = {"arithmetic": "tasks.arithmetic:reward",
                    "countdown": "tasks.countdown:reward",
                    "dataset": "tasks.gsm8k:reward",
                    "sft": "tasks.gsm8k:reward"}  # unused: SFT groups are not sampled
+
+
+_REWARD_NAME = r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
 class SourceConfig(_Section):
@@ -73,12 +82,22 @@ class SourceConfig(_Section):
     weight: float = Field(1.0, gt=0.0)
     # Reward of this source's prompts, "module:function"; "" = the kind's built-in
     # (arithmetic: exact integer; countdown: expression reaches the target; dataset: final answer).
-    reward: str = Field("", pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    reward: str = Field("", pattern=_REWARD_NAME)
+    # Several reward functions instead of `reward`, as TRL's GRPOConfig lists them: "module:function"
+    # each, TRL's signature (prompts, completions, completion_ids, **columns -> list of float or
+    # None) or the per-completion one (common/rewards.py); the reward is their weighted sum.
+    reward_funcs: list[Annotated[str, Field(pattern=_REWARD_NAME)]] = Field([])
+    # One weight per reward_funcs entry; empty = 1.0 each (TRL's reward_weights).
+    reward_weights: list[float] = Field([])
 
-    # ---- arithmetic and countdown (see [task] for what they mean)
+    # ---- arithmetic and countdown (as in [task])
+    # arithmetic: operands are drawn from [0, max_operand].
     max_operand: int = Field(20, ge=1)
-    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
+    # arithmetic: operators to draw from.
+    ops: list[Literal["+", "-", "*"]] = Field(["+", "-"], min_length=1)
+    # countdown: numbers given per problem.
     numbers: int = Field(4, ge=2, le=6)
+    # countdown: the largest number given.
     max_number: int = Field(25, ge=2)
 
     # ---- dataset
@@ -94,6 +113,7 @@ class SourceConfig(_Section):
     # Stream rows instead of loading the data set: for data too large for memory. Epochs then
     # reshuffle with a buffer of shuffle_buffer rows rather than a full permutation.
     streaming: bool = False
+    # Rows in the shuffle buffer of a streamed source.
     shuffle_buffer: int = Field(10_000, ge=1)
     # Reshuffle every epoch (a permutation of the row indices from (seed, epoch)); false keeps
     # the file's order.
@@ -118,10 +138,19 @@ class SourceConfig(_Section):
     # (the number after "####"), "boxed" (the last \boxed{...}).
     answer_extractor: Literal["none", "gsm8k", "boxed"] = "none"
     # Further columns copied into meta under their own names, for a custom reward.
-    meta_columns: list[str] = Field(default_factory=list)
+    meta_columns: list[str] = Field([])
     # ---- sft: conversations longer than this many tokens (prompt + completion) are cut to it;
     # the producer counts them (producer hash: sft_truncated, sft_tokens_cut).
     max_length: int = Field(2048, ge=2)
+
+    @model_validator(mode="after")
+    def _check_rewards(self) -> SourceConfig:
+        if self.reward and self.reward_funcs:
+            raise ValueError("reward_funcs: give either reward or reward_funcs, not both")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights: {len(self.reward_weights)} weights for "
+                             f"{len(self.reward_funcs)} reward_funcs")
+        return self
 
     @model_validator(mode="after")
     def _check_dataset(self) -> SourceConfig:
@@ -148,14 +177,21 @@ class SourceConfig(_Section):
 
     @property
     def reward_name(self) -> str:
-        """The "module:function" of this source's reward."""
-        return self.reward or DEFAULT_REWARDS[self.kind]
+        """The "module:function" of this source's reward (the first, when it has several)."""
+        return self.reward_functions[0][0]
+
+    @property
+    def reward_functions(self) -> list[tuple[str, float]]:
+        """[("module:function", weight), ...] of this source's rewards."""
+        if self.reward_funcs:
+            return list(zip(self.reward_funcs, self.reward_weights or [1.0] * len(self.reward_funcs), strict=True))
+        return [(self.reward or DEFAULT_REWARDS[self.kind], 1.0)]
 
 
 class DataConfig(_Section):
     # Where prompts come from: one [[data.sources]] table per source, mixed by weight.
     # Empty = the single built-in [task].
-    sources: list[SourceConfig] = Field(default_factory=list)
+    sources: list[SourceConfig] = Field([])
 
     @model_validator(mode="after")
     def _check_names(self) -> DataConfig:
@@ -182,7 +218,9 @@ class RolloutConfig(_Section):
     # top-p. Behaviour log-probs are those of the truncated, renormalised distribution, and the
     # trainer computes its log-probs under the same truncation, so the on-policy ratio is 1.
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # Sample from the k likeliest tokens only; 0: off.
     top_k: int = Field(0, ge=0)
+    # Longest completion, in tokens; a completion cut here finishes with "length".
     max_new_tokens: int = Field(32, ge=1)
 
 
@@ -204,6 +242,7 @@ class GeneratorConfig(_Section):
     drop_zero_variance: bool = False
     # vLLM's KV cache on a CPU (GiB, VLLM_CPU_KVCACHE_SPACE) and its share of GPU memory.
     kv_cache_gib: float = Field(1.0, gt=0.0)
+    # vLLM's share of the GPU's memory (weights and KV cache).
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     # vLLM on GPUs: GPUs one generator shards the model over (tensor parallelism). Above 1 the
     # generator leases no GPU: give each one its GPUs with CUDA_VISIBLE_DEVICES.
@@ -225,9 +264,25 @@ class GeneratorConfig(_Section):
     # completion gets reward 0 with a recorded "timeout" error; the trainer leaves such completions
     # (and those whose reward raised) out of the loss and of their group's advantage statistics.
     reward_timeout_s: float = Field(5.0, gt=0)
+    # URL of the trainer host's checkpoint server (`rollouts serve-checkpoints`), e.g.
+    # "http://10.0.0.5:8100": each published version is fetched from it into output_dir/fetched,
+    # checked against its checksums. "" = load from the path the trainer announces (shared storage).
+    weights_url: str = Field("", pattern=r"^$|^https?://")
     # Worker processes that run reward functions (concurrent groups use different ones); 0 runs
     # them in the generator process itself, with no timeout (debugging).
     reward_workers: int = Field(1, ge=0)
+
+
+class LoraConfig(_Section):
+    # LoRA adapter rank; 0 trains every weight (no LoRA). With LoRA the trainer trains the adapters
+    # only and publishes merged full weights (needs `pip install peft`).
+    rank: int = Field(0, ge=0)
+    # Scale of the adapter's update: alpha / rank.
+    alpha: float = Field(16.0, gt=0.0)
+    # Dropout on the adapter's input while training.
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # Names of the modules to adapt (peft's target_modules: suffixes of module names).
+    target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
 
 
 class TrainerConfig(_Section):
@@ -238,6 +293,7 @@ class TrainerConfig(_Section):
     objective: Literal["grpo", "sft"] = "grpo"
     # Peak learning rate (AdamW); the schedule scales it.
     lr: float = Field(1e-6, gt=0.0)
+    # AdamW's decoupled weight decay.
     weight_decay: float = Field(0.0, ge=0.0)
     # "constant" or "cosine" (to 0 at total_steps), after a linear warm-up; counted in trainer steps.
     lr_schedule: Literal["constant", "cosine"] = "constant"
@@ -249,6 +305,7 @@ class TrainerConfig(_Section):
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     # PPO clip range of the ratio: [1 - clip_low, 1 + clip_high].
     clip_low: float = Field(0.2, ge=0.0)
+    # Upper clip bound: 1 + clip_high (DAPO's clip-higher raises it).
     clip_high: float = Field(0.2, ge=0.0)
     # "token": a ratio per token (PPO/GRPO); "sequence": GSPO's geometric-mean ratio per sequence,
     # clipped per sequence (GSPO uses tiny clip ranges, e.g. clip_low 3e-4, clip_high 4e-4). GSPO
@@ -300,7 +357,9 @@ class TrainerConfig(_Section):
     # Completions cut at max_new_tokens (finish == "length"): "none" trains on them as they are,
     # "mask" excludes their tokens from the loss, "penalty" subtracts overlong_penalty from their reward.
     overlong: Literal["none", "mask", "penalty"] = "none"
+    # What overlong = "penalty" subtracts from a cut completion's reward.
     overlong_penalty: float = Field(1.0, ge=0.0)
+    # Gradients are clipped to this global norm.
     max_grad_norm: float = Field(1.0, gt=0.0)
     # With model.dtype below float32: keep float32 master weights and AdamW state, computing in
     # model.dtype (FSDP2 MixedPrecisionPolicy: bf16 compute, fp32 gradient reduction; autocast in a
@@ -332,13 +391,18 @@ class TrainerConfig(_Section):
     dedup_window: int = Field(1000, ge=1)
     # Published checkpoints kept on disk (the newest ones), each with its trainer state for resume.
     keep_checkpoints: int = Field(3, ge=2)
+    # torch intra-op threads; 0 leaves torch's default.
     threads: int = Field(0, ge=0)
+    # Seed of torch's generators (model init of anything new, dropout).
     seed: int = 0
     # Metrics also go to these trackers, through their own libraries (besides metrics.jsonl and
     # the metrics stream, always): "tensorboard" (output_dir/tensorboard), "wandb" (online, or
     # offline with WANDB_MODE=offline). Install them with `pip install -e .[tracking]`.
-    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    report_to: list[Literal["tensorboard", "wandb"]] = Field([])
+    # The W&B project runs are logged to (report_to = ["wandb"]).
     wandb_project: str = "rollouts"
+    # [trainer.lora]: train low-rank adapters instead of every weight.
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @model_validator(mode="after")
     def _check_state_every(self) -> TrainerConfig:
@@ -367,9 +431,19 @@ class TrainerConfig(_Section):
 class EvalConfig(_Section):
     # Enqueue an evaluation of every this many published versions; 0 turns evaluation off.
     every: int = Field(0, ge=0)
-    # Held-out arithmetic problems scored per checkpoint (drawn with `seed`, not the task's seed).
+    # Evaluation sources (e.g. GSM8K's test split from a local file), as [[data.sources]] tables;
+    # empty = the run's own sources, on their held-out split.
+    sources: list[SourceConfig] = Field([])
+    # Share of each training source's distinct problems kept out of training for evaluation (a hash
+    # of the prompt decides), while evaluation is on and `sources` is empty.
+    holdout: float = Field(0.05, ge=0.0, le=0.5)
+    # Problems scored per source and checkpoint (fewer if the source or its held-out split has
+    # fewer distinct ones); synthetic ones are drawn with `seed`.
     prompts: int = Field(32, ge=1)
+    # Seed of the synthetic evaluation problems (apart from the task's).
     seed: int = 1_000_003
+    # A completion passes when its reward (the source's reward functions, weighted) is at least this.
+    pass_reward: float = 1.0
     # Also sample k completions per problem at rollout.temperature and report pass@k; 0 = greedy only.
     pass_k: int = Field(0, ge=0)
     # Tries after the first failure before a job lands in RQ's failed registry.
@@ -433,6 +507,16 @@ class Config(_Section):
         t = self.task
         return [SourceConfig(name=t.name, kind=t.name, max_operand=t.max_operand, ops=t.ops,
                              numbers=t.numbers, max_number=t.max_number)]
+
+    @property
+    def holdout(self) -> float:
+        """The share of the training sources' problems the producer passes over (evaluated instead)."""
+        return self.eval.holdout if self.eval.every and not self.eval.sources else 0.0
+
+    @property
+    def eval_sources(self) -> list[SourceConfig]:
+        """What the evaluator scores: [eval.sources], else the run's prompt sources (held-out split)."""
+        return list(self.eval.sources) or [s for s in self.sources if s.kind != "sft"]
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -504,18 +588,77 @@ def config_from_dict(data: dict[str, Any], *, source: str = "dict") -> Config:
         raise ConfigError(_describe(err, source)) from None
 
 
-def load_config(path: str | os.PathLike | None = None, *, env: dict[str, str] | None = None) -> Config:
-    """The run's config: the TOML file, then environment overrides on top."""
+def load_config(path: str | os.PathLike | list[str] | None = None, *, env: dict[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> Config:
+    """The run's config: the TOML file (several: later ones override earlier ones), then environment
+    variables, then `overrides` (command-line flags) on top."""
     env = dict(os.environ) if env is None else env
-    path = path or env.get(ENV_CONFIG_FILE) or ("rollouts.toml" if Path("rollouts.toml").exists() else None)
+    paths = [path] if isinstance(path, str | os.PathLike) else list(path or [])
+    if not paths:
+        default = env.get(ENV_CONFIG_FILE) or ("rollouts.toml" if Path("rollouts.toml").exists() else None)
+        paths = [default] if default else []
     data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
+    for one in paths:
+        p = Path(one)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            data = tomllib.loads(p.read_text())
+            data = _merge(data, tomllib.loads(p.read_text()))
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {err}") from None
-    source = f"{path or 'defaults'} + environment"
-    return config_from_dict(_merge(data, _env_overrides(env)), source=source)
+    source = " + ".join([*(str(p) for p in paths), "environment"] + (["flags"] if overrides else []))
+    return config_from_dict(_merge(_merge(data, _env_overrides(env)), overrides or {}), source=source)
+
+
+# ---------------------------------------------------------------------- the command line
+# pydantic-settings' CLI source builds the flags from the model: `--section.field value` for
+# every field (its type, choices and default shown), lists by repeating the flag; the comment
+# above each field in this file is its help.
+
+def add_config_flags(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], dict[str, Any]]:
+    """Add `--config FILE` (repeatable) and `--<section>.<field> VALUE` for every field to
+    `parser`; returns what turns the parsed arguments into the overrides `load_config` takes."""
+    from pydantic_settings import CliSettingsSource
+
+    parser.add_argument("--config", action="append", metavar="FILE",
+                        help=f"TOML file; repeat it and later files override earlier ones (default: ${ENV_CONFIG_FILE} "
+                             "or ./rollouts.toml). Environment variables ROLLOUTS_<SECTION>__<FIELD> override the "
+                             "files, and the flags below override both.")
+    _document_fields()
+    source = CliSettingsSource(Config, root_parser=parser, cli_implicit_flags=True, cli_avoid_json=True,
+                               cli_hide_none_type=True, cli_use_class_docs_for_groups=False)
+
+    def overrides(args: argparse.Namespace) -> dict[str, Any]:
+        return source(parsed_args={k: v for k, v in vars(args).items() if "." in k or k in Config.model_fields})()
+
+    return overrides
+
+
+def config_from_args(prog: str, description: str, argv: list[str] | None = None,
+                     extra: Callable[[argparse.ArgumentParser], None] | None = None
+                     ) -> tuple[Config, argparse.Namespace]:
+    """A process's config from its command line (`extra` adds its own flags), the files it names
+    and the environment, and the parsed arguments; ConfigError naming the field of a bad value."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    if extra is not None:
+        extra(parser)
+    overrides = add_config_flags(parser)
+    args = parser.parse_args(argv)
+    return load_config(args.config, overrides=overrides(args)), args
+
+
+def _document_fields() -> None:
+    """Give every field of the config the comment above it in this file as its description."""
+    for cls in (Config, ModelConfig, TaskConfig, SourceConfig, DataConfig, RolloutConfig, GeneratorConfig,
+                TrainerConfig, LoraConfig, EvalConfig, LimitsConfig):
+        comment: list[str] = []
+        for line in inspect.getsource(cls).splitlines()[1:]:
+            text = line.strip()
+            field = re.match(r"^(\w+)\s*:", text)
+            if text.startswith("#"):
+                comment.append(text.lstrip("#").strip())
+                continue
+            if field and field[1] in cls.model_fields and comment and not cls.model_fields[field[1]].description:
+                cls.model_fields[field[1]].description = " ".join(c for c in comment if not c.startswith("----"))
+            comment = []

@@ -41,18 +41,19 @@ class EvalRequest:
     step: int  # the trainer step that wrote it
     path: str  # its checkpoint directory
     checksums: dict[str, str]  # file name -> sha256, verified before loading
-    prompts: int  # held-out arithmetic problems to score
-    seed: int  # they are drawn from this seed (eval.seed, apart from the training problems)
+    prompts: int  # problems to score per source
+    seed: int  # synthetic problems are drawn from this seed (eval.seed, apart from the training problems)
     pass_k: int  # 0: greedy pass@1 only; k > 0: also pass@k of k sampled completions
     temperature: float  # sampling temperature of pass@k
     max_new_tokens: int  # longest completion
-    max_operand: int  # the problems' largest operand (task.max_operand)
-    ops: list[str]  # their operators (task.ops)
+    sources: list[dict]  # the sources to evaluate on, as SourceConfig dicts (problems and rewards)
+    holdout: float  # > 0: only their held-out split (tasks.rows.held_out); 0: all their problems
+    pass_reward: float  # a completion passes when its reward is at least this
     dtype: str  # the engine's dtype (model.dtype)
     evals_path: str  # JSONL file the result is appended to; "" for none
 
 
-_KINDS = {"int": int, "str": str, "float": (int, float), "list[str]": list, "dict[str, str]": dict}  # JSON's types
+_KINDS = {"int": int, "str": str, "float": (int, float), "list[dict]": list, "dict[str, str]": dict}  # JSON's types
 assert {f.type for f in fields(EvalRequest)} <= set(_KINDS), "an EvalRequest field type has no JSON check"
 
 
@@ -66,8 +67,9 @@ def enqueue_eval(r: redis.Redis, config: Config, wv: WeightVersion) -> Job:
     request = EvalRequest(
         run=config.run, version=wv.version, step=wv.step, path=wv.path, checksums=wv.checksums,
         prompts=ev.prompts, seed=ev.seed, pass_k=ev.pass_k, temperature=config.rollout.temperature,
-        max_new_tokens=config.rollout.max_new_tokens, max_operand=config.task.max_operand,
-        ops=list(config.task.ops), dtype=config.model.dtype, evals_path=str(config.evals_path))
+        max_new_tokens=config.rollout.max_new_tokens, sources=[s.model_dump() for s in config.eval_sources],
+        holdout=0.0 if config.eval.sources else config.eval.holdout, pass_reward=config.eval.pass_reward,
+        dtype=config.model.dtype, evals_path=str(config.evals_path))
     return eval_queue(r, keys).enqueue_call(
         JOB_FUNCTION, kwargs={"spec": asdict(request)}, timeout=ev.timeout_s, job_id=f"{config.run}-eval-v{wv.version}",
         retry=Retry(max=ev.retries) if ev.retries else None, description=f"evaluate {wv.path}")
@@ -100,7 +102,8 @@ class EvalResult:
     step: int  # the trainer step that wrote the checkpoint
     version: int  # its weight version
     prompts: int | None = None  # problems scored; None when skipped
-    pass_at: dict[int, float] = field(default_factory=dict)  # k -> pass@k (1: greedy)
+    pass_at: dict[int, float] = field(default_factory=dict)  # k -> pass@k (1: greedy), over every problem
+    by_source: dict[str, dict[int, float]] = field(default_factory=dict)  # source -> k -> its pass@k
     seconds: float | None = None  # how long the evaluation took
     skipped: str | None = None  # why the checkpoint was not evaluated (pruned before its turn)
 
@@ -112,22 +115,33 @@ class EvalResult:
             return {**out, "eval/skipped": self.skipped}
         out["eval/prompts"] = self.prompts
         out.update({f"eval/pass@{k}": v for k, v in sorted(self.pass_at.items())})
+        for name, pass_at in self.by_source.items():
+            out.update({f"eval/{name}/pass@{k}": v for k, v in sorted(pass_at.items())})
         if self.seconds is not None:
             out["eval/seconds"] = self.seconds
         return out
 
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> EvalResult:
+        by_source: dict[str, dict[int, float]] = {}
+        for key, v in entry.items():
+            name, _, k = key.removeprefix("eval/").rpartition("/pass@")
+            if key.startswith("eval/") and name and k.isdigit():
+                by_source.setdefault(name, {})[int(k)] = v
         return cls(step=entry["step"], version=entry["version"], prompts=entry.get("eval/prompts"),
                    pass_at={int(k.removeprefix("eval/pass@")): v for k, v in entry.items()
-                            if k.startswith("eval/pass@")},
+                            if k.startswith("eval/pass@")}, by_source=by_source,
                    seconds=entry.get("eval/seconds"), skipped=entry.get("eval/skipped"))
 
     def summary(self, sep: str = ", ") -> str:
         """"pass@1 0.500, pass@4 0.750", or why it was skipped."""
         if self.skipped is not None:
             return self.skipped
-        return sep.join(f"pass@{k} {v:.3f}" for k, v in sorted(self.pass_at.items()))
+        overall = sep.join(f"pass@{k} {v:.3f}" for k, v in sorted(self.pass_at.items()))
+        if len(self.by_source) < 2:
+            return overall
+        return overall + sep + sep.join(f"{name} pass@{k} {v:.3f}" for name, pass_at in self.by_source.items()
+                                        for k, v in sorted(pass_at.items()))
 
 
 def record_eval(r: redis.Redis, keys: Keys, result: EvalResult, *, evals_path: str = "") -> dict[str, Any]:

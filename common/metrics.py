@@ -1,8 +1,10 @@
 """The trainer's per-step metrics entry: one typed record, its names as TRL users know them.
 
 Written by the trainer (the metrics stream, `metrics.jsonl`, TensorBoard, W&B), read by `rollouts
-plot` and the tests. Each field's wire name is declared here once (`NAMES`); an entry is a flat
-dict of those names, as TRL logs them ("reward/mean", "clip_ratio/low_mean", ...).
+plot`, `rollouts status` and the tests. Each field's wire name is declared here once (`NAMES`); an
+entry is a flat dict of those names: TRL's GRPOTrainer's names where TRL logs the same thing
+("reward", "reward_std", "loss", "learning_rate", "completions/clipped_ratio", "clip_ratio/low_mean",
+"rewards/<function>/mean", ...), ours beside them for what TRL has no name for ("staleness/mean").
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class StepMetrics:
     reward_errors: int | None  # completions whose reward raised, timed out or returned garbage (scored 0)
     mean_length: float  # completion tokens, mean
     max_length: int  # completion tokens, longest
+    clipped_ratio: float  # share of completions cut at max_new_tokens (finish "length")
     staleness_mean: float  # versions between a group's sampling weights and the trainer, mean
     staleness_max: int  # ... the largest
     policy: PolicyStats | None  # GRPO family; None for sft
@@ -71,6 +74,9 @@ class StepMetrics:
     generators_tokens_per_s: float  # their tokens/s, summed
     steps_skipped: int = 0  # optimizer updates of this step skipped: non-finite loss or gradient norm
     group_ids: list[str] = field(default_factory=list)  # the groups trained, every rank's
+    # (mean, std) over the step's completions of each reward component (a TRL function's value, or a
+    # per-completion function's named part), over the completions that have it; {} for sft
+    reward_components: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def entry(self) -> dict[str, Any]:
         """The flat dict the sinks write: TRL's names, policy fields only for GRPO, the sft loss only for sft."""
@@ -80,7 +86,9 @@ class StepMetrics:
             if f.name == "policy":
                 if value is not None:
                     out.update({POLICY_NAMES[p.name]: getattr(value, p.name) for p in fields(PolicyStats)})
-                    out["clip_ratio"] = value.clip_region  # TRL's name for the clipped share
+            elif f.name == "reward_components":
+                for name, (mean, std) in value.items():
+                    out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = mean, std
             elif f.name != "sft_loss" or value is not None:
                 out[NAMES[f.name]] = value
         return out
@@ -89,29 +97,36 @@ class StepMetrics:
     def from_entry(cls, entry: dict[str, Any]) -> StepMetrics:
         """The record an entry holds; KeyError naming the first metric it lacks."""
         policy = None
-        if POLICY_NAMES["loss"] in entry:
+        if POLICY_NAMES["clip_low"] in entry:
             policy = PolicyStats(**{name: entry[wire] for name, wire in POLICY_NAMES.items()
                                     if wire in entry or name not in _DEFAULTED})
         values = {name: entry.get(wire) if name == "sft_loss" else entry[wire]
-                  for name, wire in NAMES.items() if name != "policy" and (wire in entry or name not in _DEFAULTED)}
-        return cls(policy=policy, **values)
+                  for name, wire in NAMES.items()
+                  if name not in ("policy", "reward_components") and (wire in entry or name not in _DEFAULTED)}
+        if policy is not None:
+            values["sft_loss"] = None  # "loss" is the policy's
+        parts = {key[len("rewards/"):-len("/mean")] for key in entry
+                 if key.startswith("rewards/") and key.endswith("/mean")}
+        components = {n: (entry[f"rewards/{n}/mean"], entry[f"rewards/{n}/std"]) for n in sorted(parts)}
+        return cls(policy=policy, reward_components=components, **values)
 
 
-NAMES = {  # StepMetrics field -> the name it is written under
-    "step": "step", "version": "version", "reward_mean": "reward/mean", "reward_std": "reward/std",
-    "accuracy": "accuracy", "frac_reward_zero_std": "frac_reward_zero_std", "reward_errors": "reward/errors",
+NAMES = {  # StepMetrics field -> the name it is written under (TRL's where TRL logs it)
+    "step": "step", "version": "version", "reward_mean": "reward", "reward_std": "reward_std",
+    "accuracy": "accuracy", "frac_reward_zero_std": "frac_reward_zero_std", "reward_errors": "reward_errors",
     "mean_length": "completions/mean_length", "max_length": "completions/max_length",
+    "clipped_ratio": "completions/clipped_ratio",
     "staleness_mean": "staleness/mean", "staleness_max": "staleness/max", "policy": "",
-    "sft_loss": "loss/sft", "entropy": "entropy", "grad_norm": "grad_norm", "lr": "lr",
+    "sft_loss": "loss", "entropy": "entropy", "grad_norm": "grad_norm", "lr": "learning_rate",
     "dropped_stale": "groups/dropped_stale", "dead": "groups/dead", "duplicate": "groups/duplicate",
     "steps_skipped": "steps_skipped",
     "tokens_trained": "tokens/trained", "tokens_per_s": "tokens_per_s", "time_step": "time/step",
     "time_wait_data": "time/wait_data", "time_train": "time/train", "time_publish": "time/publish",
     "generators_alive": "generators/alive", "generators_tokens_per_s": "generators/tokens_per_s",
-    "group_ids": "group_ids",
+    "group_ids": "group_ids", "reward_components": "rewards/<component>/mean, rewards/<component>/std",
 }
 POLICY_NAMES = {  # PolicyStats field -> the name it is written under
-    "loss": "loss/policy", "kl": "kl", "clip_low": "clip_ratio/low_mean", "clip_high": "clip_ratio/high_mean",
+    "loss": "loss", "kl": "kl", "clip_low": "clip_ratio/low_mean", "clip_high": "clip_ratio/high_mean",
     "clip_region": "clip_ratio/region_mean", "ratio": "ratio/mean", "tis": "tis/mean",
     "clip_dual": "clip_ratio/dual_mean", "mismatch_mean": "mismatch/abs_log_ratio_mean",
     "mismatch_max": "mismatch/abs_log_ratio_max", "masked": "mismatch/masked",
@@ -132,6 +147,28 @@ def write_metrics(pipe: redis.client.Pipeline, keys: Keys, entry: dict[str, Any]
 def read_metrics_stream(r: redis.Redis, keys: Keys) -> list[dict[str, Any]]:
     """Every entry still in the run's metrics stream (trainer steps and evaluations), oldest first."""
     return [msgpack.unpackb(f[PAYLOAD], raw=False) for _, f in r.xrange(keys.metrics)]
+
+
+def latest_step(r: redis.Redis, keys: Keys, *, look_back: int = 50) -> StepMetrics | None:
+    """The newest trainer step in the run's metrics stream (evaluations are skipped), or None."""
+    for _, f in r.xrevrange(keys.metrics, count=look_back):
+        try:
+            return StepMetrics.from_entry(msgpack.unpackb(f[PAYLOAD], raw=False))
+        except (KeyError, TypeError):  # an evaluation's entry
+            continue
+    return None
+
+
+STATUS_NAMES = ["reward", "reward_std", "frac_reward_zero_std", "loss", "kl", "entropy", "completions/mean_length",
+                "completions/clipped_ratio", "learning_rate"]  # what `rollouts status` shows of the last step
+
+
+def status_line(m: StepMetrics) -> str:
+    """The last step's headline metrics, under their logged names, for `rollouts status`."""
+    entry = m.entry()
+    shown = [(name, entry.get(name)) for name in STATUS_NAMES] + \
+        [(f"rewards/{n}/mean", mean) for n, (mean, _) in m.reward_components.items()]
+    return f"metrics    step {m.step}  " + "  ".join(f"{name} {v:.4g}" for name, v in shown if v is not None)
 
 
 def read_metrics(path: str | Path) -> list[StepMetrics]:

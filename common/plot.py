@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.evals import EvalResult
-from common.metrics import StepMetrics
+from common.metrics import NAMES, POLICY_NAMES, StepMetrics
+
+COMPONENTS = "reward_components"  # one series per reward component: rewards/<component>/mean
 
 
 def smooth(xs: list[float], window: int) -> list[float]:
@@ -19,17 +21,23 @@ def smooth(xs: list[float], window: int) -> list[float]:
     return out
 
 
+# Series are labelled with the names the metrics are logged under (TRL's where TRL has one).
 PANELS = [  # (title, [(StepMetrics field, or "pass@1" of an EvalResult; label)], y label, smoothed)
-    ("Reward", [("reward_mean", "reward mean"), ("accuracy", "accuracy")], "per completion", True),
-    ("Held-out evaluation", [("pass@1", "greedy pass@1")], "per problem", False),
-    ("Completion length", [("mean_length", "mean"), ("max_length", "max")], "tokens", True),
-    ("Staleness", [("staleness_mean", "mean"), ("staleness_max", "max")], "versions behind", False),
-    ("Policy update", [("policy.clip_region", "clip ratio"), ("policy.kl", "kl"), ("entropy", "entropy")], "", True),
-    ("Throughput", [("tokens_per_s", "trainer"), ("generators_tokens_per_s", "generators (sum)")], "tokens/s", True),
-    ("Step time", [("time_train", "train"), ("time_wait_data", "wait for data"), ("time_publish", "publish")],
-     "seconds", True),
-    ("Groups not trained", [("dropped_stale", "dropped stale"), ("dead", "dead-lettered"),
-                            ("duplicate", "duplicate")], "per step", False),
+    ("Reward", [("reward_mean", NAMES["reward_mean"]), ("accuracy", NAMES["accuracy"]),
+                (COMPONENTS, "rewards/<component>/mean")], "per completion", True),
+    ("Held-out evaluation", [("pass@1", "eval/pass@1 (greedy)")], "per problem", False),
+    ("Completion length", [("mean_length", NAMES["mean_length"]), ("max_length", NAMES["max_length"])], "tokens",
+     True),
+    ("Staleness", [("staleness_mean", NAMES["staleness_mean"]), ("staleness_max", NAMES["staleness_max"])],
+     "versions behind", False),
+    ("Policy update", [("policy.clip_region", POLICY_NAMES["clip_region"]), ("policy.kl", POLICY_NAMES["kl"]),
+                       ("entropy", NAMES["entropy"]), ("clipped_ratio", NAMES["clipped_ratio"])], "", True),
+    ("Throughput", [("tokens_per_s", NAMES["tokens_per_s"]), ("generators_tokens_per_s",
+                                                             NAMES["generators_tokens_per_s"])], "tokens/s", True),
+    ("Step time", [("time_train", NAMES["time_train"]), ("time_wait_data", NAMES["time_wait_data"]),
+                   ("time_publish", NAMES["time_publish"])], "seconds", True),
+    ("Groups not trained", [("dropped_stale", NAMES["dropped_stale"]), ("dead", NAMES["dead"]),
+                            ("duplicate", NAMES["duplicate"])], "per step", False),
 ]
 STYLES = ["-", "--", ":"]  # series that coincide (reward = accuracy) stay distinguishable
 
@@ -44,7 +52,21 @@ def value(row: StepMetrics | EvalResult, key: str) -> float | None:
         return row.pass_at.get(int(key.removeprefix("pass@")))
     head, _, rest = key.partition(".")
     got = getattr(row, head)
+    if head == COMPONENTS:
+        return got[rest][0] if rest in got else None
     return got if not rest or got is None else getattr(got, rest)
+
+
+def _expand(series: list[tuple[str, str]], rows: list) -> list[tuple[str, str]]:
+    """The series, with the reward components' placeholder replaced by one per component seen."""
+    out = []
+    for key, label in series:
+        if key == COMPONENTS:
+            seen = sorted({name for r in rows for name in r.reward_components})
+            out += [(f"{COMPONENTS}.{name}", f"rewards/{name}/mean") for name in seen]
+        else:
+            out.append((key, label))
+    return out
 
 
 def panel_series(rows: list[StepMetrics], evals: list[EvalResult]) -> dict[str, list[tuple[str, list, list]]]:
@@ -53,7 +75,7 @@ def panel_series(rows: list[StepMetrics], evals: list[EvalResult]) -> dict[str, 
     for name, series, _, _ in PANELS:
         source = evals if name == EVAL_PANEL else rows
         out[name] = []
-        for key, label in series:
+        for key, label in _expand(series, source):
             pts = [(r.step, v) for r in source if (v := value(r, key)) is not None]
             if pts:
                 out[name].append((label, [s for s, _ in pts], [v for _, v in pts]))

@@ -1,22 +1,19 @@
-"""`python -m evaluator [--config FILE] [--burst]`: an RQ worker that evaluates published checkpoints."""
+"""`python -m evaluator [--config FILE ...] [--section.field VALUE ...] [--burst]`: an RQ worker that
+evaluates published checkpoints."""
 
-import argparse
 import sys
 
 import redis
 
-from common.config import ConfigError, load_config
+from common.config import ConfigError, config_from_args
 from common.streams import lost_redis, no_permission, stop_while_starting
 
 
 def main() -> None:
     stop_while_starting("evaluator")
-    parser = argparse.ArgumentParser(prog="python -m evaluator", description=__doc__)
-    parser.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
-    parser.add_argument("--burst", action="store_true", help="exit once the queue is empty")
-    args = parser.parse_args()
     try:
-        config = load_config(args.config)
+        config, args = config_from_args("python -m evaluator", __doc__, extra=lambda p: p.add_argument(
+            "--burst", action="store_true", help="exit once the queue is empty"))
     except ConfigError as err:
         sys.exit(f"evaluator: {err}")
 

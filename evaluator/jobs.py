@@ -1,4 +1,8 @@
-"""Evaluation jobs: score a published checkpoint on held-out problems; results to the metrics stream.
+"""Evaluation jobs: score a published checkpoint on the run's own task, held out; results to the metrics stream.
+
+The problems and the reward come from the run's sources: each training source's held-out split
+(problems the producer passes over, `eval.holdout`), or named evaluation sources (`[[eval.sources]]`,
+e.g. GSM8K's test split from a local file). Pass@1 is greedy, pass@k from k samples, per source.
 
 The evaluator is an RQ SimpleWorker (no fork per job), so the engine loaded by the first job
 stays loaded: later jobs only swap in the new checkpoint's weights.
@@ -11,13 +15,15 @@ from pathlib import Path
 
 from rq import get_current_job
 
+from common import rewards
 from common.checkpoints import verify_dir
+from common.config import SourceConfig
 from common.evals import EvalRequest, EvalResult, read_request, record_eval
 from common.keys import Keys
 from common.messages import PromptTask
 from engines.base import SamplingSettings
 from engines.hf_engine import HFEngine
-from tasks import arithmetic
+from tasks.rows import Prompt, eval_prompts
 
 # The worker process's one loaded engine. A job function is all RQ can call, so the state an
 # RQ worker keeps between jobs lives here; nothing else reads it.
@@ -36,8 +42,9 @@ def engine_for(path: str, *, version: int, dtype: str) -> HFEngine:
 
 
 def evaluate_checkpoint(*, spec: dict) -> dict:
-    """Greedy pass@1 (and sampled pass@k if asked) of a checkpoint on held-out arithmetic; the
-    result (as written to the metrics stream) is also the job's return value."""
+    """Greedy pass@1 (and sampled pass@k if asked) of a checkpoint on each evaluation source's
+    problems, scored by the source's own reward functions; the result (as written to the metrics
+    stream) is also the job's return value."""
     t0 = time.monotonic()
     req = read_request(spec)
     keys = Keys(req.run)
@@ -49,27 +56,43 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
                                           skipped="checkpoint pruned before its evaluation ran"), req)
     verify_dir(req.path, req.checksums)  # a bad checkpoint fails the job (and is retried)
     engine = engine_for(req.path, version=req.version, dtype=req.dtype)
-    problems = [arithmetic.problem(seed=req.seed, index=i, max_operand=req.max_operand, ops=req.ops)
-                for i in range(req.prompts)]
-    tasks = [PromptTask(id=f"eval:{i}", messages=[{"role": "user", "content": p.question}], text=None,
-                        meta={"answer": p.answer}, n=1, admitted_at=req.version) for i, p in enumerate(problems)]
+    by_source: dict[str, dict[int, list[bool]]] = {}
+    for spec_source in req.sources:
+        source = SourceConfig.model_validate(spec_source)
+        problems = eval_prompts(source, count=req.prompts, seed=req.seed, holdout=req.holdout or None)
+        if problems:
+            by_source[source.name] = score_source(engine, source, problems, req)
+    everything = {k: [hit for hits in by_source.values() for hit in hits[k]] for k in (1, req.pass_k) if k}
+    result = EvalResult(step=req.step, version=req.version, prompts=len(everything[1]),
+                        pass_at={k: sum(hits) / max(len(hits), 1) for k, hits in everything.items()},
+                        by_source={name: {k: sum(h) / len(h) for k, h in hits.items()}
+                                   for name, hits in by_source.items()},
+                        seconds=time.monotonic() - t0)
+    return report(r, keys, result, req)
+
+
+def score_source(engine: HFEngine, source: SourceConfig, problems: list[Prompt],
+                 req: EvalRequest) -> dict[int, list[bool]]:
+    """{1: greedy hit per problem, k: whether any of k samples hit}; a hit is a reward of at least
+    req.pass_reward from the source's reward functions (an error is a miss)."""
+    funcs = rewards.load_all(source.reward_functions)
+    tasks = [PromptTask(id=p.id, messages=p.messages, text=p.text, meta=p.meta, n=1, admitted_at=req.version)
+             for p in problems]
     prompts = [engine.prompt_ids(t) for t in tasks]
 
-    def correct(ids: list[int], task: PromptTask) -> bool:
-        text = engine.decode(ids)
-        q = task.messages[0]["content"]
-        return arithmetic.reward(prompt=q, completion=text, completion_ids=ids, meta=task.meta)["correct"] == 1.0
+    def hits(task: PromptTask, completions: list[list[int]]) -> list[bool]:
+        texts = [(engine.decode(ids), ids) for ids in completions]
+        prompt = task.text if task.messages is None else task.messages[-1]["content"]
+        scored = rewards.score_group(funcs, prompt=prompt, messages=task.messages, completions=texts, meta=task.meta)
+        return [error is None and reward >= req.pass_reward for reward, _, error in scored]
 
     greedy = engine.greedy(prompts, max_new_tokens=req.max_new_tokens)
-    pass_at = {1: sum(correct(ids, t) for ids, t in zip(greedy, tasks, strict=True)) / len(tasks)}
+    out = {1: [hits(t, [ids])[0] for ids, t in zip(greedy, tasks, strict=True)]}
     if req.pass_k:
         groups = engine.sample(prompts, SamplingSettings(n=req.pass_k, max_new_tokens=req.max_new_tokens,
                                                          temperature=req.temperature))
-        hits = [any(correct(s.ids, t) for s in group) for group, t in zip(groups, tasks, strict=True)]
-        pass_at[req.pass_k] = sum(hits) / len(tasks)
-    result = EvalResult(step=req.step, version=req.version, prompts=len(tasks), pass_at=pass_at,
-                        seconds=time.monotonic() - t0)
-    return report(r, keys, result, req)
+        out[req.pass_k] = [any(hits(t, [s.ids for s in group])) for group, t in zip(groups, tasks, strict=True)]
+    return out
 
 
 def report(r, keys: Keys, result: EvalResult, req: EvalRequest) -> dict:

@@ -1,6 +1,6 @@
-"""`python -m generators [--config FILE] [--id ID]`: sample and score prompts into groups."""
+"""`python -m generators [--config FILE ...] [--section.field VALUE ...] [--id ID]`: sample and score
+prompts into groups."""
 
-import argparse
 import atexit
 import os
 import socket
@@ -8,18 +8,15 @@ import sys
 
 import redis
 
-from common.config import ConfigError, load_config
+from common.config import ConfigError, config_from_args
 from common.streams import lost_redis, no_permission, stop_while_starting
 
 
 def main() -> None:
     stop_while_starting("generator")
-    parser = argparse.ArgumentParser(prog="python -m generators", description=__doc__)
-    parser.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
-    parser.add_argument("--id", help="generator id: its consumer name and heartbeat key (default: host-pid)")
-    args = parser.parse_args()
     try:
-        config = load_config(args.config)
+        config, args = config_from_args("python -m generators", __doc__, extra=lambda p: p.add_argument(
+            "--id", help="generator id: its consumer name and heartbeat key (default: host-pid)"))
     except ConfigError as err:
         print(f"generator: {err}", file=sys.stderr)
         sys.exit(2)

@@ -49,12 +49,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 import redis
 import trio
 
 from common import streams
+from common.checkpoint_server import fetch_checkpoint
 from common.checkpoints import CheckpointError, verify_dir
 from common.config import Config, GeneratorConfig, LimitsConfig, TrainerConfig
 from common.heartbeats import Heartbeat, clear_heartbeat, write_heartbeat
@@ -133,6 +135,7 @@ class Generator:
     finished: trio.MemoryReceiveChannel[tuple[Finished, Held]]
     capacity: trio.Semaphore  # one token per held prompt: at most max_in_flight
     intake_scope: trio.CancelScope  # cancelled by the first signal
+    fetch_dir: Path  # where versions fetched over HTTP land (settings.weights_url)
 
     @property
     def name(self) -> str:
@@ -221,7 +224,8 @@ async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, eng
                                   top_p=rollout.top_p, top_k=rollout.top_k),
         engine=engine, engine_thread=engine_thread, rewards=rewards, host=host, gpu=gpu,
         arrived_send=arrived_send, arrived=arrived, finished_send=finished_send, finished=finished,
-        capacity=trio.Semaphore(gen.max_in_flight), intake_scope=trio.CancelScope())
+        capacity=trio.Semaphore(gen.max_in_flight), intake_scope=trio.CancelScope(),
+        fetch_dir=Path(config.output_dir) / "fetched")
     # A late starter loads the newest weights before its first prompt.
     state.latest = await trio.to_thread.run_sync(r.get, keys.weights_latest)
     with trio.CancelScope() as everything:
@@ -296,7 +300,8 @@ async def engine_loop(g: Generator, state: State) -> None:
             state.latest = await trio.to_thread.run_sync(g.r.get, g.keys.weights_latest)
         newer = state.latest is not None and state.latest != state.acted_on
         if newer and not g.engine.has_unfinished():
-            await load_weights(state, g.engine, g.engine_thread, name=g.name)
+            await load_weights(state, g.engine, g.engine_thread, name=g.name, weights_url=g.settings.weights_url,
+                               fetch_dir=g.fetch_dir)
             newer = False
         if waiting and not newer and running < g.engine.max_running:
             # join the running batch; with newer weights pending, drain first
@@ -360,7 +365,7 @@ async def run_on_engine(thread: concurrent.futures.Executor, fn: Callable[..., T
 
 
 async def load_weights(state: State, engine: Engine, engine_thread: concurrent.futures.Executor, *,
-                       name: str) -> None:
+                       name: str, weights_url: str = "", fetch_dir: Path | None = None) -> None:
     """Load the WeightVersion in `state.latest` if it is newer than the engine's; a refusal (the
     payload does not decode, the files fail their checksums or do not fit the model) is counted
     and reported, and the engine keeps its weights."""
@@ -371,9 +376,13 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
         if wv.version <= engine.version:
             return
         t0 = time.perf_counter()
-        await trio.to_thread.run_sync(verify_dir, wv.path, wv.checksums)
+        path = wv.path
+        if weights_url:  # no shared disk: fetched from the trainer's host, checked on arrival
+            path = await trio.to_thread.run_sync(partial(fetch_checkpoint, weights_url, wv, dest_root=fetch_dir))
+        else:
+            await trio.to_thread.run_sync(verify_dir, wv.path, wv.checksums)
         t1 = time.perf_counter()
-        await run_on_engine(engine_thread, lambda: engine.load_weights(wv.path, version=wv.version))
+        await run_on_engine(engine_thread, lambda: engine.load_weights(path, version=wv.version))
     except (MessageError, CheckpointError) as err:
         state.weights_refused += 1
         state.last_refusal = str(err)
@@ -435,7 +444,7 @@ def make_group(engine: Engine, rewards: RewardRunner, held: Held, done: Finished
     source = task.meta.get("source")
     scored = rewards.score(source if isinstance(source, str) else None, prompt=prompt_text(task),
                            completions=[(text, s.ids) for text, s in zip(texts, done.samples, strict=True)],
-                           meta=task.meta)
+                           meta=task.meta, messages=task.messages)
     completions = [Completion(ids=s.ids, logprobs=s.logprobs, reward=sc.reward, rewards=sc.rewards,
                               finish=s.finish, text=text, reward_error=sc.error)
                    for s, text, sc in zip(done.samples, texts, scored, strict=True)]

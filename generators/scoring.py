@@ -9,13 +9,15 @@ started goes too), and replaced; the completion gets reward 0.0 with the error
 
 Protocol, one duplex pipe per worker: the worker says ("ready", None) once it has loaded its
 reward functions (or ("failed", why)); then the parent sends one prompt's group as
-(source, prompt, meta, [(text, ids), ...]) and the worker answers one (reward, components, error)
-per completion, in order, as each is scored. Each completion has its own budget of `timeout_s`,
-counted from when the worker could start on it: the request sent, or the previous result
-received. A worker's start-up (imports) is not counted.
+(source, prompt, messages, meta, [(text, ids), ...]) and the worker answers one (reward,
+components, error) per completion, in order, as each is scored. Each completion has its own budget
+of `timeout_s`, counted from when the worker could start on it: the request sent, or the previous
+result received. A source with a TRL reward function (called once for the whole group, before the
+first result) gives the first result the group's budget, `timeout_s` x (completions + 1); when that
+runs out, every completion left gets the timeout error. A worker's start-up (imports) is not counted.
 
-The functions are loaded in the workers from their "module:function" names, which come from the
-config at start-up; a request only says which source's reward to use. Workers are daemonic (they
+The functions are loaded in the workers from their "module:function" names and weights, which come
+from the config at start-up; a request only says which source's reward to use. Workers are daemonic (they
 end with the generator; a reward cannot itself start multiprocessing children, subprocesses are
 fine), run in their own process group (a Ctrl-C at the terminal reaches the generator only), and
 exit when their pipe closes or, while a reward hangs, within a second of the generator's death.
@@ -38,7 +40,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
-from generators import rewards
+from common import rewards
 
 if TYPE_CHECKING:
     from common.config import Config
@@ -54,41 +56,50 @@ class Scored:
     error: str | None          # why the reward failed (raised, timed out, bad return), else None
 
 
-def reward_names(config: Config) -> dict[str, str]:
-    """{source name: "module:function"} of the run's sources. Each is loaded here once, so that a
-    bad name stops the generator at start-up with the field that names it."""
+Names = dict[str, str | list[tuple[str, float]]]  # {source: "module:function" or [(name, weight), ...]}
+
+
+def _funcs(spec: str | list[tuple[str, float]]) -> list[tuple[str, float]]:
+    return [(spec, 1.0)] if isinstance(spec, str) else [(n, float(w)) for n, w in spec]
+
+
+def reward_names(config: Config) -> Names:
+    """{source name: [("module:function", weight), ...]} of the run's sources. Each is loaded here
+    once, so that a bad name stops the generator at start-up with the field that names it."""
     from common.config import ConfigError  # here: the workers import this module, not pydantic
 
-    names = {}
+    names: Names = {}
     for i, source in enumerate(config.sources):
+        field = "reward_funcs" if source.reward_funcs else "reward"
         try:
-            rewards.load(source.reward_name)
+            rewards.load_all(source.reward_functions)
         except ValueError as err:
-            raise ConfigError(f"data.sources.{i}.reward: {err}") from None
-        names[source.name] = source.reward_name
+            raise ConfigError(f"data.sources.{i}.{field}: {err}") from None
+        names[source.name] = source.reward_functions
     return names
 
 
 # ---------------------------------------------------------------------- the worker process
 
 
-def _worker(names: dict[str, str], conn: Connection, parent: int) -> None:
+def _worker(names: Names, conn: Connection, parent: int) -> None:
     """A reward worker's life: load the rewards, then score groups until the pipe closes."""
     os.setpgrp()  # its own process group: a kill takes whatever the reward started along
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     try:
-        fns = {source: rewards.load(name) for source, name in names.items()}
+        fns = {source: rewards.load_all(_funcs(spec)) for source, spec in names.items()}
     except ValueError as err:
         conn.send(("failed", str(err)))
         return
     conn.send(("ready", None))
     while True:
         try:
-            source, prompt, meta, completions = conn.recv()
+            source, prompt, messages, meta, completions = conn.recv()
         except EOFError:  # the generator closed the pipe, or is gone
             return
-        for text, ids in completions:
-            conn.send(rewards.score(fns[source], prompt=prompt, completion=text, completion_ids=ids, meta=meta))
+        for result in rewards.score_group(fns[source], prompt=prompt, messages=messages, completions=completions,
+                                          meta=meta):
+            conn.send(result)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -120,14 +131,15 @@ class RewardRunner:
     recorded error. Concurrent `score` calls take different workers (waiting while all are busy).
     """
 
-    def __init__(self, names: dict[str, str], *, timeout_s: float, workers: int) -> None:
-        """names: {source name: "module:function"}. workers=0: run in this process, no timeout
-        (for tests and debugging). A name that does not load raises ValueError; a worker that
-        cannot load them raises RuntimeError."""
+    def __init__(self, names: Names, *, timeout_s: float, workers: int) -> None:
+        """names: {source name: "module:function" or [("module:function", weight), ...]}.
+        workers=0: run in this process, no timeout (for tests and debugging). A name that does not
+        load raises ValueError; a worker that cannot load them raises RuntimeError."""
         assert timeout_s > 0, f"timeout_s must be positive, got {timeout_s}"
         assert workers >= 0, f"workers must be >= 0, got {workers}"
         self._names = dict(names)
-        self._fns = {source: rewards.load(name) for source, name in self._names.items()}  # fail fast, here
+        # loaded here too, to fail fast
+        self._fns = {source: rewards.load_all(_funcs(spec)) for source, spec in self._names.items()}
         self._timeout_s = timeout_s
         self._in_process = workers == 0
         self._ctx = multiprocessing.get_context("spawn")
@@ -145,9 +157,10 @@ class RewardRunner:
             self._idle.put(slot)
 
     def score(self, source: str | None, *, prompt: str, completions: list[tuple[str, list[int]]],
-              meta: dict[str, Any]) -> list[Scored]:
-        """Score each (text, ids) completion of one prompt with the source's reward (None: the only
-        configured one; an unknown source: every completion gets an error). Blocking; thread-safe."""
+              meta: dict[str, Any], messages: list[dict[str, str]] | None = None) -> list[Scored]:
+        """Score each (text, ids) completion of one prompt with the source's rewards (None: the only
+        configured source; an unknown source: every completion gets an error). `messages`: the chat
+        prompt, for TRL functions (None: a text prompt). Blocking; thread-safe."""
         assert not self._closed, "score() on a closed RewardRunner"
         if isinstance(source, str) and source in self._names:
             key = source
@@ -159,11 +172,11 @@ class RewardRunner:
         if not completions:
             return []
         if self._in_process:
-            return [Scored(*rewards.score(self._fns[key], prompt=prompt, completion=text, completion_ids=ids,
-                                          meta=meta)) for text, ids in completions]
+            return [Scored(*r) for r in rewards.score_group(self._fns[key], prompt=prompt, messages=messages,
+                                                            completions=completions, meta=meta)]
         slot = self._idle.get()  # blocks while every worker is busy
         try:
-            return self._run(slot, key, prompt=prompt, completions=completions, meta=meta)
+            return self._run(slot, key, prompt=prompt, messages=messages, completions=completions, meta=meta)
         finally:
             self._idle.put(slot)
 
@@ -183,11 +196,12 @@ class RewardRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _run(self, slot: _Slot, source: str, *, prompt: str, completions: list[tuple[str, list[int]]],
-             meta: dict[str, Any]) -> list[Scored]:
+    def _run(self, slot: _Slot, source: str, *, prompt: str, messages: list[dict[str, str]] | None,
+             completions: list[tuple[str, list[int]]], meta: dict[str, Any]) -> list[Scored]:
         """The group's results from the slot's worker, replacing it when it times out or dies and
         going on with the rest of the group on the replacement."""
         results: list[Scored] = []
+        batched = any(f.batched for f in self._fns[source])
         while len(results) < len(completions):
             worker = slot.worker
             failed = self._await_ready(worker)
@@ -195,15 +209,19 @@ class RewardRunner:
                 self._replace(slot)
                 return results + [Scored(0.0, {}, failed) for _ in completions[len(results):]]
             try:
-                worker.conn.send((source, prompt, meta, completions[len(results):]))
+                worker.conn.send((source, prompt, messages, meta, completions[len(results):]))
             except OSError:  # it died while idle (killed from outside): a fresh one takes the group
                 self._replace(slot)
                 continue
+            first = batched  # the first result waits for the group's TRL calls too
             while len(results) < len(completions):
-                if not worker.conn.poll(self._timeout_s):
-                    results.append(Scored(0.0, {}, f"timeout after {self._timeout_s:g} s"))
+                budget = self._timeout_s * (len(completions) - len(results) + 1) if first else self._timeout_s
+                if not worker.conn.poll(budget):
+                    late = len(completions) - len(results) if first else 1
+                    results += [Scored(0.0, {}, f"timeout after {budget:g} s")] * late
                     self._replace(slot)
                     break
+                first = False
                 try:
                     results.append(Scored(*worker.conn.recv()))
                 except (EOFError, OSError):  # the reward took the worker down (os._exit, a crash)

@@ -1,21 +1,18 @@
-"""`python -m producers [--config FILE]`: admit prompts onto the run's prompts stream."""
+"""`python -m producers [--config FILE ...] [--section.field VALUE ...]`: admit prompts onto the run's
+prompts stream."""
 
-import argparse
 import sys
 
 import redis
 
-from common.config import ConfigError, load_config
+from common.config import ConfigError, config_from_args
 from common.streams import lost_redis, no_permission, stop_while_starting
 
 
 def main() -> None:
     stop_while_starting("producer")
-    parser = argparse.ArgumentParser(prog="python -m producers", description=__doc__)
-    parser.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
-    args = parser.parse_args()
     try:
-        config = load_config(args.config)
+        config, _ = config_from_args("python -m producers", __doc__)
     except ConfigError as err:
         sys.exit(f"producer: {err}")
 

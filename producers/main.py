@@ -61,7 +61,7 @@ def open_sources(r: redis.Redis, keys: Keys, config: Config) -> tuple[list[Sourc
     seed = config.task.seed
     positions, admitted = load_positions(r, keys, seed=seed, names=[s.name for s in config.sources])
     sources = [Source(s, seed=seed, field=f"data.sources.{i}" if config.data.sources else "task",
-                      epoch=positions[s.name][0], offset=positions[s.name][1])
+                      epoch=positions[s.name][0], offset=positions[s.name][1], holdout=config.holdout)
                for i, s in enumerate(config.sources)]
     return sources, admitted
 

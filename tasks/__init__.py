@@ -17,5 +17,9 @@ function that calls others and merges their components:
     def answer_and_format(**kw):  # reward = "my_rewards:answer_and_format"
         return {**gsm8k.reward(**kw), "format": 0.1 * format.reward(**kw)["format"]}
 
+A source may instead list several functions with weights (`reward_funcs`, `reward_weights`), and
+functions written for TRL's GRPOTrainer work unchanged (common/rewards.py says how each is called).
+`rows` turns data set rows into prompts, for the producer and the evaluator alike.
+
 This package imports no process package (nor torch): the generators' reward workers load it.
 """

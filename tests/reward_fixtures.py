@@ -2,6 +2,7 @@
 the spawned reward workers, which get the test process's sys.path."""
 
 import os
+import re
 import subprocess
 import time
 
@@ -81,3 +82,49 @@ def answer_and_format(**kw) -> dict[str, float]:
 def by_mood(*, meta: dict, **_) -> float:
     """`moody` acting on the prompt's meta["mood"] instead of the completion's text."""
     return moody(completion=meta["mood"], meta=meta)
+
+
+# ---------------------------------------------------------------------- TRL's signature
+# Shaped as TRL's GRPOTrainer documentation writes reward functions ("Using a custom reward
+# function"): lists in, one float (or None) per completion out, the data set's columns as kwargs.
+
+def format_reward_func(completions, **kwargs):
+    """Reward function that checks if the completion has a specific format (a chat completion)."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+def reward_func(completions, ground_truth, **kwargs):
+    """The content of \\boxed{} compared with the data set's ground_truth column (a text completion)."""
+    matches = [re.search(r"\\boxed\{(.*?)\}", completion) for completion in completions]
+    contents = [match.group(1) if match else "" for match in matches]
+    return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth, strict=True)]
+
+
+def math_only(prompts, completions, task, **kwargs):
+    """None for the completions it does not judge (TRL: left out of the weighted sum)."""
+    return [float(len(c)) if t == "math" else None for c, t in zip(completions, task, strict=True)]
+
+
+CALLS: list[dict] = []  # what `counting` was called with, in this process
+
+
+def counting(prompts, completions, completion_ids, **kwargs):
+    """Records its arguments; the number of token ids of each completion."""
+    CALLS.append({"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **kwargs})
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def too_few(completions, **kwargs):
+    return [1.0]
+
+
+def stuck(completions, **kwargs):
+    time.sleep(1e9)
+
+
+def always(completions, **kwargs):
+    """Every completion passes (a TRL function)."""
+    return [1.0] * len(completions)

@@ -59,3 +59,58 @@ def test_shipped_demo_config_is_what_the_readme_describes():
                   if "=" in line and not line.startswith("#"))
     assert dotenv["ROLLOUTS_CONFIG"] == "configs/demo.toml" and dotenv["REDIS_PORT"] == "6390"
     assert dotenv["ROLLOUTS_REDIS_URL"] == "redis://127.0.0.1:6390/0"
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+def test_config_files_stack_and_flags_override_files_and_environment(tmp_path, monkeypatch):
+    from common.config import config_from_args
+
+    (tmp_path / "a.toml").write_text('run = "a"\n[trainer]\nlr = 2e-6\nmax_steps = 5\n[rollout]\ngroup_size = 3\n')
+    (tmp_path / "b.toml").write_text('[trainer]\nmax_steps = 7\n')
+    monkeypatch.setenv("ROLLOUTS_ROLLOUT__GROUP_SIZE", "6")
+    monkeypatch.setenv("ROLLOUTS_TRAINER__LR", "3e-6")
+    cfg, _ = config_from_args("python -m trainer", "", [
+        "--config", str(tmp_path / "a.toml"), "--config", str(tmp_path / "b.toml"), "--trainer.lr", "1e-5",
+        "--trainer.report_to", "tensorboard", "--trainer.report_to", "wandb", "--generator.drop_zero_variance",
+        "--data.sources", '{"name": "g", "path": "x.jsonl", "prompt_column": "q"}'])
+    assert cfg.run == "a" and cfg.trainer.max_steps == 7  # b over a
+    assert cfg.rollout.group_size == 6  # the environment over the files
+    assert cfg.trainer.lr == 1e-5  # a flag over the environment
+    assert cfg.trainer.report_to == ["tensorboard", "wandb"] and cfg.generator.drop_zero_variance
+    assert [s.name for s in cfg.data.sources] == ["g"]
+    with pytest.raises(ConfigError, match=r"trainer\.lr"):
+        config_from_args("python -m trainer", "", ["--trainer.lr", "-1"])
+
+
+def test_help_lists_every_field_with_its_comment_and_default_and_the_processes():
+    import subprocess
+    import sys
+
+    from common.config import Config
+
+    shown = subprocess.run([sys.executable, "-m", "trainer", "--help"], capture_output=True, text=True,
+                           check=True).stdout
+    flat = " ".join(shown.split())
+    for top, info in Config.model_fields.items():
+        section = getattr(info.annotation, "model_fields", None)  # None: a top-level field (run, redis_url)
+        for flag, field in ({f"--{top}.{n}": f for n, f in section.items()} if section else {f"--{top}": info}).items():
+            assert flag in shown, flag
+            assert field.description, f"{flag} has no comment in common/config.py"
+    assert "--trainer.lr float Peak learning rate (AdamW); the schedule scales it. (default: 1e-06)" in flat
+    assert "--rollout.group_size int Completions sampled per prompt (the GRPO group). (default: 4)" in flat
+    processes = subprocess.run([sys.executable, "-m", "common.cli", "--help"], capture_output=True, text=True,
+                               check=True).stdout
+    for start in ("python -m producers", "python -m generators", "-m trainer", "python -m evaluator", "./ops/run"):
+        assert start in processes, start
+
+
+def test_a_process_refuses_a_bad_flag_naming_the_field():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "producers", "--rollout.group_size", "1"], capture_output=True,
+                          text=True)
+    assert done.returncode != 0, done.stderr
+    assert "rollout.group_size: Input should be greater than or equal to 2 (got '1')" in done.stderr, done.stderr

@@ -119,3 +119,52 @@ def test_the_evaluator_runs_only_evaluation_jobs(tmp_path, redis_url, r, tiny_mo
     legit.refresh()
     assert legit.get_status() == "finished", log
     assert json.loads(r.hget(Keys(RUN).evals, "1"))["eval/prompts"] == 4
+
+
+# ---------------------------------------------------------------------- the run's own task, held out
+
+
+def test_the_held_out_split_is_disjoint_from_what_the_producer_trains_on():
+    from common.config import config_from_dict
+    from producers.data import Source
+    from tasks.rows import eval_prompts
+
+    def shown(p):
+        return p.messages[-1]["content"]
+
+    # max_operand = 20: 882 distinct problems; 4000 draws cover nearly all of them
+    cfg = config_from_dict({"eval": {"every": 1, "prompts": 1000}})
+    assert cfg.holdout == 0.05
+    [source] = cfg.sources
+    producer = Source(source, seed=0, field="task", holdout=cfg.holdout)
+    trained = {shown(producer.take()) for _ in range(4000)}
+    held = {shown(p) for p in eval_prompts(source, count=cfg.eval.prompts, seed=cfg.eval.seed, holdout=cfg.holdout)}
+    assert len(trained) > 700 and 20 <= len(held) <= 100, (len(trained), len(held))
+    assert not trained & held  # not one evaluation problem is ever trained on
+    # without evaluation nothing is held out: the producer draws from every problem
+    plain = Source(source, seed=0, field="task", holdout=config_from_dict({}).holdout)
+    everything = {shown(plain.take()) for _ in range(4000)}
+    assert held <= everything
+
+
+def test_gsm8k_test_split_and_a_trl_reward_per_source_from_local_files(tmp_path, redis_url, r, tiny_model):
+    rows = [{"question": f"Tom has {i} apples and buys 2 more. How many now?",
+             "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(5)]
+    test_split = tmp_path / "gsm8k_test.jsonl"
+    test_split.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    gsm8k = {"name": "gsm8k", "path": str(test_split), "split": "test", "template": "{question}",
+             "answer_column": "answer", "answer_extractor": "gsm8k"}
+    cfg = config_from_dict({"run": RUN, "redis_url": redis_url, "rollout": {"max_new_tokens": 4},
+                            "eval": {"every": 1, "prompts": 3, "pass_k": 2, "sources": [
+                                gsm8k, {**gsm8k, "name": "easy", "reward_funcs": ["tests.reward_fixtures:always"]}]}})
+    assert cfg.holdout == 0.0  # evaluation sources of their own: the training sources keep every problem
+    wv = WeightVersion(version=1, step=1, path=str(tiny_model), format="safetensors",
+                       checksums=checksum_dir(tiny_model), created_at=0.0)
+    enqueue_eval(r, cfg, wv)
+    assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
+    [result] = read_metrics_stream(r, Keys(RUN))
+    assert result["eval/prompts"] == 6  # 3 problems of each source
+    # the random tiny model gets no GSM8K answer right; the TRL reward passes everything
+    assert result["eval/gsm8k/pass@1"] == result["eval/gsm8k/pass@2"] == 0.0
+    assert result["eval/easy/pass@1"] == result["eval/easy/pass@2"] == 1.0
+    assert result["eval/pass@1"] == 0.5

@@ -10,11 +10,12 @@ from common.plot import panel_series, smooth
 
 POLICY = PolicyStats(loss=0.1, kl=0.0, clip_low=0.0, clip_high=0.01, clip_region=0.01, ratio=1.0, tis=1.0)
 STEP = StepMetrics(step=1, version=1, reward_mean=0.1, reward_std=0.2, accuracy=0.1, frac_reward_zero_std=0.0,
-                   reward_errors=0, mean_length=11.0, max_length=20, staleness_mean=1.0, staleness_max=1,
+                   reward_errors=0, mean_length=11.0, max_length=20, clipped_ratio=0.25, staleness_mean=1.0,
+                   staleness_max=1,
                    policy=POLICY, sft_loss=None, entropy=0.9, grad_norm=1.0, lr=1e-5, dropped_stale=0, dead=0,
                    duplicate=0, tokens_trained=100.0, tokens_per_s=70.0, time_step=13.5, time_wait_data=0.5,
                    time_train=12.0, time_publish=1.0, generators_alive=1.0, generators_tokens_per_s=40.0,
-                   group_ids=["a:0:0"])
+                   group_ids=["a:0:0"], reward_components={"correct": (0.1, 0.3), "format": (0.5, 0.0)})
 
 
 def test_moving_average_by_hand():
@@ -23,11 +24,14 @@ def test_moving_average_by_hand():
 
 def test_a_step_entry_has_trl_names_and_reads_back():
     entry = STEP.entry()
-    assert entry["reward/mean"] == 0.1 and entry["clip_ratio"] == entry["clip_ratio/region_mean"] == 0.01
-    assert entry["loss/policy"] == 0.1 and "loss/sft" not in entry
+    # the names TRL's GRPOTrainer logs the same things under
+    assert {"reward": 0.1, "reward_std": 0.2, "loss": 0.1, "learning_rate": 1e-5, "completions/mean_length": 11.0,
+            "completions/clipped_ratio": 0.25, "frac_reward_zero_std": 0.0, "entropy": 0.9, "kl": 0.0,
+            "clip_ratio/high_mean": 0.01, "clip_ratio/region_mean": 0.01, "rewards/correct/mean": 0.1,
+            "rewards/correct/std": 0.3, "rewards/format/mean": 0.5}.items() <= entry.items()
     assert StepMetrics.from_entry(json.loads(json.dumps(entry))) == STEP
-    sft = replace(STEP, policy=None, sft_loss=2.5, reward_mean=None)
-    assert "loss/policy" not in sft.entry() and sft.entry()["loss/sft"] == 2.5 and sft.entry()["reward/mean"] is None
+    sft = replace(STEP, policy=None, sft_loss=2.5, reward_mean=None, reward_components={})
+    assert "clip_ratio/low_mean" not in sft.entry() and sft.entry()["loss"] == 2.5 and sft.entry()["reward"] is None
     assert StepMetrics.from_entry(sft.entry()) == sft
 
 
@@ -82,13 +86,17 @@ def test_panels_draw_evaluations_at_their_step_and_generator_throughput():
             replace(STEP, step=2, tokens_per_s=72.0, generators_tokens_per_s=44.0, accuracy=0.5)]
     evals = [EvalResult(step=2, version=2, prompts=4, pass_at={1: 0.25})]
     panels = panel_series(rows, evals)
-    assert panels["Held-out evaluation"] == [("greedy pass@1", [2], [0.25])]
-    assert panels["Throughput"] == [("trainer", [1, 2], [70.0, 72.0]), ("generators (sum)", [1, 2], [40.0, 44.0])]
+    assert panels["Held-out evaluation"] == [("eval/pass@1 (greedy)", [2], [0.25])]
+    assert panels["Throughput"] == [("tokens_per_s", [1, 2], [70.0, 72.0]),
+                                    ("generators/tokens_per_s", [1, 2], [40.0, 44.0])]
     assert panels["Reward"][1] == ("accuracy", [2], [0.5])  # None is "not reported", not zero
-    assert panels["Policy update"][0] == ("clip ratio", [1, 2], [0.01, 0.01])
-    assert [label for label, _, _ in panels["Staleness"]] == ["mean", "max"]
+    # a series per reward component, under the name it is logged as
+    assert panels["Reward"][2:] == [("rewards/correct/mean", [1, 2], [0.1, 0.1]),
+                                    ("rewards/format/mean", [1, 2], [0.5, 0.5])]
+    assert panels["Policy update"][0] == ("clip_ratio/region_mean", [1, 2], [0.01, 0.01])
+    assert [label for label, _, _ in panels["Staleness"]] == ["staleness/mean", "staleness/max"]
     assert panel_series([replace(r, policy=None) for r in rows], [])["Policy update"] == [
-        ("entropy", [1, 2], [0.9, 0.9])]  # sft steps have no policy stats
+        ("entropy", [1, 2], [0.9, 0.9]), ("completions/clipped_ratio", [1, 2], [0.25, 0.25])]  # sft: no policy
 
 
 def test_read_evals_orders_by_step(tmp_path):

@@ -45,7 +45,7 @@ def test_a_bf16_step_tracks_float32_and_publishes_bf16(tmp_path, tiny_model):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         out[name] = [train_step(model, opt, groups, loss=LossOptions(), ref_model=None, temperature=1.0,
                                 estimator="grpo", overlong="none", overlong_penalty=0.0, micro_batch_size=8,
-                                micro_batch_tokens=0, updates=1, recompute_old_logp=False,
+                                micro_batch_tokens=0, updates=1,
                                 max_grad_norm=1.0)["loss/policy"] for _ in range(2)]
     print(f"one process: loss/policy fp32 {out['fp32']}, bf16 {out['bf16']}")
     assert max(abs(a - b) for a, b in zip(out["fp32"], out["bf16"], strict=True)) < LOSS_TOL

@@ -1,6 +1,6 @@
 import pytest
 
-from generators.rewards import score
+from common.rewards import score
 from tasks.arithmetic import reward as arithmetic
 
 
@@ -158,9 +158,9 @@ def test_each_source_gets_its_configured_reward():
         {"name": "d", "path": "x.jsonl", "prompt_column": "q"},
         {"name": "g", "path": "x.jsonl", "prompt_column": "q", "reward": "tasks.arithmetic:reward"}]}})
     names = reward_names(config)
-    assert names == {"a": "tasks.arithmetic:reward", "c": "tasks.countdown:reward",
-                     "d": "tasks.gsm8k:reward", "g": "tasks.arithmetic:reward"}
-    assert reward_names(config_from_dict({})) == {"arithmetic": "tasks.arithmetic:reward"}  # the [task]
+    assert names == {"a": [("tasks.arithmetic:reward", 1.0)], "c": [("tasks.countdown:reward", 1.0)],
+                     "d": [("tasks.gsm8k:reward", 1.0)], "g": [("tasks.arithmetic:reward", 1.0)]}
+    assert reward_names(config_from_dict({})) == {"arithmetic": [("tasks.arithmetic:reward", 1.0)]}  # the [task]
 
     with RewardRunner(names, timeout_s=1, workers=0) as runner:
         def reward(source, text, meta):

@@ -130,7 +130,7 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     metrics = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert all(m["groups/dropped_stale"] == 0 and m["groups/dead"] == 0 for m in metrics)
-    assert all(m["reward/mean"] is None and "loss/policy" not in m for m in metrics)
+    assert all(m["reward"] is None and "clip_ratio/low_mean" not in m for m in metrics)
     assert "| sft " in log
     assert read_trainer(r, keys).groups_trained == 24
     assert r.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0
@@ -143,9 +143,9 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     before = masked_nll(before_model, tokenizer, CONVERSATIONS)
     after = masked_nll(after_model, tokenizer, CONVERSATIONS)
     print(f"assistant-token NLL: initial {before:.3f}, after 6 SFT steps {after:.3f}; "
-          f"loss/sft first {metrics[0]['loss/sft']:.3f} last {metrics[-1]['loss/sft']:.3f}")
+          f"loss first {metrics[0]['loss']:.3f} last {metrics[-1]['loss']:.3f}")
     assert after < before - 0.5, (before, after)
-    assert metrics[-1]["loss/sft"] < metrics[0]["loss/sft"]
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
 
     # RL from the SFT checkpoint: a new run whose model.path is checkpoints/step_6 takes GRPO steps.
     rng = random.Random(0)
@@ -164,7 +164,7 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     assert rl.returncode == 0, rl_log
     assert f"model {checkpoint}" in rl_log and "| loss " in rl_log
     (m,) = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
-    assert m["step"] == 1 and "loss/policy" in m and m["reward/mean"] is not None
+    assert m["step"] == 1 and "clip_ratio/low_mean" in m and m["reward"] is not None
     rl_weights = AutoModelForCausalLM.from_pretrained(tmp_path / "rl" / "checkpoints" / "step_1").state_dict()
     sft_weights = after_model.state_dict()
     assert any(not torch.equal(sft_weights[k], rl_weights[k]) for k in sft_weights)

@@ -36,6 +36,10 @@ def test_status_shows_trainer_timing_and_marks_a_dead_generator(tmp_path, r, red
     assert "trainer    step 7  version 6  trained+saved 28" in screen
     assert "\n           last step 10.0s (waiting for data 25%)  123 tok/s  staleness 0.5 mean / 1 max" in screen
     assert "prompts    waiting 1  in flight 2  dead 0" in screen
+    # the last step's headline metrics, under the names they are logged as (TRL's)
+    assert ("metrics    step 7  reward 0.1  reward_std 0.2  frac_reward_zero_std 0  loss 0.1  kl 0  entropy 0.9  "
+            "completions/mean_length 11  completions/clipped_ratio 0.25  learning_rate 1e-05  "
+            "rewards/correct/mean 0.1  rewards/format/mean 0.5") in screen, screen
     assert re.search(r"generator  alive  hf  v6  51\.2 tok/s  in flight 1", screen), screen
     assert re.search(r"generator  gone  DEAD .* holds 2 prompts", screen), screen
 
@@ -69,13 +73,13 @@ def test_metrics_reach_tensorboard_and_wandb_with_the_config(tmp_path, r, redis_
 
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 0.25), (2, 0.5)]
+    assert [(e.step, e.value) for e in events.Scalars("reward")] == [(1, 0.25), (2, 0.5)]
     assert "config/text_summary" in events.Tags()["tensors"]
     runs = list((tmp_path / "wandb").glob("offline-run-*-tb"))
     assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
     record = runs[0] / "run-tb.wandb"  # the offline run, synced later by `wandb sync`
     # wandb's own service process writes the record; it may land just after finish() returns.
-    wait_for(lambda: b"reward/mean" in record.read_bytes(), timeout=60, what="the metric in the W&B record")
+    wait_for(lambda: b"rewards/correct/mean" in record.read_bytes(), timeout=60, what="the metric in the W&B record")
     assert b"wandb_project" in record.read_bytes()  # the resolved config
 
 

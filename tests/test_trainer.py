@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = "t"
 KEYS = Keys(RUN)
 METRIC_FIELDS = [
-    "step", "reward/mean", "reward/std", "accuracy", "frac_reward_zero_std", "completions/mean_length",
-    "completions/max_length", "clip_ratio", "loss/policy", "grad_norm", "lr", "staleness/mean",
+    "step", "reward", "reward_std", "accuracy", "frac_reward_zero_std", "completions/mean_length",
+    "completions/max_length", "completions/clipped_ratio", "loss", "grad_norm", "learning_rate", "staleness/mean",
     "staleness/max", "groups/dropped_stale", "groups/dead", "tokens_per_s", "time/step",
     "time/wait_data", "time/publish", "version", "group_ids", "entropy", "kl", "clip_ratio/low_mean",
     "clip_ratio/high_mean", "tis/mean",
@@ -224,7 +224,7 @@ def test_kl_to_the_initial_model_and_reward_errors_reach_the_metrics(tmp_path, r
     run_trainer(tmp_path, redis_url, tiny_model, lr=1e-2, kl_coef=0.5, kl_estimator='"k3"')
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [m["group_ids"] for m in lines] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]
-    assert [m["reward/errors"] for m in lines] == [1, 2, 3]
+    assert [m["reward_errors"] for m in lines] == [1, 2, 3]
     kl = [m["kl"] for m in lines]
     assert kl[0] == pytest.approx(0.0, abs=1e-7), kl  # the policy is the reference before its first update
     assert kl[1] > 1e-5 and kl[2] > kl[1], kl  # then moves away from it, and further

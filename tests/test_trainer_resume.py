@@ -103,7 +103,8 @@ def test_sigkill_between_checkpoints_then_restart_matches_an_uninterrupted_run(t
     want = [(1, ["g0", "g1"]), (2, ["g2", "g3"]), (3, ["g4", "g5"]), (3, ["g4", "g5"]), (4, ["g6", "g7"])]
     assert got == want
     a_metrics, b_metrics = metrics(tmp_path, "a"), metrics(tmp_path, "b")
-    assert [m["lr"] for m in b_metrics[3:]] == [m["lr"] for m in a_metrics[2:]]  # the schedule resumed
+    lrs = [m["learning_rate"] for m in b_metrics[3:]]
+    assert lrs == [m["learning_rate"] for m in a_metrics[2:]]  # the schedule resumed
     assert r.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0
 
     # Deterministic CPU torch on the same inputs in the same order: the weights are bit-identical.

@@ -1,21 +1,18 @@
-"""`python -m trainer [--config FILE]`: GRPO steps on the run's sample groups, publishing weights."""
+"""`python -m trainer [--config FILE ...] [--section.field VALUE ...]`: GRPO steps on the run's sample
+groups, publishing weights."""
 
-import argparse
 import sys
 
 import redis
 
-from common.config import ConfigError, load_config
+from common.config import ConfigError, config_from_args
 from common.streams import lost_redis, no_permission, stop_while_starting
 
 
 def main() -> None:
     stop_while_starting("trainer")
-    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
-    parser.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
-    args = parser.parse_args()
     try:
-        config = load_config(args.config)
+        config, _ = config_from_args("python -m trainer", __doc__)
     except ConfigError as err:
         print(f"trainer: {err}", file=sys.stderr)
         sys.exit(2)

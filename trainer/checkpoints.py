@@ -26,12 +26,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.checkpoints import checksum_dir, verify_dir
+from common.config import LoraConfig
 from common.keys import PAYLOAD, TRAINER_GROUP, WEIGHTS_MAXLEN, Keys
 from common.messages import WeightVersion, encode
 from common.progress import count_trained, read_trainer, settle, write_step
 from common.streams import latest_weights
 from common.trim import trim_acknowledged
 from trainer.devices import Placement
+from trainer.lora import apply_lora, hf_model, is_lora, merged_state_dict, scale_of
 from trainer.parallel import full_state_dict, is_main, parallelize, say
 from trainer.schedule import build_scheduler
 from trainer.state import load_state, save_state, state_dir
@@ -92,9 +94,11 @@ def save_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, 
     final = checkpoint_dir / f"step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
+    if is_lora(model):  # merged full weights under the base model's names: every engine loads them as they are
+        state_dict = merged_state_dict(model.state_dict() if state_dict is None else state_dict, scale=scale_of(model))
     if dtype is not None:
         state_dict = in_dtype(model.state_dict() if state_dict is None else state_dict, dtype)
-    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    hf_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     if dtype is not None:  # save_pretrained writes the live model's dtype (the master weights')
         config = json.loads((tmp / "config.json").read_text())
         config["dtype"] = str(dtype).removeprefix("torch.")
@@ -183,18 +187,23 @@ def resume_point(r: redis.Redis, keys: Keys, *, source_dir: Path, state_root: Pa
 
 
 def resume(r: redis.Redis, keys: Keys, *, where: Placement, source_dir: Path, state_root: Path, lr: float,
-           weight_decay: float, lr_schedule: str, warmup_steps: int, total_steps: int
+           weight_decay: float, lr_schedule: str, warmup_steps: int, total_steps: int,
+           lora: LoraConfig | None = None
            ) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, int]:
     """The model (placed and sharded as `where` says), its AdamW and lr schedule, and the step they
     are at: where this run's newest saved trainer state or published checkpoint left off, else the
-    initial model at step 0.
-    Rank 0 records the step in the trainer hash as both steps done and published version."""
+    initial model at step 0. With `lora` (rank > 0) the model carries adapters and AdamW trains
+    them alone. Rank 0 records the step in the trainer hash as both steps done and published version."""
     step, weights = resume_point(r, keys, source_dir=source_dir, state_root=state_root)
     model = load_model(weights, where.weights_dtype)
+    if lora is not None and lora.rank:
+        model = apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                           target_modules=lora.target_modules)
     if is_main():
         write_step(r, keys, step=step, version=step)  # the newest published weights (the initial ones are 0)
     model = place(model, where)  # on its device; FSDP2 under torchrun
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)
     scheduler = build_scheduler(optimizer, schedule=lr_schedule, warmup_steps=warmup_steps, total_steps=total_steps)
     if step > 0:
         state = state_dir(state_root, step)

@@ -228,7 +228,8 @@ def run(config: Config) -> None:
                       activation_checkpointing=cfg.activation_checkpointing)
     model, optimizer, scheduler, step = resume(
         r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps)
+        lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps,
+        lora=cfg.lora)
     state = State(model, optimizer, scheduler, step=step, version=step, record=Record.of(read_trainer(r, keys)),
                   updates=1 if cfg.objective == "sft" else cfg.updates_per_batch)
     sft = cfg.objective == "sft"

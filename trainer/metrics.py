@@ -27,6 +27,10 @@ def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: b
                  for g in groups if len(g.completions) >= 2] if rewarded else []
     correct = [c.rewards["correct"] for c in completions if "correct" in c.rewards]
     lengths = [len(c.ids) for c in completions]
+    parts: dict[str, list[float]] = {}
+    for c in completions if rewarded else []:
+        for name, value in c.rewards.items():
+            parts.setdefault(name, []).append(value)
     return {
         "reward_mean": rewards.mean().item() if rewarded else None,
         "reward_std": sum(group_std) / len(group_std) if group_std else None,  # mean of per-group stds
@@ -35,9 +39,17 @@ def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: b
         "reward_errors": sum(c.reward_error is not None for c in completions) if rewarded else None,
         "mean_length": sum(lengths) / len(lengths),
         "max_length": max(lengths),
+        "clipped_ratio": sum(c.finish == "length" for c in completions) / len(completions),
+        "reward_components": {name: mean_std(values) for name, values in sorted(parts.items())},
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": max(staleness),
     }
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and (sample) standard deviation, as TRL logs each reward function's; std 0 for one value."""
+    t = torch.tensor(values, dtype=torch.float64)
+    return t.mean().item(), t.std().item() if len(values) > 1 else 0.0
 
 
 def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: dict[str, float], *, step: int,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainer.parallel import barrier, is_main
 
@@ -29,7 +29,8 @@ def state_dir(state_root: Path, step: int) -> Path:
 
 def _stateful(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> dict:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # frozen parameters (LoRA's base model) are the published weights' business, not the state's
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
     return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": step,
             "rng": {"torch": torch.get_rng_state()}}
 
@@ -72,7 +73,9 @@ def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """Restore model, optimizer, scheduler and RNG from `path` in place; return the saved step."""
     state = _stateful(model, optimizer, scheduler, step=-1)
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    frozen = any(not p.requires_grad for p in model.parameters())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=not frozen))
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
     assert state["step"] >= 0, f"trainer state {path} has no step"

@@ -90,7 +90,7 @@ def plot(runs: dict[int, list[dict]], path: Path) -> None:
     fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(10, 3.6))
     for generators, metrics in runs.items():
         steps = [m["step"] for m in metrics]
-        ax_r.plot(steps, [m["reward/mean"] for m in metrics], marker="o", label=f"{generators} generator(s)")
+        ax_r.plot(steps, [m["reward"] for m in metrics], marker="o", label=f"{generators} generator(s)")
         ax_a.plot(steps, [m["accuracy"] for m in metrics], marker="o", label=f"{generators} generator(s)")
     for ax, title in ((ax_r, "reward (mean of the step's completions)"), (ax_a, "accuracy")):
         ax.set_title(title, fontsize=10)
@@ -121,7 +121,7 @@ def main() -> None:
             timed = metrics[1:]
             wait = sum(m["time/wait_data"] for m in timed) / sum(m["time/step"] for m in timed)
             runs[generators] = metrics
-            rewards = " ".join(f"{m['reward/mean']:.2f}" for m in metrics)
+            rewards = " ".join(f"{m['reward']:.2f}" for m in metrics)
             print(f"{generators} generator(s): {rates[generators]:.2f} steps/min, wait-for-data fraction {wait:.3f}, "
                   f"reward by step {rewards}", flush=True)
     finally:

@@ -52,7 +52,7 @@ def worker(model_dir: str, seq: int, batch: int) -> None:
 
     args = dict(loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
                 overlong_penalty=0.0, micro_batch_size=batch, micro_batch_tokens=0, updates=1,
-                recompute_old_logp=False, max_grad_norm=1.0)
+                max_grad_norm=1.0)
     train_step(model, opt, [group(8, 8)], **args)  # warm-up: AdamW's state
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.monotonic()

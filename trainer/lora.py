@@ -1,0 +1,64 @@
+"""LoRA: the trainer trains low-rank adapters on the frozen model (peft) and publishes merged full
+weights, so every engine loads a plain HF checkpoint as it does without LoRA.
+
+Only the adapter's parameters take gradients: AdamW holds state for them alone, and the trainer
+state saves them alone (trainer/state.py skips frozen parameters). Publishing gathers the adapted
+model's state dict and folds each adapter into its base weight, W + (B @ A) * alpha / rank, under
+the base model's own parameter names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# What peft names the adapted model's parts: prefix of every key, the wrapped base layer, the adapter.
+_PREFIX = "base_model.model."
+_BASE = ".base_layer."
+_ADAPTER = "default"
+
+
+def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float,
+               target_modules: list[str]) -> torch.nn.Module:
+    """`model` with LoRA adapters of `rank` on the modules named in `target_modules`; everything
+    else frozen. B starts at zero, so the adapted model computes what `model` did."""
+    from peft import LoraConfig, get_peft_model
+
+    assert rank > 0, f"LoRA rank must be positive, got {rank}"
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+                        bias="none", task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config, adapter_name=_ADAPTER)
+    except ValueError as err:  # e.g. no module matches target_modules
+        from common.models import ModelError
+
+        raise ModelError(f"trainer.lora.target_modules: {err}") from None
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model to save a checkpoint with: the base of an adapted model, else the model."""
+    return model.get_base_model() if is_lora(model) else model
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], *, scale: float) -> dict[str, torch.Tensor]:
+    """An adapted model's state dict (`state`, peft's names) as the base model's, each adapted
+    weight merged: W + (B @ A) * scale, scale = alpha / rank."""
+    out = {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        if key.endswith(f"{_BASE}weight"):
+            stem = key[: -len(f"{_BASE}weight")]
+            a = state[f"{stem}.lora_A.{_ADAPTER}.weight"]  # (rank, in)
+            b = state[f"{stem}.lora_B.{_ADAPTER}.weight"]  # (out, rank)
+            value = (value.float() + (b.float() @ a.float()) * scale).to(value.dtype)
+        out[key.removeprefix(_PREFIX).replace(_BASE, ".")] = value
+    return out
+
+
+def scale_of(model: torch.nn.Module) -> float:
+    config = model.peft_config[_ADAPTER]
+    return config.lora_alpha / config.r
