@@ -337,8 +337,10 @@ class TrainerConfig(_Section):
     correction: Literal["behaviour_clip", "decoupled", "token_mask", "sequence_mask"] = "behaviour_clip"
     # "decoupled": cap of the behaviour weight pi_prox / pi_behav.
     tis_cap: float = Field(2.0, gt=0.0)
-    # "token_mask" / "sequence_mask": the band [mask_low, mask_high] of pi_prox / pi_behav kept.
+    # "token_mask" / "sequence_mask": the lower end of the band [mask_low, mask_high] of
+    # pi_prox / pi_behav kept.
     mask_low: float = Field(0.5, ge=0.0, le=1.0)
+    # "token_mask" / "sequence_mask": the upper end of that band.
     mask_high: float = Field(2.0, ge=1.0)
     # Dual clip (verl's clip_ratio_c): where the advantage is negative, a token's loss is at most
     # -A * clip_ratio_c however large its ratio (an off-policy token the policy now favours cannot
@@ -662,3 +664,6 @@ def _document_fields() -> None:
             if field and field[1] in cls.model_fields and comment and not cls.model_fields[field[1]].description:
                 cls.model_fields[field[1]].description = " ".join(c for c in comment if not c.startswith("----"))
             comment = []
+
+
+_document_fields()  # every field's comment is its description, for --help and for readers of the model
