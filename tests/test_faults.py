@@ -148,12 +148,15 @@ def test_generator_sigkill_holding_prompts(tmp_path, redis_url, r, tiny_model, e
             g1.send_signal(signal.SIGCONT)
         return held or None
 
-    held = wait_for(g1_stopped_holding_prompts, timeout=120, what="g1 holding prompts",
-                    procs=list(pipe.procs.values()), poll=0.01)
+    stopped_holding = wait_for(g1_stopped_holding_prompts, timeout=120, what="g1 holding prompts",
+                               procs=list(pipe.procs.values()), poll=0.01)
     pipe.kill("g1")
     pipe.forget("g1")
     at_kill = accounting(r, KEYS)
-    assert held_prompts(r, "g1") == held
+    # A read g1 had blocked in Redis before it stopped may still have been handed prompts since:
+    # they are g1's too, and must be reclaimed like the rest.
+    held = held_prompts(r, "g1")
+    assert set(stopped_holding) <= set(held), (stopped_holding, held)
     # The run goes on without them; once they have been idle claim_idle_s, g2 takes them over.
     wait_for(lambda: all(r.zscore(KEYS.trained, p) is not None for p in held), timeout=120,
              what=f"the prompts g1 held ({held}) trained", procs=list(pipe.procs.values()))
