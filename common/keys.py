@@ -36,6 +36,19 @@ class Keys:
         return self._k("prompts:dead")
 
     @property
+    def outstanding(self) -> str:
+        """Set: ids of the prompts the producer admitted that are neither trained nor dropped yet
+        (bounded by the admission limit). Only an id taken out of it counts as dropped."""
+        return self._k("prompts:outstanding")
+
+    @property
+    def prompts_dropped(self) -> str:
+        """Counter: admitted prompts that will never fill a trainer step (dropped too stale, by
+        dynamic sampling, or dead-lettered), counted once each by id; the producer admits as many
+        more. Entries nobody admitted (foreign, forged, duplicates) never count."""
+        return self._k("prompts:dropped")
+
+    @property
     def samples(self) -> str:
         """Stream of SampleGroup; group `trainer`."""
         return self._k("samples")

@@ -235,6 +235,17 @@ def _decode_completion(c: object, cw: str, *, max_tokens: int) -> tuple[Completi
     return completion, int(ids.min()), int(ids.max())
 
 
+def peek_id(blob: Any, *, max_bytes: int = MAX_MESSAGE_BYTES) -> str | None:
+    """The `id` of a prompt or group message that does not decode as a whole, where its map has
+    one (a dead letter can then settle its admitted prompt); None for anything else."""
+    try:
+        d = msgpack.unpackb(bytes(blob), raw=False, max_bin_len=max_bytes, max_str_len=max_bytes)
+    except Exception:  # noqa: BLE001 - garbage of any kind simply has no id
+        return None
+    gid = d.get("id") if isinstance(d, dict) else None
+    return gid if isinstance(gid, str) and gid else None
+
+
 def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size: int | None = None,
                  max_tokens: int = MAX_COMPLETION_TOKENS, max_completions: int = MAX_GROUP_SIZE) -> SampleGroup:
     d = _load(blob, "group", max_bytes)

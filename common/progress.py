@@ -72,6 +72,14 @@ def count_trained(r: Client, keys: Keys, groups: int) -> None:
     r.hincrby(keys.trainer, "groups_trained", groups)
 
 
+def restore_trained(pipe: Client, keys: Keys, *, groups_trained: int, trained: dict[str, int]) -> None:
+    """Put back the trainer's own count of trained groups and ids of trained groups (id -> step)
+    into a Redis that lost writes (trainer/record.py)."""
+    pipe.hset(keys.trainer, "groups_trained", groups_trained)
+    if trained:
+        pipe.zadd(keys.trained, trained)
+
+
 def count_refused(r: Client, keys: Keys, why: Refused) -> None:
     r.hincrby(keys.trainer, why.value, 1)
 
@@ -165,3 +173,41 @@ def write_admission(pipe: Client, keys: Keys, *, positions: dict[str, tuple[int,
         pipe.hincrby(keys.producer, "rows_skipped", 1)
         pipe.hincrby(keys.producer, f"{source}:rows_skipped", 1)
         pipe.hset(keys.producer, "last_skipped", why[:500])
+
+
+# ---------------------------------------------------------------------- prompts admitted, until settled
+
+# Take each id out of the outstanding set; count the ones that were in it as dropped when
+# ARGV[1] is "1". Atomic, and runs inside the caller's MULTI/EXEC: an id settles once.
+_SETTLE = """
+local n = 0
+for i = 2, #ARGV do
+  n = n + redis.call('SREM', KEYS[1], ARGV[i])
+end
+if ARGV[1] == '1' and n > 0 then redis.call('INCRBY', KEYS[2], n) end
+return n
+"""
+
+
+def add_outstanding(pipe: Client, keys: Keys, ids: list[str]) -> None:
+    """On the producer's admission transaction: `ids` are admitted and outstanding."""
+    if ids:
+        pipe.sadd(keys.outstanding, *ids)
+
+
+def settle(r: Client, keys: Keys, ids: list[str], *, dropped: bool) -> None:
+    """`ids` will never be admitted work again: trained (`dropped` False) or given up for good
+    (too stale, dead-lettered, dropped by dynamic sampling). Only ids the producer admitted and
+    that are still outstanding count towards `read_dropped`, each once: an entry nobody admitted,
+    a forged id or a second group of a prompt already settled changes nothing."""
+    if ids:
+        r.eval(_SETTLE, 2, keys.outstanding, keys.prompts_dropped, "1" if dropped else "0", *ids)
+
+
+def read_dropped(r: redis.Redis, keys: Keys) -> int:
+    """Admitted prompts dropped for good: the producer admits as many more."""
+    return int(r.get(keys.prompts_dropped) or 0)
+
+
+def count_outstanding(r: redis.Redis, keys: Keys) -> int:
+    return int(r.scard(keys.outstanding))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import signal
+import sys
 import time
 
 import redis
@@ -101,3 +103,15 @@ def no_permission(process: str, url: str, err: Exception) -> str:
     return (f"{process}: Redis at {redacted(url)} refused a command: {said} (the ACL user lacks that "
             "permission: give it the run's keys and commands, see README 'Running across machines safely')")
 
+
+
+def stop_while_starting(process: str) -> None:
+    """Until `process` installs its own stop handling (each does before it takes any work), a
+    SIGTERM or SIGINT ends it at once with status 0: honcho stopping a run that a process is still
+    starting in (imports, loading a model) is a clean stop, not a crash, since it holds nothing yet."""
+    def stop(signum: int, frame: object) -> None:
+        print(f"{process}: {signal.Signals(signum).name} while starting: stopped", file=sys.stderr, flush=True)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)

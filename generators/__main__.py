@@ -9,10 +9,11 @@ import sys
 import redis
 
 from common.config import ConfigError, load_config
-from common.streams import lost_redis, no_permission
+from common.streams import lost_redis, no_permission, stop_while_starting
 
 
 def main() -> None:
+    stop_while_starting("generator")
     parser = argparse.ArgumentParser(prog="python -m generators", description=__doc__)
     parser.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
     parser.add_argument("--id", help="generator id: its consumer name and heartbeat key (default: host-pid)")

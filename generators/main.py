@@ -472,7 +472,8 @@ async def heartbeats(g: Generator, state: State) -> None:
     while True:
         if time.monotonic() - touched > g.settings.claim_idle_s / 3:
             touched = time.monotonic()
-            await trio.to_thread.run_sync(lambda: touch_held(g.r, stream=g.keys.prompts, consumer=g.id))
+            await trio.to_thread.run_sync(lambda held=list(state.held): touch_held(
+                g.r, stream=g.keys.prompts, consumer=g.id, held=held))
         beat = heartbeat(state, g.engine)
         await trio.to_thread.run_sync(lambda b=beat: write_heartbeat(
             g.r, g.keys, g.id, b, ttl_s=g.settings.heartbeat_ttl_s))

@@ -19,7 +19,8 @@ from common import streams
 from common.config import LimitsConfig
 from common.heartbeats import count_dropped_zero_variance
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import MessageError, PromptTask, SampleGroup, decode_prompt, encode
+from common.messages import MessageError, PromptTask, SampleGroup, decode_prompt, encode, peek_id
+from common.progress import settle
 from engines.base import Engine
 
 BLOCK_MS = 1000  # longest wait for new prompts before the intake comes round (stop, capacity)
@@ -30,13 +31,17 @@ Entry = tuple[bytes, dict[bytes, bytes]]  # (stream entry id, fields)
 # never reclaim a prompt it holds for longer than claim_idle_s (a long queue, a slow engine).
 # Atomic: an entry another generator already claimed is not taken back.
 _TOUCH_HELD = """
+local held = {}
+for i = 3, #ARGV do held[ARGV[i]] = true end
 local mine = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1000, ARGV[2])
-if #mine == 0 then return 0 end
 local args = {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
-for _, e in ipairs(mine) do args[#args + 1] = e[1] end
+for _, e in ipairs(mine) do
+  if held[e[1]] then args[#args + 1] = e[1] end
+end
+if #args == 5 then return 0 end
 args[#args + 1] = 'JUSTID'
 redis.call(unpack(args))
-return #mine
+return #args - 6
 """
 
 
@@ -86,6 +91,8 @@ def prepare_prompts(r: redis.Redis, engine: Engine, entries: list[Entry], *, key
                 streams.dead_letter(pipe, dead_stream=keys.prompts_dead, source=keys.prompts,
                                     entry_id=entry_id, fields=fields, reason=str(err))
                 pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
+                # an admitted prompt given up for good: the producer admits another in its place
+                settle(pipe, keys, [i for i in [peek_id(fields.get(PAYLOAD, b""))] if i], dropped=True)
                 pipe.execute()
             print(f"{name}: dead-lettered prompt entry {entry_id.decode()}: {err}",
                   file=sys.stderr, flush=True)
@@ -97,9 +104,13 @@ def prepare_prompts(r: redis.Redis, engine: Engine, entries: list[Entry], *, key
 # ---------------------------------------------------------------------- prompts held
 
 
-def touch_held(r: redis.Redis, *, stream: str, consumer: str) -> int:
-    """Mark every prompt pending for `consumer` as just delivered; how many there are."""
-    return int(r.eval(_TOUCH_HELD, 1, stream, GENERATORS_GROUP, consumer))
+def touch_held(r: redis.Redis, *, stream: str, consumer: str, held: list[str]) -> int:
+    """Mark the prompts `held` (entry ids) that are pending for `consumer` as just delivered;
+    how many there were. Others pending for it (their acknowledgement lost with a second of
+    Redis's writes) age, and another generator, or this one, takes them over."""
+    if not held:
+        return 0
+    return int(r.eval(_TOUCH_HELD, 1, stream, GENERATORS_GROUP, consumer, *held))
 
 
 def leave_group(r: redis.Redis, *, stream: str, consumer: str) -> None:
@@ -127,5 +138,6 @@ def drop_group(r: redis.Redis, *, keys: Keys, entry_id: bytes, group: SampleGrou
     (the producer admits one more prompt for each)."""
     with r.pipeline(transaction=True) as pipe:
         count_dropped_zero_variance(pipe, keys)
+        settle(pipe, keys, [group.id], dropped=True)
         pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
         pipe.execute()

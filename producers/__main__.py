@@ -6,10 +6,11 @@ import sys
 import redis
 
 from common.config import ConfigError, load_config
-from common.streams import lost_redis, no_permission
+from common.streams import lost_redis, no_permission, stop_while_starting
 
 
 def main() -> None:
+    stop_while_starting("producer")
     parser = argparse.ArgumentParser(prog="python -m producers", description=__doc__)
     parser.add_argument("--config", help="TOML file (default: $ROLLOUTS_CONFIG or ./rollouts.toml)")
     args = parser.parse_args()

@@ -14,13 +14,13 @@ import time
 import redis
 
 from common.config import Config
-from common.heartbeats import read_counters
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import PromptTask, SampleGroup, encode
 from common.models import resolve_model_path
 from common.progress import (
     SourcePosition,
-    TrainerProgress,
+    add_outstanding,
+    read_dropped,
     read_producer,
     read_trainer,
     start_producer,
@@ -41,13 +41,6 @@ class ProducerError(RuntimeError):
     """The run's stored position does not fit this producer's configuration."""
 
 
-def dropped_groups(r: redis.Redis, keys: Keys, trainer: TrainerProgress) -> int:
-    """Admitted prompts that will never fill a trainer step: dropped (too stale, or by dynamic
-    sampling for zero reward variance) or dead-lettered. Admitting as many more over-samples."""
-    zero_variance = read_counters(r, keys).groups_dropped_zero_variance
-    return trainer.groups_dropped_stale + trainer.groups_dead + zero_variance + r.xlen(keys.prompts_dead)
-
-
 def load_positions(r: redis.Redis, keys: Keys, *, seed: int,
                    names: list[str]) -> tuple[dict[str, tuple[int, int]], int]:
     """({source: (epoch, offset)}, admitted) of this run, checking the stored seed is the
@@ -61,6 +54,16 @@ def load_positions(r: redis.Redis, keys: Keys, *, seed: int,
                             f"not {seed}; use a new run name to change the seed")
     at = {name: stored.sources.get(name, SourcePosition()) for name in names}
     return {name: (p.epoch, p.offset) for name, p in at.items()}, stored.admitted
+
+
+def open_sources(r: redis.Redis, keys: Keys, config: Config) -> tuple[list[Source], int]:
+    """The run's sources at their stored positions, and the prompts admitted so far."""
+    seed = config.task.seed
+    positions, admitted = load_positions(r, keys, seed=seed, names=[s.name for s in config.sources])
+    sources = [Source(s, seed=seed, field=f"data.sources.{i}" if config.data.sources else "task",
+                      epoch=positions[s.name][0], offset=positions[s.name][1])
+               for i, s in enumerate(config.sources)]
+    return sources, admitted
 
 
 def sft_group(source: Source, made: Prompt, tokenizer) -> tuple[SampleGroup | Skipped, int]:
@@ -85,6 +88,7 @@ def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[fl
     With a `tokenizer` (sft sources) each is a conversation's SampleGroup on the samples stream."""
     pipe = r.pipeline(transaction=True)
     skipped = []
+    ids = []
     truncated = tokens_cut = 0
     for index in range(admitted, admitted + count):
         source = sources[choose(seed=seed, index=index, weights=weights)]
@@ -100,6 +104,7 @@ def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[fl
             if source.size is not None and misses > source.size:  # a whole epoch of nothing
                 raise DataError(f"source {source.name!r}: no row makes a trainable conversation "
                                 f"(last: {made.reason})")
+        ids.append(made.id)
         if tokenizer is not None:
             truncated, tokens_cut = truncated + (cut > 0), tokens_cut + cut
             pipe.xadd(keys.samples, {PAYLOAD: encode(made)})
@@ -107,6 +112,7 @@ def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[fl
         msg = PromptTask(id=made.id, messages=made.messages, text=made.text, meta=made.meta,
                          n=n, admitted_at=version)
         pipe.xadd(keys.prompts, {PAYLOAD: encode(msg)})
+    add_outstanding(pipe, keys, ids)
     write_admission(pipe, keys, positions={s.name: (s.epoch, s.offset) for s in sources}, admitted=count,
                     skipped=[(source.name, f"{row.id}: {row.reason}") for source, row in skipped],
                     truncated=truncated, tokens_cut=tokens_cut)
@@ -141,10 +147,7 @@ def run(config: Config) -> None:
     else:
         ensure_group(r, keys.prompts, GENERATORS_GROUP)
     seed = config.task.seed
-    positions, admitted = load_positions(r, keys, seed=seed, names=[s.name for s in config.sources])
-    sources = [Source(s, seed=seed, field=f"data.sources.{i}" if config.data.sources else "task",
-                      epoch=positions[s.name][0], offset=positions[s.name][1])
-               for i, s in enumerate(config.sources)]
+    sources, admitted = open_sources(r, keys, config)
     weights = [s.weight for s in config.sources]
     where = ", ".join(f"{s.name} epoch {s.epoch} offset {s.offset}" for s in sources)
     print(f"producer: run {config.run!r}, resuming after {admitted} prompts at {where}", flush=True)
@@ -157,11 +160,17 @@ def run(config: Config) -> None:
         # ---- how many prompts the trainer's version allows. SFT data never goes stale and waits
         # for no weights, so it is admitted against the trainer's step: with sync_every > 1 the
         # published version would hold it back at (max_staleness + 1) steps, short of a publish.
+        if (stored := read_producer(r, keys).admitted) != admitted:
+            # Redis lost writes (power loss within appendfsync's second): admit again from where it
+            # says, so the prompts it forgot are admitted again rather than skipped
+            print(f"producer: Redis says {stored} prompts admitted, this producer admitted {admitted}: "
+                  "Redis lost writes; admitting again from its positions", file=sys.stderr, flush=True)
+            sources, admitted = open_sources(r, keys, config)
         trainer = read_trainer(r, keys)
         version = trainer.step if sft else trainer.version
         limit = admission_limit(version=version, max_staleness=config.rollout.max_staleness,
                                 prompts_per_step=config.rollout.prompts_per_step,
-                                dropped=dropped_groups(r, keys, trainer))
+                                dropped=read_dropped(r, keys))
         count = min(limit - admitted, MAX_PER_TRANSACTION)
         if count <= 0:
             time.sleep(POLL_S)

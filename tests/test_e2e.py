@@ -7,7 +7,7 @@ from common.cli import status_lines
 from common.heartbeats import read_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import decode_group
-from common.progress import read_trainer
+from common.progress import read_dropped, read_trainer
 from engines.choice import vllm_available
 from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
 
@@ -122,5 +122,8 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
     # were trimmed of what was acknowledged as the run went)
     acc = accounting(r, keys)
     assert acc["trained"] == len(trained) and acc["dead_groups"] == 0
+    # a healthy run admits no more than it trains in time: nothing went stale (a stale group is
+    # dropped before it is measured, so metrics' staleness/max alone could not tell)
+    assert acc["dropped_stale"] == 0 and read_dropped(r, keys) == 0, acc
     assert_accounted(acc)
     assert r.xlen(keys.samples) < acc["sample_entries"] and r.xlen(keys.prompts) < acc["prompt_entries"]

@@ -291,3 +291,58 @@ def test_running_generator_dead_letters_garbage_and_serves_every_valid_prompt(tm
     groups = [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
     assert sorted(g.id for g in groups) == [f"ok:{i}" for i in range(4)]
     assert_dead_lettered(r, keys.prompts_dead, len(bad))
+
+
+def test_foreign_entries_in_a_live_run_change_no_admission(tmp_path, redis_url, r, tiny_model):
+    """Entries the producer never admitted (garbage, truncated, a NaN reward, forged ids, a stale
+    forgery, a duplicate of a trained group) are dead-lettered or refused, and the producer keeps
+    admitting exactly its limit: no surplus prompt circulates, so none of its prompts goes stale."""
+    from transformers import AutoModelForCausalLM
+
+    from common.progress import count_outstanding, read_dropped, read_producer, read_trainer
+    from tests.test_trainer import make_group
+
+    keys, steps, per_step = Keys("fa"), 8, 2
+    config = tmp_path / "fa.toml"
+    config.write_text(f'run = "fa"\nredis_url = "{redis_url}"\noutput_dir = "{tmp_path / "out"}"\n'
+                      f'[model]\npath = "{tiny_model}"\n'
+                      f"[rollout]\ngroup_size = 2\nprompts_per_step = {per_step}\nmax_staleness = 1\n"
+                      "max_new_tokens = 6\n[generator]\nbatch_prompts = 2\nthreads = 1\n"
+                      f"[trainer]\nmax_steps = {steps}\nthreads = 1\nlr = 1e-3\n")
+    env = {"ROLLOUTS_CONFIG": str(config)}
+    procs = {name: spawn(module, *args, cwd=tmp_path, env=env, log=tmp_path / f"{name}.log")
+             for name, module, args in [("generator", "generators", ("--id", "g1")), ("trainer", "trainer", ()),
+                                        ("producer", "producers", ())]}
+    try:
+        wait_for(lambda: read_trainer(r, keys).step >= 2, timeout=240, what="trainer step 2",
+                 procs=list(procs.values()))
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype="float32")
+        rng = random.Random(5)
+        trained_id = r.zrange(keys.trained, 0, 0)[0].decode()
+        fresh = encode(make_group(model, "foreign:0:1", version=read_trainer(r, keys).version, rng=rng))
+        d = msgpack.unpackb(fresh, raw=False)
+        nan = msgpack.packb({**d, "id": "foreign:0:2", "completions": [
+            {**d["completions"][0], "reward": math.nan}, d["completions"][1]]}, use_bin_type=True)
+        foreign = [rng.randbytes(64), fresh[: len(fresh) // 2], nan,
+                   encode(make_group(model, "foreign:0:3", version=0, rng=rng)),  # forged and stale
+                   encode(make_group(model, trained_id, version=0, rng=rng))]  # a duplicate
+        for blob in foreign:
+            r.xadd(keys.samples, {PAYLOAD: blob})
+        r.xadd(keys.prompts, {PAYLOAD: b"\x93garbage"})  # and a foreign prompt entry
+        assert procs["trainer"].wait(timeout=300) == 0, (tmp_path / "trainer.log").read_text()
+        limit = (1 + read_trainer(r, keys).version + 1) * per_step  # admission_limit with nothing dropped
+        wait_for(lambda: read_producer(r, keys).admitted >= limit, timeout=60, what=f"{limit} prompts admitted",
+                 procs=[procs["producer"]])
+    finally:
+        codes = {name: stop(p) for name, p in procs.items()}
+    assert set(codes.values()) == {0}, codes
+    t = read_trainer(r, keys)
+    # the forgeries were turned away for what they are...
+    assert (t.groups_dead, t.groups_duplicate) == (3, 1), t
+    assert r.xlen(keys.prompts_dead) == 1
+    # ...and none of them counted as an admitted prompt dropped: the producer admitted exactly
+    # its limit, so no prompt of its own was left to go stale (the one stale group is the forgery)
+    assert read_dropped(r, keys) == 0
+    assert t.groups_dropped_stale == 1, t
+    assert read_producer(r, keys).admitted == limit
+    assert count_outstanding(r, keys) == limit - t.groups_trained

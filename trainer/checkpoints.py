@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 from common.checkpoints import checksum_dir, verify_dir
 from common.keys import PAYLOAD, TRAINER_GROUP, WEIGHTS_MAXLEN, Keys
 from common.messages import WeightVersion, encode
-from common.progress import count_trained, read_trainer, write_step
+from common.progress import count_trained, read_trainer, settle, write_step
 from common.streams import latest_weights
 from common.trim import trim_acknowledged
 from trainer.devices import Placement
@@ -150,6 +150,7 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
         pipe.xack(keys.samples, TRAINER_GROUP, *entry_ids)
         pipe.zadd(keys.trained, dict.fromkeys(group_ids, step))
         pipe.zremrangebyscore(keys.trained, "-inf", f"({step - dedup_window}")
+        settle(pipe, keys, group_ids, dropped=False)
     count_trained(pipe, keys, len(group_ids))
     pipe.execute()
     trim_acknowledged(r, keys.samples)  # what every group has acknowledged; nothing of ours is pending

@@ -37,13 +37,14 @@ from common.evals import enqueue_eval
 from common.keys import TRAINER_GROUP, Keys
 from common.messages import SampleGroup, WeightVersion
 from common.models import resolve_model_path
-from common.progress import write_step
+from common.progress import read_trainer, write_step
 from common.streams import connect, ensure_group
 from trainer.checkpoints import load_model, place, publish, remove_unfinished, resume
 from trainer.devices import DTYPES, Placement, placement
 from trainer.grpo import LossOptions
 from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say
+from trainer.record import Record, forgotten, put_right
 from trainer.samples import collect
 from trainer.shutdown import Shutdown
 from trainer.step import sft_step, train_step
@@ -66,6 +67,7 @@ class State:
     # Every rank's entries and groups trained since the last saved state: acknowledged with the next.
     unacked_entries: list[bytes] = field(default_factory=list)
     unacked_ids: list[str] = field(default_factory=list)
+    record: Record = field(default_factory=lambda: Record(step=0, version=0, state_step=0, groups_trained=0))
 
 
 def objective(cfg: TrainerConfig, *, temperature: float, source_dir: Path, where: Placement) -> Update:
@@ -109,6 +111,8 @@ def checkpoint(r: redis.Redis, keys: Keys, state: State, *, save: bool, config: 
                  keep=cfg.keep_checkpoints, save_state_now=save, entry_ids=state.unacked_entries if save else [],
                  group_ids=state.unacked_ids if save else [], dedup_window=cfg.dedup_window,
                  dtype=DTYPES[config.model.dtype])
+    state.record.published(wv, step=state.step, saved=save, group_ids=state.unacked_ids if save else [],
+                           dedup_window=cfg.dedup_window)
     if save:
         state.unacked_entries, state.unacked_ids = [], []
     return wv
@@ -128,6 +132,21 @@ def publish_if_due(r: redis.Redis, keys: Keys, state: State, *, last: bool, conf
             enqueue_eval(r, config, wv)  # the evaluator process scores it on held-out problems
     elif is_main():
         write_step(r, keys, step=state.step)
+        state.record.step = state.step
+
+
+def check_redis(r: redis.Redis, keys: Keys, state: State) -> None:
+    """Put Redis right if it lost writes the trainer made (trainer/record.py), then read this
+    rank's pending entries again: those it trained come round as duplicates and are acknowledged."""
+    lost = is_main() and forgotten(read_trainer(r, keys), state.record)
+    if not any_rank(lost):
+        return
+    if is_main():
+        had = put_right(r, keys, state.record)
+        say(f"trainer: Redis had lost writes (it said step {had.step}, saved state {had.state_step}, "
+            f"{had.groups_trained} groups trained; the trainer is at step {state.record.step}, saved state "
+            f"{state.record.state_step}, {state.record.groups_trained} groups trained): written back")
+    state.cursor = b"0"
 
 
 def run(config: Config) -> None:
@@ -154,7 +173,7 @@ def run(config: Config) -> None:
     model, optimizer, scheduler, step = resume(
         r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps)
-    state = State(model, optimizer, scheduler, step=step, version=step)
+    state = State(model, optimizer, scheduler, step=step, version=step, record=Record.of(read_trainer(r, keys)))
     vocab_size = model.config.vocab_size
     sft = cfg.objective == "sft"
     update = objective(cfg, temperature=rollout.temperature, source_dir=source_dir, where=where)
@@ -167,11 +186,13 @@ def run(config: Config) -> None:
     # Every decision that leads to a collective (stop, train, publish) is agreed by all ranks.
     while not (cfg.max_steps and state.step >= cfg.max_steps) and not any_rank(shutdown.requested):
         t_step = time.monotonic()
+        check_redis(r, keys, state)
         got, state.cursor = collect(r, keys, want=rollout.prompts_per_step // world, step=state.step,
                                     max_staleness=None if sft else rollout.max_staleness, vocab_size=vocab_size,
                                     unpublished=set(state.unacked_ids), consumer=f"rank{rank}",
                                     cursor=state.cursor, shutdown=shutdown, objective=cfg.objective,
-                                    limits=config.limits)
+                                    limits=config.limits, trained=state.record.trained,
+                                    skip=set(state.unacked_entries))
         if any_rank(got is None):  # a stop while waiting: what this rank read stays pending
             break
         everyone = gather(got)  # every rank's groups, for the acknowledgement and the metrics

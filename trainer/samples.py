@@ -25,8 +25,8 @@ import redis
 
 from common.config import LimitsConfig
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
-from common.messages import MessageError, SampleGroup, decode_group
-from common.progress import Refused, count_refused
+from common.messages import MessageError, SampleGroup, decode_group, peek_id
+from common.progress import Refused, count_refused, settle
 from common.streams import dead_letter
 from trainer.shutdown import Shutdown
 
@@ -79,23 +79,34 @@ def validate(fields: dict, *, vocab_size: int, objective: str = "grpo", limits: 
     return group
 
 
-def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, why: Refused,
+def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, why: Refused, group_id: str | None = None,
            fields: dict | None = None, reason: str = "") -> None:
-    """Acknowledge an entry that will never be trained on and count it (dead-letter it if `fields`)."""
+    """Acknowledge an entry that will never be trained on and count it (dead-letter it if
+    `fields`); with a `group_id` its prompt settles as dropped, if the producer admitted it and
+    nothing settled it yet (a prompt admitted again after Redis lost writes, whose group was
+    trained before, is such a one)."""
     pipe = r.pipeline(transaction=True)
     if fields is not None:
         dead_letter(pipe, dead_stream=keys.samples_dead, source=keys.samples, entry_id=entry_id,
                     fields=fields, reason=reason)
     pipe.xack(keys.samples, TRAINER_GROUP, entry_id)
     count_refused(pipe, keys, why)
+    if group_id is not None:
+        settle(pipe, keys, [group_id], dropped=True)
     pipe.execute()
 
 
 def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: int | None, vocab_size: int,
             unpublished: set[str], consumer: str, cursor: bytes | None, shutdown: Shutdown,
-            objective: str = "grpo", limits: LimitsConfig | None = None) -> tuple[Collected | None, bytes | None]:
+            objective: str = "grpo", limits: LimitsConfig | None = None, trained: dict[str, int] | None = None,
+            skip: set[bytes] | None = None) -> tuple[Collected | None, bytes | None]:
     """`want` trainable groups (None if a stop was requested first), and the next read cursor.
-    `max_staleness` None: no group is too stale (sft)."""
+    `max_staleness` None: no group is too stale (sft). A group is a duplicate if its id is
+    `unpublished` (trained since the last saved state), in `trained` (the trainer's own record of
+    the ids it trained) or in Redis's `trained` set; entries in `skip` (trained, acknowledged with
+    the next saved state) are passed over when this rank's pending entries are read again."""
+    trained = trained or {}
+    skip = skip or set()
     got = Collected()
     seen = set(unpublished)
     while len(got.groups) < want:
@@ -106,20 +117,27 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
         if not entries:
             got.wait_s += time.monotonic() - t0
         for entry_id, fields in entries:
+            if entry_id in skip:
+                continue
             try:
                 group = validate(fields, vocab_size=vocab_size, objective=objective, limits=limits)
             except MessageError as err:
-                reject(r, keys, entry_id, why=Refused.DEAD, fields=fields, reason=str(err))
+                reject(r, keys, entry_id, why=Refused.DEAD, group_id=peek_id(fields.get(PAYLOAD, b"")),
+                       fields=fields, reason=str(err))
                 print(f"trainer: dead-lettered sample entry {entry_id.decode()}: {err}",
                       file=sys.stderr, flush=True)
                 got.dead += 1
                 continue
-            if group.id in seen or r.zscore(keys.trained, group.id) is not None:
+            if group.id in seen:  # its twin's prompt settles when the twin is published
                 reject(r, keys, entry_id, why=Refused.DUPLICATE)
                 got.duplicate += 1
                 continue
+            if group.id in trained or r.zscore(keys.trained, group.id) is not None:
+                reject(r, keys, entry_id, why=Refused.DUPLICATE, group_id=group.id)
+                got.duplicate += 1
+                continue
             if max_staleness is not None and step - group.version > max_staleness:
-                reject(r, keys, entry_id, why=Refused.STALE)
+                reject(r, keys, entry_id, why=Refused.STALE, group_id=group.id)
                 got.stale += 1
                 continue
             seen.add(group.id)

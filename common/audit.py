@@ -1,0 +1,80 @@
+"""Where every admitted prompt of a run is, read from Redis: the audit of "nothing lost, nothing
+twice" that the fault tests and `ops/chaos` check after a run."""
+
+from __future__ import annotations
+
+import redis
+
+from common.heartbeats import read_counters
+from common.keys import GENERATORS_GROUP, TRAINER_GROUP, Keys
+from common.progress import count_outstanding, read_dropped, read_producer, read_trainer
+
+
+def _group(r: redis.Redis, stream: str, name: str) -> tuple[int, int]:
+    """(pending, lag) of consumer group `name` on `stream`."""
+    if not r.exists(stream):
+        return 0, 0
+    info = {g["name"].decode(): g for g in r.xinfo_groups(stream)}.get(name)
+    if info is None:  # nobody has read it yet: all waiting
+        return 0, r.xlen(stream)
+    assert info["lag"] is not None, f"{stream}: Redis cannot tell {name}'s lag"
+    return info["pending"], info["lag"]
+
+
+def _added(r: redis.Redis, stream: str) -> int:
+    return r.xinfo_stream(stream)["entries-added"] if r.exists(stream) else 0
+
+
+def accounting(r: redis.Redis, keys: Keys) -> dict[str, int]:
+    """Where every admitted prompt of a run is (streams may have been trimmed).
+
+    `admitted` should equal `trained + dropped + pending`: groups trained (acknowledged with a
+    saved trainer state), groups or prompts given up for a counted reason (too stale, dead
+    letters), and prompts or groups still in a stream (waiting, or delivered and unacknowledged).
+    `duplicate` counts extra groups refused for an id already trained; `prompt_entries` and
+    `sample_entries` are every entry ever added to the two streams; `outstanding` the admitted
+    prompts neither trained nor dropped, by id, and `prompts_dropped` those dropped, by id.
+    """
+    t = read_trainer(r, keys)
+    prompts_pending, prompts_waiting = _group(r, keys.prompts, GENERATORS_GROUP)
+    samples_pending, samples_waiting = _group(r, keys.samples, TRAINER_GROUP)
+    acc = {
+        "admitted": read_producer(r, keys).admitted,
+        "trained": t.groups_trained,
+        "dropped_stale": t.groups_dropped_stale,
+        "dead_groups": t.groups_dead,
+        "dead_prompts": r.xlen(keys.prompts_dead),
+        "dropped_zero_variance": read_counters(r, keys).groups_dropped_zero_variance,
+        "duplicate": t.groups_duplicate,
+        "prompts_waiting": prompts_waiting, "prompts_pending": prompts_pending,
+        "samples_waiting": samples_waiting, "samples_pending": samples_pending,
+        "prompt_entries": _added(r, keys.prompts), "sample_entries": _added(r, keys.samples),
+        "outstanding": count_outstanding(r, keys), "prompts_dropped": read_dropped(r, keys),
+    }
+    acc["dropped"] = (acc["dropped_stale"] + acc["dead_groups"] + acc["dead_prompts"]
+                      + acc["dropped_zero_variance"])
+    acc["pending"] = prompts_waiting + prompts_pending + samples_waiting + samples_pending
+    return acc
+
+
+def unaccounted(acc: dict[str, int]) -> list[str]:
+    """What `accounting` shows wrong with a run that only its own producer and generators fed:
+    each line a broken promise (empty: every admitted prompt is trained, dropped for a counted
+    reason, or pending, exactly once)."""
+    wrong = []
+    if acc["admitted"] != acc["prompt_entries"]:
+        wrong.append(f"prompts admitted twice or lost: admitted {acc['admitted']}, "
+                     f"prompt entries {acc['prompt_entries']}")
+    if acc["admitted"] != acc["trained"] + acc["dropped"] + acc["pending"]:
+        wrong.append(f"unaccounted prompts: admitted {acc['admitted']} != trained {acc['trained']} + "
+                     f"dropped {acc['dropped']} + pending {acc['pending']}")
+    if acc["admitted"] != acc["trained"] + acc["prompts_dropped"] + acc["outstanding"]:
+        wrong.append(f"admitted ids unsettled: admitted {acc['admitted']} != trained {acc['trained']} + "
+                     f"dropped by id {acc['prompts_dropped']} + outstanding {acc['outstanding']}")
+    groups = (acc["trained"] + acc["dropped_stale"] + acc["dead_groups"] + acc["duplicate"]
+              + acc["samples_waiting"] + acc["samples_pending"])
+    if acc["sample_entries"] != groups:  # every group entry is one prompt's, or a refused duplicate
+        wrong.append(f"group entries {acc['sample_entries']} != groups accounted for {groups}")
+    if acc["duplicate"]:
+        wrong.append(f"{acc['duplicate']} group(s) made twice from one prompt")
+    return wrong

@@ -1,0 +1,226 @@
+"""The fault drill behind `ops/chaos`: random SIGKILLs under honcho, then an audit.
+
+It starts `ops/honcho start -c generator=2` on a Procfile of its own (Redis with the append-only
+file as the project's Procfile ships it, `appendfsync everysec`; the producer; two generators; the
+trainer) over a tiny random model, each process under `ops/respawn`, which starts it again
+whenever it is SIGKILLed (honcho itself stops everything as soon as one process ends). Then, for
+each trial, it waits a random while, SIGKILLs one randomly chosen process (a generator, the trainer,
+the producer or redis-server) and waits until it is back and the trainer has taken a step since.
+At the end it stops everything with SIGTERM, as Ctrl-C would, starts Redis once more from its
+append-only file and audits the run: every admitted prompt trained, dropped for a counted reason
+or still pending (common/audit.py), and no group trained in two steps. One line per trial, then
+the audit; exit status 1 when the audit finds anything wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from common.audit import accounting, unaccounted  # noqa: E402
+from common.keys import Keys  # noqa: E402
+from common.progress import read_trainer  # noqa: E402
+from common.tiny import build_tiny_model  # noqa: E402
+
+RUN = "chaos"
+KINDS = ("generator", "trainer", "producer", "redis")
+PROGRESS_TIMEOUT_S = 300.0
+SETTLE_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_run(work: Path, port: int, *, claim_idle_s: float) -> Path:
+    """The run's config, Procfile and .env under `work`; returns the Procfile."""
+    py, respawn, pids = sys.executable, ROOT / "ops" / "respawn", work / "pids"
+    pids.mkdir(parents=True, exist_ok=True)
+    (work / "run.toml").write_text(f"""
+run = "{RUN}"
+redis_url = "redis://127.0.0.1:{port}/0"
+output_dir = "{work / 'run'}"
+[model]
+path = "{work / 'model'}"
+[rollout]
+group_size = 4
+prompts_per_step = 4
+max_staleness = 1
+max_new_tokens = 8
+[generator]
+engine = "hf"
+batch_prompts = 2
+threads = 1
+claim_idle_s = {claim_idle_s}
+[trainer]
+lr = 1e-3
+max_steps = 1000000
+micro_batch_size = 8
+threads = 1
+""")
+    keep = f"{py} {respawn} --pidfile {pids}"
+    procfile = work / "Procfile"
+    procfile.write_text(
+        f"redis: exec {py} {ROOT / 'ops' / 'redis-last'} {respawn} --pidfile {pids}/redis redis-server "
+        f"--port {port} --bind 127.0.0.1 --appendonly yes --appendfsync everysec --dir {work / 'redis'} --save ''\n"
+        f"producer: exec {keep}/producer {py} -m producers\n"
+        f"generator: exec {keep}/generator-$PORT {py} -m generators\n"
+        f"trainer: exec {keep}/trainer {py} -m trainer\n")
+    (work / ".env").write_text(f"ROLLOUTS_CONFIG={work / 'run.toml'}\nSTOP_GRACE_S=60\nPYTHONUNBUFFERED=1\n")
+    (work / "redis").mkdir(exist_ok=True)
+    return procfile
+
+
+def pid_of(pidfile: Path) -> int | None:
+    try:
+        pid = int(pidfile.read_text())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
+def trainer_step(r: redis.Redis, keys: Keys) -> int | None:
+    try:
+        return read_trainer(r, keys).step
+    except redis.exceptions.RedisError:
+        return None
+
+
+def wait_until(cond, *, timeout: float, what: str, honcho: subprocess.Popen):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if honcho.poll() is not None:
+            raise SystemExit(f"chaos: honcho ended (status {honcho.returncode}) while waiting for {what}")
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise SystemExit(f"chaos: no {what} within {timeout:.0f}s")
+
+
+def trial(i: int, n: int, rng: random.Random, *, pids: Path, r: redis.Redis, keys: Keys,
+          honcho: subprocess.Popen) -> str:
+    """One SIGKILL of a random process; returns its kind once it is back and the trainer stepped."""
+    kind = rng.choice(KINDS)
+    name = rng.choice(sorted(p.name for p in pids.glob("generator-*"))) if kind == "generator" else kind
+    pid = wait_until(lambda: pid_of(pids / name), timeout=60, what=f"a live {name}", honcho=honcho)
+    before = wait_until(lambda: trainer_step(r, keys) is not None and (trainer_step(r, keys),),
+                        timeout=60, what="Redis", honcho=honcho)[0]
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: pid_of(pids / name) not in (None, pid), timeout=60, what=f"{name} restarted", honcho=honcho)
+    after = wait_until(lambda: (s := trainer_step(r, keys)) is not None and s > before and (s,),
+                       timeout=PROGRESS_TIMEOUT_S, what=f"a trainer step after killing {name}", honcho=honcho)[0]
+    print(f"trial {i:3d}/{n}: SIGKILL {name:<14} (pid {pid:>7}) at step {before:4d}; "
+          f"trainer at step {after} {time.monotonic() - t0:5.1f}s later", flush=True)
+    return kind
+
+
+def trained_twice(metrics_file: Path) -> tuple[int, list[str]]:
+    """(steps, group ids trained in more than one step), from the trainer's metrics: a step
+    re-trained after a restart is written again, and its last record is the one that counts."""
+    last: dict[int, list[str]] = {}
+    for line in metrics_file.read_text().splitlines():
+        m = json.loads(line)
+        last[m["step"]] = m["group_ids"]
+    seen = Counter(g for ids in last.values() for g in ids)
+    return len(last), sorted(g for g, c in seen.items() if c > 1)
+
+
+def exit_codes(honcho_log: Path) -> dict[str, int]:
+    """Each process's exit status as honcho reported it ("trainer.1 stopped (rc=0)")."""
+    found = re.findall(r"\| (\S+) stopped \(rc=(-?\d+)\)", honcho_log.read_text())
+    return {name: int(code) for name, code in found}
+
+
+def audit(work: Path, port: int, kinds: Counter) -> bool:
+    """Start Redis on the run's append-only file, print the audit; True when it is clean."""
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
+                               "--dir", str(work / "redis"), "--save", ""], stdout=subprocess.DEVNULL)
+    r = redis.Redis(port=port)
+    try:
+        for _ in range(200):
+            try:
+                r.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        acc = accounting(r, Keys(RUN))
+        steps, twice = trained_twice(work / "run" / "metrics.jsonl")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    codes = exit_codes(work / "honcho.log")
+    wrong = unaccounted(acc) + ([f"trained in two steps: {twice}"] if twice else [])
+    if sorted(codes) != ["generator.1", "generator.2", "producer.1", "redis.1", "trainer.1"] or any(codes.values()):
+        wrong.append(f"not every process stopped cleanly: {codes}")
+    print(f"audit: {sum(kinds.values())} faults ({', '.join(f'{k} {kinds[k]}' for k in KINDS)}); "
+          f"{steps} steps")
+    print(f"audit: admitted {acc['admitted']} = trained {acc['trained']} + dropped {acc['dropped']} "
+          f"(stale {acc['dropped_stale']}, dead {acc['dead_groups'] + acc['dead_prompts']}, zero variance "
+          f"{acc['dropped_zero_variance']}) + pending {acc['pending']}; duplicates {acc['duplicate']}; "
+          f"trained twice {len(twice)}")
+    print("audit: " + ("clean" if not wrong else "FAILED: " + "; ".join(wrong)), flush=True)
+    return not wrong
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="ops/chaos", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=30, help="SIGKILLs to deliver (default 30)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the choice of victims and moments")
+    ap.add_argument("--gap", type=float, nargs=2, default=(1.0, 8.0), metavar=("MIN", "MAX"),
+                    help="seconds to wait before each kill, drawn uniformly (default 1 8)")
+    ap.add_argument("--dir", type=Path, default=None, help="working directory (default: a new one under "
+                    ".rollouts/chaos); kept afterwards")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    work = (args.dir or ROOT / ".rollouts" / "chaos" / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    build_tiny_model(work / "model")
+    port = free_port()
+    procfile = write_run(work, port, claim_idle_s=5.0)
+    print(f"chaos: {args.trials} trials, seed {args.seed}, in {work} (honcho's output: {work / 'honcho.log'})",
+          flush=True)
+    with open(work / "honcho.log", "w") as log:
+        honcho = subprocess.Popen([sys.executable, str(ROOT / "ops" / "honcho"), "start", "-f", str(procfile),
+                                   "-e", str(work / ".env"), "-d", str(ROOT), "-c", "generator=2"],
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    r, keys, kinds = redis.Redis(port=port, socket_timeout=5), Keys(RUN), Counter()
+    try:
+        wait_until(lambda: (trainer_step(r, keys) or 0) >= 1, timeout=PROGRESS_TIMEOUT_S, what="trainer step 1",
+                   honcho=honcho)
+        for i in range(1, args.trials + 1):
+            time.sleep(rng.uniform(*args.gap))
+            kinds[trial(i, args.trials, rng, pids=work / "pids", r=r, keys=keys, honcho=honcho)] += 1
+        time.sleep(SETTLE_S)  # the last one restarted is past its start-up, as a user's Ctrl-C would find it
+    finally:
+        r.close()  # Redis, stopping last, waits for its clients to go
+        honcho.send_signal(signal.SIGTERM)  # as Ctrl-C: the trainer finishes its step, generators their prompts
+        code = honcho.wait(timeout=180)
+    print(f"chaos: stopped (honcho exit status {code})", flush=True)
+    return 0 if audit(work, port, kinds) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

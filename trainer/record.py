@@ -1,0 +1,67 @@
+"""What the trainer has told Redis, kept in memory, so that a Redis that lost writes is put right.
+
+Redis writes its append-only file to disk once a second (`appendfsync everysec`, as the Procfile
+ships it): a machine that loses power loses up to a second of writes, while the trainer, which
+saved its state to its own disk, goes on. Redis then has forgotten acknowledgements, trained group
+ids and progress the trainer already acted on: entries it trained come round again. The trainer
+refuses them as duplicates because it checks each group against the ids it trained itself (the
+last `dedup_window` steps of them, here), not only against Redis's `trained` set; and when it sees
+Redis behind its own record (fewer steps or trained groups), it writes the record back, so that
+the producer admits against the right version and every process sees what was trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import redis
+
+from common.keys import PAYLOAD, Keys
+from common.messages import WeightVersion, encode
+from common.progress import TrainerProgress, read_trainer, restore_trained, write_step
+
+
+@dataclass
+class Record:
+    step: int  # trainer steps done, as last written
+    version: int  # newest published version
+    state_step: int  # newest saved trainer state
+    groups_trained: int  # groups acknowledged with a saved state, over the run
+    latest: WeightVersion | None = None  # the newest published weights
+    trained: dict[str, int] = field(default_factory=dict)  # group id -> step, the last dedup_window steps
+
+    @classmethod
+    def of(cls, progress: TrainerProgress) -> Record:
+        return cls(step=progress.step, version=progress.version, state_step=progress.state_step,
+                   groups_trained=progress.groups_trained)
+
+    def published(self, wv: WeightVersion | None, *, step: int, saved: bool, group_ids: list[str],
+                  dedup_window: int) -> None:
+        """After `publish`: the version of `step`, and with `saved` the groups it acknowledged."""
+        self.step = self.version = step
+        self.latest = wv or self.latest
+        if saved:
+            self.state_step = step
+            self.groups_trained += len(group_ids)
+            self.trained.update(dict.fromkeys(group_ids, step))
+            self.trained = {g: s for g, s in self.trained.items() if s >= step - dedup_window}
+
+
+def forgotten(progress: TrainerProgress, record: Record) -> bool:
+    """Whether Redis's progress is behind what the trainer wrote: it lost writes."""
+    return (progress.step < record.step or progress.state_step < record.state_step
+            or progress.groups_trained < record.groups_trained)
+
+
+def put_right(r: redis.Redis, keys: Keys, record: Record) -> TrainerProgress:
+    """Write `record` back into Redis in one transaction; returns what Redis had."""
+    had = read_trainer(r, keys)
+    pipe = r.pipeline(transaction=True)
+    write_step(pipe, keys, step=record.step, version=record.version, state_step=record.state_step)
+    restore_trained(pipe, keys, groups_trained=record.groups_trained, trained=record.trained)
+    if record.latest is not None:
+        blob = encode(record.latest)
+        pipe.set(keys.weights_latest, blob)
+        pipe.xadd(keys.weights, {PAYLOAD: blob})
+    pipe.execute()
+    return had
