@@ -174,7 +174,6 @@ def run(config: Config) -> None:
         r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps)
     state = State(model, optimizer, scheduler, step=step, version=step, record=Record.of(read_trainer(r, keys)))
-    vocab_size = model.config.vocab_size
     sft = cfg.objective == "sft"
     update = objective(cfg, temperature=rollout.temperature, source_dir=source_dir, where=where)
     tracker = Tracker(r, config) if rank == 0 else None
@@ -188,7 +187,8 @@ def run(config: Config) -> None:
         t_step = time.monotonic()
         check_redis(r, keys, state)
         got, state.cursor = collect(r, keys, want=rollout.prompts_per_step // world, step=state.step,
-                                    max_staleness=None if sft else rollout.max_staleness, vocab_size=vocab_size,
+                                    max_staleness=None if sft else rollout.max_staleness,
+                                    vocab_size=state.model.config.vocab_size,
                                     unpublished=set(state.unacked_ids), consumer=f"rank{rank}",
                                     cursor=state.cursor, shutdown=shutdown, objective=cfg.objective,
                                     limits=config.limits, trained=state.record.trained,
