@@ -57,9 +57,27 @@ def test_a_bf16_step_tracks_float32_and_publishes_bf16(tmp_path, tiny_model):
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_activation_checkpointing_gives_the_same_step(tiny_model):
+    torch.set_num_threads(1)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(6)
+    groups = [make_group(base, f"g{i}", version=0, rng=rng) for i in range(3)]
+    weights = []
+    for checkpointing in (False, True):
+        model = parallelize(load_model(tiny_model), device=torch.device("cpu"), activation_checkpointing=checkpointing)
+        assert model.is_gradient_checkpointing == checkpointing
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        train_step(model, opt, groups, loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo",
+                   overlong="none", overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1,
+                   recompute_old_logp=False, max_grad_norm=1e9)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_bf16_training_tracks_float32_at_world_sizes_1_and_2(tmp_path, redis_url, r, tiny_model):
-    """The pipeline's trainer (torchrun and FSDP2 on gloo at world size 2)."""
+    """The pipeline's trainer (torchrun and FSDP2 on gloo at world size 2), with a KL term: the
+    frozen reference is loaded in bf16 and sharded like the policy."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rng = random.Random(11)
     blobs = [encode(make_group(model, f"g{i}", version=0, rng=rng)) for i in range(8)]
@@ -67,7 +85,7 @@ def test_bf16_training_tracks_float32_at_world_sizes_1_and_2(tmp_path, redis_url
     for name, (nproc, dtype) in runs.items():
         for blob in blobs:
             r.xadd(Keys(name).samples, {PAYLOAD: blob})
-        out = run(tmp_path, name, redis_url, tiny_model, nproc=nproc, dtype=dtype)
+        out = run(tmp_path, name, redis_url, tiny_model, nproc=nproc, dtype=dtype, kl_coef=0.1)
         assert f"{nproc} rank(s) on cpu, {dtype}" in out
 
     want = metrics(tmp_path / "fp32" / "metrics.jsonl")

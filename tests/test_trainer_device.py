@@ -6,11 +6,16 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from tests.test_trainer import make_group
+from trainer.devices import backend_device
 from trainer.grpo import LossOptions
+from trainer.parallel import all_max, all_sum, any_rank, collective_device
 from trainer.step import sft_step, train_step
 
 # What reads a value back to Python; on meta there is none, so the dry run reads 0.
@@ -63,3 +68,33 @@ def test_an_sft_step_builds_every_tensor_on_the_models_device(meta_run):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with ReadsOffMetaAreZero():
         sft_step(model, opt, groups, micro_batch_size=4, micro_batch_tokens=0, max_grad_norm=1.0)
+
+
+class CollectiveDevices(TorchDispatchMode):
+    """The devices of the tensors each c10d collective is called with."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, torch.device]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            for t in pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    self.seen.append((func.__name__, t.device))
+        return func(*args, **(kwargs or {}))
+
+
+def test_collectives_run_on_the_process_groups_device(tmp_path):
+    assert backend_device("nccl") == torch.device("cuda"), "NCCL takes CUDA tensors only"
+    assert backend_device("gloo") == torch.device("cpu")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with CollectiveDevices() as watch:
+            assert all_sum([1.5, 2.0]) == [1.5, 2.0]
+            assert all_max(3) == 3
+            assert any_rank(True)
+        assert len(watch.seen) >= 3, watch.seen
+        assert {device for _, device in watch.seen} == {collective_device()} == {torch.device("cpu")}, watch.seen
+    finally:
+        dist.destroy_process_group()

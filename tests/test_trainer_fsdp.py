@@ -18,13 +18,14 @@ from tests.test_trainer import make_group
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(tmp_path: Path, run_name: str, redis_url: str, model_dir: Path, nproc: int, dtype: str = "float32") -> str:
+def run(tmp_path: Path, run_name: str, redis_url: str, model_dir: Path, nproc: int, dtype: str = "float32",
+        kl_coef: float = 0.0) -> str:
     toml = "\n".join([
         f'run = "{run_name}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / run_name}"',
         "[model]", f'path = "{model_dir}"', f'dtype = "{dtype}"',
         "[rollout]", "group_size = 4", "prompts_per_step = 4", "max_staleness = 2",
         "[trainer]", "max_steps = 2", "lr = 1e-3", "micro_batch_size = 3", "micro_batch_tokens = 40",
-        "threads = 1", "keep_checkpoints = 2",
+        "threads = 1", "keep_checkpoints = 2", f"kl_coef = {kl_coef}",
     ])
     config = tmp_path / f"{run_name}.toml"
     config.write_text(toml + "\n")

@@ -29,7 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def worker(model_dir: str, seq: int, batch: int) -> None:
+def worker(model_dir: str, seq: int, batch: int, chunk_tokens: int) -> None:
+    import inspect
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -53,6 +55,8 @@ def worker(model_dir: str, seq: int, batch: int) -> None:
     args = dict(loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
                 overlong_penalty=0.0, micro_batch_size=batch, micro_batch_tokens=0, updates=1,
                 max_grad_norm=1.0)
+    if chunk_tokens and "chunk_tokens" in inspect.signature(train_step).parameters:  # a tree with chunking
+        args["chunk_tokens"] = chunk_tokens
     train_step(model, opt, [group(8, 8)], **args)  # warm-up: AdamW's state
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.monotonic()
@@ -85,21 +89,24 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048, help="tokens per sequence (prompt + completion)")
     ap.add_argument("--batch", type=int, default=2, help="sequences in the step (one micro-batch, one group: >= 2)")
     ap.add_argument("--trees", nargs="*", default=[str(ROOT)], help="code trees to measure, in turn")
+    ap.add_argument("--chunk-tokens", type=int, default=0,
+                    help="trainer.logits_chunk_tokens for trees that chunk (0: their default)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shape", default="", help="LAYERS,HIDDEN,VOCAB of a random Llama to use instead of --model")
     a = ap.parse_args()
     if a.shape and not a.worker:
         a.model = build(a.shape)
     if a.worker:
-        worker(a.model, a.seq, a.batch)
+        worker(a.model, a.seq, a.batch, a.chunk_tokens)
         return
     logits_mib = a.batch * a.seq * 4 / 2**20  # per vocabulary entry; times V below
     for tree in a.trees:
         env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "2"}
-        out = subprocess.run([sys.executable, __file__, "--worker", "--model", a.model, "--seq", str(a.seq),
-                              "--batch", str(a.batch)], env=env, cwd=tree, capture_output=True, text=True, check=True)
+        argv = [sys.executable, __file__, "--worker", "--model", a.model, "--seq", str(a.seq), "--batch", str(a.batch),
+                "--chunk-tokens", str(a.chunk_tokens)]
+        out = subprocess.run(argv, env=env, cwd=tree, capture_output=True, text=True, check=True)
         got = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{tree}: {a.shape or a.model}: batch {a.batch} x {a.seq} tokens: "
+        print(f"{tree}: {a.shape or a.model}: batch {a.batch} x {a.seq} tokens, chunk {a.chunk_tokens or 'default'}: "
               f"step peak +{got['peak_growth_mib']:.0f} MiB "
               f"(one float32 logits tensor: {logits_mib * got['vocab']:.0f} MiB), {got['step_s']} s", flush=True)
 
