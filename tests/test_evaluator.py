@@ -7,12 +7,12 @@ from rq.registry import FailedJobRegistry
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checkpoints import checksum_dir
-from common.config import config_from_dict
+from common.config import SourceConfig, config_from_dict
 from common.evals import enqueue_eval, eval_queue, read_request
 from common.keys import Keys
 from common.messages import WeightVersion
 from common.metrics import read_metrics_stream
-from tasks import arithmetic
+from tasks.rows import eval_prompts
 from tests.helpers import spawn
 
 RUN = "ev"
@@ -45,13 +45,15 @@ def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(tmp_path, redis_ur
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     right = 0
-    for i in range(req.prompts):
-        p = arithmetic.problem(seed=req.seed, index=i, max_operand=req.max_operand, ops=req.ops)
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": p.question}], add_generation_prompt=True,
+    [source] = [SourceConfig(**d) for d in req.sources]  # the run's own task: built-in arithmetic
+    problems = eval_prompts(source, count=req.prompts, seed=req.seed, holdout=req.holdout or None)
+    assert len(problems) == req.prompts
+    for p in problems:
+        ids = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
         out = model.generate(ids, do_sample=False, max_new_tokens=req.max_new_tokens, pad_token_id=0)
         numbers = re.findall(r"-?\d+", tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
-        right += bool(numbers) and int(numbers[-1]) == p.answer
+        right += bool(numbers) and int(numbers[-1]) == p.meta["answer"]
     assert result["eval/pass@1"] == right / req.prompts
     assert result["eval/pass@1"] <= result["eval/pass@2"]
     assert json.loads(r.hget(Keys(RUN).evals, "3")) == result
