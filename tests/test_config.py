@@ -114,3 +114,15 @@ def test_a_process_refuses_a_bad_flag_naming_the_field():
                           text=True)
     assert done.returncode != 0, done.stderr
     assert "rollout.group_size: Input should be greater than or equal to 2 (got '1')" in done.stderr, done.stderr
+
+
+def test_shipped_gsm8k_config_trains_on_the_train_split_and_evaluates_on_the_test_split():
+    from tests.helpers import ROOT
+
+    cfg = load_config(ROOT / "configs" / "gsm8k.toml", env={})
+    assert (cfg.model.path, cfg.model.dtype) == ("Qwen/Qwen2.5-0.5B-Instruct", "bfloat16")
+    [train], [test] = cfg.data.sources, cfg.eval.sources
+    assert (train.path, train.subset, train.split) == ("openai/gsm8k", "main", "train")
+    assert (test.path, test.subset, test.split) == ("openai/gsm8k", "main", "test")
+    assert (test.template, test.answer_extractor) == (train.template, train.answer_extractor)
+    assert cfg.eval.every > 0
