@@ -21,9 +21,9 @@ RUN = "sec"
 KEYS = Keys(RUN)
 PASSWORD = "default-pw-7f3a"  # the default user's (requirepass)
 USER, USER_PASSWORD = "rollouts-sec", "acl-pw-91c2"
-# a password with the characters a URL must percent-encode (README: "percent-encode @, : and /")
+# a password with the characters a URL must percent-encode (docs/operations.md: "percent-encode @, : and /")
 TLS_PASSWORD = "acl@pw:91/c2"
-# The README's example: the run's keys, RQ's keys and channels, every command but the dangerous
+# docs/operations.md's example: the run's keys, RQ's keys and channels, every command but the dangerous
 # ones, plus INFO (RQ reads the server version with it; without it RQ assumes an old server).
 ACL_RULE = f"on >{USER_PASSWORD} resetkeys ~rollouts:{RUN}:* ~rq:* resetchannels &rq:* +@all -@dangerous +info"
 
@@ -83,7 +83,7 @@ def self_signed(tmp_path) -> tuple[Path, Path]:
 def test_pipeline_runs_over_tls_as_an_acl_user_limited_to_its_run(tmp_path, tiny_model):
     cert, key = self_signed(tmp_path)
     tls_port = free_port()
-    # the README's TLS flags (client certificates required, Redis's default); the plain port is the test's own
+    # docs/operations.md's TLS flags (client certificates required, Redis's default); the plain port is the test's own
     server, port = locked_redis(tmp_path, "--tls-port", str(tls_port), "--tls-cert-file", str(cert),
                                 "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert))
     redis.Redis(port=port, password=PASSWORD).execute_command("ACL", "SETUSER", USER, f">{TLS_PASSWORD}")
@@ -168,7 +168,7 @@ def test_an_acl_user_lacking_a_permission_stops_each_process_with_one_line(tmp_p
     with the password hidden, and exits non-zero instead of a traceback."""
     server, port = locked_redis(tmp_path)
     admin = redis.Redis(port=port, password=PASSWORD)
-    # the README's rule but without XADD; and one confined to another run's keys (and not RQ's)
+    # docs/operations.md's rule but without XADD; and one confined to another run's keys (and not RQ's)
     admin.execute_command("ACL", "SETUSER", "no-xadd", *ACL_RULE.replace(USER_PASSWORD, "pw-1").split(), "-xadd")
     admin.execute_command("ACL", "SETUSER", "other-run", *ACL_RULE.replace(USER_PASSWORD, "pw-2")
                           .replace(f"~rollouts:{RUN}:* ~rq:*", "~rollouts:other:*").split())
