@@ -265,6 +265,10 @@ async def intake(g: Generator, state: State) -> None:
                     entries += await trio.to_thread.run_sync(partial(
                         take_prompts, g.r, stream=g.keys.prompts, consumer=g.id, count=count - len(entries),
                         claim_idle_ms=int(g.settings.claim_idle_s * 1000), wait=not entries))
+                # A prompt it holds comes back when it went claim_idle_s without a touch (a heartbeat
+                # that fell behind on a loaded machine) and this generator reclaimed it from itself:
+                # it is in the engine already, and sampling it twice would write two groups.
+                entries = [e for e in entries if e[0].decode() not in state.held]
                 work = await trio.to_thread.run_sync(partial(
                     prepare_prompts, g.r, g.engine, entries, keys=g.keys, name=g.name,
                     max_new_tokens=g.sampling.max_new_tokens, limits=g.limits))

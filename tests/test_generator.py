@@ -255,3 +255,35 @@ def test_held_prompts_are_touched_so_live_generators_do_not_reclaim_them(r):
     assert [entry_id for entry_id, _ in taken] == [ids[0], ids[3]], "c reclaims what was not touched, and only that"
     owners = {e["message_id"]: e["consumer"] for e in r.xpending_range(stream, GENERATORS_GROUP, "-", "+", 10)}
     assert owners == {ids[0]: b"c", ids[1]: b"a", ids[2]: b"a", ids[3]: b"c"}
+
+
+def test_a_held_prompt_reclaimed_by_its_own_generator_is_not_sampled_twice(tiny_model, tmp_path, redis_url, r):
+    """A generator whose touches fall behind (a loaded machine) can take back, through its own
+    claim of idle prompts, a prompt it still holds: it must not sample it a second time."""
+    keys = Keys("self")
+    config = tmp_path / "self.toml"
+    config.write_text(f'run = "self"\nredis_url = "{redis_url}"\n[model]\npath = "{tiny_model}"\n'
+                      "[rollout]\nmax_new_tokens = 4\n"
+                      "[generator]\nengine = \"hf\"\nthreads = 1\nbatch_prompts = 1\nclaim_idle_s = 30\n"
+                      "reward_timeout_s = 60\n"
+                      '[[data.sources]]\nname = "arithmetic"\nkind = "arithmetic"\n'
+                      'reward = "tests.reward_fixtures:slow_pid"\n')
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    task = ask(0, n=2)
+    task = type(task)(**{**{f: getattr(task, f) for f in task.__slots__}, "meta": {**task.meta, "sleep": 8}})
+    entry = r.xadd(keys.prompts, {PAYLOAD: encode(task)})
+    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(config)},
+                 log=tmp_path / "generator.log")
+    try:
+        wait_for(lambda: r.xpending_range(keys.prompts, GENERATORS_GROUP, "-", "+", 1, consumername="g1"),
+                 timeout=120, what="g1 holding the prompt", procs=[proc])
+        # as if g1 had not touched it for a minute, while its reward still runs
+        r.xclaim(keys.prompts, GENERATORS_GROUP, "g1", 0, [entry], idle=60_000)
+        wait_for(lambda: r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0 and r.xlen(keys.samples),
+                 timeout=120, what="the prompt's group written", procs=[proc])
+        time.sleep(10)  # a second sampling of it would finish its 8 s reward by now
+        assert proc.poll() is None, (tmp_path / "generator.log").read_text()[-3000:]
+    finally:
+        code = stop(proc)
+    assert code == 0, (tmp_path / "generator.log").read_text()[-3000:]
+    assert [decode_group(f[PAYLOAD]).id for _, f in r.xrange(keys.samples)] == [task.id]
