@@ -251,3 +251,41 @@ def test_a_configuration_that_would_stall_is_refused_at_start(tmp_path, redis_ur
         named = [line for line in proc.stderr.splitlines()
                  if "trainer.sync_every" in line and "rollout.max_staleness" in line]
         assert len(named) == 1, proc.stderr
+
+
+def test_entries_delivered_to_the_trainer_in_a_lost_reply_are_read_again(tmp_path, redis_url, r, tiny_model):
+    """A read whose reply never reached the trainer (a socket timeout, retried by the client) leaves
+    entries pending under its consumer name that it never saw: it finds and trains them, and
+    nothing stays pending to hold back the trimming of the stream."""
+    from tests.helpers import spawn, wait_for
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(5)
+    groups = [make_group(model, f"s{i}", version=0, rng=rng) for i in range(8)]
+    for g in groups[:4]:
+        xadd(r, encode(g))
+    settings = {"max_steps": 4, "micro_batch_size": 4, "lr": 1e-3, "threads": 1, "keep_checkpoints": 2}
+    (tmp_path / "rollouts.toml").write_text("\n".join([
+        f'run = "{RUN}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / "out"}"',
+        "[model]", f'path = "{tiny_model}"', "[rollout]", "group_size = 4", "prompts_per_step = 2",
+        "max_staleness = 8", "[trainer]", *(f"{k} = {v}" for k, v in settings.items())]) + "\n")
+    proc = spawn("trainer", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(tmp_path / "rollouts.toml")},
+                 log=tmp_path / "trainer.log")
+    try:
+        wait_for(lambda: read_trainer(r, KEYS).step >= 2, timeout=180, what="step 2", procs=[proc])
+        # two groups delivered to rank0 whose reply is lost: read under its name, in the same
+        # transaction that adds them (a blocked reader is served only after EXEC)
+        pipe = r.pipeline(transaction=True)
+        for g in groups[4:6]:
+            pipe.xadd(KEYS.samples, {PAYLOAD: encode(g)})
+        pipe.xreadgroup(TRAINER_GROUP, "rank0", {KEYS.samples: ">"}, count=2)
+        assert len(pipe.execute()[-1][0][1]) == 2
+        for g in groups[6:]:
+            xadd(r, encode(g))
+        assert proc.wait(timeout=180) == 0, (tmp_path / "trainer.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    trained = {m.decode() for m in r.zrange(KEYS.trained, 0, -1)}
+    assert trained == {g.id for g in groups}, (tmp_path / "trainer.log").read_text()[-2000:]
+    assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0

@@ -180,9 +180,18 @@ def publish_if_due(r: redis.Redis, keys: Keys, state: State, *, last: bool, conf
         state.record.step = state.step
 
 
-def check_redis(r: redis.Redis, keys: Keys, state: State) -> None:
-    """Put Redis right if it lost writes the trainer made (trainer/record.py), then read this
-    rank's pending entries again: those it trained come round as duplicates and are acknowledged."""
+def check_redis(r: redis.Redis, keys: Keys, state: State, *, consumer: str) -> None:
+    """Before a step: read this rank's pending entries again when it holds entries it never saw,
+    and put Redis right first if it lost writes the trainer made (trainer/record.py).
+
+    A read whose reply was lost (a socket timeout on a loaded machine, retried by the client) left
+    entries delivered to this rank that it never received: pending under its name, never trained,
+    never acknowledged, holding back the trimming of the stream for good. Re-reading the pending
+    entries from the start finds them; those already trained and awaiting the next saved state
+    are passed over (collect's `skip`), and any it trained before come round as duplicates."""
+    if stranded(r, keys, state, consumer=consumer):
+        say(f"trainer: {consumer} holds pending entries it never received (a lost reply); reading them again")
+        state.cursor = b"0"
     lost = is_main() and forgotten(read_trainer(r, keys), state.record)
     if not any_rank(lost):
         return
@@ -192,6 +201,14 @@ def check_redis(r: redis.Redis, keys: Keys, state: State) -> None:
             f"{had.groups_trained} groups trained; the trainer is at step {state.record.step}, saved state "
             f"{state.record.state_step}, {state.record.groups_trained} groups trained): written back")
     state.cursor = b"0"
+
+
+def stranded(r: redis.Redis, keys: Keys, state: State, *, consumer: str) -> bool:
+    """Whether `consumer` has entries pending that the trainer does not hold (every entry it
+    holds between steps awaits the next saved state, in `state.unacked_entries`)."""
+    held = set(state.unacked_entries)
+    pending = r.xpending_range(keys.samples, TRAINER_GROUP, "-", "+", len(held) + 1, consumername=consumer)
+    return any(p["message_id"] not in held for p in pending)
 
 
 def wind_up(r: redis.Redis, keys: Keys, state: State, tracker: Tracker | None, *, config: Config,
@@ -243,7 +260,7 @@ def run(config: Config) -> None:
     # Every decision that leads to a collective (stop, train, publish) is agreed by all ranks.
     while not (cfg.max_steps and state.step >= cfg.max_steps) and not any_rank(shutdown.requested):
         t_step = time.monotonic()
-        check_redis(r, keys, state)
+        check_redis(r, keys, state, consumer=f"rank{rank}")
         got, state.cursor = collect(r, keys, want=rollout.prompts_per_step // world, step=state.step,
                                     max_staleness=None if sft else rollout.max_staleness,
                                     vocab_size=model.config.vocab_size,
