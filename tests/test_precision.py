@@ -69,7 +69,7 @@ def test_activation_checkpointing_gives_the_same_step(tiny_model):
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         train_step(model, opt, groups, loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo",
                    overlong="none", overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1,
-                   recompute_old_logp=False, max_grad_norm=1e9)
+                   max_grad_norm=1e9)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=1e-6)
 

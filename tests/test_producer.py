@@ -65,21 +65,22 @@ def test_producer_refuses_a_changed_seed(tmp_path, redis_url, r):
     assert "task.seed" in (tmp_path / "producer.log").read_text()
 
 
-def test_the_evaluators_problems_are_not_the_training_sequence(r):
-    """README: pass@1 "on 32 held-out problems": the evaluator draws its own sequence (eval.seed),
-    not the producer's (task.seed)."""
-    from common.config import load_config
+def test_the_evaluators_problems_are_the_runs_held_out_split(r):
+    """README: pass@1 "on 32 held-out problems (the eval.holdout share of the task's problems ...
+    that the producer never admits for training)": the evaluator is asked for the run's own
+    sources, on their held-out split (tests/test_evaluator.py checks the producer skips it)."""
+    from common.config import SourceConfig, load_config
     from common.evals import enqueue_eval, read_request
     from common.messages import WeightVersion
+    from tasks.rows import eval_prompts, held_out
     from tests.helpers import ROOT
 
     cfg = load_config(ROOT / "configs" / "demo.toml", env={})
     wv = WeightVersion(version=10, step=10, path="runs/demo/checkpoints/step_10", format="safetensors",
                        checksums={}, created_at=0.0)
     req = read_request(enqueue_eval(r, cfg, wv).kwargs["spec"])  # what the evaluator is asked
-    assert (req.prompts, req.max_operand, req.ops) == (32, cfg.task.max_operand, cfg.task.ops)
-    trained = [problem(seed=cfg.task.seed, index=i, max_operand=cfg.task.max_operand, ops=cfg.task.ops).question
-               for i in range(req.prompts)]
-    held_out = [problem(seed=req.seed, index=i, max_operand=req.max_operand, ops=req.ops).question
-                for i in range(req.prompts)]
-    assert req.seed != cfg.task.seed and len(set(trained) & set(held_out)) < req.prompts // 2
+    assert req.prompts == 32 and req.holdout == cfg.eval.holdout > 0
+    sources = [SourceConfig(**d) for d in req.sources]
+    assert sources == list(cfg.sources)  # the run's own task, not a fixed one
+    problems = eval_prompts(sources[0], count=req.prompts, seed=req.seed, holdout=req.holdout)
+    assert len(problems) == 32 and all(held_out(p, req.holdout) for p in problems)
