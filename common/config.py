@@ -73,6 +73,22 @@ class SourceConfig(_Section):
     # (arithmetic: exact integer; countdown: expression reaches the target; dataset: final answer).
     reward: str = Field("", pattern=r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
+    # Environment this source's prompts are played against, "module" or "module:attribute"
+    # (envs/base.py; built-ins "envs.calculator", "envs.guess"); "" = none: one completion per
+    # sample, scored by `reward`. With one, each sample is a multi-turn episode scored by the
+    # environment (the reward function is not called), and the limits below apply.
+    environment: str = Field("", pattern=r"^$|^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
+    # Model turns per episode.
+    max_turns: int = Field(4, ge=1)
+    # Tokens per episode after the prompt, the model's and the environment's; each model turn
+    # samples at most rollout.max_new_tokens of them.
+    max_episode_tokens: int = Field(512, ge=1)
+    # Seconds one environment call (start, or a step with its tools) may run; past it the model
+    # is answered with an error message and the episode goes on.
+    turn_timeout_s: float = Field(10.0, gt=0.0)
+    # Seconds one episode may run, sampling included (checked between turns; finish "timeout").
+    episode_timeout_s: float = Field(300.0, gt=0.0)
+
     # ---- arithmetic and countdown (see [task] for what they mean)
     max_operand: int = Field(20, ge=1)
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+", "-"], min_length=1)
@@ -124,6 +140,8 @@ class SourceConfig(_Section):
     @model_validator(mode="after")
     def _check_dataset(self) -> SourceConfig:
         if self.kind == "sft":
+            if self.environment:
+                raise ValueError("environment: an sft source is not sampled, so it is played against no environment")
             if not self.path:
                 raise ValueError("path: an sft source needs a path (file, directory or hub name)")
             if self.prompt_column or self.template:
@@ -215,6 +233,9 @@ class GeneratorConfig(_Section):
     # Worker processes that run reward functions (concurrent groups use different ones); 0 runs
     # them in the generator process itself, with no timeout (debugging).
     reward_workers: int = Field(1, ge=0)
+    # Worker processes that run environment steps (sources with an `environment`); episodes
+    # waiting for one take turns.
+    env_workers: int = Field(2, ge=1)
 
 
 class TrainerConfig(_Section):
