@@ -63,7 +63,8 @@ def test_tool_calls_parse_in_the_hermes_and_the_tag_format():
     assert answers[2].startswith("error: no tool named 'nope'")
     tags = parse_calls("<calc>1 + 2</calc> <other>x</other> <calc>oops", format="tag", names=["calc"])
     assert [(c.name, c.arguments) for c in tags] == [("calc", "1 + 2")]
-    assert call_tools(tags, {"calc": lambda e: 1 // 0})[0] == "error: ZeroDivisionError: integer division or modulo by zero"
+    assert call_tools(tags, {"calc": lambda e: 1 // 0}) == [
+        "error: ZeroDivisionError: integer division or modulo by zero"]
 
 
 def test_an_environment_is_loaded_by_name_and_a_bad_one_is_refused():
