@@ -23,8 +23,11 @@ from typing import Any
 from envs.base import Step
 from envs.tools import call_tools, parse_calls
 
-system = ("You can use a calculator: write <calc>EXPRESSION</calc>, e.g. <calc>1234 + 5678</calc>, and "
-          "you will get its value. When you know the result, answer with just the number.")
+# A worked example: the default model (135M) calls the tool a few times in a hundred without one.
+system = ("You have a calculator. To use it, reply with only <calc>EXPRESSION</calc>, for example "
+          "<calc>4821 + 377</calc>, and its value comes back. Then answer with just the number.\n\n"
+          "Example:\nUser: What is 1520 - 38?\nAssistant: <calc>1520 - 38</calc>\nCalculator: 1482\n"
+          "Assistant: 1482")
 tools = [{"type": "function", "function": {
     "name": "calc", "description": "The value of an arithmetic expression of integers (+, -, *, parentheses).",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
