@@ -185,3 +185,17 @@ def test_a_failing_step_is_the_models_error_turn_and_the_episode_goes_on(tiny_mo
         ep, _ = play(envs, name, tok, [turn] * 3, {"tool": "boom"})
         assert (ep.finish, ep.turns, ep.reward, ep.errors) == ("stop", 2, 1.0, [])
         assert "error: RuntimeError: boom" in tok.decode(ep.ids)
+
+
+def test_the_trainers_length_of_an_episode_counts_the_models_tokens():
+    from common.messages import Completion
+    from trainer.metrics import step_metrics
+
+    def episode(mask: list[int]) -> Completion:
+        return Completion(ids=list(range(len(mask))), logprobs=[-0.1 if m else 0.0 for m in mask], reward=0.0,
+                          rewards={}, finish="stop", text="", loss_mask=mask)
+
+    group = SampleGroup(id="p", prompt_id="p", prompt_ids=[1], version=0, generator="g", engine="hf",
+                        completions=[episode([1, 1, 0, 0, 0, 1]), episode([1, 0, 0, 1, 1, 1, 1])])
+    m = step_metrics([group], staleness=[0])
+    assert (m["mean_length"], m["max_length"]) == (4.0, 5)
