@@ -63,3 +63,26 @@ class BadStart:
     @staticmethod
     def step(state: int, text: str) -> Step:
         return Step(state=state, done=True)
+
+
+class HangOnce:
+    """Hangs in its first step until the process is killed, the first time any episode of the run
+    plays it (meta["marker"] is a file that says it happened); afterwards ends each episode at once."""
+
+    system = None
+
+    @staticmethod
+    def start(meta: dict[str, Any]) -> str:
+        return meta["marker"]
+
+    @staticmethod
+    def step(state: str, text: str) -> Step:
+        import os
+
+        try:
+            fd = os.open(state, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return Step(state=state, done=True, reward=1.0)
+        os.close(fd)
+        time.sleep(3600)
+        return Step(state=state, done=True)

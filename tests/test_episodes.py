@@ -193,3 +193,48 @@ max_episode_tokens = 64
     model_tokens = [sum(c.loss_mask) for g in step1 for c in g.completions]
     assert metrics[0]["completions/mean_length"] == pytest.approx(sum(model_tokens) / len(model_tokens))
     check_trained_ids_are_sampled([g for g in groups if g.version == 0], tiny_model)
+
+
+def test_an_episode_in_flight_when_its_generator_dies_is_restarted_from_its_prompt(tiny_model, tmp_path,
+                                                                                  redis_url, r):
+    keys = Keys("re")
+    (tmp_path / "run.toml").write_text(f"""
+run = "re"
+redis_url = "{redis_url}"
+[model]
+path = "{tiny_model}"
+[rollout]
+max_new_tokens = 4
+[generator]
+engine = "hf"
+threads = 1
+claim_idle_s = 1.0
+[[data.sources]]
+name = "once"
+kind = "arithmetic"
+environment = "tests.env_fixtures:HangOnce"
+turn_timeout_s = 600
+""")
+    marker = tmp_path / "hung"
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    r.xadd(keys.prompts, {PAYLOAD: encode(prompt("once:0:0", {"source": "once", "marker": str(marker)}))})
+    env = {"ROLLOUTS_CONFIG": str(tmp_path / "run.toml")}
+    g1 = spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=tmp_path / "g1.log")
+    try:
+        # g1 is in the middle of the episode: a model turn taken, its environment step hanging
+        wait_for(marker.exists, timeout=120, what="g1's episode in its environment step", procs=[g1])
+        g1.kill()
+        g1.wait()
+        assert r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 1 and r.xlen(keys.samples) == 0
+        g2 = spawn("generators", "--id", "g2", cwd=tmp_path, env=env, log=tmp_path / "g2.log")
+        try:
+            wait_for(lambda: r.xlen(keys.samples) == 1, timeout=120, what="g2's group", procs=[g2])
+        finally:
+            assert stop(g2) == 0, (tmp_path / "g2.log").read_text()[-3000:]
+    finally:
+        stop(g1)
+    (group,) = [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
+    assert group.generator == "g2" and group.id == "once:0:0"
+    for c in group.completions:  # whole episodes, each from the prompt: one model turn, then done
+        assert (c.finish, c.reward, c.loss_mask) == ("stop", 1.0, [1] * len(c.ids))
+    assert r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0
