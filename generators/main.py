@@ -64,7 +64,7 @@ from common.config import Config, GeneratorConfig, LimitsConfig
 from common.heartbeats import Heartbeat, clear_heartbeat, write_heartbeat
 from common.keys import GENERATORS_GROUP, Keys
 from common.messages import Completion, MessageError, PromptTask, SampleGroup, decode_weights
-from engines.base import Engine, Finished, Sampled, SamplingSettings, episode_prompt_ids
+from engines.base import Engine, Finished, Sampled, SamplingSettings, episode_prompt_ids, turn_ids
 from engines.choice import engine_name, open_engine
 from envs.base import Spec
 from generators import devices
@@ -185,6 +185,7 @@ def run(config: Config, *, generator_id: str) -> None:
     engine_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     engine: Engine = engine_thread.submit(
         open_engine_for, config, seed=gen.seed + zlib.crc32(generator_id.encode())).result()
+    check_templates(engine, specs)
     rewards = RewardRunner(names, timeout_s=gen.reward_timeout_s, workers=gen.reward_workers)
     envs = EnvRunner([s.name for s in specs.values()], workers=gen.env_workers) if specs else None
     state = State()
@@ -218,6 +219,21 @@ def leaf_errors(group: BaseExceptionGroup) -> list[BaseException]:
     for err in group.exceptions:
         out += leaf_errors(err) if isinstance(err, BaseExceptionGroup) else [err]
     return out
+
+
+def check_templates(engine: Engine, specs: dict[str, Spec]) -> None:
+    """Refuse, at start-up, an environment whose turns the model's chat template cannot append to an
+    episode token by token (engines.base.turn_ids), or whose roles it does not render."""
+    from jinja2 import TemplateError
+
+    from common.config import ConfigError
+
+    for source, spec in specs.items():
+        try:
+            turn_ids(engine.tokenizer, [{"role": spec.error_role, "content": "x"}], eos_id=None)
+        except (ValueError, TemplateError) as err:
+            raise ConfigError(f"source {source!r}: environment {spec.name!r} with the model's chat template: "
+                              f"{err}") from None
 
 
 def open_engine_for(config: Config, *, seed: int) -> Engine:

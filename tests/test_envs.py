@@ -199,3 +199,15 @@ def test_the_trainers_length_of_an_episode_counts_the_models_tokens():
                         completions=[episode([1, 1, 0, 0, 0, 1]), episode([1, 0, 0, 1, 1, 1, 1])])
     m = step_metrics([group], staleness=[0])
     assert (m["mean_length"], m["max_length"]) == (4.0, 5)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    # Like templates that drop the reasoning of all but the last assistant turn: what the model
+    # sampled would no longer be the prefix of the rendered episode.
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                         "{% if m['role'] == 'assistant' and not loop.last %}[earlier]{% else %}{{ m['content'] }}"
+                         "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                         "{% endif %}")
+    with pytest.raises(ValueError, match="renders an assistant turn differently"):
+        turn_ids(tok, [{"role": "tool", "content": "1"}], eos_id=None)
