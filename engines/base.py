@@ -82,7 +82,7 @@ class Engine(Protocol):
         fit the model."""
 
 
-EngineName = Literal["auto", "vllm", "hf"]
+EngineName = Literal["auto", "vllm", "hf", "openai"]
 
 
 # ---------------------------------------------------------------------- shared by the engines

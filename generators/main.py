@@ -181,6 +181,8 @@ def run(config: Config, *, generator_id: str) -> None:
     streams.ensure_group(r, keys.prompts, GENERATORS_GROUP)
     host = socket.gethostname()
     gpu = devices.pick_gpu(r, keys, host=host, owner=generator_id, ttl_s=gen.heartbeat_ttl_s)
+    if gen.engine == "openai":
+        devices.lease_server(r, keys, url=gen.server_url, owner=generator_id, ttl_s=gen.heartbeat_ttl_s)
     # The engine lives in one thread: created there, every call made there.
     engine_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     engine: Engine = engine_thread.submit(
@@ -205,6 +207,8 @@ def run(config: Config, *, generator_id: str) -> None:
         leave_group(r, stream=keys.prompts, consumer=generator_id)
         if gpu is not None:
             devices.release_gpu(r, keys, host=host, device=gpu, owner=generator_id)
+        if gen.engine == "openai":
+            devices.release_server(r, keys, url=gen.server_url, owner=generator_id)
         rewards.close()
         if envs is not None:
             envs.close()
@@ -246,6 +250,8 @@ def open_engine_for(config: Config, *, seed: int) -> Engine:
         torch.set_num_threads(gen.threads)
     path = resolve_model_path(config.model.path)
     engine = engine_name(gen.engine)
+    if engine == "openai":  # the server was started on model.path with the run's dtype and seed
+        return open_engine(engine, path, url=gen.server_url, max_running=gen.max_in_flight * config.rollout.group_size)
     options: dict[str, Any] = {"max_batch": gen.batch_prompts} if engine == "hf" else {
         "kv_cache_gib": gen.kv_cache_gib, "gpu_memory_utilization": gen.gpu_memory_utilization,
         "max_num_seqs": gen.max_in_flight * config.rollout.group_size, "threads": gen.threads}
@@ -640,6 +646,9 @@ async def heartbeats(g: Generator, state: State) -> None:
         beat = heartbeat(state, g.engine)
         await trio.to_thread.run_sync(lambda b=beat: write_heartbeat(
             g.r, g.keys, g.id, b, ttl_s=g.settings.heartbeat_ttl_s))
+        if g.settings.engine == "openai":
+            await trio.to_thread.run_sync(lambda: devices.renew_server(
+                g.r, g.keys, url=g.settings.server_url, owner=g.id, ttl_s=g.settings.heartbeat_ttl_s))
         if g.gpu is not None:
             await trio.to_thread.run_sync(lambda: devices.renew_gpu(
                 g.r, g.keys, host=g.host, device=g.gpu, owner=g.id, ttl_s=g.settings.heartbeat_ttl_s))
