@@ -513,12 +513,12 @@ async def score_and_publish(g: Generator, state: State, done: Finished, held: He
             drop_group if drop else publish, g.r, keys=g.keys, entry_id=held.entry_id, group=group))
     finally:
         limit.release()
-    written(g, state, held, group, errors, dropped=drop)
+    written(g, state, held, group, errors, drop=drop)
 
 
-def written(g: Generator, state: State, held: Held, group: SampleGroup, errors: list[str], *, dropped: bool) -> None:
-    """Count a prompt's group written (or dropped) and give its place in `capacity` back to the intake."""
-    drop = dropped
+def written(g: Generator, state: State, held: Held, group: SampleGroup, errors: list[str], *, drop: bool) -> None:
+    """Count a prompt's group written (or dropped: dynamic sampling) and give its place in
+    `capacity` back to the intake."""
     del state.held[held.entry_id.decode()]
     g.capacity.release()
     tokens = sum(len(c.ids) if c.loss_mask is None else sum(c.loss_mask) for c in group.completions)
@@ -599,7 +599,7 @@ async def play_and_publish(g: Generator, state: State, held: Held) -> None:
         print(f"{g.name}: environment error ({len(step_errors)} in group {group.id}): {err}",
               file=sys.stderr, flush=True)
     written(g, state, held, group, [f"prompt {task.id}: {c.reward_error}" for c in completions
-                                    if c.reward_error is not None], dropped=drop)
+                                    if c.reward_error is not None], drop=drop)
 
 
 async def sample_turn(g: Generator, state: State, ids: list[int], max_new_tokens: int) -> Sampled:
