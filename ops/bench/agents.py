@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 PY = sys.executable
 
 
-def start(config_text: str, *, steps: int, prompts_per_step: int, tmp: Path) -> subprocess.Popen:
+def start(config_text: str, *, steps: int, prompts_per_step: int, micro_batch_size: int, tmp: Path
+          ) -> subprocess.Popen:
     """A honcho run of `config_text` in `tmp`, started."""
     from tests.conftest import free_port
 
@@ -47,6 +48,7 @@ def start(config_text: str, *, steps: int, prompts_per_step: int, tmp: Path) -> 
         f"REDIS_PORT={port}", f"ROLLOUTS_REDIS_URL=redis://127.0.0.1:{port}/0",
         f"ROLLOUTS_CONFIG={tmp / 'run.toml'}", f"ROLLOUTS_OUTPUT_DIR={tmp / 'run'}",
         f"ROLLOUTS_TRAINER__MAX_STEPS={steps}", f"ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP={prompts_per_step}",
+        f"ROLLOUTS_TRAINER__MICRO_BATCH_SIZE={micro_batch_size}",
         f"PYTHONPATH={ROOT}", "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1",
     ]) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
@@ -65,6 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--prompts-per-step", type=int, default=4)
+    ap.add_argument("--micro-batch-size", type=int, default=8, help="trainer rows per forward/backward (memory)")
     ap.add_argument("--runs", nargs="+", choices=["calculator", "plain"], default=["calculator", "plain"])
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmark-agents.json")
     args = ap.parse_args()
@@ -73,7 +76,8 @@ def main() -> None:
     assert plain != calculator, "configs/calculator.toml no longer names envs.calculator"
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-agents-"))
     out = {}
-    runs = {name: start(text, steps=args.steps, prompts_per_step=args.prompts_per_step, tmp=tmp / name)
+    runs = {name: start(text, steps=args.steps, prompts_per_step=args.prompts_per_step,
+                        micro_batch_size=args.micro_batch_size, tmp=tmp / name)
             for name, text in (("calculator", calculator), ("plain", plain)) if name in args.runs}
     try:
         for proc in runs.values():
