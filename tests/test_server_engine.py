@@ -54,8 +54,7 @@ def server(tmp_path_factory, tiny_model):
         wait_for(up, timeout=600, what="vllm serve", procs=[proc], poll=1.0)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop(proc, timeout=60)  # SIGKILL if it does not stop by then
 
 
 def forward_logprobs(model_dir, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
