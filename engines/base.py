@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,7 @@ class Engine(Protocol):
     context_length: int  # longest prompt + completion the model's positions allow
     max_running: int  # requests a step advances at once; more added wait in the engine's queue
     eos_ids: list[int]
+    tokenizer: Any  # the model's HF tokenizer: chat template, encode, decode
 
     def prompt_ids(self, task) -> list[int]:
         """The prompt's token ids: chat template with the generation prompt, or the plain text."""
@@ -81,7 +82,7 @@ class Engine(Protocol):
         fit the model."""
 
 
-EngineName = Literal["auto", "vllm", "hf"]
+EngineName = Literal["auto", "vllm", "hf", "openai"]
 
 
 # ---------------------------------------------------------------------- shared by the engines
@@ -102,6 +103,48 @@ def chat_prompt_ids(tokenizer, task) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
     assert task.text is not None, f"prompt {task.id}: neither messages nor text"
     return tokenizer.encode(task.text)
+
+
+def episode_prompt_ids(tokenizer, task, *, system: str | None, tools: list[dict] | None) -> list[int]:
+    """An episode's prompt ids: the environment's system message (before the prompt's own, if it
+    has one), the prompt's messages (a plain-text prompt as one user message), the tools' schemas
+    for templates that render them, and the generation prompt."""
+    messages = list(task.messages) if task.messages is not None else [{"role": "user", "content": task.text}]
+    if system is not None:
+        if messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": f"{system}\n\n{messages[0]['content']}"}
+        else:
+            messages.insert(0, {"role": "system", "content": system})
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+_MARK = "\u2063MODEL-TURN\u2063"  # stands for the model's turn when the template is rendered around it
+
+
+def turn_ids(tokenizer, messages: list[dict[str, str]], *, eos_id: int | None) -> list[int]:
+    """The token ids that follow a model's turn in an episode: the end of its turn as the chat
+    template writes it, `messages` (the environment's turn), and the header of the model's next
+    turn. `eos_id`: the eos the model's turn ended with (None: it was cut by its length); where
+    the template ends a turn with that token's text, it is not written twice.
+
+    Only this text is tokenized; the model's own tokens are never decoded and encoded again, so
+    an episode's ids are exactly the ids sampled with the environment's ids between them. The
+    text comes from rendering the template around a stand-in turn, with and without `messages`;
+    a template that renders earlier turns differently once more follow (the prefix changes) is
+    refused with ValueError."""
+    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+    before = tokenizer.apply_chat_template(base, tokenize=False)
+    after = tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ValueError("the chat template renders an assistant turn differently once other turns follow it; "
+                         "an episode cannot be extended token by token with it")
+    glue = before[before.rindex(_MARK) + len(_MARK):] + after[len(before):]
+    if eos_id is not None:
+        stop = tokenizer.decode([eos_id])
+        if stop and glue.startswith(stop):
+            glue = glue[len(stop):]
+    return tokenizer.encode(glue, add_special_tokens=False)
 
 
 def stop_ids(tokenizer, path: str | Path) -> list[int]:

@@ -41,4 +41,8 @@ def open_engine(name: EngineName, path: str | Path, *, dtype: str = "float32", s
         from engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(path, dtype=dtype, seed=seed, **options)
-    raise ValueError(f"unknown engine {name!r}: expected 'auto', 'vllm' or 'hf'")
+    if name == "openai":
+        from engines.openai_engine import OpenAIEngine
+
+        return OpenAIEngine(options["url"], path, max_running=options.get("max_running", 64))
+    raise ValueError(f"unknown engine {name!r}: expected 'auto', 'vllm', 'hf' or 'openai'")

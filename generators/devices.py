@@ -58,6 +58,26 @@ def release_gpu(r: redis.Redis, keys: Keys, *, host: str, device: str, owner: st
     r.eval(_RELEASE, 1, keys.gpu_lease(host, device), owner)
 
 
+def lease_server(r: redis.Redis, keys: Keys, *, url: str, owner: str, ttl_s: int) -> None:
+    """Take the inference server at `url` for this generator (engine "openai"); RuntimeError when a
+    live generator drives it already: its weight reloads would change the weights under the other's
+    requests, and groups would be stamped with versions they were not sampled with."""
+    key = keys.server_lease(url)
+    if r.set(key, owner, nx=True, ex=ttl_s) or r.eval(_RENEW, 1, key, owner, ttl_s):
+        return
+    holder = r.get(key)
+    raise RuntimeError(f"the server {url} is driven by generator {holder.decode() if holder else '?'}: one "
+                       f"generator per server (start a server for each generator)")
+
+
+def renew_server(r: redis.Redis, keys: Keys, *, url: str, owner: str, ttl_s: int) -> bool:
+    return bool(r.eval(_RENEW, 1, keys.server_lease(url), owner, ttl_s))
+
+
+def release_server(r: redis.Redis, keys: Keys, *, url: str, owner: str) -> None:
+    r.eval(_RELEASE, 1, keys.server_lease(url), owner)
+
+
 def pick_gpu(r: redis.Redis, keys: Keys, *, host: str, owner: str, ttl_s: int) -> str | None:
     """Lease a GPU and make it this process's only visible one; None where there is nothing to
     choose (no GPU, or the user pinned exactly one). Raises RuntimeError when every GPU of the

@@ -14,10 +14,14 @@ one `State` (what they hand over and count):
   scoring    scores each finished prompt's completions with its reward (in reward worker
              processes, each with a timeout), then per prompt one MULTI/EXEC: XADD its group to
              the samples stream + XACK the prompt
+  episodes   plays the prompts of sources with an environment: n multi-turn episodes each
+             (generators/episodes.py), whose model turns the engine loop samples among all other
+             requests and whose environment steps run in worker processes with time limits
+             (generators/environments.py); then writes the group as scoring does
   weights    reads `weights:latest` every `weights_poll_s`
   heartbeat  writes the heartbeat hash (version, engine, tokens/s, prompts in flight)
   signals    stops the intake at the first signal, everything at the second
-The first three are the pipeline, which ends when every taken prompt is written; the others run
+The first four are the pipeline, which ends when every taken prompt is written; the others run
 beside it until then. What is read from and written to Redis for prompts and groups (the
 MULTI/EXECs above, dead letters, reclaiming) is in `generators.prompts`.
 Blocking calls (Redis, the engine, rewards) run in threads; the engine always in one thread of
@@ -25,10 +29,10 @@ its own, the thread it was created in.
 
 Staleness: a newer published version stops new prompts from joining the engine; the ones in flight
 finish with the weights they started with (every group is sampled with one version, the one it is
-stamped with), then the weights are loaded and the waiting prompts join. A prompt admitted at a
-version newer than the loaded one makes the engine read `weights:latest` before adding it, so a
-prompt admitted at version v is sampled with weights >= v, which is what keeps admission control's
-staleness bound.
+stamped with; an episode's later turns too), then the weights are loaded and the waiting prompts
+join. A prompt admitted at a version newer than the loaded one makes the engine read
+`weights:latest` before adding it, so a prompt admitted at version v is sampled with weights >= v,
+which is what keeps admission control's staleness bound.
 
 The first SIGTERM/SIGINT stops the intake; the prompts already taken are sampled, scored and
 written, then the process exits. A second signal exits at once: what it held stays pending and is
@@ -63,9 +67,12 @@ from common.heartbeats import Heartbeat, clear_heartbeat, write_heartbeat
 from common.keys import GENERATORS_GROUP, Keys
 from common.messages import Completion, MessageError, PromptTask, SampleGroup, decode_weights
 from common.shaping import zero_variance
-from engines.base import Engine, Finished, SamplingSettings
+from engines.base import Engine, Finished, Sampled, SamplingSettings, episode_prompt_ids, turn_ids
 from engines.choice import engine_name, open_engine
+from envs.base import Spec
 from generators import devices
+from generators.environments import EnvRunner, environment_specs
+from generators.episodes import EpisodeLimits, run_episodes
 from generators.prompts import drop_group, leave_group, own_pending, prepare_prompts, publish, take_prompts, touch_held
 from generators.scoring import RewardRunner, reward_names
 
@@ -86,6 +93,17 @@ class Held:
     version: int = -1  # weights it is sampled with, set when it joins the engine
 
 
+@dataclass(eq=False)
+class Turn:
+    """An episode's model turn: a request for the engine loop, and its result once sampled."""
+
+    request_id: str
+    ids: list[int]  # the episode's ids so far (prompt included)
+    sampling: SamplingSettings
+    done: trio.Event = field(default_factory=trio.Event)
+    result: Sampled | None = None
+
+
 @dataclass
 class State:
     """What the generator's tasks share: held prompts, weights to load, counters for the heartbeat."""
@@ -102,6 +120,12 @@ class State:
     weights_refused: int = 0
     last_refusal: str = ""
     produced: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens) per group
+    episodes: int = 0  # prompts whose episodes are being played (weights are not loaded meanwhile)
+    turns: deque[Turn] = field(default_factory=deque)  # episode turns waiting to join the engine
+    sampling: dict[str, Turn] = field(default_factory=dict)  # request id -> turn in the engine
+    turn_count: int = 0  # turns ever queued (their request ids)
+    wake: trio.Event = field(default_factory=trio.Event)  # set when a turn is queued or an episode ends
+    env_errors: int = 0  # environment steps that failed (answered with an error message)
 
     def tokens_per_s(self) -> float:
         now = time.monotonic()
@@ -134,6 +158,11 @@ class Generator:
     finished_send: trio.MemorySendChannel[tuple[Finished, Held]]  # engine -> scoring: prompts sampled
     finished: trio.MemoryReceiveChannel[tuple[Finished, Held]]
     capacity: trio.Semaphore  # one token per held prompt: at most max_in_flight
+    envs: EnvRunner | None  # runs environment steps; None: no source has an environment
+    specs: dict[str, Spec]  # source name -> its environment
+    episode_limits: dict[str, EpisodeLimits]  # source name -> its episodes' limits
+    episodes_send: trio.MemorySendChannel[Held]  # engine -> episodes: prompts to play, version stamped
+    episodes_in: trio.MemoryReceiveChannel[Held]
     intake_scope: trio.CancelScope  # cancelled by the first signal
     fetch_dir: Path  # where versions fetched over HTTP land (settings.weights_url)
 
@@ -152,23 +181,29 @@ def run(config: Config, *, generator_id: str) -> None:
 
     # ------------------------------------------------------------------ start-up
     names = reward_names(config)  # a reward name that does not load fails before the model does
+    specs = environment_specs(config)  # so does an environment's
     r = streams.connect(config.redis_url)
     streams.ensure_group(r, keys.prompts, GENERATORS_GROUP)
     host = socket.gethostname()
     # One GPU leased per generator; a tensor-parallel one uses the GPUs CUDA_VISIBLE_DEVICES gives it.
     gpu = devices.pick_gpu(r, keys, host=host, owner=generator_id, ttl_s=gen.heartbeat_ttl_s) \
         if gen.tensor_parallel_size == 1 else None
+    if gen.engine == "openai":
+        devices.lease_server(r, keys, url=gen.server_url, owner=generator_id, ttl_s=gen.heartbeat_ttl_s)
     # The engine lives in one thread: created there, every call made there.
     engine_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     engine: Engine = engine_thread.submit(
         open_engine_for, config, seed=gen.seed + zlib.crc32(generator_id.encode())).result()
+    check_templates(engine, specs)
     rewards = RewardRunner(names, timeout_s=gen.reward_timeout_s, workers=gen.reward_workers)
+    envs = EnvRunner([s.name for s in specs.values()], workers=gen.env_workers) if specs else None
     state = State()
     print(f"{name}: {engine.name} engine on {engine.path}{f' (GPU {gpu})' if gpu else ''}, "
           f"up to {gen.max_in_flight} prompts in flight", flush=True)
     try:
         trio.run(partial(serve, config, state, r=r, keys=keys, engine=engine, engine_thread=engine_thread,
-                         rewards=rewards, generator_id=generator_id, host=host, gpu=gpu))
+                         rewards=rewards, envs=envs, specs=specs, generator_id=generator_id, host=host,
+                         gpu=gpu))
     except BaseExceptionGroup as group:  # a task's error: raise it as itself, for __main__'s handlers
         leaves = leaf_errors(group)
         if len(leaves) == 1:
@@ -179,7 +214,11 @@ def run(config: Config, *, generator_id: str) -> None:
         leave_group(r, stream=keys.prompts, consumer=generator_id)
         if gpu is not None:
             devices.release_gpu(r, keys, host=host, device=gpu, owner=generator_id)
+        if gen.engine == "openai":
+            devices.release_server(r, keys, url=gen.server_url, owner=generator_id)
         rewards.close()
+        if envs is not None:
+            envs.close()
         engine_thread.shutdown(wait=False)
     print(f"{name}: stopped after {state.groups} groups", flush=True)
     if state.exit_code is not None:
@@ -193,6 +232,21 @@ def leaf_errors(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
+def check_templates(engine: Engine, specs: dict[str, Spec]) -> None:
+    """Refuse, at start-up, an environment whose turns the model's chat template cannot append to an
+    episode token by token (engines.base.turn_ids), or whose roles it does not render."""
+    from jinja2 import TemplateError
+
+    from common.config import ConfigError
+
+    for source, spec in specs.items():
+        try:
+            turn_ids(engine.tokenizer, [{"role": spec.error_role, "content": "x"}], eos_id=None)
+        except (ValueError, TemplateError) as err:
+            raise ConfigError(f"source {source!r}: environment {spec.name!r} with the model's chat template: "
+                              f"{err}") from None
+
+
 def open_engine_for(config: Config, *, seed: int) -> Engine:
     from common.models import resolve_model_path
 
@@ -203,6 +257,8 @@ def open_engine_for(config: Config, *, seed: int) -> Engine:
         torch.set_num_threads(gen.threads)
     path = resolve_model_path(config.model.path)
     engine = engine_name(gen.engine)
+    if engine == "openai":  # the server was started on model.path with the run's dtype and seed
+        return open_engine(engine, path, url=gen.server_url, max_running=gen.max_in_flight * config.rollout.group_size)
     options: dict[str, Any] = {"max_batch": gen.batch_prompts} if engine == "hf" else {
         "kv_cache_gib": gen.kv_cache_gib, "gpu_memory_utilization": gen.gpu_memory_utilization,
         "max_num_seqs": gen.max_in_flight * config.rollout.group_size, "threads": gen.threads,
@@ -213,11 +269,18 @@ def open_engine_for(config: Config, *, seed: int) -> Engine:
 
 async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, engine: Engine,
                 engine_thread: concurrent.futures.Executor, rewards: RewardRunner, generator_id: str,
-                host: str, gpu: str | None) -> None:
+                host: str, gpu: str | None, envs: EnvRunner | None = None,
+                specs: dict[str, Spec] | None = None) -> None:
     """Wire the stages together and run them: the pipeline until every taken prompt is written."""
     gen, rollout = config.generator, config.rollout
     arrived_send, arrived = trio.open_memory_channel[Held](math.inf)
     finished_send, finished = trio.open_memory_channel[tuple[Finished, Held]](math.inf)
+    episodes_send, episodes_in = trio.open_memory_channel[Held](math.inf)
+    specs = specs or {}
+    limits = {s.name: EpisodeLimits(max_turns=s.max_turns, max_tokens=s.max_episode_tokens,
+                                    max_new_tokens=rollout.max_new_tokens, turn_timeout_s=s.turn_timeout_s,
+                                    episode_timeout_s=s.episode_timeout_s)
+              for s in config.sources if s.name in specs}
     g = Generator(
         id=generator_id, r=r, keys=keys, settings=gen, trainer=config.trainer, limits=config.limits,
         sampling=SamplingSettings(n=1, max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
@@ -225,7 +288,8 @@ async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, eng
         engine=engine, engine_thread=engine_thread, rewards=rewards, host=host, gpu=gpu,
         arrived_send=arrived_send, arrived=arrived, finished_send=finished_send, finished=finished,
         capacity=trio.Semaphore(gen.max_in_flight), intake_scope=trio.CancelScope(),
-        fetch_dir=Path(config.output_dir) / "fetched")
+        fetch_dir=Path(config.output_dir) / "fetched", envs=envs, specs=specs, episode_limits=limits,
+        episodes_send=episodes_send, episodes_in=episodes_in)
     # A late starter loads the newest weights before its first prompt.
     state.latest = await trio.to_thread.run_sync(r.get, keys.weights_latest)
     with trio.CancelScope() as everything:
@@ -237,6 +301,7 @@ async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, eng
                 pipeline.start_soon(intake, g, state)
                 pipeline.start_soon(engine_loop, g, state)
                 pipeline.start_soon(scoring, g, state)
+                pipeline.start_soon(episodes, g, state)
             background.cancel_scope.cancel()
 
 
@@ -294,6 +359,7 @@ async def engine_loop(g: Generator, state: State) -> None:
     asked = -1  # the newest admitted_at weights:latest was read for
     intake_done = False
     while True:
+        state.wake = trio.Event()  # what is queued from here on wakes the idle wait below
         if take_arrived(g.arrived, waiting):
             intake_done = True
         # A prompt admitted at a newer version than ours: read the latest weights now, once
@@ -303,25 +369,48 @@ async def engine_loop(g: Generator, state: State) -> None:
             asked = wanted
             state.latest = await trio.to_thread.run_sync(g.r.get, g.keys.weights_latest)
         newer = state.latest is not None and state.latest != state.acted_on
-        if newer and not g.engine.has_unfinished():
+        if newer and not g.engine.has_unfinished() and not state.episodes:
             await load_weights(state, g.engine, g.engine_thread, name=g.name, weights_url=g.settings.weights_url,
                                fetch_dir=g.fetch_dir)
             newer = False
+        if state.turns and running < g.engine.max_running:  # episodes in flight go on, newer weights or not
+            running += await add_turns(g, state, room=g.engine.max_running - running)
         if waiting and not newer and running < g.engine.max_running:
             # join the running batch; with newer weights pending, drain first
-            running += await add_waiting(g, waiting, room=g.engine.max_running - running)
+            running += await add_waiting(g, state, waiting, room=g.engine.max_running - running)
         if g.engine.has_unfinished():
             running -= await step_engine(g, state)
             continue
-        if intake_done and not waiting:
+        if intake_done and not waiting and not state.episodes:
             break
-        # idle: wait for a prompt to arrive or newer weights to show up
-        with trio.move_on_after(g.settings.weights_poll_s):
+        # idle: wait for a prompt to arrive, an episode's turn, or newer weights to show up
+        intake_done = await wait_for_work(g, state, waiting, intake_done=intake_done)
+    await g.finished_send.aclose()
+    await g.episodes_send.aclose()
+
+
+async def wait_for_work(g: Generator, state: State, waiting: deque[Held], *, intake_done: bool) -> bool:
+    """Wait up to `weights_poll_s` for a prompt to arrive (into `waiting`) or an episode to queue a
+    turn or end (`state.wake`); whether the intake has ended."""
+    async with trio.open_nursery() as race:
+        race.cancel_scope.deadline = trio.current_time() + g.settings.weights_poll_s
+
+        async def prompt() -> None:
+            nonlocal intake_done
             try:
                 waiting.append(await g.arrived.receive())
             except trio.EndOfChannel:
                 intake_done = True
-    await g.finished_send.aclose()
+            race.cancel_scope.cancel()
+
+        async def woken() -> None:
+            await state.wake.wait()
+            race.cancel_scope.cancel()
+
+        if not intake_done:
+            race.start_soon(prompt)
+        race.start_soon(woken)
+    return intake_done
 
 
 def take_arrived(arrived: trio.MemoryReceiveChannel[Held], waiting: deque[Held]) -> bool:
@@ -335,14 +424,31 @@ def take_arrived(arrived: trio.MemoryReceiveChannel[Held], waiting: deque[Held])
             return True
 
 
-async def add_waiting(g: Generator, waiting: deque[Held], *, room: int) -> int:
-    """Add up to `room` waiting prompts to the engine, stamped with its weight version; how many."""
+async def add_waiting(g: Generator, state: State, waiting: deque[Held], *, room: int) -> int:
+    """Add up to `room` waiting prompts to the engine, stamped with its weight version; how many.
+    A prompt of a source with an environment goes to the episodes stage instead (its turns come
+    back as requests)."""
     version, now = g.engine.version, time.perf_counter()
     batch = [waiting.popleft() for _ in range(min(len(waiting), room))]
     for h in batch:
         h.version, h.added_at = version, now
+    played = [h for h in batch if h.task.meta.get("source") in g.specs]
+    for h in played:
+        state.episodes += 1
+        g.episodes_send.send_nowait(h)
+    batch = [h for h in batch if h.task.meta.get("source") not in g.specs]
     requests = [(h.entry_id.decode(), h.prompt_ids, dataclasses.replace(g.sampling, n=h.task.n)) for h in batch]
-    await run_on_engine(g.engine_thread, add_all, g.engine, requests)
+    if requests:
+        await run_on_engine(g.engine_thread, add_all, g.engine, requests)
+    return len(batch)
+
+
+async def add_turns(g: Generator, state: State, *, room: int) -> int:
+    """Add up to `room` queued episode turns to the engine; how many."""
+    batch = [state.turns.popleft() for _ in range(min(len(state.turns), room))]
+    for turn in batch:
+        state.sampling[turn.request_id] = turn
+    await run_on_engine(g.engine_thread, add_all, g.engine, [(t.request_id, t.ids, t.sampling) for t in batch])
     return len(batch)
 
 
@@ -355,6 +461,11 @@ async def step_engine(g: Generator, state: State) -> int:
     """One engine step; each prompt it finished goes on to scoring. How many finished."""
     finished = await run_on_engine(g.engine_thread, g.engine.step)
     for done in finished:
+        turn = state.sampling.pop(done.request_id, None)
+        if turn is not None:  # an episode's turn: back to its episode
+            turn.result = done.samples[0]
+            turn.done.set()
+            continue
         g.finished_send.send_nowait((done, state.held[done.request_id]))
     return len(finished)
 
@@ -422,9 +533,15 @@ async def score_and_publish(g: Generator, state: State, done: Finished, held: He
             drop_group if drop else publish, g.r, keys=g.keys, entry_id=held.entry_id, group=group))
     finally:
         limit.release()
-    del state.held[done.request_id]
+    written(g, state, held, group, errors, drop=drop)
+
+
+def written(g: Generator, state: State, held: Held, group: SampleGroup, errors: list[str], *, drop: bool) -> None:
+    """Count a prompt's group written (or dropped: dynamic sampling) and give its place in
+    `capacity` back to the intake."""
+    del state.held[held.entry_id.decode()]
     g.capacity.release()
-    tokens = sum(len(c.ids) for c in group.completions)
+    tokens = sum(len(c.ids) if c.loss_mask is None else sum(c.loss_mask) for c in group.completions)
     state.produced.append((time.monotonic(), tokens))
     state.reward_errors += len(errors)
     if drop:
@@ -460,6 +577,63 @@ def make_group(engine: Engine, rewards: RewardRunner, held: Held, done: Finished
     return group, [f"prompt {task.id}: {sc.error}" for sc in scored if sc.error is not None]
 
 
+# ---------------------------------------------------------------------- episodes
+
+
+async def episodes(g: Generator, state: State) -> None:
+    """Play each prompt the engine loop sends (a source with an environment), all concurrently."""
+    async with trio.open_nursery() as playing:
+        async for held in g.episodes_in:
+            playing.start_soon(play_and_publish, g, state, held)
+
+
+async def play_and_publish(g: Generator, state: State, held: Held) -> None:
+    """Play a prompt's n episodes, then write its group (or drop it: dynamic sampling)."""
+    assert g.envs is not None, "a prompt to play, but no environment runner"
+    task = held.task
+    source = task.meta["source"]
+    spec, limits = g.specs[source], g.episode_limits[source]
+    try:
+        prompt_ids = episode_prompt_ids(g.engine.tokenizer, task, system=spec.system, tools=spec.tools)
+        room = g.engine.context_length - len(prompt_ids)  # the episode must fit the model's positions
+        assert room > 0, f"prompt {task.id}: {len(prompt_ids)} tokens fill the model's context"
+        limits = dataclasses.replace(limits, max_tokens=min(limits.max_tokens, room))
+        played = await run_episodes(task.n, sample=partial(sample_turn, g, state), envs=g.envs, spec=spec,
+                                    tokenizer=g.engine.tokenizer, prompt_ids=prompt_ids, meta=task.meta,
+                                    limits=limits)
+        t0 = time.perf_counter()
+        completions = [ep.completion(g.engine.decode(ep.ids)) for ep in played]
+        group = SampleGroup(
+            id=task.id, prompt_id=task.id, prompt_ids=prompt_ids, version=held.version, generator=g.id,
+            engine=g.engine.name, completions=completions,
+            timings={"queue": held.added_at - held.taken_at, "generate": t0 - held.added_at, "reward": 0.0})
+        drop = g.settings.drop_zero_variance and len({c.reward for c in group.completions}) == 1
+        await trio.to_thread.run_sync(partial(
+            drop_group if drop else publish, g.r, keys=g.keys, entry_id=held.entry_id, group=group))
+    finally:
+        state.episodes -= 1
+        state.wake.set()
+    step_errors = [e for ep in played for e in ep.errors]
+    state.env_errors += len(step_errors)
+    for err in step_errors[:1]:
+        print(f"{g.name}: environment error ({len(step_errors)} in group {group.id}): {err}",
+              file=sys.stderr, flush=True)
+    written(g, state, held, group, [f"prompt {task.id}: {c.reward_error}" for c in completions
+                                    if c.reward_error is not None], drop=drop)
+
+
+async def sample_turn(g: Generator, state: State, ids: list[int], max_new_tokens: int) -> Sampled:
+    """One model turn of an episode: queued for the engine loop, which samples it among the rest."""
+    state.turn_count += 1
+    turn = Turn(request_id=f"turn-{state.turn_count}", ids=ids,
+                sampling=dataclasses.replace(g.sampling, n=1, max_new_tokens=max_new_tokens))
+    state.turns.append(turn)
+    state.wake.set()
+    await turn.done.wait()
+    assert turn.result is not None
+    return turn.result
+
+
 def prompt_text(task: PromptTask) -> str:
     """What the reward sees as the prompt: the last user message, or the raw text."""
     if task.messages is None:
@@ -493,6 +667,9 @@ async def heartbeats(g: Generator, state: State) -> None:
         beat = heartbeat(state, g.engine)
         await trio.to_thread.run_sync(lambda b=beat: write_heartbeat(
             g.r, g.keys, g.id, b, ttl_s=g.settings.heartbeat_ttl_s))
+        if g.settings.engine == "openai":
+            await trio.to_thread.run_sync(lambda: devices.renew_server(
+                g.r, g.keys, url=g.settings.server_url, owner=g.id, ttl_s=g.settings.heartbeat_ttl_s))
         if g.gpu is not None:
             await trio.to_thread.run_sync(lambda: devices.renew_gpu(
                 g.r, g.keys, host=g.host, device=g.gpu, owner=g.id, ttl_s=g.settings.heartbeat_ttl_s))

@@ -32,6 +32,10 @@ def test_environment_names_the_file(tmp_path):
         ("", {"ROLLOUTS_GENERATOR__BATCH_PROMPTS": "many"}, "generator.batch_prompts"),
         ('redis_url = "http://localhost"\n', {}, "redis_url"),
         ("[task]\nops = [\"/\"]\n", {}, "task.ops.0"),
+        ("[[data.sources]]\nname = \"a\"\nkind = \"arithmetic\"\nmax_turns = 0\n", {}, "data.sources.0.max_turns"),
+        ("[[data.sources]]\nname = \"a\"\nkind = \"arithmetic\"\nenvironment = \"not a module\"\n", {},
+         "data.sources.0.environment"),
+        ("[generator]\nengine = \"openai\"\n", {}, "generator.server_url"),
     ],
 )
 def test_bad_value_names_the_field(tmp_path, text, env, field):
@@ -126,3 +130,14 @@ def test_shipped_gsm8k_config_trains_on_the_train_split_and_evaluates_on_the_tes
     assert (test.path, test.subset, test.split) == ("openai/gsm8k", "main", "test")
     assert (test.template, test.answer_extractor) == (train.template, train.answer_extractor)
     assert cfg.eval.every > 0
+
+
+def test_shipped_calculator_config_names_its_environment():
+    from generators.environments import environment_specs
+
+    cfg = load_config("configs/calculator.toml", env={})
+    assert {name: spec.name for name, spec in environment_specs(cfg).items()} == {"calc": "envs.calculator"}
+    bad = load_config("configs/calculator.toml", env={"ROLLOUTS_DATA__SOURCES": '[{name = "calc", kind = '
+                                                       '"arithmetic", environment = "envs.nothing"}]'})
+    with pytest.raises(ConfigError, match="data.sources.0.environment: environment 'envs.nothing' cannot be loaded"):
+        environment_specs(bad)

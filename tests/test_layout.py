@@ -11,7 +11,8 @@ from tests.helpers import ROOT
 PROCESSES = {"producers", "generators", "trainer", "evaluator"}
 # What each shared package may import of ours: common stands alone, tasks is plain Python (the
 # reward workers load it), engines sit on common.
-SHARED = {"common": {"common"}, "tasks": {"tasks"}, "engines": {"engines", "common"}}
+SHARED = {"common": {"common"}, "tasks": {"tasks"}, "engines": {"engines", "common"},
+          "envs": {"envs", "tasks"}}  # environments are plain Python too (the environment workers load them)
 PACKAGES = PROCESSES | set(SHARED)
 
 

@@ -26,7 +26,8 @@ def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: b
     group_std = [torch.tensor([c.reward for c in g.completions], dtype=torch.float64).std().item()
                  for g in groups if len(g.completions) >= 2] if rewarded else []
     correct = [c.rewards["correct"] for c in completions if "correct" in c.rewards]
-    lengths = [len(c.ids) for c in completions]
+    # the model's tokens: an episode's environment turns (loss_mask 0) are not its length
+    lengths = [len(c.ids) if c.loss_mask is None else sum(c.loss_mask) for c in completions]
     parts: dict[str, list[float]] = {}
     for c in completions if rewarded else []:
         for name, value in c.rewards.items():

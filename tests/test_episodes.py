@@ -1,0 +1,240 @@
+"""The generator playing multi-turn episodes for real (environments in worker processes, model turns
+sampled by the engine among the other requests), and the whole pipeline training on them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
+from common.messages import PromptTask, SampleGroup, decode_group, encode
+from envs import guess
+from tests.helpers import spawn, stop, wait_for
+from tests.test_engines import need
+from trainer.batch import group_rows
+
+
+def model_turns(mask: list[int], ids: list[int]) -> list[list[int]]:
+    """The runs of ids with mask 1: the model's turns."""
+    turns: list[list[int]] = []
+    for i, (t, m) in enumerate(zip(ids, mask, strict=True)):
+        if m and (i == 0 or not mask[i - 1]):
+            turns.append([])
+        if m:
+            turns[-1].append(t)
+    return turns
+
+
+def check_trained_ids_are_sampled(groups: list[SampleGroup], model_dir) -> None:
+    """What the trainer trains on a group (its rows' masked-in targets) are the ids the engine
+    sampled: the initial model's log-probs of them, at the positions the trainer uses, are the
+    behaviour log-probs the engine reported (a re-tokenised turn would put other ids there). And
+    the check can fail: some model turn does not survive decode -> encode."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    round_trip_fails = False
+    for group in groups:
+        assert group.version == 0, "the initial model's log-probs are compared"
+        for row, c in zip(group_rows(group), group.completions, strict=True):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([row.inputs])).logits[0].float()  # (T, V), temperature 1
+            logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(row.targets)[:, None])[:, 0]
+            on = torch.tensor(row.mask, dtype=torch.bool)
+            assert torch.allclose(logp[on], torch.tensor(row.behaviour_logp)[on], atol=2e-3), group.id
+            assert [t for t, m in zip(row.targets, row.mask, strict=True) if m] == \
+                [t for t, m in zip(c.ids, c.loss_mask, strict=True) if m]
+            for turn in model_turns(c.loss_mask, c.ids):
+                round_trip_fails |= tok.encode(tok.decode(turn), add_special_tokens=False) != turn
+    assert round_trip_fails, "every sampled turn survives decode -> encode: the check above proves nothing"
+
+
+def check_episode(c, *, env_turns: bool) -> None:
+    """An episode's completion: mask 1 on the model's turns, 0 on the environment's, behaviour log-probs
+    on the model's tokens only."""
+    assert c.loss_mask is not None and len(c.loss_mask) == len(c.ids) == len(c.logprobs)
+    assert c.loss_mask[0] == 1
+    assert all(lp == 0.0 for lp, m in zip(c.logprobs, c.loss_mask, strict=True) if not m)
+    assert any(lp < 0.0 for lp, m in zip(c.logprobs, c.loss_mask, strict=True) if m)
+    assert (0 in c.loss_mask) == env_turns
+
+
+def prompt(pid: str, meta: dict, *, n: int = 2) -> PromptTask:
+    return PromptTask(id=pid, messages=[{"role": "user", "content": "Go."}], text=None, meta=meta, n=n,
+                      admitted_at=0)
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_generator_plays_episodes_and_lives_through_tools_that_hang_or_raise(engine, tiny_model, tmp_path,
+                                                                            redis_url, r):
+    need(engine)
+    keys = Keys("ep")
+    (tmp_path / "run.toml").write_text(f"""
+run = "ep"
+redis_url = "{redis_url}"
+[model]
+path = "{tiny_model}"
+[rollout]
+max_new_tokens = 6
+[generator]
+engine = "{engine}"
+threads = 1
+env_workers = 2
+[[data.sources]]
+name = "faulty"
+kind = "arithmetic"
+environment = "tests.env_fixtures:Faulty"
+max_turns = 3
+turn_timeout_s = 1.0
+[[data.sources]]
+name = "arithmetic"
+kind = "arithmetic"
+""")
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    for task in [prompt("faulty:0:0", {"source": "faulty", "tool": "hang"}),
+                 prompt("faulty:0:1", {"source": "faulty", "tool": "boom"}),
+                 prompt("arithmetic:0:0", {"source": "arithmetic", "answer": 3})]:
+        r.xadd(keys.prompts, {PAYLOAD: encode(task)})
+    log = tmp_path / "generator.log"
+    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(tmp_path / "run.toml")},
+                 log=log)
+    try:
+        wait_for(lambda: r.xlen(keys.samples) >= 3, timeout=180, what="3 groups", procs=[proc])
+        r.xadd(keys.prompts, {PAYLOAD: encode(prompt("faulty:0:2", {"source": "faulty", "tool": "boom"}))})
+        wait_for(lambda: r.xlen(keys.samples) >= 4, timeout=60, what="a group after the faults", procs=[proc])
+        assert proc.poll() is None, "the generator died"
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    groups = {g.id: g for g in (decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples))}
+    hang, boom, plain = groups["faulty:0:0"], groups["faulty:0:1"], groups["arithmetic:0:0"]
+    for c in hang.completions:  # the hanging tool: an error turn each time, until the turn limit
+        check_episode(c, env_turns=True)
+        assert c.finish == "turns" and c.reward == 0.0 and c.reward_error is None
+        assert c.text.count("error: the environment did not answer within 1 s") == 2
+        assert len(model_turns(c.loss_mask, c.ids)) == 3
+    for c in boom.completions + groups["faulty:0:2"].completions:  # the raising tool: its error, then done
+        check_episode(c, env_turns=True)
+        assert (c.finish, c.reward, c.rewards) == ("stop", 1.0, {"done": 1.0})
+        assert "error: RuntimeError: boom" in c.text and len(model_turns(c.loss_mask, c.ids)) == 2
+    assert all(c.loss_mask is None for c in plain.completions)  # single completions as before
+    assert "environment error (6 in group faulty:0:0): the environment did not answer" in log.read_text()
+    check_trained_ids_are_sampled([hang, boom], tiny_model)
+
+
+def test_pipeline_trains_on_calculator_and_guessing_episodes(tmp_path, redis_url, r, tiny_model):
+    keys = Keys("agents")
+    guess.dataset(size=16, seed=0, high=20).to_json(tmp_path / "guess.jsonl")
+    config = tmp_path / "run.toml"
+    config.write_text(f"""
+run = "agents"
+redis_url = "{redis_url}"
+output_dir = "{tmp_path / 'run'}"
+[model]
+path = "{tiny_model}"
+[rollout]
+group_size = 2
+prompts_per_step = 2
+max_staleness = 1
+max_new_tokens = 6
+[generator]
+engine = "hf"
+threads = 1
+[trainer]
+lr = 1e-3
+max_steps = 2
+threads = 1
+[[data.sources]]
+name = "calc"
+kind = "arithmetic"
+max_operand = 100000
+environment = "envs.calculator"
+max_turns = 3
+[[data.sources]]
+name = "guess"
+path = "{tmp_path / 'guess.jsonl'}"
+prompt_column = "question"
+meta_columns = ["secret", "high"]
+environment = "envs.guess"
+max_turns = 3
+max_episode_tokens = 64
+""")
+    env = {"ROLLOUTS_CONFIG": str(config)}
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs = {name: spawn(name, cwd=tmp_path, env=env, log=logs / f"{name}.log")
+             for name in ("generators", "trainer", "producers")}
+    seen: dict[bytes, SampleGroup] = {}  # read as they come: the stream is trimmed once trained
+
+    def trained() -> bool:
+        seen.update((eid, decode_group(f[PAYLOAD])) for eid, f in r.xrange(keys.samples) if eid not in seen)
+        return procs["trainer"].poll() == 0
+
+    try:
+        wait_for(trained, timeout=300, what="the trainer's 2 steps", procs=list(procs.values()))
+    finally:
+        codes = {name: stop(p) for name, p in procs.items()}
+    assert codes == {"generators": 0, "trainer": 0, "producers": 0}, {
+        n: (logs / f"{n}.log").read_text()[-3000:] for n, c in codes.items() if c}
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    groups = list(seen.values())
+    by_source = {s: [g for g in groups if g.id.startswith(f"{s}:")] for s in ("calc", "guess")}
+    assert by_source["calc"] and by_source["guess"], [g.id for g in groups]
+    for g in groups:
+        for c in g.completions:
+            check_episode(c, env_turns=c.finish != "stop" or len(model_turns(c.loss_mask, c.ids)) > 1)
+            assert c.finish in ("stop", "turns", "length") and c.reward_error is None
+    # The random tiny model never finds the number in one guess: every guessing episode is multi-turn.
+    assert all(len(model_turns(c.loss_mask, c.ids)) >= 2 for g in by_source["guess"] for c in g.completions)
+    # The trainer's length counts the model's tokens only.
+    step1 = [g for g in groups if g.id in metrics[0]["group_ids"]]
+    model_tokens = [sum(c.loss_mask) for g in step1 for c in g.completions]
+    assert metrics[0]["completions/mean_length"] == pytest.approx(sum(model_tokens) / len(model_tokens))
+    check_trained_ids_are_sampled([g for g in groups if g.version == 0], tiny_model)
+
+
+def test_an_episode_in_flight_when_its_generator_dies_is_restarted_from_its_prompt(tiny_model, tmp_path,
+                                                                                  redis_url, r):
+    keys = Keys("re")
+    (tmp_path / "run.toml").write_text(f"""
+run = "re"
+redis_url = "{redis_url}"
+[model]
+path = "{tiny_model}"
+[rollout]
+max_new_tokens = 4
+[generator]
+engine = "hf"
+threads = 1
+claim_idle_s = 1.0
+[[data.sources]]
+name = "once"
+kind = "arithmetic"
+environment = "tests.env_fixtures:HangOnce"
+turn_timeout_s = 600
+""")
+    marker = tmp_path / "hung"
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    r.xadd(keys.prompts, {PAYLOAD: encode(prompt("once:0:0", {"source": "once", "marker": str(marker)}))})
+    env = {"ROLLOUTS_CONFIG": str(tmp_path / "run.toml")}
+    g1 = spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=tmp_path / "g1.log")
+    try:
+        # g1 is in the middle of the episode: a model turn taken, its environment step hanging
+        wait_for(marker.exists, timeout=120, what="g1's episode in its environment step", procs=[g1])
+        g1.kill()
+        g1.wait()
+        assert r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 1 and r.xlen(keys.samples) == 0
+        g2 = spawn("generators", "--id", "g2", cwd=tmp_path, env=env, log=tmp_path / "g2.log")
+        try:
+            wait_for(lambda: r.xlen(keys.samples) == 1, timeout=120, what="g2's group", procs=[g2])
+        finally:
+            assert stop(g2) == 0, (tmp_path / "g2.log").read_text()[-3000:]
+    finally:
+        stop(g1)
+    (group,) = [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
+    assert group.generator == "g2" and group.id == "once:0:0"
+    for c in group.completions:  # whole episodes, each from the prompt: one model turn, then done
+        assert (c.finish, c.reward, c.loss_mask) == ("stop", 1.0, [1] * len(c.ids))
+    assert r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0
