@@ -163,18 +163,28 @@ max_episode_tokens = 64
     env = {"ROLLOUTS_CONFIG": str(config)}
     logs = tmp_path / "logs"
     logs.mkdir()
+    # The test reads the groups as a consumer group of its own: the stream is trimmed only of what
+    # every group has acknowledged, so none is trimmed before the test has seen it.
+    r.xgroup_create(keys.samples, "watch", id="0", mkstream=True)
     procs = {name: spawn(name, cwd=tmp_path, env=env, log=logs / f"{name}.log")
              for name in ("generators", "trainer", "producers")}
-    seen: dict[bytes, SampleGroup] = {}  # read as they come: the stream is trimmed once trained
+    seen: dict[bytes, SampleGroup] = {}
+
+    def read() -> None:
+        for _, entries in r.xreadgroup("watch", "test", {keys.samples: ">"}) or []:
+            for eid, f in entries:
+                seen[eid] = decode_group(f[PAYLOAD])
+                r.xack(keys.samples, "watch", eid)
 
     def trained() -> bool:
-        seen.update((eid, decode_group(f[PAYLOAD])) for eid, f in r.xrange(keys.samples) if eid not in seen)
+        read()
         return procs["trainer"].poll() == 0
 
     try:
         wait_for(trained, timeout=300, what="the trainer's 2 steps", procs=list(procs.values()))
     finally:
         codes = {name: stop(p) for name, p in procs.items()}
+    read()
     assert codes == {"generators": 0, "trainer": 0, "producers": 0}, {
         n: (logs / f"{n}.log").read_text()[-3000:] for n, c in codes.items() if c}
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

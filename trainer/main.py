@@ -192,15 +192,21 @@ def check_redis(r: redis.Redis, keys: Keys, state: State, *, consumer: str) -> N
     if stranded(r, keys, state, consumer=consumer):
         say(f"trainer: {consumer} holds pending entries it never received (a lost reply); reading them again")
         state.cursor = b"0"
-    lost = is_main() and forgotten(read_trainer(r, keys), state.record)
-    if not any_rank(lost):
-        return
-    if is_main():
-        had = put_right(r, keys, state.record)
-        say(f"trainer: Redis had lost writes (it said step {had.step}, saved state {had.state_step}, "
-            f"{had.groups_trained} groups trained; the trainer is at step {state.record.step}, saved state "
-            f"{state.record.state_step}, {state.record.groups_trained} groups trained): written back")
-    state.cursor = b"0"
+    if any_rank(put_right_if_lost(r, keys, state)):
+        state.cursor = b"0"
+
+
+def put_right_if_lost(r: redis.Redis, keys: Keys, state: State) -> bool:
+    """Rank 0: if Redis has lost writes the trainer made, write its record back (no collectives:
+    also called between reads while a step waits for groups, for the generators, stuck on weights
+    Redis forgot, sample only groups too stale to train until it is put right)."""
+    if not (is_main() and forgotten(read_trainer(r, keys), state.record)):
+        return False
+    had = put_right(r, keys, state.record)
+    say(f"trainer: Redis had lost writes (it said step {had.step}, saved state {had.state_step}, "
+        f"{had.groups_trained} groups trained; the trainer is at step {state.record.step}, saved state "
+        f"{state.record.state_step}, {state.record.groups_trained} groups trained): written back")
+    return True
 
 
 def stranded(r: redis.Redis, keys: Keys, state: State, *, consumer: str) -> bool:
@@ -267,7 +273,8 @@ def run(config: Config) -> None:
                                     unpublished=set(state.unacked_ids), consumer=f"rank{rank}",
                                     cursor=state.cursor, shutdown=shutdown, objective=cfg.objective,
                                     limits=config.limits, trained=state.record.trained,
-                                    skip=set(state.unacked_entries))
+                                    skip=set(state.unacked_entries),
+                                    between=lambda: put_right_if_lost(r, keys, state))
         if any_rank(got is None):  # a stop while waiting: what this rank read stays pending
             break
         everyone, mine = gather_groups(r, keys, got, rank)

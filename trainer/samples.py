@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -99,12 +100,15 @@ def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, why: Refused, group_i
 def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: int | None, vocab_size: int,
             unpublished: set[str], consumer: str, cursor: bytes | None, shutdown: Shutdown,
             objective: str = "grpo", limits: LimitsConfig | None = None, trained: dict[str, int] | None = None,
-            skip: set[bytes] | None = None) -> tuple[Collected | None, bytes | None]:
+            skip: set[bytes] | None = None, between: Callable[[], None] | None = None
+            ) -> tuple[Collected | None, bytes | None]:
     """`want` trainable groups (None if a stop was requested first), and the next read cursor.
     `max_staleness` None: no group is too stale (sft). A group is a duplicate if its id is
     `unpublished` (trained since the last saved state), in `trained` (the trainer's own record of
     the ids it trained) or in Redis's `trained` set; entries in `skip` (trained, acknowledged with
-    the next saved state) are passed over when this rank's pending entries are read again."""
+    the next saved state) are passed over when this rank's pending entries are read again.
+    `between` runs before every read (rank-local: no collectives), for what must not wait for
+    the step's groups to arrive."""
     trained = trained or {}
     skip = skip or set()
     got = Collected()
@@ -112,6 +116,8 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
     while len(got.groups) < want:
         if shutdown.requested:
             return None, cursor
+        if between is not None:
+            between()
         t0 = time.monotonic()
         entries, cursor = read_entries(r, keys, consumer=consumer, cursor=cursor, count=want - len(got.groups))
         if not entries:
