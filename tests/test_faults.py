@@ -326,7 +326,9 @@ def test_generator_stopped_past_claim_idle_comes_back_and_its_late_groups_are_re
              what=f"the prompts g1 held ({held}) trained by g2", procs=[pipe.procs["trainer"], pipe.procs["g2"]])
     duplicates_before = read_trainer(r, KEYS).groups_duplicate
     g1.send_signal(signal.SIGCONT)  # back: it finishes the prompts it thinks it holds
-    wait_for(lambda: read_trainer(r, KEYS).groups_duplicate == duplicates_before + len(held), timeout=120,
+    # At least the prompts it held: a read it had blocked on before the stop can still hand it more
+    # (Redis serves the blocked read, not g1), which g2 takes over and g1 also finishes.
+    wait_for(lambda: read_trainer(r, KEYS).groups_duplicate >= duplicates_before + len(held), timeout=120,
              what=f"g1's {len(held)} late groups refused as duplicates", procs=list(pipe.procs.values()))
     pipe.procs["trainer"].send_signal(signal.SIGTERM)
     pipe.finish()
@@ -337,5 +339,5 @@ def test_generator_stopped_past_claim_idle_comes_back_and_its_late_groups_are_re
     steps = read_trainer(r, KEYS).step
     ids = trained_once(r, tmp_path, steps)  # nothing trained twice
     assert after["trained"] == len(ids) == steps * 4
-    assert after["duplicate"] == len(held), after
+    assert after["duplicate"] >= len(held), after
     assert unaccounted(after) == [f"{after['duplicate']} group(s) made twice from one prompt"], unaccounted(after)
