@@ -124,6 +124,18 @@ def held_prompts(r, consumer: str) -> list[str]:
     return [decode_prompt(r.xrange(KEYS.prompts, e, e)[0][1][PAYLOAD]).id for e in entries]
 
 
+def stopped_holding_prompts(r, proc, consumer: str) -> list[str] | None:
+    """SIGSTOP `proc` while it holds prompts mid-generation (and let it go on if it let them go
+    meanwhile); the ids it held, or None to try again."""
+    if not r.xpending_range(KEYS.prompts, GENERATORS_GROUP, min="-", max="+", count=1, consumername=consumer):
+        return None
+    proc.send_signal(signal.SIGSTOP)
+    held = held_prompts(r, consumer)
+    if not held:
+        proc.send_signal(signal.SIGCONT)
+    return held or None
+
+
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_generator_sigkill_holding_prompts(tmp_path, redis_url, r, tiny_model, engine):
     if engine == "vllm":
@@ -138,17 +150,7 @@ def test_generator_sigkill_holding_prompts(tmp_path, redis_url, r, tiny_model, e
              procs=list(pipe.procs.values()))
     g1 = pipe.procs["g1"]
 
-    def g1_stopped_holding_prompts() -> list[str] | None:
-        """SIGSTOP g1 while it holds prompts mid-generation (and go on if it let them go meanwhile)."""
-        if not r.xpending_range(KEYS.prompts, GENERATORS_GROUP, min="-", max="+", count=1, consumername="g1"):
-            return None
-        g1.send_signal(signal.SIGSTOP)
-        held = held_prompts(r, "g1")
-        if not held:
-            g1.send_signal(signal.SIGCONT)
-        return held or None
-
-    stopped_holding = wait_for(g1_stopped_holding_prompts, timeout=120, what="g1 holding prompts",
+    stopped_holding = wait_for(lambda: stopped_holding_prompts(r, g1, "g1"), timeout=120, what="g1 holding prompts",
                                procs=list(pipe.procs.values()), poll=0.01)
     pipe.kill("g1")
     pipe.forget("g1")
@@ -311,16 +313,7 @@ def test_generator_stopped_past_claim_idle_comes_back_and_its_late_groups_are_re
     wait_for(lambda: read_trainer(r, KEYS).step >= 1, timeout=180, what="step 1", procs=list(pipe.procs.values()))
     g1 = pipe.procs["g1"]
 
-    def g1_stopped_holding_prompts() -> list[str] | None:
-        if not r.xpending_range(KEYS.prompts, GENERATORS_GROUP, min="-", max="+", count=1, consumername="g1"):
-            return None
-        g1.send_signal(signal.SIGSTOP)
-        held = held_prompts(r, "g1")
-        if not held:
-            g1.send_signal(signal.SIGCONT)
-        return held or None
-
-    held = wait_for(g1_stopped_holding_prompts, timeout=120, what="g1 holding prompts",
+    held = wait_for(lambda: stopped_holding_prompts(r, g1, "g1"), timeout=120, what="g1 holding prompts",
                     procs=list(pipe.procs.values()), poll=0.01)
     wait_for(lambda: all(r.zscore(KEYS.trained, p) is not None for p in held), timeout=120,
              what=f"the prompts g1 held ({held}) trained by g2", procs=[pipe.procs["trainer"], pipe.procs["g2"]])
