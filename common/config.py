@@ -63,6 +63,7 @@ class TaskConfig(_Section):
 DEFAULT_REWARDS = {"arithmetic": "tasks.arithmetic:reward",
                    "countdown": "tasks.countdown:reward",
                    "dataset": "tasks.gsm8k:reward",
+                   "verifiers": "tasks.verifiers_tasksets:reward",  # the task's own @vf.reward hooks
                    "sft": "tasks.gsm8k:reward"}  # unused: SFT groups are not sampled
 
 
@@ -77,7 +78,9 @@ class SourceConfig(_Section):
     # "sft": a data set of chat conversations (messages_column, default "messages") that the
     # producer turns into SampleGroups for trainer.objective = "sft", written straight to the
     # samples stream (no generator), trained on the assistant turns.
-    kind: Literal["arithmetic", "countdown", "dataset", "sft"] = "dataset"
+    # "verifiers": the tasks of a `verifiers` taskset (`taskset`), scored by its reward hooks
+    # (tasks/verifiers_tasksets.py says what carries over).
+    kind: Literal["arithmetic", "countdown", "dataset", "sft", "verifiers"] = "dataset"
     # Share of the prompts drawn from this source, relative to the other sources' weights.
     weight: float = Field(1.0, gt=0.0)
     # Reward of this source's prompts, "module:function"; "" = the kind's built-in
@@ -155,6 +158,13 @@ class SourceConfig(_Section):
     answer_extractor: Literal["none", "gsm8k", "boxed"] = "none"
     # Further columns copied into meta under their own names, for a custom reward.
     meta_columns: list[str] = Field([])
+    # ---- verifiers
+    # The taskset: its id as verifiers loads it (an installed package exporting a vf.Taskset
+    # subclass: "my_taskset", "owner/my-taskset"), a module path ("tasks.vf_arithmetic") or
+    # "module:Class".
+    taskset: str = ""
+    # Fields of the taskset's TasksetConfig (e.g. {num_tasks = 500}).
+    taskset_args: dict[str, Any] = Field({})
     # ---- sft: conversations longer than this many tokens (prompt + completion) are cut to it;
     # the producer counts them (producer hash: sft_truncated, sft_tokens_cut).
     max_length: int = Field(2048, ge=2)
@@ -191,6 +201,23 @@ class SourceConfig(_Section):
             raise ValueError("messages_column: excludes prompt_column and template")
         if self.answer_extractor != "none" and not self.answer_column:
             raise ValueError("answer_extractor: needs answer_column")
+        return self
+
+    @model_validator(mode="after")
+    def _check_verifiers(self) -> SourceConfig:
+        if self.kind != "verifiers":
+            if self.taskset or self.taskset_args:
+                raise ValueError(f"taskset: only a verifiers source reads a taskset, not a {self.kind} one")
+            return self
+        if not self.taskset:
+            raise ValueError("taskset: a verifiers source needs taskset (the id of a verifiers taskset)")
+        if (self.path or self.prompt_column or self.messages_column not in ("", "messages") or self.template
+                or self.answer_column):
+            raise ValueError("taskset: a verifiers source takes its prompts from the taskset's tasks, "
+                             "so path, prompt_column, messages_column, template and answer_column stay unset")
+        if self.environment:
+            raise ValueError("environment: a verifiers source is scored by its taskset's reward hooks")
+        object.__setattr__(self, "messages_column", "messages")  # frozen model: the rows it makes
         return self
 
     @property

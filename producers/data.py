@@ -72,7 +72,7 @@ class Source:
         self._order: np.ndarray | None = None
         self._rows = None  # a streamed epoch's iterator, positioned at `offset`
         self._good_this_epoch = offset > 0  # a whole epoch without a prompt stops the run
-        if config.kind in ("dataset", "sft"):
+        if config.kind in ("dataset", "sft", "verifiers"):
             self.ds = load(config, field=field)
             check_columns(config, columns(self.ds), field=field)
             if not config.streaming:

@@ -73,6 +73,13 @@ def load(source: Any, *, field: str):
     import datasets
 
     datasets.disable_progress_bars()
+    if source.kind == "verifiers":
+        from tasks import verifiers_tasksets
+
+        try:
+            return verifiers_tasksets.dataset(source)
+        except verifiers_tasksets.TasksetError as err:
+            raise DataError(f"{field}.{err}") from None
     path = Path(source.path)
     fmt = detect_format(path, field=field) if source.format == "auto" else source.format
     if fmt != "hub" and not path.exists():
@@ -193,6 +200,10 @@ def row_prompt(row: dict[str, Any], *, source: Any, prompt_id: str) -> Prompt:
         meta["answer"] = extract_answer(row.get(source.answer_column), extractor=source.answer_extractor)
     for c in source.meta_columns:
         meta[c] = row.get(c)
+    if source.kind == "verifiers":  # which task of which taskset: its reward scores against it
+        from tasks.verifiers_tasksets import META_COLUMNS
+
+        meta.update({c: row[c] for c in META_COLUMNS})
     if source.chat:
         return Prompt(id=prompt_id, messages=messages, text=None, meta=meta)
     return Prompt(id=prompt_id, messages=None, text="\n\n".join(m["content"] for m in messages), meta=meta)
