@@ -541,9 +541,24 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_redis_url(self) -> Config:
-        scheme = self.redis_url.split("://", 1)[0]
+        from urllib.parse import urlsplit
+
+        from redis.connection import parse_url
+
+        url = self.redis_url
+        scheme = url.split("://", 1)[0]
+        parts = urlsplit(url)
+        shown = url.replace(f":{parts.password}@", ":***@") if parts.password else url  # never log a password
         if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {shown!r}")
+        try:
+            parse_url(url)  # what redis-py will read of it
+            parts.port  # noqa: B018 -- raises on a port that is not a number
+        except ValueError as err:
+            raise ValueError(f"redis_url {shown!r} is not a valid Redis URL: {err}") from None
+        db = parts.path.strip("/")
+        if scheme != "unix" and db and not db.isdigit():  # redis-py would quietly use database 0
+            raise ValueError(f"redis_url {shown!r}: the database after the last / must be a number, got {db!r}")
         return self
 
     @model_validator(mode="after")

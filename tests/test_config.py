@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from common.config import ConfigError, load_config
@@ -42,6 +44,18 @@ def test_bad_value_names_the_field(tmp_path, text, env, field):
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, text), env=env)
     assert field in str(err.value)
+
+
+@pytest.mark.parametrize(("url", "said"), [
+    ("rediss://u:secret@host:notaport/0", "'rediss://u:***@host:notaport/0' is not a valid Redis URL: Port could"),
+    ("redis://localhost:99999/0", "Port out of range"),
+    ("redis://localhost:6379/abc", "the database after the last / must be a number, got 'abc'"),
+])
+def test_a_mangled_redis_url_is_a_config_error_that_hides_the_password(url, said):
+    with pytest.raises(ConfigError, match=re.escape(said)) as err:
+        load_config(env={"ROLLOUTS_REDIS_URL": url})
+    assert "secret" not in str(err.value)
+    assert load_config(env={"ROLLOUTS_REDIS_URL": "rediss://u:secret@host:6380/3"}).redis_url.endswith(":6380/3")
 
 
 def test_missing_file_and_bad_toml(tmp_path):
