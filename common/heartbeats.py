@@ -30,6 +30,8 @@ class Heartbeat:
     dropped_zero_variance: int  # groups dropped by dynamic sampling (every reward equal)
     weights_refused: int  # published checkpoints refused (checksums, shapes, unreadable)
     last_refusal: str = ""  # why the last one was refused ("" none)
+    env_errors: int = 0  # environment steps that raised, timed out (the worker killed) or killed their worker
+    engine_errors: int = 0  # engine requests that failed (a server that never answered); their prompts let go
     last_seen: float = field(default_factory=time.time)  # Unix time of this beat
 
 
