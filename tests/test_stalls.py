@@ -17,7 +17,8 @@ import pytest
 from common.checkpoints import verify_dir
 from common.heartbeats import read_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
-from common.messages import encode
+from common.messages import decode_group, encode
+from common.progress import read_trainer
 from common.streams import latest_weights
 from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
 from tests.test_engines import ask
@@ -216,3 +217,48 @@ def test_a_generator_lets_go_of_a_prompt_whose_request_never_finishes(silent_ser
     assert code == 0, output
     assert "engine request" in output and "no answer within 1 s" in output, output
     assert "let prompt arithmetic:0:0 go" in output, output
+
+
+# ---------------------------------------------------------------------- a trainer stalled while it holds groups
+
+
+def test_a_trainer_stopped_holding_unacknowledged_groups_resumes_with_nothing_twice_or_lost(
+        tmp_path, redis_url, r, tiny_model):
+    """SIGSTOP the trainer (a stall: swapping, a hung file system, a debugger) while it holds groups
+    it trained or read and has not acknowledged (they wait for the next saved state), for longer than
+    the generators' claim_idle_s. Generators go on until admission control holds them; the trainer,
+    let go on, trains every group once, acknowledges them all, and nothing is left pending."""
+    steps = 12
+    pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=4,
+                                           claim_idle_s=2))
+    for name in ("producer", "generator", "trainer"):
+        pipe.start(name)
+    trainer = pipe.procs["trainer"]
+
+    def stopped_holding() -> list[str] | None:
+        if read_trainer(r, KEYS).step < 2 or not groups_held_by_trainer(r):
+            return None
+        trainer.send_signal(signal.SIGSTOP)
+        entries = [p["message_id"] for p in r.xpending_range(KEYS.samples, TRAINER_GROUP, "-", "+", 100)]
+        if not entries:
+            trainer.send_signal(signal.SIGCONT)
+        return [decode_group(r.xrange(KEYS.samples, e, e)[0][1][PAYLOAD]).id for e in entries] or None
+
+    held = wait_for(stopped_holding, timeout=180, what="the trainer holding groups", poll=0.05,
+                    procs=list(pipe.procs.values()))
+    at_stop = read_trainer(r, KEYS)
+    time.sleep(8)  # four times claim_idle_s: generators reclaim among themselves, never the trainer's
+    assert all(p.poll() is None for p in pipe.procs.values()), "a process gave up on a stalled trainer"
+    assert read_trainer(r, KEYS) == at_stop
+    trainer.send_signal(signal.SIGCONT)
+    pipe.finish()
+    after = accounting(r, KEYS)
+    print(f"\ntrainer SIGSTOP: held {len(held)} unacknowledged groups at step {at_stop.step} (saved state "
+          f"{at_stop.state_step}); after: admitted {after['admitted']} = trained {after['trained']} + dropped "
+          f"{after['dropped']} + pending {after['pending']}")
+    assert_accounted(after)
+    assert after["dropped_stale"] == 0 and after["duplicate"] == 0, after
+    ids = trained_once(r, tmp_path, steps)
+    assert after["trained"] == len(ids) == steps * 4
+    assert all(ids.count(g) == 1 for g in held), (held, ids)
+    assert groups_held_by_trainer(r) == 0, "entries left pending under the trainer"
