@@ -85,6 +85,11 @@ class GeneratorCounters:
     """`rollouts:{run}:generators`: counters summed over every generator the run has had."""
 
     groups_dropped_zero_variance: int = 0  # groups dropped by dynamic sampling, their prompts acknowledged
+    engine_stalls: int = 0  # generators that exited because an engine call overran generator.engine_timeout_s
+
+
+def count_engine_stall(r: Client, keys: Keys) -> None:
+    r.hincrby(keys.generators, "engine_stalls", 1)
 
 
 def count_dropped_zero_variance(pipe: Client, keys: Keys) -> None:

@@ -63,7 +63,7 @@ from common import streams
 from common.checkpoint_server import fetch_checkpoint
 from common.checkpoints import CheckpointError, verify_dir
 from common.config import Config, GeneratorConfig, LimitsConfig, TrainerConfig
-from common.heartbeats import Heartbeat, clear_heartbeat, write_heartbeat
+from common.heartbeats import Heartbeat, clear_heartbeat, count_engine_stall, write_heartbeat
 from common.keys import GENERATORS_GROUP, Keys
 from common.messages import Completion, MessageError, PromptTask, SampleGroup, decode_weights
 from common.shaping import zero_variance
@@ -220,6 +220,8 @@ def run(config: Config, *, generator_id: str) -> None:
     except BaseExceptionGroup as group:  # a task's error: raise it as itself, for __main__'s handlers
         leaves = leaf_errors(group)
         if len(leaves) == 1:
+            if isinstance(leaves[0], EngineStalled):
+                count_engine_stall(r, keys)
             raise leaves[0] from None
         raise
     finally:
@@ -453,7 +455,7 @@ async def add_waiting(g: Generator, state: State, waiting: deque[Held], *, room:
     batch = [h for h in batch if h.task.meta.get("source") not in g.specs]
     requests = [(h.entry_id.decode(), h.prompt_ids, dataclasses.replace(g.sampling, n=h.task.n)) for h in batch]
     if requests:
-        await run_on_engine(g.engine_thread, add_all, g.engine, requests)
+        await run_on_engine(g.engine_thread, add_all, g.engine, requests, timeout_s=g.settings.engine_timeout_s)
     return len(batch)
 
 
@@ -462,7 +464,8 @@ async def add_turns(g: Generator, state: State, *, room: int) -> int:
     batch = [state.turns.popleft() for _ in range(min(len(state.turns), room))]
     for turn in batch:
         state.sampling[turn.request_id] = turn
-    await run_on_engine(g.engine_thread, add_all, g.engine, [(t.request_id, t.ids, t.sampling) for t in batch])
+    await run_on_engine(g.engine_thread, add_all, g.engine, [(t.request_id, t.ids, t.sampling) for t in batch],
+                        timeout_s=g.settings.engine_timeout_s)
     return len(batch)
 
 
@@ -473,7 +476,7 @@ def add_all(engine: Engine, requests: list[tuple[str, list[int], SamplingSetting
 
 async def step_engine(g: Generator, state: State) -> int:
     """One engine step; each prompt it finished goes on to scoring. How many finished."""
-    finished = await run_on_engine(g.engine_thread, g.engine.step)
+    finished = await run_on_engine(g.engine_thread, g.engine.step, timeout_s=g.settings.engine_timeout_s)
     for done in finished:
         if done.error is not None:
             state.engine_errors += 1
@@ -499,13 +502,22 @@ def let_go(g: Generator, state: State, held: Held) -> None:
           file=sys.stderr, flush=True)
 
 
-async def run_on_engine(thread: concurrent.futures.Executor, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in the engine's own thread (trio's worker threads are any of several)."""
+async def run_on_engine(thread: concurrent.futures.Executor, fn: Callable[..., T], *args: Any,
+                        timeout_s: float = math.inf) -> T:
+    """`fn(*args)` in the engine's own thread (trio's worker threads are any of several); raise
+    EngineStalled when it has not returned within `timeout_s` (it goes on in its thread)."""
     token, done = trio.lowlevel.current_trio_token(), trio.Event()
     future = thread.submit(fn, *args)
     future.add_done_callback(lambda _: token.run_sync_soon(done.set))
-    await done.wait()
-    return future.result()
+    with trio.move_on_after(timeout_s):
+        await done.wait()
+        return future.result()
+    raise EngineStalled(f"the engine's {getattr(fn, '__name__', 'call')} did not return within {timeout_s:g} s "
+                        "(generator.engine_timeout_s); exiting: its prompts are reclaimed after claim_idle_s")
+
+
+class EngineStalled(RuntimeError):
+    """An engine call overran generator.engine_timeout_s: the engine's thread is stuck in it."""
 
 
 async def load_weights(state: State, engine: Engine, engine_thread: concurrent.futures.Executor, *,

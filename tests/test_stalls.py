@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from common.checkpoints import verify_dir
-from common.heartbeats import read_heartbeat
+from common.heartbeats import read_counters, read_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import decode_group, encode
 from common.progress import read_trainer
@@ -262,3 +262,32 @@ def test_a_trainer_stopped_holding_unacknowledged_groups_resumes_with_nothing_tw
     assert after["trained"] == len(ids) == steps * 4
     assert all(ids.count(g) == 1 for g in held), (held, ids)
     assert groups_held_by_trainer(r) == 0, "entries left pending under the trainer"
+
+
+def test_a_generator_whose_engine_call_overruns_its_deadline_exits_and_its_prompt_is_kept(
+        tiny_model, tmp_path, redis_url, r):
+    """An in-process engine call cannot be interrupted in its thread: past generator.engine_timeout_s
+    (here far shorter than any step, as a step that never returns would be) the generator says so,
+    counts it and exits with status 1, leaving its prompt pending for another generator to reclaim."""
+    keys = Keys("g")
+    env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "g", "ROLLOUTS_MODEL__PATH": str(tiny_model),
+           "ROLLOUTS_GENERATOR__ENGINE": "hf", "ROLLOUTS_GENERATOR__THREADS": "1",
+           "ROLLOUTS_GENERATOR__ENGINE_TIMEOUT_S": "0.001",
+           "ROLLOUTS_ROLLOUT__GROUP_SIZE": "2", "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": "4"}
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    r.xadd(keys.prompts, {PAYLOAD: encode(ask(0, n=2))})
+    log = tmp_path / "generator.log"
+    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=log)
+    try:
+        code = proc.wait(timeout=180)
+    finally:
+        stop(proc)
+    output = log.read_text()
+    assert code == 1, output
+    assert "did not return within 0.001 s (generator.engine_timeout_s)" in output, output
+    assert "Traceback" not in output, output
+    assert read_counters(r, keys).engine_stalls == 1
+    assert read_heartbeat(r, keys, "g1") is None
+    pending = r.xpending_range(keys.prompts, GENERATORS_GROUP, "-", "+", 10)
+    assert [p["consumer"] for p in pending] == [b"g1"], "the prompt it held is kept, for another to reclaim"
+    assert r.xlen(keys.samples) == 0
