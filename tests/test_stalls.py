@@ -19,7 +19,7 @@ from common.heartbeats import read_counters, read_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import decode_group, encode
 from common.progress import read_trainer
-from common.streams import latest_weights
+from common.streams import connect, latest_weights
 from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
 from tests.test_engines import ask
 from tests.test_faults import KEYS, Pipeline, metrics, trained_once, write_config
@@ -58,7 +58,8 @@ def fill(disk: Path) -> Path:
 
 
 def test_a_full_disk_at_publish_announces_nothing_and_the_trainer_stops_resumably(
-        tmp_path, redis_url, r, tiny_model, small_disk):
+        tmp_path, redis_url, tiny_model, small_disk):
+    r = connect(redis_url)  # retries a reply slow on a loaded machine, as the processes do
     steps = 30
     pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=2))
     for name in ("producer", "generator", "trainer"):
@@ -103,11 +104,12 @@ def still(r) -> int | None:
     return int(before) if before == r.hget(KEYS.trainer, "step") else None
 
 
-def test_the_trainers_output_directory_deleted_mid_run_is_written_again(tmp_path, redis_url, r, tiny_model):
+def test_the_trainers_output_directory_deleted_mid_run_is_written_again(tmp_path, redis_url, tiny_model):
     """The output directory removed while the trainer waits for groups (its generator stopped, so that
     no publish is half-way). The generator cannot load the newest weights and samples with older
     ones, whose groups soon all grow too stale to train: the trainer publishes its weights again
     at once, with its state (both counted), and the run goes on to its end."""
+    r = connect(redis_url)  # retries a reply slow on a loaded machine, as the processes do
     steps = 8
     pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=2))
     for name in ("producer", "generator", "trainer"):
@@ -223,11 +225,12 @@ def test_a_generator_lets_go_of_a_prompt_whose_request_never_finishes(silent_ser
 
 
 def test_a_trainer_stopped_holding_unacknowledged_groups_resumes_with_nothing_twice_or_lost(
-        tmp_path, redis_url, r, tiny_model):
+        tmp_path, redis_url, tiny_model):
     """SIGSTOP the trainer (a stall: swapping, a hung file system, a debugger) while it holds groups
     it trained or read and has not acknowledged (they wait for the next saved state), for longer than
     the generators' claim_idle_s. Generators go on until admission control holds them; the trainer,
     let go on, trains every group once, acknowledges them all, and nothing is left pending."""
+    r = connect(redis_url)  # retries a reply slow on a loaded machine, as the processes do
     steps = 12
     pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=4,
                                            claim_idle_s=2))
