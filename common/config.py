@@ -301,6 +301,14 @@ class GeneratorConfig(_Section):
     max_model_len: int = Field(0, ge=0)
     # vLLM: no CUDA graphs (slower decoding, faster start, less memory); always so without a GPU.
     enforce_eager: bool = False
+    # Engine "openai": seconds a request to the server may go without an answer; past it the request
+    # fails (counted, the heartbeat's engine_errors), and its prompt is let go, to be reclaimed
+    # after claim_idle_s and sampled again.
+    request_timeout_s: float = Field(600.0, gt=0.0)
+    # Seconds one call into an in-process engine (a step, adding requests) may take. Past it the
+    # generator says so, counts it (the generators' engine_stalls) and exits with status 1: the
+    # call cannot be interrupted in its thread; its prompts are reclaimed after claim_idle_s.
+    engine_timeout_s: float = Field(900.0, gt=0.0)
     # A prompt pending this long in another generator's list is reclaimed (that one is dead).
     claim_idle_s: float = Field(120.0, gt=0.0)
     # Heartbeat hash lifetime; a generator silent this long is gone from `status`.

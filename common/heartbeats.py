@@ -30,6 +30,8 @@ class Heartbeat:
     dropped_zero_variance: int  # groups dropped by dynamic sampling (every reward equal)
     weights_refused: int  # published checkpoints refused (checksums, shapes, unreadable)
     last_refusal: str = ""  # why the last one was refused ("" none)
+    env_errors: int = 0  # environment steps that raised, timed out (the worker killed) or killed their worker
+    engine_errors: int = 0  # engine requests that failed (a server that never answered); their prompts let go
     last_seen: float = field(default_factory=time.time)  # Unix time of this beat
 
 
@@ -83,6 +85,11 @@ class GeneratorCounters:
     """`rollouts:{run}:generators`: counters summed over every generator the run has had."""
 
     groups_dropped_zero_variance: int = 0  # groups dropped by dynamic sampling, their prompts acknowledged
+    engine_stalls: int = 0  # generators that exited because an engine call overran generator.engine_timeout_s
+
+
+def count_engine_stall(r: Client, keys: Keys) -> None:
+    r.hincrby(keys.generators, "engine_stalls", 1)
 
 
 def count_dropped_zero_variance(pipe: Client, keys: Keys) -> None:

@@ -42,6 +42,9 @@ class TrainerProgress:
     groups_duplicate: int = 0  # groups refused for an id already trained
     groups_dropped_stale: int = 0  # groups staler than rollout.max_staleness, acknowledged untrained
     steps_skipped: int = 0  # optimizer updates skipped for a non-finite loss or gradient norm (not applied)
+    publish_failed: int = 0  # publishes whose files could not be written (a full disk): none announced, trainer stopped
+    state_lost: int = 0  # times the newest saved trainer state was found deleted (saved again at once)
+    weights_lost: int = 0  # times the newest published checkpoint was found deleted (published again at once)
 
 
 class Refused(enum.Enum):
@@ -83,6 +86,18 @@ def restore_trained(pipe: Client, keys: Keys, *, groups_trained: int, trained: d
 
 def count_skipped(r: Client, keys: Keys, updates: int) -> None:
     r.hincrby(keys.trainer, "steps_skipped", updates)
+
+
+class Fault(enum.Enum):
+    """A fault of the trainer's disk it lived through or stopped at: the counter it bumps."""
+
+    PUBLISH_FAILED = "publish_failed"
+    STATE_LOST = "state_lost"
+    WEIGHTS_LOST = "weights_lost"
+
+
+def count_fault(r: Client, keys: Keys, fault: Fault) -> None:
+    r.hincrby(keys.trainer, fault.value, 1)
 
 
 def count_refused(r: Client, keys: Keys, why: Refused) -> None:

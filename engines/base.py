@@ -44,7 +44,8 @@ class SamplingSettings:
 @dataclass(frozen=True, slots=True)
 class Finished:
     request_id: str
-    samples: list[Sampled]  # the request's n completions
+    samples: list[Sampled]  # the request's n completions ([] when it failed)
+    error: str | None = None  # why the request failed (the server timed out or refused it); None: it did not
 
 
 class Engine(Protocol):

@@ -44,5 +44,6 @@ def open_engine(name: EngineName, path: str | Path, *, dtype: str = "float32", s
     if name == "openai":
         from engines.openai_engine import OpenAIEngine
 
-        return OpenAIEngine(options["url"], path, max_running=options.get("max_running", 64))
+        return OpenAIEngine(options["url"], path, max_running=options.get("max_running", 64),
+                            timeout_s=options.get("timeout_s", 600.0))
     raise ValueError(f"unknown engine {name!r}: expected 'auto', 'vllm', 'hf' or 'openai'")

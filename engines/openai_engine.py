@@ -23,6 +23,7 @@ and the in-process engine's fix (engines/vllm_engine.py) cannot be sent over HTT
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -80,13 +81,14 @@ class OpenAIEngine:
         return bool(self._in_flight)
 
     def step(self) -> list[Finished]:
-        """The requests that came back (waiting up to POLL_S for one)."""
+        """The requests that came back (waiting up to POLL_S for one); one the server refused,
+        answered with what cannot be read, or left unanswered for `timeout_s` comes back failed."""
         if not self._in_flight:
             return []
         concurrent.futures.wait(self._in_flight.values(), timeout=POLL_S,
                                 return_when=concurrent.futures.FIRST_COMPLETED)
         done = [rid for rid, f in self._in_flight.items() if f.done()]
-        return [Finished(request_id=rid, samples=self._in_flight.pop(rid).result()) for rid in done]
+        return [_finished(rid, self._in_flight.pop(rid)) for rid in done]
 
     def sample(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Sampled]]:
         assert prompts and all(prompts), "sample() needs non-empty prompts"
@@ -153,9 +155,22 @@ class OpenAIEngine:
         except urllib.error.HTTPError as err:
             raise ServerError(f"{request.get_method()} {request.full_url}: HTTP {err.code}: "
                               f"{err.read()[:500].decode(errors='replace')}") from None
-        except (urllib.error.URLError, TimeoutError) as err:
-            raise ServerError(f"{request.get_method()} {request.full_url}: {err}") from None
-        return json.loads(raw) if raw else {}
+        except TimeoutError:
+            raise ServerError(f"{request.get_method()} {request.full_url}: no answer within "
+                              f"{self._timeout_s:g} s") from None
+        except (OSError, http.client.HTTPException) as err:  # refused, reset, a broken answer
+            raise ServerError(f"{request.get_method()} {request.full_url}: {err!r}") from None
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError as err:
+            raise ServerError(f"{request.get_method()} {request.full_url}: an answer that is not JSON: {err}") from None
+
+
+def _finished(request_id: str, future: concurrent.futures.Future[list[Sampled]]) -> Finished:
+    try:
+        return Finished(request_id=request_id, samples=future.result())
+    except ServerError as err:
+        return Finished(request_id=request_id, samples=[], error=str(err))
 
 
 def _token_ids(choice: dict[str, Any]) -> list[int]:

@@ -22,13 +22,17 @@ def main() -> None:
         sys.exit(2)
     generator_id = args.id or f"{socket.gethostname()}-{os.getpid()}"
 
-    from generators.main import run  # imports torch and transformers
+    from generators.main import EngineStalled, run  # imports torch and transformers
 
     try:
         run(config, generator_id=generator_id)
     except ConfigError as err:
         print(f"generator: {err}", file=sys.stderr)
         sys.exit(2)
+    except EngineStalled as err:  # its thread is stuck in the engine: an interpreter exit would wait for it
+        print(f"generator {generator_id}: {err}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     except redis.exceptions.ConnectionError as err:
         sys.exit(lost_redis("generator", config.redis_url, err))
     except redis.exceptions.NoPermissionError as err:  # an ACL user without a command or key it needs

@@ -63,7 +63,7 @@ from common import streams
 from common.checkpoint_server import fetch_checkpoint
 from common.checkpoints import CheckpointError, verify_dir
 from common.config import Config, GeneratorConfig, LimitsConfig, TrainerConfig
-from common.heartbeats import Heartbeat, clear_heartbeat, write_heartbeat
+from common.heartbeats import Heartbeat, clear_heartbeat, count_engine_stall, write_heartbeat
 from common.keys import GENERATORS_GROUP, Keys
 from common.messages import Completion, MessageError, PromptTask, SampleGroup, decode_weights
 from common.shaping import zero_variance
@@ -93,6 +93,17 @@ class Held:
     version: int = -1  # weights it is sampled with, set when it joins the engine
 
 
+class TurnFailed(RuntimeError):
+    """The engine failed an episode's turn (a request that never came back): the prompt is let go."""
+
+
+def turn_failed(err: BaseException) -> bool:
+    """Whether `err` is only failed turns (TurnFailed, or a group of them from a nursery)."""
+    if isinstance(err, BaseExceptionGroup):
+        return err.split(TurnFailed)[1] is None
+    return isinstance(err, TurnFailed)
+
+
 @dataclass(eq=False)
 class Turn:
     """An episode's model turn: a request for the engine loop, and its result once sampled."""
@@ -102,6 +113,7 @@ class Turn:
     sampling: SamplingSettings
     done: trio.Event = field(default_factory=trio.Event)
     result: Sampled | None = None
+    error: str | None = None  # why the engine failed the turn; None: it did not
 
 
 @dataclass
@@ -126,6 +138,7 @@ class State:
     turn_count: int = 0  # turns ever queued (their request ids)
     wake: trio.Event = field(default_factory=trio.Event)  # set when a turn is queued or an episode ends
     env_errors: int = 0  # environment steps that failed (answered with an error message)
+    engine_errors: int = 0  # engine requests that failed (never answered, refused); their prompts let go
 
     def tokens_per_s(self) -> float:
         now = time.monotonic()
@@ -207,6 +220,8 @@ def run(config: Config, *, generator_id: str) -> None:
     except BaseExceptionGroup as group:  # a task's error: raise it as itself, for __main__'s handlers
         leaves = leaf_errors(group)
         if len(leaves) == 1:
+            if isinstance(leaves[0], EngineStalled):
+                count_engine_stall(r, keys)
             raise leaves[0] from None
         raise
     finally:
@@ -258,7 +273,8 @@ def open_engine_for(config: Config, *, seed: int) -> Engine:
     path = resolve_model_path(config.model.path)
     engine = engine_name(gen.engine)
     if engine == "openai":  # the server was started on model.path with the run's dtype and seed
-        return open_engine(engine, path, url=gen.server_url, max_running=gen.max_in_flight * config.rollout.group_size)
+        return open_engine(engine, path, url=gen.server_url, max_running=gen.max_in_flight * config.rollout.group_size,
+                           timeout_s=gen.request_timeout_s)
     options: dict[str, Any] = {"max_batch": gen.batch_prompts} if engine == "hf" else {
         "kv_cache_gib": gen.kv_cache_gib, "gpu_memory_utilization": gen.gpu_memory_utilization,
         "max_num_seqs": gen.max_in_flight * config.rollout.group_size, "threads": gen.threads,
@@ -439,7 +455,7 @@ async def add_waiting(g: Generator, state: State, waiting: deque[Held], *, room:
     batch = [h for h in batch if h.task.meta.get("source") not in g.specs]
     requests = [(h.entry_id.decode(), h.prompt_ids, dataclasses.replace(g.sampling, n=h.task.n)) for h in batch]
     if requests:
-        await run_on_engine(g.engine_thread, add_all, g.engine, requests)
+        await run_on_engine(g.engine_thread, add_all, g.engine, requests, timeout_s=g.settings.engine_timeout_s)
     return len(batch)
 
 
@@ -448,7 +464,8 @@ async def add_turns(g: Generator, state: State, *, room: int) -> int:
     batch = [state.turns.popleft() for _ in range(min(len(state.turns), room))]
     for turn in batch:
         state.sampling[turn.request_id] = turn
-    await run_on_engine(g.engine_thread, add_all, g.engine, [(t.request_id, t.ids, t.sampling) for t in batch])
+    await run_on_engine(g.engine_thread, add_all, g.engine, [(t.request_id, t.ids, t.sampling) for t in batch],
+                        timeout_s=g.settings.engine_timeout_s)
     return len(batch)
 
 
@@ -459,24 +476,48 @@ def add_all(engine: Engine, requests: list[tuple[str, list[int], SamplingSetting
 
 async def step_engine(g: Generator, state: State) -> int:
     """One engine step; each prompt it finished goes on to scoring. How many finished."""
-    finished = await run_on_engine(g.engine_thread, g.engine.step)
+    finished = await run_on_engine(g.engine_thread, g.engine.step, timeout_s=g.settings.engine_timeout_s)
     for done in finished:
+        if done.error is not None:
+            state.engine_errors += 1
+            print(f"{g.name}: engine request {done.request_id} failed: {done.error}", file=sys.stderr, flush=True)
         turn = state.sampling.pop(done.request_id, None)
         if turn is not None:  # an episode's turn: back to its episode
-            turn.result = done.samples[0]
+            turn.result, turn.error = (done.samples[0], None) if done.error is None else (None, done.error)
             turn.done.set()
-            continue
-        g.finished_send.send_nowait((done, state.held[done.request_id]))
+        elif done.error is not None:
+            let_go(g, state, state.held[done.request_id])
+        else:
+            g.finished_send.send_nowait((done, state.held[done.request_id]))
     return len(finished)
 
 
-async def run_on_engine(thread: concurrent.futures.Executor, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in the engine's own thread (trio's worker threads are any of several)."""
+def let_go(g: Generator, state: State, held: Held) -> None:
+    """Stop holding a prompt whose sampling failed (an engine request that never came back): it stays
+    pending, untouched, and is reclaimed after claim_idle_s, by this generator or another, and
+    sampled again. Its place in `capacity` goes back to the intake."""
+    del state.held[held.entry_id.decode()]
+    g.capacity.release()
+    print(f"{g.name}: let prompt {held.task.id} go, to be reclaimed after {g.settings.claim_idle_s:g} s",
+          file=sys.stderr, flush=True)
+
+
+async def run_on_engine(thread: concurrent.futures.Executor, fn: Callable[..., T], *args: Any,
+                        timeout_s: float = math.inf) -> T:
+    """`fn(*args)` in the engine's own thread (trio's worker threads are any of several); raise
+    EngineStalled when it has not returned within `timeout_s` (it goes on in its thread)."""
     token, done = trio.lowlevel.current_trio_token(), trio.Event()
     future = thread.submit(fn, *args)
     future.add_done_callback(lambda _: token.run_sync_soon(done.set))
-    await done.wait()
-    return future.result()
+    with trio.move_on_after(timeout_s):
+        await done.wait()
+        return future.result()
+    raise EngineStalled(f"the engine's {getattr(fn, '__name__', 'call')} did not return within {timeout_s:g} s "
+                        "(generator.engine_timeout_s); exiting: its prompts are reclaimed after claim_idle_s")
+
+
+class EngineStalled(RuntimeError):
+    """An engine call overran generator.engine_timeout_s: the engine's thread is stuck in it."""
 
 
 async def load_weights(state: State, engine: Engine, engine_thread: concurrent.futures.Executor, *,
@@ -610,6 +651,11 @@ async def play_and_publish(g: Generator, state: State, held: Held) -> None:
         drop = g.settings.drop_zero_variance and len({c.reward for c in group.completions}) == 1
         await trio.to_thread.run_sync(partial(
             drop_group if drop else publish, g.r, keys=g.keys, entry_id=held.entry_id, group=group))
+    except BaseException as err:  # a failed turn (counted and said where it failed), alone or from the
+        if not turn_failed(err):    # episodes' nursery: the other episodes' turns end unheard
+            raise
+        let_go(g, state, held)
+        return
     finally:
         state.episodes -= 1
         state.wake.set()
@@ -630,6 +676,8 @@ async def sample_turn(g: Generator, state: State, ids: list[int], max_new_tokens
     state.turns.append(turn)
     state.wake.set()
     await turn.done.wait()
+    if turn.error is not None:
+        raise TurnFailed(turn.error)
     assert turn.result is not None
     return turn.result
 
@@ -683,7 +731,7 @@ def heartbeat(state: State, engine: Engine) -> Heartbeat:
     return Heartbeat(engine=engine.name, version=engine.version, tokens_per_s=state.tokens_per_s(),
                      in_flight=len(state.held), groups=state.groups, reward_errors=state.reward_errors,
                      dropped_zero_variance=state.dropped_zero_variance, weights_refused=state.weights_refused,
-                     last_refusal=state.last_refusal)
+                     last_refusal=state.last_refusal, env_errors=state.env_errors, engine_errors=state.engine_errors)
 
 
 async def signals(g: Generator, state: State, everything: trio.CancelScope) -> None:

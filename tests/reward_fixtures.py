@@ -3,6 +3,7 @@ the spawned reward workers, which get the test process's sys.path."""
 
 import os
 import re
+import signal
 import subprocess
 import time
 
@@ -21,8 +22,9 @@ def length(*, completion: str, completion_ids: list[int], **_) -> dict[str, floa
 
 
 def moody(*, completion: str, meta: dict, **_) -> float:
-    """What the completion says: "raise", "hang" (sleeps), "spin" (a busy loop), "die" (the process
-    exits), "child" (starts a child process, writes its pid to meta["pidfile"], then hangs),
+    """What the completion says: "raise", "hang" (sleeps), "spin" (a busy loop), "blocked" (in a
+    read, its signals blocked), "die" (the process exits), "child" (starts a child process, writes
+    its pid to meta["pidfile"], then hangs),
     "nan", "text"; anything else scores 1.0."""
     if completion == "raise":
         raise ValueError("no good")
@@ -31,6 +33,9 @@ def moody(*, completion: str, meta: dict, **_) -> float:
     if completion == "spin":
         while True:
             pass
+    if completion == "blocked":  # a read nobody will answer, with every signal it can block blocked
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        os.read(os.pipe()[0], 1)
     if completion == "die":
         os._exit(3)
     if completion == "child":

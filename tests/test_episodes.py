@@ -4,11 +4,13 @@ sampled by the engine among the other requests), and the whole pipeline training
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.heartbeats import read_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import PromptTask, SampleGroup, decode_group, encode
 from envs import guess
@@ -105,6 +107,10 @@ kind = "arithmetic"
         r.xadd(keys.prompts, {PAYLOAD: encode(prompt("faulty:0:2", {"source": "faulty", "tool": "boom"}))})
         wait_for(lambda: r.xlen(keys.samples) >= 4, timeout=60, what="a group after the faults", procs=[proc])
         assert proc.poll() is None, "the generator died"
+        # every failed step counted in the heartbeat: as many as the log's lines say
+        said = sum(int(n) for n in re.findall(r"environment error \((\d+) in group", log.read_text()))
+        wait_for(lambda: read_heartbeat(r, keys, "g1").env_errors == said >= 6, timeout=30,
+                 what=f"{said} environment errors in the heartbeat", procs=[proc])
     finally:
         assert stop(proc) == 0, log.read_text()[-3000:]
     groups = {g.id: g for g in (decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples))}

@@ -53,7 +53,7 @@ def test_a_raising_or_garbage_reward_is_that_completions_error(workers):
         assert (bad.reward, bad.rewards) == (0.0, {}) and "expected a finite number" in bad.error
 
 
-@pytest.mark.parametrize("how", ["hang", "spin"])
+@pytest.mark.parametrize("how", ["hang", "spin", "blocked"])
 def test_a_hanging_reward_times_out_and_the_worker_is_replaced(how):
     with RewardRunner({"m": f"{FIX}:moody"}, timeout_s=0.5, workers=1) as runner:
         assert runner.score("m", prompt="p", completions=group("ok"), meta={}) == [OK]
@@ -62,6 +62,37 @@ def test_a_hanging_reward_times_out_and_the_worker_is_replaced(how):
         assert time.monotonic() - t0 >= 0.5, "the reward had its budget before it was given up"
         assert out == [OK, Scored(0.0, {}, "timeout after 0.5 s"), OK]  # the replacement scored the last
         assert runner.restarts == 1
+        assert runner.score("m", prompt="p", completions=group("ok", "ok"), meta={}) == [OK, OK]
+
+
+def worker_processes() -> set[int]:
+    """Pids of this process's children that are spawned workers (zombies included: not reaped)."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and (b"spawn_main" in cmdline or fields[0] == "Z"):
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+def test_hung_workers_are_killed_and_replaced_without_leaking_a_process_or_a_slot():
+    # four groups at once on two workers, each with a reward stuck in a read with its signals blocked
+    with RewardRunner({"m": f"{FIX}:moody"}, timeout_s=0.5, workers=2) as runner:
+        out: list[list[Scored]] = []
+        threads = [threading.Thread(target=lambda: out.append(runner.score(
+            "m", prompt="p", completions=group("blocked", "ok"), meta={}))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert out == [[Scored(0.0, {}, "timeout after 0.5 s"), OK]] * 4
+        assert runner.restarts == 4
+        live = {w.process.pid for w in runner._live}
+        assert len(live) == 2 and worker_processes() == live, "a killed worker was left behind"
         assert runner.score("m", prompt="p", completions=group("ok", "ok"), meta={}) == [OK, OK]
 
 

@@ -25,13 +25,16 @@ def main() -> None:
         print(f"trainer: {err}", file=sys.stderr)
         sys.exit(2)
 
-    from trainer.main import run  # imports torch and transformers
+    from trainer.main import PublishFailed, run  # imports torch and transformers
 
     try:
         run(config)
     except ModelError as err:  # e.g. a model directory with pickled weights only
         print(f"trainer: {err}", file=sys.stderr)
         sys.exit(2)
+    except PublishFailed as err:  # a full disk: nothing announced, the saved state resumable
+        print(f"trainer: {err}", file=sys.stderr)
+        sys.exit(1)
     except redis.exceptions.ConnectionError as err:
         sys.exit(lost_redis("trainer", config.redis_url, err))
     except redis.exceptions.NoPermissionError as err:  # an ACL user without a command or key it needs

@@ -38,8 +38,8 @@ from common.evals import enqueue_eval
 from common.keys import TRAINER_GROUP, Keys
 from common.messages import SampleGroup, WeightVersion
 from common.models import resolve_model_path
-from common.progress import Refused, count_refused, count_skipped, read_trainer, write_step
-from common.streams import connect, ensure_group
+from common.progress import Fault, Refused, count_fault, count_refused, count_skipped, read_trainer, write_step
+from common.streams import connect, ensure_group, latest_weights
 from trainer.checkpoints import load_model, place, publish, remove_unfinished, resume
 from trainer.devices import DTYPES, Placement, placement
 from trainer.grpo import LossOptions
@@ -48,6 +48,7 @@ from trainer.parallel import any_rank, finish, gather, init_distributed, is_main
 from trainer.record import Record, forgotten, put_right
 from trainer.samples import Collected, collect
 from trainer.shutdown import Shutdown
+from trainer.state import prune_states, state_dir
 from trainer.step import sft_step, train_step
 from trainer.tracking import Tracker
 
@@ -151,16 +152,47 @@ def checkpoint(r: redis.Redis, keys: Keys, state: State, *, save: bool, config: 
     """Publish the weights of `state.step` (every rank takes part); with `save`, the trainer state
     too, and acknowledge every group trained since the last. Rank 0 alone gets the WeightVersion."""
     cfg = config.trainer
-    wv = publish(r, keys, state.model, state.optimizer, state.scheduler, step=state.step,
-                 checkpoint_dir=config.checkpoint_dir, state_root=state_root, source_dir=source_dir,
-                 keep=cfg.keep_checkpoints, save_state_now=save, entry_ids=state.unacked_entries if save else [],
-                 group_ids=state.unacked_ids if save else [], dedup_window=cfg.dedup_window,
-                 dtype=DTYPES[config.model.dtype])
+    newest = state_dir(state_root, state.record.state_step)
+    if any_rank(state.record.state_step > 0 and not newest.is_dir()):
+        save = True  # a restart would have nothing to resume from: save one now
+        if is_main():
+            count_fault(r, keys, Fault.STATE_LOST)
+        say(f"trainer: its newest saved state {newest} is gone (the output directory deleted?); "
+            f"saving the trainer state of step {state.step} now")
+    try:
+        wv = publish(r, keys, state.model, state.optimizer, state.scheduler, step=state.step,
+                     checkpoint_dir=config.checkpoint_dir, state_root=state_root, source_dir=source_dir,
+                     keep=cfg.keep_checkpoints, save_state_now=save,
+                     entry_ids=state.unacked_entries if save else [], group_ids=state.unacked_ids if save else [],
+                     dedup_window=cfg.dedup_window, dtype=DTYPES[config.model.dtype])
+    except OSError as err:  # a full disk, most often: nothing was announced
+        raise publish_failed(r, keys, state, err, checkpoint_dir=config.checkpoint_dir, state_root=state_root,
+                             keep=cfg.keep_checkpoints) from err
     state.record.published(wv, step=state.step, saved=save, group_ids=state.unacked_ids if save else [],
                            dedup_window=cfg.dedup_window)
     if save:
         state.unacked_entries, state.unacked_ids = [], []
     return wv
+
+
+class PublishFailed(RuntimeError):
+    """A checkpoint or trainer state could not be written (a full disk): nothing was announced, and
+    the trainer stops; the text says where a restart resumes."""
+
+
+def publish_failed(r: redis.Redis, keys: Keys, state: State, err: OSError, *, checkpoint_dir: Path,
+                   state_root: Path, keep: int) -> PublishFailed:
+    """Count a publish whose files could not be written, remove what it half wrote (space a full
+    disk needs back), and say what stands: the weights generators have, the state a restart resumes
+    from. Every group trained since that state is still pending, to be trained again."""
+    remove_unfinished(checkpoint_dir)
+    prune_states(state_root, keep=keep)  # its half-written state
+    if is_main():
+        count_fault(r, keys, Fault.PUBLISH_FAILED)
+    return PublishFailed(
+        f"publishing step {state.step} failed: {err}. Nothing was announced: generators keep version "
+        f"{state.record.version}, and the groups trained since the saved state of step {state.record.state_step} "
+        f"stay pending. Stopping; free the space and start the trainer again: it resumes from that state")
 
 
 def publish_if_due(r: redis.Redis, keys: Keys, state: State, *, last: bool, config: Config, source_dir: Path,
@@ -196,6 +228,27 @@ def check_redis(r: redis.Redis, keys: Keys, state: State, *, consumer: str) -> N
         state.cursor = b"0"
 
 
+def republish_if_gone(r: redis.Redis, keys: Keys, state: State, *, agree: bool, config: Config, source_dir: Path,
+                      state_root: Path) -> None:
+    """Publish the weights of `state.step` again when the newest published checkpoint's directory
+    is gone (deleted, the output directory with it): generators cannot load it and go on sampling
+    with older weights, whose groups soon all grow too stale to train, so that no step would ever
+    end. `agree`: every rank decides together (a collective); else rank 0 decides alone, which
+    only a trainer of world size 1 may (between reads, while a step waits for groups)."""
+    latest = latest_weights(r, keys) if is_main() else None
+    gone = latest is not None and not Path(latest.path).is_dir()
+    if agree:
+        gone = any_rank(gone)
+    if not gone:
+        return
+    if latest is not None:
+        count_fault(r, keys, Fault.WEIGHTS_LOST)
+        say(f"trainer: the published checkpoint {latest.path} (version {latest.version}) is gone and generators "
+            f"cannot load it; publishing the weights of step {state.step} again")
+    state.version = state.step
+    checkpoint(r, keys, state, save=True, config=config, source_dir=source_dir, state_root=state_root)
+
+
 def put_right_if_lost(r: redis.Redis, keys: Keys, state: State) -> bool:
     """Rank 0: if Redis has lost writes the trainer made, write its record back (no collectives:
     also called between reads while a step waits for groups, for the generators, stuck on weights
@@ -207,6 +260,14 @@ def put_right_if_lost(r: redis.Redis, keys: Keys, state: State) -> bool:
         f"{had.groups_trained} groups trained; the trainer is at step {state.record.step}, saved state "
         f"{state.record.state_step}, {state.record.groups_trained} groups trained): written back")
     return True
+
+
+def between_reads(r: redis.Redis, keys: Keys, state: State, *, world: int, config: Config, source_dir: Path,
+                  state_root: Path) -> None:
+    """While a step waits for groups: what cannot wait for the next step (see the two callees)."""
+    put_right_if_lost(r, keys, state)
+    if world == 1:
+        republish_if_gone(r, keys, state, agree=False, config=config, source_dir=source_dir, state_root=state_root)
 
 
 def stranded(r: redis.Redis, keys: Keys, state: State, *, consumer: str) -> bool:
@@ -267,6 +328,7 @@ def run(config: Config) -> None:
     while not (cfg.max_steps and state.step >= cfg.max_steps) and not any_rank(shutdown.requested):
         t_step = time.monotonic()
         check_redis(r, keys, state, consumer=f"rank{rank}")
+        republish_if_gone(r, keys, state, agree=True, config=config, source_dir=source_dir, state_root=state_root)
         got, state.cursor = collect(r, keys, want=rollout.prompts_per_step // world, step=state.step,
                                     max_staleness=None if sft else rollout.max_staleness,
                                     vocab_size=model.config.vocab_size,
@@ -274,7 +336,8 @@ def run(config: Config) -> None:
                                     cursor=state.cursor, shutdown=shutdown, objective=cfg.objective,
                                     limits=config.limits, trained=state.record.trained,
                                     skip=set(state.unacked_entries),
-                                    between=lambda: put_right_if_lost(r, keys, state))
+                                    between=partial(between_reads, r, keys, state, world=world, config=config,
+                                                    source_dir=source_dir, state_root=state_root))
         if any_rank(got is None):  # a stop while waiting: what this rank read stays pending
             break
         everyone, mine = gather_groups(r, keys, got, rank)

@@ -67,6 +67,7 @@ class Tracker:
     def log(self, m: StepMetrics) -> None:
         """Append one step's metrics everywhere, and its summary to the trainer-status hash."""
         metrics = m.entry()
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # the output directory may have been deleted
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         status = TrainerStatus(last_step_s=m.time_step, last_wait_s=m.time_wait_data, staleness_mean=m.staleness_mean,
