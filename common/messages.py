@@ -4,6 +4,11 @@ Each stream entry carries one MessagePack map under the field `keys.PAYLOAD`. Ev
 `v` (schema version) and `t` (message type). Token ids travel as packed little-endian int32,
 log-probs as packed little-endian float32, loss masks as packed uint8; nothing is pickle.
 
+A group to encode may hold its ids, log-probs and masks as lists, numpy arrays or array.arrays;
+a decoded group holds read-only numpy arrays (int32 ids, float32 log-probs, bool masks), views
+of the payload made without walking the items in Python (common/tokens.py). Messages compare
+equal when their values are, whichever of the two holds them.
+
 A decoder returns a valid message or raises `MessageError` naming what was wrong; the caller
 dead-letters the entry with that reason.
 """
@@ -11,11 +16,16 @@ dead-letters the entry with that reason.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import msgpack
 import numpy as np
+
+from common.tokens import IDS, LOGPROBS, MASK, Floats, Ints, pack_ids, pack_logprobs, pack_mask, same_values
+from common.tokens import MessageError as MessageError  # raised by the decoders; defined beside the packing
 
 SCHEMA = 1
 # Defaults of the config's [limits]: a decoder refuses anything beyond them.
@@ -25,10 +35,6 @@ MAX_GROUP_SIZE = 1_024  # completions in a group; samples a prompt may ask for (
 # An episode (multi-turn, with an environment) also ends on "turns" (its turn limit) and
 # "timeout" (its time limit); see generators/episodes.py.
 FINISH_REASONS = ("stop", "length", "abort", "turns", "timeout")
-
-
-class MessageError(ValueError):
-    """An entry that is not a valid message of the expected type; the text says why."""
 
 
 # --------------------------------------------------------------------------- messages
@@ -46,27 +52,37 @@ class PromptTask:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    ids: list[int]  # sampled token ids (eos included when finish == "stop")
-    logprobs: list[float]  # behaviour log-prob of each sampled id, as the trainer computes it
+    ids: Ints  # sampled token ids (eos included when finish == "stop")
+    logprobs: Floats  # behaviour log-prob of each sampled id, as the trainer computes it
     reward: float  # scalar reward used for the advantage
     rewards: dict[str, float]  # named reward components (the scalar's parts)
     finish: str  # "stop" (eos; an episode: the environment said done), "length" (max_new_tokens), "abort",
     # and for episodes "turns" (max_turns) and "timeout" (episode_timeout_s)
     text: str  # decoded completion
-    loss_mask: list[int] | None = None  # 1 where the token is trained on (an episode: the model's); None means all
+    loss_mask: Ints | None = None  # 1 where the token is trained on (an episode: the model's); None means all
     reward_error: str | None = None  # why the reward function failed (reward is then 0); None: it ran
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Completion):
+            return NotImplemented
+        return all(same_values(getattr(self, f), getattr(other, f)) for f in self.__slots__)
 
 
 @dataclass(frozen=True, slots=True)
 class SampleGroup:
     id: str  # deterministic from the prompt: a redelivered group is recognised
     prompt_id: str  # PromptTask.id it was made from
-    prompt_ids: list[int]  # prompt token ids, chat template applied
+    prompt_ids: Ints  # prompt token ids, chat template applied
     version: int  # weight version the tokens were sampled with
     generator: str  # id of the generator that made it
     engine: str  # "hf" or "vllm"
     completions: list[Completion]
     timings: dict[str, float] = field(default_factory=dict)  # seconds: "generate", "reward"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SampleGroup):
+            return NotImplemented
+        return all(same_values(getattr(self, f), getattr(other, f)) for f in self.__slots__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,25 +98,17 @@ class WeightVersion:
 # --------------------------------------------------------------------------- packing
 
 
-def _pack_ints(xs: list[int]) -> bytes:
-    return np.asarray(xs, dtype="<i4").tobytes()
-
-
-def _pack_floats(xs: list[float]) -> bytes:
-    return np.asarray(xs, dtype="<f4").tobytes()
-
-
-def _unpack(blob: Any, dtype: str, what: str) -> np.ndarray:
-    if not isinstance(blob, bytes):
-        raise MessageError(f"{what}: expected packed bytes, got {type(blob).__name__}")
-    size = np.dtype(dtype).itemsize
-    if len(blob) % size:
-        raise MessageError(f"{what}: {len(blob)} bytes is not a whole number of {dtype} items")
-    return np.frombuffer(blob, dtype=dtype)
-
-
 def _dump(d: dict[str, Any]) -> bytes:
     return msgpack.packb(d, use_bin_type=True)
+
+
+def _completion_map(c: Completion, what: str) -> dict[str, Any]:
+    d = {"ids": pack_ids(c.ids, f"{what}.ids"), "logprobs": pack_logprobs(c.logprobs, f"{what}.logprobs"),
+         "reward": c.reward, "rewards": c.rewards, "finish": c.finish, "text": c.text,
+         "loss_mask": None if c.loss_mask is None else pack_mask(c.loss_mask, f"{what}.loss_mask")}
+    if c.reward_error is not None:
+        d["reward_error"] = c.reward_error
+    return d
 
 
 def encode(msg: PromptTask | SampleGroup | WeightVersion) -> bytes:
@@ -111,15 +119,10 @@ def encode(msg: PromptTask | SampleGroup | WeightVersion) -> bytes:
     if isinstance(msg, SampleGroup):
         return _dump({
             "v": SCHEMA, "t": "group", "id": msg.id, "prompt_id": msg.prompt_id,
-            "prompt_ids": _pack_ints(msg.prompt_ids), "version": msg.version,
+            "prompt_ids": pack_ids(msg.prompt_ids, f"group {msg.id}.prompt_ids"), "version": msg.version,
             "generator": msg.generator, "engine": msg.engine, "timings": msg.timings,
-            "completions": [
-                {"ids": _pack_ints(c.ids), "logprobs": _pack_floats(c.logprobs),
-                 "reward": c.reward, "rewards": c.rewards, "finish": c.finish, "text": c.text,
-                 "loss_mask": None if c.loss_mask is None else bytes(c.loss_mask),
-                 **({} if c.reward_error is None else {"reward_error": c.reward_error})}
-                for c in msg.completions
-            ],
+            "completions": [_completion_map(c, f"group {msg.id}.completions[{i}]")
+                            for i, c in enumerate(msg.completions)],
         })
     if isinstance(msg, WeightVersion):
         return _dump({"v": SCHEMA, "t": "weights", "version": msg.version, "step": msg.step,
@@ -203,39 +206,99 @@ def decode_prompt(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, max_n: int
                       n=n, admitted_at=_get(d, "admitted_at", int, w))
 
 
-def _decode_completion(c: object, cw: str, *, max_tokens: int) -> tuple[Completion, int, int]:
-    """One completion of a group's `completions` list (`cw` names it in errors), and the smallest
-    and largest token id in it (taken on the array, before it becomes a list)."""
+def _packed(blob: Any, dtype: np.dtype, what: str) -> bytes:
+    """A packed array field's bytes, checked to hold a whole number of `dtype` items."""
+    if not isinstance(blob, bytes):
+        raise MessageError(f"{what}: expected packed bytes, got {type(blob).__name__}")
+    if len(blob) % dtype.itemsize:
+        raise MessageError(f"{what}: {len(blob)} bytes is not a whole number of {dtype.str} items")
+    return blob
+
+
+def _completion_fields(c: object, cw: str, *, max_tokens: int) -> tuple[bytes, bytes, bytes | None, dict[str, Any]]:
+    """One completion of a group's `completions` list (`cw` names it in errors): its packed ids,
+    log-probs and loss mask, their sizes checked (their values are checked on the whole group's
+    arrays at once), and its other fields, checked."""
     if not isinstance(c, dict):
         raise MessageError(f"{cw}: expected a map")
-    ids = _unpack(_get(c, "ids", bytes, cw), "<i4", f"{cw}.ids")
-    lps = _unpack(_get(c, "logprobs", bytes, cw), "<f4", f"{cw}.logprobs")
-    if ids.size == 0:
+    ids = _packed(_get(c, "ids", bytes, cw), IDS, f"{cw}.ids")
+    lps = _packed(_get(c, "logprobs", bytes, cw), LOGPROBS, f"{cw}.logprobs")
+    n = len(ids) // IDS.itemsize
+    if n == 0:
         raise MessageError(f"{cw}: empty completion")
-    if ids.size > max_tokens:
-        raise MessageError(f"{cw}: {ids.size} tokens exceed the limit of {max_tokens}")
-    if ids.size != lps.size:
-        raise MessageError(f"{cw}: {ids.size} ids but {lps.size} logprobs")
-    if not np.isfinite(lps).all() or (lps > 1e-4).any():
-        raise MessageError(f"{cw}: logprobs must be finite and <= 0")
+    if n > max_tokens:
+        raise MessageError(f"{cw}: {n} tokens exceed the limit of {max_tokens}")
+    if len(lps) != len(ids):
+        raise MessageError(f"{cw}: {n} ids but {len(lps) // LOGPROBS.itemsize} logprobs")
     mask = c.get("loss_mask")
-    if mask is not None:
-        mask = _unpack(mask, "u1", f"{cw}.loss_mask")
-        if mask.size != ids.size or (mask > 1).any():
-            raise MessageError(f"{cw}: loss_mask must be 0/1 with one entry per id")
-        mask = mask.tolist()
+    if mask is not None and len(_packed(mask, MASK, f"{cw}.loss_mask")) != n:
+        raise MessageError(f"{cw}: loss_mask must be 0/1 with one entry per id")
     finish = _get(c, "finish", str, cw)
     if finish not in FINISH_REASONS:
         raise MessageError(f"{cw}: finish {finish!r} not one of {FINISH_REASONS}")
-    rewards = _finite_map(c.get("rewards", {}), f"{cw}.rewards")
     reward_error = c.get("reward_error")
     if reward_error is not None and not isinstance(reward_error, str):
         raise MessageError(f"{cw}.reward_error: expected a string or nothing, got {type(reward_error).__name__}")
-    completion = Completion(
-        ids=ids.tolist(), logprobs=lps.tolist(), reward=_finite(c.get("reward"), f"{cw}.reward"),
-        rewards=rewards, finish=finish, text=_get(c, "text", str, cw), loss_mask=mask,
-        reward_error=reward_error)
-    return completion, int(ids.min()), int(ids.max())
+    return ids, lps, mask, {"reward": _finite(c.get("reward"), f"{cw}.reward"),
+                            "rewards": _finite_map(c.get("rewards", {}), f"{cw}.rewards"), "finish": finish,
+                            "text": _get(c, "text", str, cw), "reward_error": reward_error}
+
+
+_NUMBER = (int, float)  # exact types: MessagePack gives no subclasses, and bool is not a number here
+
+
+def _plain_completion(c: object, max_tokens: int) -> dict[str, Any] | None:
+    """The fields of a completion that is plainly valid, tested without building a single error
+    text (most groups are; this is the decoder's hot path); None where `_completion_fields` must
+    look closer, to accept it after all or to say what is wrong."""
+    if type(c) is not dict:
+        return None
+    ids, lps, mask, reward, rewards = c.get("ids"), c.get("logprobs"), c.get("loss_mask"), c.get("reward"), \
+        c.get("rewards", {})
+    ok = (type(ids) is bytes and type(lps) is bytes and 0 < len(ids) == len(lps) <= 4 * max_tokens
+          and not len(ids) % 4 and (mask is None or (type(mask) is bytes and 4 * len(mask) == len(ids)))
+          and c.get("finish") in FINISH_REASONS and type(c.get("text")) is str
+          and type(reward) in _NUMBER and math.isfinite(reward) and type(rewards) is dict
+          and all(type(k) is str and type(v) in _NUMBER and math.isfinite(v) for k, v in rewards.items())
+          and (c.get("reward_error") is None or type(c["reward_error"]) is str))
+    if not ok:
+        return None
+    return {"reward": float(reward), "rewards": {k: float(v) for k, v in rewards.items()}, "finish": c["finish"],
+            "text": c["text"], "reward_error": c.get("reward_error")}
+
+
+def _first_bad(arrays: list[np.ndarray | None], bad: Callable[[np.ndarray], bool]) -> int:
+    """Index of the first of `arrays` that `bad` flags (one is known to be)."""
+    return next(i for i, a in enumerate(arrays) if a is not None and bad(a))
+
+
+def _completions(raw: list, w: str, *, max_tokens: int) -> tuple[list[Completion], np.ndarray]:
+    """A group's completions, their ids, log-probs and masks as read-only views of one array each
+    (the log-probs and masks checked on those arrays, not per item in Python), and all their ids."""
+    parts = []
+    for i, c in enumerate(raw):
+        plain = _plain_completion(c, max_tokens)
+        parts.append((c["ids"], c["logprobs"], c.get("loss_mask"), plain) if plain is not None
+                     else _completion_fields(c, f"{w}.completions[{i}]", max_tokens=max_tokens))
+    ends = list(accumulate(len(p[0]) // IDS.itemsize for p in parts))
+    spans = list(zip([0, *ends], ends, strict=False))
+    ids = np.frombuffer(b"".join(p[0] for p in parts), IDS)
+    lps = np.frombuffer(b"".join(p[1] for p in parts), LOGPROBS)
+    if not (np.isfinite(lps).all() and lps.max() <= 1e-4):
+        i = _first_bad([lps[a:b] for a, b in spans], lambda x: not np.isfinite(x).all() or bool((x > 1e-4).any()))
+        raise MessageError(f"{w}.completions[{i}]: logprobs must be finite and <= 0")
+    masks = np.frombuffer(b"".join(p[2] for p in parts if p[2] is not None), MASK)
+    views: list[np.ndarray | None] = []  # each completion's mask, a view of `masks`
+    at = 0
+    for (a, b), p in zip(spans, parts, strict=True):
+        views.append(None if p[2] is None else masks[at:at + b - a])
+        at += 0 if p[2] is None else b - a
+    if masks.size and masks.max() > 1:
+        i = _first_bad(views, lambda x: bool((x > 1).any()))
+        raise MessageError(f"{w}.completions[{i}]: loss_mask must be 0/1 with one entry per id")
+    completions = [Completion(ids=ids[a:b], logprobs=lps[a:b], loss_mask=None if m is None else m.view(np.bool_),
+                              **p[3]) for (a, b), m, p in zip(spans, views, parts, strict=True)]
+    return completions, ids
 
 
 def peek_id(blob: Any, *, max_bytes: int = MAX_MESSAGE_BYTES) -> str | None:
@@ -254,7 +317,7 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size:
     d = _load(blob, "group", max_bytes)
     gid = _get(d, "id", str, "group")
     w = f"group {gid}"
-    prompt_ids = _unpack(_get(d, "prompt_ids", bytes, w), "<i4", f"{w}.prompt_ids")
+    prompt_ids = np.frombuffer(_packed(_get(d, "prompt_ids", bytes, w), IDS, f"{w}.prompt_ids"), IDS)
     if prompt_ids.size == 0:
         raise MessageError(f"{w}: empty prompt_ids")
     if prompt_ids.size > max_tokens:
@@ -264,19 +327,16 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size:
         raise MessageError(f"{w}: no completions")
     if len(raw) > max_completions:
         raise MessageError(f"{w}: {len(raw)} completions exceed the limit of {max_completions}")
-    completions = []
-    low, top = int(prompt_ids.min()), int(prompt_ids.max())  # token id range, for the vocabulary check
-    for i, c in enumerate(raw):
-        completion, c_low, c_top = _decode_completion(c, f"{w}.completions[{i}]", max_tokens=max_tokens)
-        low, top = min(low, c_low), max(top, c_top)
-        completions.append(completion)
-    if vocab_size is not None and (low < 0 or top >= vocab_size):
-        raise MessageError(f"{w}: token id out of range [0, {vocab_size}): saw {low}..{top}")
+    completions, ids = _completions(raw, w, max_tokens=max_tokens)
+    if vocab_size is not None:  # token id range, checked on the arrays
+        low, top = min(int(prompt_ids.min()), int(ids.min())), max(int(prompt_ids.max()), int(ids.max()))
+        if low < 0 or top >= vocab_size:
+            raise MessageError(f"{w}: token id out of range [0, {vocab_size}): saw {low}..{top}")
     version = _get(d, "version", int, w)
     if version < 0:
         raise MessageError(f"{w}: negative version {version}")
     timings = _finite_map(d.get("timings", {}), f"{w}.timings")
-    return SampleGroup(id=gid, prompt_id=_get(d, "prompt_id", str, w), prompt_ids=prompt_ids.tolist(),
+    return SampleGroup(id=gid, prompt_id=_get(d, "prompt_id", str, w), prompt_ids=prompt_ids,
                        version=version, generator=_get(d, "generator", str, w),
                        engine=_get(d, "engine", str, w), completions=completions, timings=timings)
 

@@ -318,5 +318,5 @@ def test_a_conversation_becomes_an_sft_group_trained_on_assistant_turns(tiny_mod
     assert tokenizer.decode(group.prompt_ids).endswith("What is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
     assert trained.replace(" ", "") == "4<|im_end|>\n6<|im_end|>\n".replace(" ", "")
     assert "And 3 + 3?" in untrained and "Thanks" not in c.text  # the trailing user turn is dropped
-    assert tokenizer.decode(group.prompt_ids + c.ids) == tokenizer.apply_chat_template(
+    assert tokenizer.decode([*group.prompt_ids.tolist(), *c.ids.tolist()]) == tokenizer.apply_chat_template(
         messages[:5], tokenize=False)

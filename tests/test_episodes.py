@@ -252,5 +252,5 @@ turn_timeout_s = 600
     (group,) = [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
     assert group.generator == "g2" and group.id == "once:0:0"
     for c in group.completions:  # whole episodes, each from the prompt: one model turn, then done
-        assert (c.finish, c.reward, c.loss_mask) == ("stop", 1.0, [1] * len(c.ids))
+        assert (c.finish, c.reward, c.loss_mask.tolist()) == ("stop", 1.0, [True] * len(c.ids))
     assert r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0

@@ -5,6 +5,7 @@ by hand."""
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from common.messages import Completion, SampleGroup
 from tests.test_grpo import clip_case
 from tests.test_trainer import make_group
-from trainer.batch import group_rows, micro_batches, split_rows
+from trainer.batch import Row, group_rows, micro_batches, split_rows
 from trainer.grpo import LossOptions, group_advantages, grpo_loss, kl_penalty, token_entropy
 from trainer.schedule import lr_factor
 from trainer.step import train_step
@@ -164,9 +165,8 @@ def test_overlong_mask_drops_the_tokens_but_keeps_the_baseline():
 
 
 def test_split_rows_by_token_budget():
-    rows = [group_rows(_group(["stop"] * 2, [0.0, 1.0]))[0]] * 4
-    rows = [type(rows[0])(inputs=[0] * n, targets=[0] * n, mask=[1] * n, behaviour_logp=[0.0] * n, advantage=0.0)
-            for n in (4, 3, 6, 2)]
+    rows = [Row(prompt=np.zeros(1, dtype=np.int32), ids=np.zeros(n, dtype=np.int32), trained=np.ones(n, dtype=bool),
+                logprobs=np.zeros(n, dtype=np.float32), advantage=0.0) for n in (4, 3, 6, 2)]
     # Budget 8 padded tokens: [4, 3] -> 2 x 4 = 8; adding 6 would be 3 x 6; [6] alone (2 x 6 = 12 with
     # the 2); [2]. A row over the budget (6 > 5) still goes, alone.
     lengths = lambda parts: [[len(r.inputs) for r in p] for p in parts]  # noqa: E731

@@ -60,6 +60,7 @@ def server(tmp_path_factory, tiny_model):
 def forward_logprobs(model_dir, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
+    prompt, ids = [int(x) for x in prompt], [int(x) for x in ids]  # a decoded group holds arrays
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float() / temperature

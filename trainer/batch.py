@@ -1,9 +1,14 @@
-"""Sample groups to training rows, and rows to right-padded micro-batches."""
+"""Sample groups to training rows, and rows to right-padded micro-batches.
+
+Groups decoded from the stream hold numpy arrays (common/messages.py); rows keep them as they are
+and `collate` builds each micro-batch's tensors with a few numpy calls and `torch.from_numpy`,
+never a Python list per token. Groups holding lists (built in process) are taken too."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -14,14 +19,38 @@ from trainer.grpo import Estimator, group_advantages
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One completion as a next-token training sequence (prompt + completion, shifted by one)."""
+    """One completion as a next-token training sequence (prompt + completion, shifted by one),
+    held as its parts: `collate` lays many rows out in tensors with a few numpy calls, never
+    walking their tokens in Python."""
 
-    inputs: list[int]  # (prompt + completion)[:-1]
-    targets: list[int]  # (prompt + completion)[1:]
-    mask: list[int]  # 1 where targets[t] is a trained completion token
-    behaviour_logp: list[float]  # generator's log-prob of targets[t] on completion positions, else 0
+    prompt: np.ndarray  # prompt token ids
+    ids: np.ndarray  # completion token ids
+    trained: np.ndarray  # (len(ids),) bool: the completion tokens trained on
+    logprobs: np.ndarray  # (len(ids),) float32: the generator's log-prob of each completion token
     advantage: float  # group-relative advantage of the completion
     version: int = 0  # weight version that sampled it (the group's)
+
+    @property
+    def length(self) -> int:
+        """Positions of the sequence: len(prompt + completion) - 1."""
+        return len(self.prompt) + len(self.ids) - 1
+
+    # The row as the model sees it, as lists (for reading; collate never builds these).
+    @property
+    def inputs(self) -> list[int]:  # (prompt + completion)[:-1]
+        return np.concatenate([self.prompt, self.ids])[:-1].tolist()
+
+    @property
+    def targets(self) -> list[int]:  # (prompt + completion)[1:]
+        return np.concatenate([self.prompt, self.ids])[1:].tolist()
+
+    @property
+    def mask(self) -> list[int]:  # 1 where targets[t] is a trained completion token
+        return [0] * (len(self.prompt) - 1) + self.trained.astype(int).tolist()
+
+    @property
+    def behaviour_logp(self) -> list[float]:  # generator's log-prob of targets[t] on completion positions, else 0
+        return [0.0] * (len(self.prompt) - 1) + self.logprobs.astype(float).tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,36 +88,41 @@ def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: s
         advantages = [kept.pop(0) if ok else 0.0 for ok in scored]
     else:
         scored = [objective == "sft"] * len(group.completions)
-    prompt = group.prompt_ids
+    prompt = np.asarray(group.prompt_ids)
     rows = []
     for c, adv, ok in zip(group.completions, advantages, scored, strict=True):
-        full = prompt + c.ids
-        n_prompt, n_done = len(prompt), len(c.ids)
-        # Completion token i is predicted at input position n_prompt - 1 + i.
-        done_mask = [1] * n_done if c.loss_mask is None else list(c.loss_mask)
+        ids = np.asarray(c.ids)
         if (overlong == "mask" and c.finish == "length") or not ok:
-            done_mask = [0] * n_done
-        rows.append(Row(inputs=full[:-1], targets=full[1:],
-                        mask=[0] * (n_prompt - 1) + done_mask,
-                        behaviour_logp=[0.0] * (n_prompt - 1) + list(c.logprobs),
+            trained = np.zeros(len(ids), dtype=bool)
+        elif c.loss_mask is None:
+            trained = np.ones(len(ids), dtype=bool)
+        else:
+            trained = np.asarray(c.loss_mask, dtype=bool)
+        rows.append(Row(prompt=prompt, ids=ids, trained=trained, logprobs=np.asarray(c.logprobs, dtype=np.float32),
                         advantage=float(adv), version=group.version))
     return rows
 
 
 def collate(rows: list[Row]) -> MicroBatch:
-    """Right-pad `rows` to their longest into one micro-batch."""
+    """Right-pad `rows` to their longest into one micro-batch: each row's parts are copied into
+    the padded arrays as whole slices (a few numpy calls per row, none per token)."""
     assert rows, "collate needs at least one row"
-    width = max(len(row.inputs) for row in rows)
-
-    def pad(xs: list, value) -> list:
-        return xs + [value] * (width - len(xs))
-
+    shape = (len(rows), max(row.length for row in rows))
+    input_ids, targets = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
+    attention = np.zeros(shape, dtype=np.int64)
+    mask, logp = np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32)
+    for i, row in enumerate(rows):
+        p, end = len(row.prompt), row.length  # completion token j is the target at position p - 1 + j
+        input_ids[i, :p] = row.prompt
+        input_ids[i, p:end] = row.ids[:-1]
+        targets[i, :p - 1] = row.prompt[1:]
+        targets[i, p - 1:end] = row.ids
+        attention[i, :end] = 1
+        mask[i, p - 1:end] = row.trained
+        logp[i, p - 1:end] = row.logprobs
     return MicroBatch(
-        input_ids=torch.tensor([pad(row.inputs, 0) for row in rows], dtype=torch.long),
-        attention_mask=torch.tensor([pad([1] * len(row.inputs), 0) for row in rows], dtype=torch.long),
-        targets=torch.tensor([pad(row.targets, 0) for row in rows], dtype=torch.long),
-        mask=torch.tensor([pad(row.mask, 0) for row in rows], dtype=torch.float32),
-        behaviour_logp=torch.tensor([pad(row.behaviour_logp, 0.0) for row in rows], dtype=torch.float32),
+        input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention),
+        targets=torch.from_numpy(targets), mask=torch.from_numpy(mask), behaviour_logp=torch.from_numpy(logp),
         advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
         versions=torch.tensor([row.version for row in rows], dtype=torch.long),
     )
@@ -105,12 +139,12 @@ def split_rows(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: in
     current: list[Row] = []
     width = 0
     for row in rows:
-        w = max(width, len(row.inputs))
+        w = max(width, row.length)
         too_many = len(current) >= micro_batch_size
         too_big = micro_batch_tokens > 0 and (len(current) + 1) * w > micro_batch_tokens
         if current and (too_many or too_big):
             out.append(current)
-            current, w = [], len(row.inputs)
+            current, w = [], row.length
         current.append(row)
         width = w
     if current:
@@ -142,5 +176,6 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
     for part in (rows[a:b] for a, b in zip(bounds, bounds[1:], strict=False)):
         batches = [collate(chunk) for chunk in split_rows(part, micro_batch_size=micro_batch_size,
                                                           micro_batch_tokens=micro_batch_tokens)]
-        out.append((batches, sum(sum(row.mask) for row in part), sum(1 for row in part if any(row.mask))))
+        out.append((batches, sum(int(np.count_nonzero(row.trained)) for row in part),
+                    sum(1 for row in part if row.trained.any())))
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import redis
 import torch
 
@@ -27,7 +28,7 @@ def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: b
                  for g in groups if len(g.completions) >= 2] if rewarded else []
     correct = [c.rewards["correct"] for c in completions if "correct" in c.rewards]
     # the model's tokens: an episode's environment turns (loss_mask 0) are not its length
-    lengths = [len(c.ids) if c.loss_mask is None else sum(c.loss_mask) for c in completions]
+    lengths = [len(c.ids) if c.loss_mask is None else int(np.count_nonzero(c.loss_mask)) for c in completions]
     parts: dict[str, list[float]] = {}
     for c in completions if rewarded else []:
         for name, value in c.rewards.items():

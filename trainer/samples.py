@@ -75,7 +75,7 @@ def validate(fields: dict, *, vocab_size: int, objective: str = "grpo", limits: 
     if objective == "grpo" and len(group.completions) < 2:
         raise MessageError(f"group {group.id}: {len(group.completions)} completion(s); "
                            "a group-relative advantage needs at least 2")
-    if not any(c.loss_mask is None or any(c.loss_mask) for c in group.completions):
+    if not any(c.loss_mask is None or c.loss_mask.any() for c in group.completions):  # decoded: bool arrays
         raise MessageError(f"group {group.id}: loss_mask is 0 everywhere; nothing to train on")
     return group
 
