@@ -425,6 +425,11 @@ class TrainerConfig(_Section):
     dedup_window: int = Field(1000, ge=1)
     # Published checkpoints kept on disk (the newest ones), each with its trainer state for resume.
     keep_checkpoints: int = Field(3, ge=2)
+    # Where published checkpoints are written, under the run's name (PUBLISH_DIR/RUN/step_N);
+    # "" = output_dir/checkpoints. A tmpfs such as "/dev/shm/rollouts" (RAM: keep_checkpoints + 1
+    # copies of the weights) skips the disk when every generator shares the trainer's host (or
+    # fetches over weights_url); resume needs only the trainer state, which stays in output_dir.
+    publish_dir: str = ""
     # torch intra-op threads; 0 leaves torch's default.
     threads: int = Field(0, ge=0)
     # Seed of torch's generators (model init of anything new, dropout).
@@ -554,7 +559,9 @@ class Config(_Section):
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.output_dir) / "checkpoints"
+        """Where the trainer publishes its checkpoints (trainer.publish_dir)."""
+        return Path(self.trainer.publish_dir) / self.run if self.trainer.publish_dir \
+            else Path(self.output_dir) / "checkpoints"
 
     @property
     def metrics_path(self) -> Path:
