@@ -665,7 +665,7 @@ async def watch_weights(g: Generator, state: State) -> None:
     its files at once, while the engine finishes what is in flight; it loads at a safe point."""
     seen = 0
     while True:
-        got = await trio.to_thread.run_sync(g.weights.wait, seen, 1.0, cancellable=True)
+        got = await trio.to_thread.run_sync(g.weights.wait, seen, 1.0, abandon_on_cancel=True)
         if got is None:
             if g.weights.error is not None:
                 raise RuntimeError(f"{g.name}: the weights watcher stopped") from g.weights.error

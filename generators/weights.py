@@ -115,12 +115,18 @@ class Watcher:
     def _follow(self, last_id: bytes) -> None:
         try:
             while not self._stop.is_set():
-                got = self._r.xread({self._keys.weights: last_id}, count=100, block=self._block_ms)
+                try:
+                    got = self._r.xread({self._keys.weights: last_id}, count=100, block=self._block_ms)
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    # Redis restarting, or a block longer than the client's socket timeout: read
+                    # again from the same id (nothing announced meanwhile is missed)
+                    self._stop.wait(0.2)
+                    continue
                 for _stream, entries in got or []:
                     for entry_id, fields in entries:
                         last_id = entry_id
-                        if PAYLOAD.encode() in fields:
-                            self._announce(fields[PAYLOAD.encode()])
+                        if PAYLOAD in fields:
+                            self._announce(fields[PAYLOAD])
         except BaseException as err:  # kept for whoever asks; the generator reports it
             self.error = err
             raise
