@@ -255,7 +255,8 @@ class GeneratorConfig(_Section):
     # Prompts held at once (in the engine, or taken and waiting to join it): continuous batching
     # admits a new prompt as soon as one finishes, keeping this many in flight.
     max_in_flight: int = Field(16, ge=1, le=1000)
-    # How often the weights:latest key is read for a newer version (seconds).
+    # Longest idle wait of the engine loop (seconds). New weights do not wait for it: a watcher
+    # blocks on the weights stream and wakes the loop the moment a version is announced.
     weights_poll_s: float = Field(0.5, gt=0.0)
     # Dynamic sampling (DAPO): a group whose completions all got the same reward teaches nothing
     # under group-normalised advantages; drop it (counted, never written) and let the producer

@@ -497,7 +497,7 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
     and reported, and the engine keeps its weights."""
     blob = state.acted_on = state.latest
     assert blob is not None
-    t0 = time.perf_counter()
+    t0, loading_at = time.perf_counter(), time.time()
     checked = state.checked
     if checked is None or checked.blob != blob:
         checked = state.checked = await check(Checked(blob), weights_url=weights_url, fetch_dir=fetch_dir)
@@ -518,9 +518,10 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
         print(f"{name}: refused weights: {err}", file=sys.stderr, flush=True)
         return
     state.news.set()
-    print(f"{name}: loaded weights version {wv.version} (verify {checked.seconds:.2f} s, waited {t1 - t0:.2f} s "
-          f"for it, reload {time.perf_counter() - t1:.2f} s; announced {announced_after(state, wv):.2f} s after "
-          "publishing)", flush=True)
+    announced, drained = timeline(state, wv, loading_at=loading_at)
+    print(f"{name}: loaded weights version {wv.version} (verify {checked.seconds:.2f} s, reload "
+          f"{time.perf_counter() - t1:.2f} s; announced {announced:.2f} s after publishing, drained {drained:.2f} s, "
+          f"waited {t1 - t0:.2f} s for the checksums)", flush=True)
 
 
 # ---------------------------------------------------------------------- scoring and writing
@@ -678,10 +679,14 @@ async def watch_weights(g: Generator, state: State) -> None:
             await check(state.checked, weights_url=g.settings.weights_url, fetch_dir=g.fetch_dir)
 
 
-def announced_after(state: State, wv: WeightVersion) -> float:
-    """Seconds from the trainer publishing `wv` (its created_at) until the watcher saw it."""
+def timeline(state: State, wv: WeightVersion, *, loading_at: float) -> tuple[float, float]:
+    """Seconds from the trainer publishing `wv` (its created_at) until the watcher saw it, and
+    from then until the engine, done with what was in flight, began loading it (NaN: not seen
+    by the watcher but read from weights:latest)."""
     blob, seen_at = state.seen
-    return max(seen_at - wv.created_at, 0.0) if blob == state.acted_on else math.nan
+    if blob != state.acted_on:
+        return math.nan, math.nan
+    return max(seen_at - wv.created_at, 0.0), max(loading_at - seen_at, 0.0)
 
 
 async def heartbeats(g: Generator, state: State) -> None:

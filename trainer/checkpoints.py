@@ -95,10 +95,11 @@ def save_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, 
 
 
 def write_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, source_dir: Path,
-                     state_dict: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None
-                     ) -> tuple[Path, dict[str, str]]:
+                     state_dict: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
+                     timing: dict[str, float] | None = None) -> tuple[Path, dict[str, str]]:
     """`save_checkpoint`, also returning the sha256 of every file in the directory: the weights'
-    hashed as they are written (common.checkpoints.write_safetensors), never read back."""
+    hashed as they are written (common.checkpoints.write_safetensors), never read back.
+    `timing`, if given, gets write_safetensors' "write" and "checksum" seconds."""
     tmp = checkpoint_dir / f".step_{step}.tmp"
     final = checkpoint_dir / f"step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -108,7 +109,7 @@ def write_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int,
     if is_lora(model):  # merged full weights under the base model's names: every engine loads them as they are
         state_dict = merged_state_dict(state_dict, scale=scale_of(model))
     tensors = hf_tensors(hf, state_dict, dtype)
-    sums = {WEIGHTS_FILE: write_safetensors(tmp / WEIGHTS_FILE, tensors)}
+    sums = {WEIGHTS_FILE: write_safetensors(tmp / WEIGHTS_FILE, tensors, timing=timing)}
     floating = {t.dtype for t in tensors.values() if t.is_floating_point()}
     hf.config.save_pretrained(tmp)
     config = json.loads((tmp / "config.json").read_text())
@@ -157,17 +158,19 @@ def prune_checkpoints(checkpoint_dir: Path, *, keep: int) -> None:
 def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int, checkpoint_dir: Path,
             state_root: Path, source_dir: Path, keep: int, save_state_now: bool, entry_ids: list[bytes],
-            group_ids: list[str], dedup_window: int, dtype: torch.dtype | None = None) -> WeightVersion | None:
+            group_ids: list[str], dedup_window: int, dtype: torch.dtype | None = None,
+            timing: dict[str, float] | None = None) -> WeightVersion | None:
     """Checkpoint and trainer state on disk, then in one transaction: announce it and
     acknowledge the groups it holds (every rank's: `entry_ids` and `group_ids` are global).
 
     Every rank takes part (gathering the weights, writing its state shards); rank 0 writes the
     checkpoint (its weights in `dtype`, None: the master weights') and talks to Redis, and alone
-    returns the WeightVersion.
+    returns the WeightVersion. `timing`, if given, gets the seconds of the weights' "write" and,
+    of them, the "checksum" (write_safetensors).
     """
     weights = full_state_dict(model)
     path, sums = write_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
-                                  state_dict=weights, dtype=dtype) if is_main() else (None, {})
+                                  state_dict=weights, dtype=dtype, timing=timing) if is_main() else (None, {})
     assert save_state_now or not entry_ids, "groups are acknowledged only with a saved trainer state"
     if save_state_now:
         save_state(model, optimizer, scheduler, step=step, state_root=state_root, keep=keep)
