@@ -1,7 +1,7 @@
 """Seconds from the trainer starting to publish weights until every generator samples with them.
 
     .venv/bin/python ops/bench/weight_sync.py [--models tiny default] [--engine hf] [--generators 1] [--versions 3]
-        [--publish-dir DIR] [--dtype float32]
+        [--publish-dir DIR] [--dtype float32] [--idle]
 
 For each model, a real redis-server and `--generators` real generator processes (`python -m
 generators`, `--engine` hf or vllm, the demo's settings: 4 completions per prompt, at most 24 new
@@ -28,6 +28,9 @@ stamped as it arrives:
     reload    the in-place load into the engine;
     total     from the start of publish() until the last generator has loaded, after which every
               prompt it starts is sampled with the new version.
+
+`--idle` gives the generators no prompts: nothing is in flight, so nothing drains, and the total
+is the weight sync itself.
 
 Against code from before the watcher (a generator line without the announce/drain part), notice
 is everything between publish()'s return and the load (poll and drain), reload includes the
@@ -116,7 +119,7 @@ def show(row: dict[str, float]) -> str:
 
 
 def bench_model(name: str, model_dir: Path, *, engine: str, generators: int, versions: int, max_in_flight: int,
-                tmp: Path, publish_dir: str, dtype: str) -> dict[str, float]:
+                tmp: Path, publish_dir: str, dtype: str, idle: bool = False) -> dict[str, float]:
     import redis
     import torch
 
@@ -152,7 +155,12 @@ threads = 1
     env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                ROLLOUTS_CONFIG=str(config))
     next_prompt = [0]
-    feed(r, keys, start=next_prompt)
+
+    def keep_busy() -> None:
+        if not idle:
+            feed(r, keys, start=next_prompt)
+
+    keep_busy()
     procs, seen, logs = [], [], []
     rows: list[dict[str, float]] = []
     try:
@@ -172,15 +180,15 @@ threads = 1
         def wait(what: str, cond, timeout: float = 600) -> None:
             deadline = time.monotonic() + timeout
             while not cond():
-                feed(r, keys, start=next_prompt)
+                keep_busy()
                 for p, log in zip(procs, logs, strict=True):
                     assert p.poll() is None, f"generator exited {p.returncode}:\n{log.read_text()[-4000:]}"
                 assert time.monotonic() < deadline, f"timed out waiting for {what}"
                 time.sleep(0.01)
 
-        # Every generator busy before the first publish: groups are coming out of each.
+        # Every generator busy before the first publish: groups are coming out of each (--idle: up).
         wait("every generator's first group", lambda: sum(
-            beat is not None and beat.groups > 0 for beat in heartbeats(r, keys, generators)) == generators)
+            beat is not None and (idle or beat.groups > 0) for beat in heartbeats(r, keys, generators)) == generators)
         rng = random.Random(0)
         for v in range(1, versions + 1):
             at = time.monotonic() + rng.uniform(1.0, 4.0)
@@ -232,6 +240,8 @@ def main() -> None:
     ap.add_argument("--publish-dir", default="", help="trainer.publish_dir: where checkpoints are written "
                     "(e.g. /dev/shm/rollouts); default a directory on the disk")
     ap.add_argument("--dtype", default="float32", help="the published dtype: the trainer's model.dtype")
+    ap.add_argument("--idle", action="store_true", help="give the generators no prompts: nothing to drain, so "
+                    "the total is the sync alone (publish, notice, checksums, reload)")
     args = ap.parse_args()
 
     from common.models import resolve_model_path
@@ -249,7 +259,7 @@ def main() -> None:
                   f"{args.dtype} to {args.publish_dir or 'the disk'}", flush=True)
             results[name] = bench_model(name, model_dir, engine=args.engine, generators=args.generators,
                                         versions=args.versions, max_in_flight=args.max_in_flight, tmp=tmp / f"m{i}",
-                                        publish_dir=args.publish_dir, dtype=args.dtype)
+                                        publish_dir=args.publish_dir, dtype=args.dtype, idle=args.idle)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("\nmedians (s):")
