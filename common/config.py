@@ -430,6 +430,7 @@ class TrainerConfig(_Section):
     # "" = output_dir/checkpoints. A tmpfs such as "/dev/shm/rollouts" (RAM: keep_checkpoints + 1
     # copies of the weights) skips the disk when every generator shares the trainer's host (or
     # fetches over weights_url); resume needs only the trainer state, which stays in output_dir.
+    # Two runs of the same name on one host must not share it.
     publish_dir: str = ""
     # torch intra-op threads; 0 leaves torch's default.
     threads: int = Field(0, ge=0)
