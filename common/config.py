@@ -282,7 +282,8 @@ class GeneratorConfig(_Section):
     # Prompts held at once (in the engine, or taken and waiting to join it): continuous batching
     # admits a new prompt as soon as one finishes, keeping this many in flight.
     max_in_flight: int = Field(16, ge=1, le=1000)
-    # How often the weights:latest key is read for a newer version (seconds).
+    # Longest idle wait of the engine loop (seconds). New weights do not wait for it: a watcher
+    # blocks on the weights stream and wakes the loop the moment a version is announced.
     weights_poll_s: float = Field(0.5, gt=0.0)
     # Dynamic sampling (DAPO): a group whose completions all got the same reward teaches nothing
     # under group-normalised advantages; drop it (counted, never written) and let the producer
@@ -460,6 +461,12 @@ class TrainerConfig(_Section):
     dedup_window: int = Field(1000, ge=1)
     # Published checkpoints kept on disk (the newest ones), each with its trainer state for resume.
     keep_checkpoints: int = Field(3, ge=2)
+    # Where published checkpoints are written, under the run's name (PUBLISH_DIR/RUN/step_N);
+    # "" = output_dir/checkpoints. A tmpfs such as "/dev/shm/rollouts" (RAM: keep_checkpoints + 1
+    # copies of the weights) skips the disk when every generator shares the trainer's host (or
+    # fetches over weights_url); resume needs only the trainer state, which stays in output_dir.
+    # Two runs of the same name on one host must not share it.
+    publish_dir: str = ""
     # torch intra-op threads; 0 leaves torch's default.
     threads: int = Field(0, ge=0)
     # Seed of torch's generators (model init of anything new, dropout).
@@ -604,7 +611,9 @@ class Config(_Section):
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.output_dir) / "checkpoints"
+        """Where the trainer publishes its checkpoints (trainer.publish_dir)."""
+        return Path(self.trainer.publish_dir) / self.run if self.trainer.publish_dir \
+            else Path(self.output_dir) / "checkpoints"
 
     @property
     def metrics_path(self) -> Path:

@@ -15,10 +15,9 @@ from collections import deque
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common.checkpoints import check_fits
+from common.checkpoints import check_fits, copy_into
 from common.messages import PromptTask
 from engines.base import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
 
@@ -139,9 +138,7 @@ class HFEngine:
         own = self.model.state_dict()
         tied = {"lm_head.weight"} if self.model.config.get_text_config().tie_word_embeddings else set()
         check_fits(path, {k: tuple(v.shape) for k, v in own.items()}, tied=tied)  # headers only
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(path).glob("*.safetensors")):
-            state.update(load_file(f))
-        # strict unless a tied lm_head is absent (save_pretrained leaves it out; it shares the embedding)
-        self.model.load_state_dict(state, strict=tied <= set(state))
+        # Into the model's own tensors, from the files' mapped pages: no second copy of the weights.
+        # A tied lm_head shares the embedding's tensor (save_pretrained leaves it out).
+        copy_into(path, own)
         self.version = version

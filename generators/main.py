@@ -18,7 +18,8 @@ one `State` (what they hand over and count):
              (generators/episodes.py), whose model turns the engine loop samples among all other
              requests and whose environment steps run in worker processes with time limits
              (generators/environments.py); then writes the group as scoring does
-  weights    reads `weights:latest` every `weights_poll_s`
+  weights    follows the weights stream (generators.weights: XREAD BLOCK in a thread of its
+             own), wakes the engine loop at each new version and verifies its files meanwhile
   heartbeat  writes the heartbeat hash (version, engine, tokens/s, prompts in flight)
   signals    stops the intake at the first signal, everything at the second
 The first four are the pipeline, which ends when every taken prompt is written; the others run
@@ -60,12 +61,11 @@ import redis
 import trio
 
 from common import streams
-from common.checkpoint_server import fetch_checkpoint
-from common.checkpoints import CheckpointError, verify_dir
+from common.checkpoints import CheckpointError
 from common.config import Config, GeneratorConfig, LimitsConfig, TrainerConfig
 from common.heartbeats import Heartbeat, clear_heartbeat, count_engine_stall, write_heartbeat
 from common.keys import GENERATORS_GROUP, Keys
-from common.messages import Completion, MessageError, PromptTask, SampleGroup, decode_weights
+from common.messages import Completion, PromptTask, SampleGroup, WeightVersion
 from common.shaping import zero_variance
 from engines.base import Engine, Finished, Sampled, SamplingSettings, episode_prompt_ids, turn_ids
 from engines.choice import engine_name, open_engine
@@ -75,6 +75,7 @@ from generators.environments import EnvRunner, environment_specs
 from generators.episodes import EpisodeLimits, run_episodes
 from generators.prompts import drop_group, leave_group, own_pending, prepare_prompts, publish, take_prompts, touch_held
 from generators.scoring import RewardRunner, reward_names
+from generators.weights import Checked, Watcher, check
 
 RATE_WINDOW_S = 30.0  # tokens/s in the heartbeat is over this window
 
@@ -121,8 +122,10 @@ class State:
     """What the generator's tasks share: held prompts, weights to load, counters for the heartbeat."""
 
     held: dict[str, Held] = field(default_factory=dict)  # request id (prompt entry id) -> prompt
-    latest: bytes | None = None  # weights:latest payload last read
+    latest: bytes | None = None  # the newest weights payload announced (or read from weights:latest)
     acted_on: bytes | None = None  # the payload last loaded or refused
+    checked: Checked | None = None  # the newest payload's check (checksums), begun when it was announced
+    seen: tuple[bytes, float] = (b"", 0.0)  # the payload last announced, and time.time() the watcher saw it
     stopping: bool = False
     exit_code: int | None = None  # set by a second signal: exit now with this code
     news: trio.Event = field(default_factory=trio.Event)  # set when the heartbeat should not wait (new weights)
@@ -178,6 +181,7 @@ class Generator:
     episodes_in: trio.MemoryReceiveChannel[Held]
     intake_scope: trio.CancelScope  # cancelled by the first signal
     fetch_dir: Path  # where versions fetched over HTTP land (settings.weights_url)
+    weights: Watcher  # the newest version announced on the weights stream
 
     @property
     def name(self) -> str:
@@ -305,20 +309,26 @@ async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, eng
         arrived_send=arrived_send, arrived=arrived, finished_send=finished_send, finished=finished,
         capacity=trio.Semaphore(gen.max_in_flight), intake_scope=trio.CancelScope(),
         fetch_dir=Path(config.output_dir) / "fetched", envs=envs, specs=specs, episode_limits=limits,
-        episodes_send=episodes_send, episodes_in=episodes_in)
-    # A late starter loads the newest weights before its first prompt.
-    state.latest = await trio.to_thread.run_sync(r.get, keys.weights_latest)
-    with trio.CancelScope() as everything:
-        async with trio.open_nursery() as background:
-            background.start_soon(watch_weights, g, state)
-            background.start_soon(heartbeats, g, state)
-            background.start_soon(signals, g, state, everything)
-            async with trio.open_nursery() as pipeline:  # ends when every taken prompt is written
-                pipeline.start_soon(intake, g, state)
-                pipeline.start_soon(engine_loop, g, state)
-                pipeline.start_soon(scoring, g, state)
-                pipeline.start_soon(episodes, g, state)
-            background.cancel_scope.cancel()
+        episodes_send=episodes_send, episodes_in=episodes_in,
+        weights=Watcher(r, keys))
+    # A late starter loads the newest weights (weights:latest, read as the watcher starts) first.
+    await trio.to_thread.run_sync(g.weights.start)
+    if g.weights.latest is not None:
+        state.latest = g.weights.latest.blob
+    try:
+        with trio.CancelScope() as everything:
+            async with trio.open_nursery() as background:
+                background.start_soon(watch_weights, g, state)
+                background.start_soon(heartbeats, g, state)
+                background.start_soon(signals, g, state, everything)
+                async with trio.open_nursery() as pipeline:  # ends when every taken prompt is written
+                    pipeline.start_soon(intake, g, state)
+                    pipeline.start_soon(engine_loop, g, state)
+                    pipeline.start_soon(scoring, g, state)
+                    pipeline.start_soon(episodes, g, state)
+                background.cancel_scope.cancel()
+    finally:
+        g.weights.stop()
 
 
 # ---------------------------------------------------------------------- intake
@@ -522,32 +532,37 @@ class EngineStalled(RuntimeError):
 
 async def load_weights(state: State, engine: Engine, engine_thread: concurrent.futures.Executor, *,
                        name: str, weights_url: str = "", fetch_dir: Path | None = None) -> None:
-    """Load the WeightVersion in `state.latest` if it is newer than the engine's; a refusal (the
+    """Load the WeightVersion in `state.latest` if it is newer than the engine's, once its files
+    are verified (the check begun when it was announced, else one begun now); a refusal (the
     payload does not decode, the files fail their checksums or do not fit the model) is counted
     and reported, and the engine keeps its weights."""
     blob = state.acted_on = state.latest
     assert blob is not None
+    t0, loading_at = time.perf_counter(), time.time()
+    checked = state.checked
+    if checked is None or checked.blob != blob:
+        checked = state.checked = await check(Checked(blob), weights_url=weights_url, fetch_dir=fetch_dir)
+    await checked.done.wait()
+    t1 = time.perf_counter()
+    wv = checked.wv
     try:
-        wv = decode_weights(blob)
+        if checked.error:
+            raise CheckpointError(checked.error)
+        assert wv is not None
         if wv.version <= engine.version:
             return
-        t0 = time.perf_counter()
-        path = wv.path
-        if weights_url:  # no shared disk: fetched from the trainer's host, checked on arrival
-            path = await trio.to_thread.run_sync(partial(fetch_checkpoint, weights_url, wv, dest_root=fetch_dir))
-        else:
-            await trio.to_thread.run_sync(verify_dir, wv.path, wv.checksums)
-        t1 = time.perf_counter()
-        await run_on_engine(engine_thread, lambda: engine.load_weights(path, version=wv.version))
-    except (MessageError, CheckpointError) as err:
+        await run_on_engine(engine_thread, lambda: engine.load_weights(checked.path, version=wv.version))
+    except CheckpointError as err:
         state.weights_refused += 1
         state.last_refusal = str(err)
         state.news.set()
         print(f"{name}: refused weights: {err}", file=sys.stderr, flush=True)
         return
     state.news.set()
-    print(f"{name}: loaded weights version {wv.version} (verify {t1 - t0:.2f} s, "
-          f"reload {time.perf_counter() - t1:.2f} s)", flush=True)
+    announced, drained = timeline(state, wv, loading_at=loading_at)
+    print(f"{name}: loaded weights version {wv.version} (verify {checked.seconds:.2f} s, reload "
+          f"{time.perf_counter() - t1:.2f} s; announced {announced:.2f} s after publishing, drained {drained:.2f} s, "
+          f"waited {t1 - t0:.2f} s for the checksums)", flush=True)
 
 
 # ---------------------------------------------------------------------- scoring and writing
@@ -695,12 +710,31 @@ def prompt_text(task: PromptTask) -> str:
 
 
 async def watch_weights(g: Generator, state: State) -> None:
-    """Read `weights:latest` every `weights_poll_s`, for the engine loop to load at a safe point."""
+    """Hand each version the watcher sees announced to the engine loop (waking it), and check
+    its files at once, while the engine finishes what is in flight; it loads at a safe point."""
+    seen = 0
     while True:
-        blob = await trio.to_thread.run_sync(g.r.get, g.keys.weights_latest)
-        if blob is not None:
-            state.latest = blob
-        await trio.sleep(g.settings.weights_poll_s)
+        got = await trio.to_thread.run_sync(g.weights.wait, seen, 1.0, abandon_on_cancel=True)
+        if got is None:
+            if g.weights.error is not None:
+                raise RuntimeError(f"{g.name}: the weights watcher stopped") from g.weights.error
+            continue
+        seen = got.seq
+        state.latest, state.seen = got.blob, (got.blob, got.seen_at)
+        state.wake.set()  # an idle engine loop loads it now
+        if state.checked is None or state.checked.blob != got.blob:
+            state.checked = Checked(got.blob)
+            await check(state.checked, weights_url=g.settings.weights_url, fetch_dir=g.fetch_dir)
+
+
+def timeline(state: State, wv: WeightVersion, *, loading_at: float) -> tuple[float, float]:
+    """Seconds from the trainer publishing `wv` (its created_at) until the watcher saw it, and
+    from then until the engine, done with what was in flight, began loading it (NaN: not seen
+    by the watcher but read from weights:latest)."""
+    blob, seen_at = state.seen
+    if blob != state.acted_on:
+        return math.nan, math.nan
+    return max(seen_at - wv.created_at, 0.0), max(loading_at - seen_at, 0.0)
 
 
 async def heartbeats(g: Generator, state: State) -> None:

@@ -25,7 +25,7 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.checkpoints import checksum_dir, verify_dir
+from common.checkpoints import WEIGHTS_FILE, checksum_dir, verify_dir, write_safetensors
 from common.config import LoraConfig
 from common.keys import PAYLOAD, TRAINER_GROUP, WEIGHTS_MAXLEN, Keys
 from common.messages import WeightVersion, encode
@@ -70,15 +70,15 @@ def copy_tokenizer_files(source: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
-def in_dtype(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """`state_dict` on the CPU with its floating tensors in `dtype`; tensors shared before (tied
-    embeddings) are shared after, so save_pretrained still recognises them."""
-    done: dict[int, torch.Tensor] = {}
+def in_dtype(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """`state_dict` on the CPU with its floating tensors in `dtype` (None: as they are); tensors
+    shared before (tied embeddings) are shared after, and one already there is not copied."""
+    done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
     out = {}
     for k, v in state_dict.items():
         key = (v.data_ptr(), tuple(v.shape))
         if key not in done:
-            done[key] = v.detach().to("cpu", dtype=dtype if v.is_floating_point() else v.dtype)
+            done[key] = v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
         out[k] = done[key]
     return out
 
@@ -90,24 +90,55 @@ def save_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, 
     `state_dict`: the gathered weights of a sharded model; None saves the model's own. `dtype`:
     the weights' dtype on disk (and config.json's), None: as they are (the master weights').
     """
+    return write_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
+                            state_dict=state_dict, dtype=dtype)[0]
+
+
+def write_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, source_dir: Path,
+                     state_dict: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
+                     timing: dict[str, float] | None = None) -> tuple[Path, dict[str, str]]:
+    """`save_checkpoint`, also returning the sha256 of every file in the directory: the weights'
+    hashed as they are written (common.checkpoints.write_safetensors), never read back.
+    `timing`, if given, gets write_safetensors' "write" and "checksum" seconds."""
     tmp = checkpoint_dir / f".step_{step}.tmp"
     final = checkpoint_dir / f"step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir(parents=True)
+    hf = hf_model(model)
+    state_dict = model.state_dict() if state_dict is None else state_dict
     if is_lora(model):  # merged full weights under the base model's names: every engine loads them as they are
-        state_dict = merged_state_dict(model.state_dict() if state_dict is None else state_dict, scale=scale_of(model))
-    if dtype is not None:
-        state_dict = in_dtype(model.state_dict() if state_dict is None else state_dict, dtype)
-    hf_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-    if dtype is not None:  # save_pretrained writes the live model's dtype (the master weights')
-        config = json.loads((tmp / "config.json").read_text())
-        config["dtype"] = str(dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        state_dict = merged_state_dict(state_dict, scale=scale_of(model))
+    tensors = hf_tensors(hf, state_dict, dtype)
+    sums = {WEIGHTS_FILE: write_safetensors(tmp / WEIGHTS_FILE, tensors, timing=timing)}
+    floating = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    hf.config.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config["architectures"] = [type(hf).__name__]
+    if len(floating) == 1:  # the dtype the engines load it in unless told otherwise
+        config["dtype"] = str(floating.pop()).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if hf.can_generate() and getattr(hf, "generation_config", None) is not None:
+        hf.generation_config.save_pretrained(tmp)
     copy_tokenizer_files(source_dir, tmp)
     if final.exists():  # written by a run that crashed before publishing it: never seen by anyone
         shutil.rmtree(final)
     os.rename(tmp, final)
-    return final.resolve()
+    return final.resolve(), checksum_dir(final, known=sums)
+
+
+def hf_tensors(hf: torch.nn.Module, state_dict: dict[str, torch.Tensor],
+               dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """What save_pretrained would write of `state_dict`: tied aliases dropped (the lm_head that
+    shares the embedding), names as the checkpoint format has them; on the CPU, floating tensors
+    in `dtype` (None: as they are; a tensor already there is not copied)."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict, revert_weight_conversion
+
+    state = dict(state_dict)
+    for key in getattr(hf, "_keys_to_ignore_on_save", None) or []:
+        state.pop(key, None)
+    state = remove_tied_weights_from_state_dict(state, hf)
+    state = revert_weight_conversion(hf, state)
+    return in_dtype(state, dtype)
 
 
 def remove_unfinished(checkpoint_dir: Path) -> None:
@@ -127,24 +158,26 @@ def prune_checkpoints(checkpoint_dir: Path, *, keep: int) -> None:
 def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int, checkpoint_dir: Path,
             state_root: Path, source_dir: Path, keep: int, save_state_now: bool, entry_ids: list[bytes],
-            group_ids: list[str], dedup_window: int, dtype: torch.dtype | None = None) -> WeightVersion | None:
+            group_ids: list[str], dedup_window: int, dtype: torch.dtype | None = None,
+            timing: dict[str, float] | None = None) -> WeightVersion | None:
     """Checkpoint and trainer state on disk, then in one transaction: announce it and
     acknowledge the groups it holds (every rank's: `entry_ids` and `group_ids` are global).
 
     Every rank takes part (gathering the weights, writing its state shards); rank 0 writes the
     checkpoint (its weights in `dtype`, None: the master weights') and talks to Redis, and alone
-    returns the WeightVersion.
+    returns the WeightVersion. `timing`, if given, gets the seconds of the weights' "write" and,
+    of them, the "checksum" (write_safetensors).
     """
     weights = full_state_dict(model)
-    path = save_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
-                           state_dict=weights, dtype=dtype) if is_main() else None
+    path, sums = write_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
+                                  state_dict=weights, dtype=dtype, timing=timing) if is_main() else (None, {})
     assert save_state_now or not entry_ids, "groups are acknowledged only with a saved trainer state"
     if save_state_now:
         save_state(model, optimizer, scheduler, step=step, state_root=state_root, keep=keep)
     if not is_main():
         return None
     wv = WeightVersion(version=step, step=step, path=str(path), format="safetensors",
-                       checksums=checksum_dir(path), created_at=time.time())
+                       checksums=sums, created_at=time.time())
     blob = encode(wv)
     pipe = r.pipeline(transaction=True)
     pipe.xadd(keys.weights, {PAYLOAD: blob}, maxlen=WEIGHTS_MAXLEN, approximate=True)

@@ -1,6 +1,7 @@
 """Seconds from the trainer starting to publish weights until every generator samples with them.
 
     .venv/bin/python ops/bench/weight_sync.py [--models tiny default] [--engine hf] [--generators 1] [--versions 3]
+        [--publish-dir DIR] [--dtype float32] [--idle]
 
 For each model, a real redis-server and `--generators` real generator processes (`python -m
 generators`, `--engine` hf or vllm, the demo's settings: 4 completions per prompt, at most 24 new
@@ -8,17 +9,32 @@ tokens, `max_in_flight` 8, `batch_prompts` 4, one thread), kept busy: the prompt
 runs dry.
 This process then publishes `--versions` new weight versions with the trainer's own
 `trainer.checkpoints.publish` (checkpoint to a temporary name and rename, checksums, one MULTI/EXEC
-that sets `weights:latest`; no optimizer state, as on the demo's steps between `state_every`),
-each at a random moment of the generators' work, and times from each generator's log line
-`loaded weights version V (verify a s, reload b s)`, stamped as it arrives:
+that sets `weights:latest`; no optimizer state, as on the demo's steps between `state_every`), in
+`--dtype` (the trainer publishes in model.dtype: float32 for the default model) under
+`--publish-dir` (trainer.publish_dir; default a directory on the disk), each at a random moment of
+the generators' work, and times from each generator's log line `loaded weights version V (verify
+a s, reload b s; announced c s after publishing, drained d s, waited e s for the checksums)`,
+stamped as it arrives:
 
-    save    publish() from its start to its return (weights:latest is set at its end);
-    notice  from then until the generator began loading: its poll of weights:latest (every
-            `weights_poll_s`, 0.5 s) and the drain of the prompts already in its engine, which
-            finish with the weights they started with;
-    reload  the generator's checksum check of the files plus its in-place load;
-    total   from the start of publish() until the last generator has loaded, after which every
-            prompt it starts is sampled with the new version.
+    save      publish() from its start to its return (weights:latest is set at its end);
+    write     of it, writing the weights file, checksum included;
+    checksum  of that, the time spent waiting for the sha256 once the bytes were written (it is
+              computed beside the writes, from the bytes as they are written);
+    notice    from publish()'s announcement until the generator's watcher saw it (XREAD BLOCK);
+    drain     from then until the engine, done with the prompts already in it (which finish with
+              the weights they started with), began loading;
+    verify    the generator's checksum check of the files (begun when it saw the version, so it
+              runs while the engine drains); `wait` is how long loading waited for it;
+    reload    the in-place load into the engine;
+    total     from the start of publish() until the last generator has loaded, after which every
+              prompt it starts is sampled with the new version.
+
+`--idle` gives the generators no prompts: nothing is in flight, so nothing drains, and the total
+is the weight sync itself.
+
+Against code from before the watcher (a generator line without the announce/drain part), notice
+is everything between publish()'s return and the load (poll and drain), reload includes the
+verify, and write/checksum/drain are not known (nan).
 
 The figures are medians over versions (and generators). Prints the default model's (the last
 model's) total on its last line.
@@ -27,6 +43,8 @@ model's) total on its last line.
 from __future__ import annotations
 
 import argparse
+import inspect
+import math
 import os
 import random
 import re
@@ -42,7 +60,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-LOADED = re.compile(r"loaded weights version (\d+)(?: \(verify ([\d.]+) s, reload ([\d.]+) s\))?")
+LOADED = re.compile(r"loaded weights version (\d+)(?: \(verify ([\d.]+) s, reload ([\d.]+) s"
+                    r"(?:; announced ([\d.]+|nan) s after publishing, drained ([\d.]+|nan) s, "
+                    r"waited ([\d.]+) s for the checksums)?)?")
+PARTS = ("save", "write", "checksum", "notice", "drain", "verify", "wait", "reload", "total")
 
 
 def feed(r, keys, *, low: int = 64, batch: int = 128, start: list[int]) -> None:
@@ -65,8 +86,8 @@ def feed(r, keys, *, low: int = 64, batch: int = 128, start: list[int]) -> None:
     start[0] += batch
 
 
-def watch(proc: subprocess.Popen, log: Path, seen: dict[int, tuple[float, float, float]]) -> None:
-    """Copy the generator's output to `log`; stamp each weight load {version: (time, verify, reload)}."""
+def watch(proc: subprocess.Popen, log: Path, seen: dict[int, dict[str, float]]) -> None:
+    """Copy the generator's output to `log`; stamp each weight load {version: {"at": time, part: s}}."""
     with open(log, "w") as out:
         for line in proc.stdout:
             now = time.monotonic()
@@ -74,11 +95,31 @@ def watch(proc: subprocess.Popen, log: Path, seen: dict[int, tuple[float, float,
             out.flush()
             m = LOADED.search(line)
             if m:
-                seen[int(m[1])] = (now, float(m[2] or 0.0), float(m[3] or 0.0))
+                parts = [float(x) if x is not None else math.nan for x in m.groups()[1:]]
+                seen[int(m[1])] = dict(zip(("verify", "reload", "notice", "drain", "wait"), parts, strict=True),
+                                       at=now)
+
+
+def loads_row(loads: list[dict[str, float]], *, t0: float, t1: float, timing: dict[str, float]) -> dict[str, float]:
+    """One version's parts (medians over generators) from its load lines and publish()'s timing."""
+    row = {"save": t1 - t0, "write": timing.get("write", math.nan), "checksum": timing.get("checksum", math.nan),
+           "total": max(x["at"] for x in loads) - t0}
+    if all(math.isnan(x["notice"]) for x in loads):  # a generator from before the watcher
+        row.update(notice=statistics.median(x["at"] - t1 - x["verify"] - x["reload"] for x in loads),
+                   drain=math.nan, wait=math.nan, verify=statistics.median(x["verify"] for x in loads),
+                   reload=statistics.median(x["verify"] + x["reload"] for x in loads))
+        return row
+    for part in ("notice", "drain", "verify", "wait", "reload"):
+        row[part] = statistics.median(x[part] for x in loads)
+    return row
+
+
+def show(row: dict[str, float]) -> str:
+    return ", ".join(f"{part} {row[part]:.2f}" for part in PARTS if part in row)
 
 
 def bench_model(name: str, model_dir: Path, *, engine: str, generators: int, versions: int, max_in_flight: int,
-                tmp: Path) -> dict[str, float]:
+                tmp: Path, publish_dir: str, dtype: str, idle: bool = False) -> dict[str, float]:
     import redis
     import torch
 
@@ -114,7 +155,12 @@ threads = 1
     env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                ROLLOUTS_CONFIG=str(config))
     next_prompt = [0]
-    feed(r, keys, start=next_prompt)
+
+    def keep_busy() -> None:
+        if not idle:
+            feed(r, keys, start=next_prompt)
+
+    keep_busy()
     procs, seen, logs = [], [], []
     rows: list[dict[str, float]] = []
     try:
@@ -126,40 +172,41 @@ threads = 1
             logs.append(tmp / f"w{g + 1}.log")
             threading.Thread(target=watch, args=(proc, logs[-1], seen[-1]), daemon=True).start()
         torch.set_num_threads(1)
-        model = load_model(model_dir)
+        model = load_model(model_dir, getattr(torch, dtype))
+        checkpoints = Path(publish_dir) / f"bench-{os.getpid()}" if publish_dir else tmp / "out" / "checkpoints"
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
 
         def wait(what: str, cond, timeout: float = 600) -> None:
             deadline = time.monotonic() + timeout
             while not cond():
-                feed(r, keys, start=next_prompt)
+                keep_busy()
                 for p, log in zip(procs, logs, strict=True):
                     assert p.poll() is None, f"generator exited {p.returncode}:\n{log.read_text()[-4000:]}"
                 assert time.monotonic() < deadline, f"timed out waiting for {what}"
                 time.sleep(0.01)
 
-        # Every generator busy before the first publish: groups are coming out of each.
+        # Every generator busy before the first publish: groups are coming out of each (--idle: up).
         wait("every generator's first group", lambda: sum(
-            beat is not None and beat.groups > 0 for beat in heartbeats(r, keys, generators)) == generators)
+            beat is not None and (idle or beat.groups > 0) for beat in heartbeats(r, keys, generators)) == generators)
         rng = random.Random(0)
         for v in range(1, versions + 1):
             at = time.monotonic() + rng.uniform(1.0, 4.0)
             wait("a random moment", lambda at=at: time.monotonic() > at)
+            with torch.no_grad():  # weights that changed, as after a step
+                for p in model.parameters():
+                    p.mul_(1 + 1e-6)
+            timing: dict[str, float] = {}
+            extra = {"timing": timing} if "timing" in inspect.signature(publish).parameters else {}
             t0 = time.monotonic()
-            publish(r, keys, model, optimizer, scheduler, step=v, checkpoint_dir=tmp / "out" / "checkpoints",
+            publish(r, keys, model, optimizer, scheduler, step=v, checkpoint_dir=checkpoints,
                     state_root=tmp / "out" / "trainer_state", source_dir=model_dir, keep=3, save_state_now=False,
-                    entry_ids=[], group_ids=[], dedup_window=1000)
+                    entry_ids=[], group_ids=[], dedup_window=1000, dtype=getattr(torch, dtype), **extra)
             t1 = time.monotonic()
             wait(f"every generator to load version {v}", lambda v=v: all(v in s for s in seen))
-            loads = [s[v] for s in seen]
-            row = {"save": t1 - t0, "total": max(t for t, _, _ in loads) - t0,
-                   "notice": statistics.median(t - t1 - verify - reload for t, verify, reload in loads),
-                   "reload": statistics.median(verify + reload for _, verify, reload in loads),
-                   "verify": statistics.median(verify for _, verify, _ in loads)}
+            row = loads_row([s[v] for s in seen], t0=t0, t1=t1, timing=timing)
             rows.append(row)
-            print(f"  {name} version {v}: save {row['save']:.2f} s, notice {row['notice']:.2f} s, reload "
-                  f"{row['reload']:.2f} s (checksums {row['verify']:.2f}), total {row['total']:.2f} s", flush=True)
+            print(f"  {name} version {v} (s): {show(row)}", flush=True)
         for p in procs:
             p.terminate()
         for p in procs:
@@ -170,6 +217,8 @@ threads = 1
                 p.kill()
         server.terminate()
         server.wait(timeout=10)
+        if publish_dir:
+            shutil.rmtree(checkpoints, ignore_errors=True)
     return {k: statistics.median(row[k] for row in rows) for k in rows[0]}
 
 
@@ -188,6 +237,11 @@ def main() -> None:
     ap.add_argument("--generators", type=int, default=1)
     ap.add_argument("--max-in-flight", type=int, default=8, help="generator.max_in_flight (the demo's: 8)")
     ap.add_argument("--versions", type=int, default=3, help="weight versions published per model")
+    ap.add_argument("--publish-dir", default="", help="trainer.publish_dir: where checkpoints are written "
+                    "(e.g. /dev/shm/rollouts); default a directory on the disk")
+    ap.add_argument("--dtype", default="float32", help="the published dtype: the trainer's model.dtype")
+    ap.add_argument("--idle", action="store_true", help="give the generators no prompts: nothing to drain, so "
+                    "the total is the sync alone (publish, notice, checksums, reload)")
     args = ap.parse_args()
 
     from common.models import resolve_model_path
@@ -201,19 +255,19 @@ def main() -> None:
                          else resolve_model_path("" if name == "default" else name))
             size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
             print(f"{name}: {model_dir.name}, {size / 1e6:.1f} MB of safetensors; {args.generators} {args.engine} "
-                  f"generator(s), max_in_flight {args.max_in_flight}, {args.versions} versions", flush=True)
+                  f"generator(s), max_in_flight {args.max_in_flight}, {args.versions} versions, published in "
+                  f"{args.dtype} to {args.publish_dir or 'the disk'}", flush=True)
             results[name] = bench_model(name, model_dir, engine=args.engine, generators=args.generators,
-                                        versions=args.versions, max_in_flight=args.max_in_flight, tmp=tmp / f"m{i}")
+                                        versions=args.versions, max_in_flight=args.max_in_flight, tmp=tmp / f"m{i}",
+                                        publish_dir=args.publish_dir, dtype=args.dtype, idle=args.idle)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print("\nmedians:")
+    print("\nmedians (s):")
     for name, m in results.items():
-        print(f"  {name}: save {m['save']:.2f} s, notice {m['notice']:.2f} s, reload {m['reload']:.2f} s "
-              f"(checksums {m['verify']:.2f}), total {m['total']:.2f} s")
+        print(f"  {name}: {show(m)}")
     last = args.models[-1]
     m = results[last]
-    print(f"weight sync seconds ({last}, {args.engine}): total {m['total']:.2f} (save {m['save']:.2f}, "
-          f"notice {m['notice']:.2f}, reload {m['reload']:.2f})")
+    print(f"weight sync seconds ({last}, {args.engine}): total {m['total']:.2f} ({show(m)})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,184 @@
+"""Following the weights stream, and checking a new version's files before it is loaded.
+
+`Watcher` learns of each published version the moment it is announced: a thread of its own
+blocks on the weights stream (XREAD BLOCK, on a connection of its own from the client's pool)
+and keeps the newest announcement. Anything may ask it, from any thread and as often as it
+likes, at the cost of reading an attribute:
+    watcher.latest            the newest Announcement (payload, its version, when it was seen), or None
+    watcher.pending(version)  whether a version newer than `version` has been announced
+    watcher.event             a threading.Event set at each announcement (whoever waits clears it)
+    watcher.wait(seq, s)      block up to `s` seconds for an announcement after number `seq`
+A watcher that starts late begins with `weights:latest` (what a late starter loads), read in the
+same transaction as the stream's last entry id, so nothing announced in between is missed.
+
+`check` does what must come before a version is loaded, in a worker thread: decode the payload,
+then verify every file against its published sha256 (or fetch it from the trainer's checkpoint
+server, checked on arrival). The generator starts it as soon as a version is announced, while its
+engine is still finishing the prompts in flight, so the load itself waits for nothing but the
+copy into the model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import redis
+import trio
+
+from common.checkpoint_server import fetch_checkpoint
+from common.checkpoints import CheckpointError, verify_dir
+from common.keys import PAYLOAD, Keys
+from common.messages import MessageError, WeightVersion, decode_weights
+
+BLOCK_MS = 1000  # each XREAD blocks this long at most, so that stop() is heard within it
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """One version as announced on the weights stream."""
+
+    seq: int  # 1, 2, ... in the order this watcher saw them
+    blob: bytes  # the WeightVersion payload as published
+    version: int | None  # its version; None when the payload does not decode
+    seen_at: float  # time.time() when this watcher read it
+
+
+class Watcher:
+    """The newest weight version announced, learned by blocking on the weights stream."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, *, block_ms: int = BLOCK_MS) -> None:
+        self._r, self._keys, self._block_ms = r, keys, block_ms
+        self.latest: Announcement | None = None
+        self.event = threading.Event()
+        self._newest = -1  # the highest version announced (payloads that decode)
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # what ended the thread, if anything did
+
+    # ------------------------------------------------------------------ asking it
+
+    def pending(self, version: int) -> bool:
+        """Whether a version newer than `version` has been announced (one attribute read)."""
+        return self._newest > version
+
+    @property
+    def newest_version(self) -> int:
+        """The highest version announced so far; -1 before any."""
+        return self._newest
+
+    def wait(self, after: int, timeout: float) -> Announcement | None:
+        """The newest announcement if its number is above `after`, waiting up to `timeout`
+        seconds for one; None when none came."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.latest is not None and self.latest.seq > after or self._stop.is_set(),
+                                   timeout=timeout)
+            latest = self.latest
+        return latest if latest is not None and latest.seq > after else None
+
+    # ------------------------------------------------------------------ running it
+
+    def start(self) -> Watcher:
+        """Read `weights:latest` (and the stream's last id) now, then follow the stream in a thread."""
+        last_id = self._begin()
+        self._thread = threading.Thread(target=self._follow, args=(last_id,), name="weights-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """End the thread (within one XREAD's block)."""
+        self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._block_ms / 1000 + 5)
+
+    def __enter__(self) -> Watcher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _begin(self) -> bytes:
+        with self._r.pipeline(transaction=True) as pipe:
+            pipe.get(self._keys.weights_latest)
+            pipe.xrevrange(self._keys.weights, count=1)
+            blob, last = pipe.execute()
+        if blob is not None:
+            self._announce(blob)
+        return last[0][0] if last else b"0-0"
+
+    def _follow(self, last_id: bytes) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    got = self._r.xread({self._keys.weights: last_id}, count=100, block=self._block_ms)
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    # Redis restarting, or a block longer than the client's socket timeout: read
+                    # again from the same id (nothing announced meanwhile is missed)
+                    self._stop.wait(0.2)
+                    continue
+                for _stream, entries in got or []:
+                    for entry_id, fields in entries:
+                        last_id = entry_id
+                        if PAYLOAD in fields:
+                            self._announce(fields[PAYLOAD])
+        except BaseException as err:  # kept for whoever asks; the generator reports it
+            self.error = err
+            raise
+
+    def _announce(self, blob: bytes) -> None:
+        try:
+            version: int | None = decode_weights(blob).version
+        except MessageError:
+            version = None
+        with self._changed:
+            seq = self.latest.seq + 1 if self.latest is not None else 1
+            self.latest = Announcement(seq=seq, blob=blob, version=version, seen_at=time.time())
+            if version is not None and version > self._newest:
+                self._newest = version
+            self.event.set()
+            self._changed.notify_all()
+
+
+# ---------------------------------------------------------------------- checking a version
+
+
+@dataclass(eq=False)
+class Checked:
+    """A payload decoded and its files verified (or fetched), or the reason it is refused."""
+
+    blob: bytes
+    done: trio.Event = field(default_factory=trio.Event)
+    wv: WeightVersion | None = None
+    path: str = ""  # where the verified files are
+    error: str = ""  # why it is refused; "" when it may be loaded
+    seconds: float = 0.0  # spent verifying (or fetching)
+
+
+async def check(checked: Checked, *, weights_url: str = "", fetch_dir: Path | None = None) -> Checked:
+    """Decode `checked.blob` and verify its files (in a worker thread), filling `checked` in and
+    setting `checked.done`; a payload that does not decode or files that fail their checksums
+    leave the reason in `checked.error`."""
+    t0 = time.perf_counter()
+    try:
+        wv = checked.wv = decode_weights(checked.blob)
+        if weights_url:  # no shared disk: fetched from the trainer's host, checked on arrival
+            path = await trio.to_thread.run_sync(partial(fetch_checkpoint, weights_url, wv, dest_root=fetch_dir))
+            checked.path = str(path)
+        else:
+            await trio.to_thread.run_sync(verify_dir, wv.path, wv.checksums)
+            checked.path = wv.path
+    except (MessageError, CheckpointError) as err:
+        checked.error = str(err)
+    except BaseException as err:  # not a refusal: it ends the generator, as it did before
+        checked.error = f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        checked.seconds = time.perf_counter() - t0
+        checked.done.set()
+    return checked

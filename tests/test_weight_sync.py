@@ -1,0 +1,136 @@
+"""Weight sync: checksums hashed as the checkpoint is written, the weights watcher (XREAD BLOCK,
+no polling), and a generator that picks a version up the moment it is announced, and still
+refuses a staged file that was corrupted after its checksum was taken."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import trio
+
+from common.checkpoints import checksum_dir, write_safetensors
+from common.heartbeats import read_heartbeat
+from common.keys import PAYLOAD, Keys
+from common.messages import WeightVersion, encode
+from generators.weights import Checked, Watcher, check
+from tests.helpers import spawn, stop, wait_for
+from tests.test_generator import publish_weights
+from trainer.checkpoints import load_model, write_checkpoint
+
+
+def trained(tiny_model, *, seed: int) -> torch.nn.Module:
+    """The tiny model with its weights moved, as a trainer step would."""
+    model = load_model(tiny_model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def announce(r, keys: Keys, path, sums: dict[str, str], version: int) -> None:
+    publish_weights(r, keys, WeightVersion(version=version, step=version, path=str(path), format="safetensors",
+                                           checksums=sums, created_at=time.time()))
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_checksums_taken_while_writing_are_those_of_the_files_read_back(dtype, tiny_model, tmp_path):
+    model = trained(tiny_model, seed=1)
+    path, sums = write_checkpoint(model, checkpoint_dir=tmp_path / "ckpt", step=1, source_dir=tiny_model, dtype=dtype)
+    assert sums == checksum_dir(path)  # every file, the weights' hashed as written
+    assert "model.safetensors" in sums and "config.json" in sums and "tokenizer.json" in sums
+    want = dtype or torch.float32
+    assert json.loads((path / "config.json").read_text())["dtype"] == str(want).removeprefix("torch.")
+    loaded = load_model(path, want)  # an HF directory any engine loads
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a.to(want), b), name
+
+
+def test_safetensors_hashed_while_written_match_their_bytes_with_many_chunks(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    import common.checkpoints as ck
+
+    monkeypatch.setattr(ck, "CHUNK", 1000)  # many chunks per tensor, hashed in order beside the writes
+    tensors = {"b.weight": torch.randn(37, 41), "a.bias": torch.arange(5), "c": torch.randn(3).bfloat16(),
+               "empty": torch.zeros(0, 4), "flag": torch.tensor([True, False])}
+    digest = write_safetensors(tmp_path / "t.safetensors", tensors)
+    assert digest == ck.sha256_file(tmp_path / "t.safetensors")
+    back = load_file(tmp_path / "t.safetensors")
+    assert set(back) == set(tensors) and all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def test_the_watcher_hears_a_version_as_it_is_announced_not_at_a_poll(tiny_model, tmp_path, r):
+    keys = Keys("w")
+    path = tmp_path / "step_1"
+    path.mkdir()
+    announce(r, keys, path, {"model.safetensors": "0" * 64}, version=1)
+    # Each XREAD blocks up to 30 s: only a blocking read answered by the XADD itself meets the deadlines.
+    with Watcher(r, keys, block_ms=30_000) as watcher:
+        assert watcher.latest is not None and watcher.latest.version == 1, "a late starter begins with weights:latest"
+        assert not watcher.pending(1) and watcher.pending(0)
+        watcher.event.clear()
+        time.sleep(0.3)  # the watcher is now blocked in its read
+        t0 = time.time()
+        announce(r, keys, path, {"model.safetensors": "0" * 64}, version=2)
+        assert watcher.event.wait(2.0), "no announcement heard"
+        assert watcher.pending(1) and watcher.newest_version == 2
+        assert watcher.latest.seen_at - t0 < 1.0
+        got = watcher.wait(watcher.latest.seq - 1, 1.0)
+        assert got is not None and got.version == 2
+        r.xadd(keys.weights, {PAYLOAD: b"not a weight version"})  # heard, but no version to load
+        assert watcher.wait(got.seq, 2.0).version is None and watcher.newest_version == 2
+    assert watcher.error is None
+
+
+def test_a_staged_file_corrupted_after_its_checksum_is_refused(tiny_model, tmp_path):
+    path, sums = write_checkpoint(trained(tiny_model, seed=2), checkpoint_dir=tmp_path, step=3, source_dir=tiny_model)
+    wv = WeightVersion(version=3, step=3, path=str(path), format="safetensors", checksums=sums, created_at=0.0)
+    ok = trio.run(check, Checked(encode(wv)))
+    assert ok.error == "" and ok.path == str(path)
+    with open(path / "model.safetensors", "r+b") as f:  # one byte flipped in the staged weights
+        f.seek(-3, 2)
+        byte = f.read(1)
+        f.seek(-3, 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    bad = trio.run(check, Checked(encode(wv)))
+    assert "model.safetensors has sha256" in bad.error
+    garbage = trio.run(check, Checked(b"\x00garbage"))  # a payload that does not decode: refused too
+    assert garbage.error and garbage.path == ""
+
+
+def test_an_idle_generator_loads_a_version_at_once_and_refuses_a_corrupted_one(tiny_model, tmp_path, redis_url, r):
+    keys = Keys("idle")
+    # weights_poll_s 60: a generator that polled for new weights would see none within the deadlines
+    env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "idle", "ROLLOUTS_MODEL__PATH": str(tiny_model),
+           "ROLLOUTS_GENERATOR__ENGINE": "hf", "ROLLOUTS_GENERATOR__THREADS": "1",
+           "ROLLOUTS_GENERATOR__WEIGHTS_POLL_S": "60"}
+    log = tmp_path / "generator.log"
+    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=log)
+    try:
+        wait_for(lambda: read_heartbeat(r, keys, "g1"), timeout=120, what="first heartbeat", procs=[proc])
+        time.sleep(1.0)  # blocked in its loop: no prompt, no engine step
+        ckpt = tmp_path / "staged"
+        path, sums = write_checkpoint(trained(tiny_model, seed=1), checkpoint_dir=ckpt, step=1, source_dir=tiny_model)
+        announce(r, keys, path, sums, version=1)
+        wait_for(lambda: read_heartbeat(r, keys, "g1").version == 1, timeout=10, what="version 1 loaded",
+                 procs=[proc], poll=0.05)
+
+        path, sums = write_checkpoint(trained(tiny_model, seed=2), checkpoint_dir=ckpt, step=2, source_dir=tiny_model)
+        with open(path / "model.safetensors", "r+b") as f:  # corrupted after its checksum was taken
+            f.seek(200)
+            byte = f.read(1)
+            f.seek(200)
+            f.write(bytes([byte[0] ^ 0x01]))
+        announce(r, keys, path, sums, version=2)
+        beat = wait_for(lambda: (b := read_heartbeat(r, keys, "g1")) and b.weights_refused >= 1 and b, timeout=10,
+                        what="version 2 refused", procs=[proc], poll=0.05)
+        assert beat.version == 1 and "sha256" in beat.last_refusal
+    finally:
+        code = stop(proc)
+    output = log.read_text()
+    assert code == 0, output
+    assert "loaded weights version 1" in output and "refused weights" in output
