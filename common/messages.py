@@ -2,7 +2,8 @@
 
 Each stream entry carries one MessagePack map under the field `keys.PAYLOAD`. Every map has
 `v` (schema version) and `t` (message type). Token ids travel as packed little-endian int32,
-log-probs as packed little-endian float32, loss masks as packed uint8; nothing is pickle.
+log-probs as packed little-endian float32, loss masks as packed uint8, a completion's weight
+versions as packed int32 (token index, version) pairs; nothing is pickle.
 
 A decoder returns a valid message or raises `MessageError` naming what was wrong; the caller
 dead-letters the entry with that reason.
@@ -55,6 +56,10 @@ class Completion:
     text: str  # decoded completion
     loss_mask: list[int] | None = None  # 1 where the token is trained on (an episode: the model's); None means all
     reward_error: str | None = None  # why the reward function failed (reward is then 0); None: it ran
+    # Where each weight version began, as (token index, version) pairs: the first at index 0, both
+    # strictly ascending (a completion that went on under newer weights, generator.inflight_updates).
+    # None: every token was sampled with the group's `version`.
+    versions: list[tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +67,7 @@ class SampleGroup:
     id: str  # deterministic from the prompt: a redelivered group is recognised
     prompt_id: str  # PromptTask.id it was made from
     prompt_ids: list[int]  # prompt token ids, chat template applied
-    version: int  # weight version the tokens were sampled with
+    version: int  # weight version the tokens were sampled with; the oldest token's when they span versions
     generator: str  # id of the generator that made it
     engine: str  # "hf" or "vllm"
     completions: list[Completion]
@@ -117,7 +122,8 @@ def encode(msg: PromptTask | SampleGroup | WeightVersion) -> bytes:
                 {"ids": _pack_ints(c.ids), "logprobs": _pack_floats(c.logprobs),
                  "reward": c.reward, "rewards": c.rewards, "finish": c.finish, "text": c.text,
                  "loss_mask": None if c.loss_mask is None else bytes(c.loss_mask),
-                 **({} if c.reward_error is None else {"reward_error": c.reward_error})}
+                 **({} if c.reward_error is None else {"reward_error": c.reward_error}),
+                 **({} if c.versions is None else {"versions": _pack_ints([x for p in c.versions for x in p])})}
                 for c in msg.completions
             ],
         })
@@ -234,8 +240,34 @@ def _decode_completion(c: object, cw: str, *, max_tokens: int) -> tuple[Completi
     completion = Completion(
         ids=ids.tolist(), logprobs=lps.tolist(), reward=_finite(c.get("reward"), f"{cw}.reward"),
         rewards=rewards, finish=finish, text=_get(c, "text", str, cw), loss_mask=mask,
-        reward_error=reward_error)
+        reward_error=reward_error, versions=_decode_versions(c.get("versions"), cw, tokens=ids.size))
     return completion, int(ids.min()), int(ids.max())
+
+
+def _decode_versions(blob: Any, cw: str, *, tokens: int) -> list[tuple[int, int]] | None:
+    """A completion's `versions` ((token index, version) pairs), checked; None where absent."""
+    if blob is None:
+        return None
+    flat = _unpack(blob, "<i4", f"{cw}.versions")
+    if flat.size == 0 or flat.size % 2:
+        raise MessageError(f"{cw}.versions: expected (token index, version) pairs, got {flat.size} numbers")
+    starts, versions = flat[0::2], flat[1::2]
+    if starts[0] != 0 or (np.diff(starts) <= 0).any() or starts[-1] >= tokens:
+        raise MessageError(f"{cw}.versions: token indices must start at 0 and ascend strictly below {tokens}")
+    if versions[0] < 0 or (np.diff(versions) <= 0).any():
+        raise MessageError(f"{cw}.versions: versions must be >= 0 and ascend strictly")
+    return [(int(i), int(v)) for i, v in zip(starts, versions, strict=True)]
+
+
+def token_versions(completion: Completion, *, group_version: int) -> list[int]:
+    """The weight version that sampled each of the completion's tokens."""
+    if completion.versions is None:
+        return [group_version] * len(completion.ids)
+    out: list[int] = []
+    bounds = [i for i, _ in completion.versions[1:]] + [len(completion.ids)]
+    for (start, version), end in zip(completion.versions, bounds, strict=True):
+        out += [version] * (end - start)
+    return out
 
 
 def peek_id(blob: Any, *, max_bytes: int = MAX_MESSAGE_BYTES) -> str | None:
@@ -275,6 +307,9 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size:
     version = _get(d, "version", int, w)
     if version < 0:
         raise MessageError(f"{w}: negative version {version}")
+    oldest = min([version] + [c.versions[0][1] for c in completions if c.versions is not None])
+    if oldest < version:  # a group is as stale as its oldest token: its version may not hide one
+        raise MessageError(f"{w}: a token sampled with version {oldest}, older than the group's version {version}")
     timings = _finite_map(d.get("timings", {}), f"{w}.timings")
     return SampleGroup(id=gid, prompt_id=_get(d, "prompt_id", str, w), prompt_ids=prompt_ids.tolist(),
                        version=version, generator=_get(d, "generator", str, w),
