@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from common.messages import SampleGroup
+from common.messages import SampleGroup, token_versions
 from common.shaping import shaped_rewards
 from trainer.grpo import Estimator, group_advantages
 
@@ -21,7 +21,8 @@ class Row:
     mask: list[int]  # 1 where targets[t] is a trained completion token
     behaviour_logp: list[float]  # generator's log-prob of targets[t] on completion positions, else 0
     advantage: float  # group-relative advantage of the completion
-    version: int = 0  # weight version that sampled it (the group's)
+    versions: list[int] | None = None  # weight version that sampled targets[t] (prompt positions: the
+    # first token's); None: version 0 everywhere
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class MicroBatch:
     mask: Tensor  # (B, T) float32, 1 on trained completion tokens
     behaviour_logp: Tensor  # (B, T) float32
     advantages: Tensor  # (B,) float32
-    versions: Tensor  # (B,) int64, weight version that sampled each row
+    versions: Tensor  # (B, T) int64, weight version that sampled each target token (padding: the row's last)
 
 
 def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: str = "none",
@@ -63,6 +64,7 @@ def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: s
     rows = []
     for c, adv, ok in zip(group.completions, advantages, scored, strict=True):
         full = prompt + c.ids
+        versions = token_versions(c, group_version=group.version)
         n_prompt, n_done = len(prompt), len(c.ids)
         # Completion token i is predicted at input position n_prompt - 1 + i.
         done_mask = [1] * n_done if c.loss_mask is None else list(c.loss_mask)
@@ -71,7 +73,7 @@ def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: s
         rows.append(Row(inputs=full[:-1], targets=full[1:],
                         mask=[0] * (n_prompt - 1) + done_mask,
                         behaviour_logp=[0.0] * (n_prompt - 1) + list(c.logprobs),
-                        advantage=float(adv), version=group.version))
+                        advantage=float(adv), versions=[versions[0]] * (n_prompt - 1) + versions))
     return rows
 
 
@@ -90,7 +92,8 @@ def collate(rows: list[Row]) -> MicroBatch:
         mask=torch.tensor([pad(row.mask, 0) for row in rows], dtype=torch.float32),
         behaviour_logp=torch.tensor([pad(row.behaviour_logp, 0.0) for row in rows], dtype=torch.float32),
         advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
-        versions=torch.tensor([row.version for row in rows], dtype=torch.long),
+        versions=torch.tensor([pad(row.versions or [0] * len(row.inputs), (row.versions or [0])[-1])
+                               for row in rows], dtype=torch.long),
     )
 
 

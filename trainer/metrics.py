@@ -11,7 +11,7 @@ import torch
 
 from common.heartbeats import read_heartbeats
 from common.keys import Keys
-from common.messages import SampleGroup
+from common.messages import SampleGroup, token_versions
 from common.metrics import PolicyStats, StepMetrics
 from trainer.samples import Collected
 
@@ -28,6 +28,8 @@ def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: b
     correct = [c.rewards["correct"] for c in completions if "correct" in c.rewards]
     # the model's tokens: an episode's environment turns (loss_mask 0) are not its length
     lengths = [len(c.ids) if c.loss_mask is None else sum(c.loss_mask) for c in completions]
+    token_staleness = [s - (v - g.version) for g, s in zip(groups, staleness, strict=True) for c in g.completions
+                       for v in token_versions(c, group_version=g.version)]  # a group's staleness is its oldest token's
     parts: dict[str, list[float]] = {}
     for c in completions if rewarded else []:
         for name, value in c.rewards.items():
@@ -44,6 +46,8 @@ def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: b
         "reward_components": {name: mean_std(values) for name, values in sorted(parts.items())},
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": max(staleness),
+        "staleness_token_mean": sum(token_staleness) / max(len(token_staleness), 1),
+        "mixed_versions": sum(c.versions is not None and len(c.versions) > 1 for c in completions) / len(completions),
     }
 
 
