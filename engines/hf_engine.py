@@ -57,14 +57,13 @@ class Request:
 
 
 def same_batch(q: Request, head: Request) -> bool:
-    """Whether `q` is sampled in one step with `head`: new requests with the same settings, or
-    interrupted ones (continued rows, each with its own budget) with the same distribution."""
+    """Whether `q` is sampled in one step with `head`: both new or both interrupted (continued
+    rows), sampling the same distribution, and new ones asking for as many completions; each row
+    has its own token budget, so requests of different max_new_tokens share a step."""
     if bool(q.rows) != bool(head.rows):
         return False
-    if not head.rows:
-        return q.sampling == head.sampling
     a, b = q.sampling, head.sampling
-    return (a.temperature, a.top_k, a.top_p) == (b.temperature, b.top_k, b.top_p)
+    return (a.temperature, a.top_k, a.top_p) == (b.temperature, b.top_k, b.top_p) and (a.n == b.n or bool(head.rows))
 
 
 class Budget(StoppingCriteria):
