@@ -5,6 +5,7 @@ travels on the wire; a group is as stale as its oldest token; the trainer sees e
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -208,3 +209,48 @@ def test_inflight_updates_is_refused_for_engines_that_cannot_continue_a_sequence
     check_inflight("hf")
     assert config_from_dict({"generator": {"engine": "hf", "inflight_updates": True}}).generator.inflight_updates
     assert not config_from_dict({}).generator.inflight_updates, "off by default"
+
+
+def test_a_generator_with_inflight_updates_loads_new_weights_mid_completion(tiny_model, tmp_path, redis_url, r):
+    from common.checkpoints import checksum_dir
+    from common.heartbeats import read_heartbeat
+    from common.keys import GENERATORS_GROUP
+    from common.messages import WeightVersion
+    from tests.helpers import spawn, stop, wait_for
+    from tests.test_generator import groups, publish_weights
+
+    keys = Keys("g")
+    env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "g", "ROLLOUTS_MODEL__PATH": str(tiny_model),
+           "ROLLOUTS_GENERATOR__ENGINE": "hf", "ROLLOUTS_GENERATOR__INFLIGHT_UPDATES": "true",
+           "ROLLOUTS_GENERATOR__WEIGHTS_POLL_S": "0.05", "ROLLOUTS_ROLLOUT__GROUP_SIZE": "4",
+           "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": "400", "ROLLOUTS_GENERATOR__BATCH_PROMPTS": "2",
+           "ROLLOUTS_GENERATOR__THREADS": "1"}
+    step_1 = perturbed_copy(tiny_model, tmp_path / "checkpoints" / "step_1", seed=1)
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    log = tmp_path / "generator.log"
+    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=log)
+    try:
+        for i in range(2):
+            r.xadd(keys.prompts, {PAYLOAD: encode(ask(i, n=4))})
+        wait_for(lambda: r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 2, timeout=120,
+                 what="both prompts taken", procs=[proc])
+        time.sleep(0.3)  # sampling has begun; the tiny model's 8 completions of up to 400 tokens go on
+        publish_weights(r, keys, WeightVersion(version=1, step=1, path=str(step_1), format="safetensors",
+                                               checksums=checksum_dir(step_1), created_at=time.time()))
+        wait_for(lambda: r.xlen(keys.samples) >= 2, timeout=120, what="2 groups", procs=[proc])
+        first = groups(r, keys)
+        spans = [c.versions for g in first for c in g.completions]
+        assert all(g.version == 0 for g in first), "a group is as stale as its oldest token"
+        mixed = [s for s in spans if s is not None]
+        assert mixed, f"some completion went on under version 1: {spans}"
+        assert all(len(s) == 2 and s[0] == (0, 0) and s[1][0] > 0 and s[1][1] == 1 for s in mixed), mixed
+        assert read_heartbeat(r, keys, "g1").version == 1
+        r.xadd(keys.prompts, {PAYLOAD: encode(ask(2, n=4))})
+        wait_for(lambda: r.xlen(keys.samples) >= 3, timeout=120, what="3 groups", procs=[proc])
+        last = groups(r, keys)[2]
+        assert last.version == 1 and all(c.versions is None for c in last.completions)
+    finally:
+        code = stop(proc)
+    output = log.read_text()
+    assert code == 0, output
+    assert "loaded weights version 1" in output
