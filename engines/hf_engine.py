@@ -116,8 +116,8 @@ class HFEngine:
     def step(self, *, yield_when: Callable[[], bool] | None = None) -> list[Finished]:
         """Sample the oldest queued requests that share its settings, up to `max_batch`, in one
         `generate` call, and return those that finished. Requests a yield interrupted (see
-        `Engine.step`) come first, their unfinished completions continued from prompt + tokens so
-        far (prefilled again, under the weights loaded now) for the rest of their token budgets."""
+        `Engine.step`) are stepped together, their unfinished completions continued from prompt +
+        tokens so far (prefilled again, under the weights loaded now) for the rest of their budgets."""
         if not self._queue:
             return []
         head = self._queue[0]
