@@ -3,9 +3,10 @@ in-flight weight updates (generator.inflight_updates), with completions of mixed
 
     .venv/bin/python ops/bench/inflight.py [--model default|tiny|PATH] [--versions 6] [--median 16]
 
-The engine is driven as the generator's engine loop drives it (generators/main.py): up to
-`--in-flight` prompts of 4 completions each held in the engine, a new prompt added as one
-finishes, `batch_prompts` 4 per generate call, one thread. One prompt in four asks for 8 x
+The engine is driven as the generator's engine loop drives it (generators/main.py): as many
+prompts of 4 completions each in the engine as one step advances (`engine.max_running`, the HF
+engine's `batch_prompts` 4; the generator holds the rest back, where new weights reach them before
+they start), a new prompt added as one finishes, one thread. One prompt in four asks for 8 x
 `--median` new tokens, the others for `--median` (the eos is switched off: every completion runs to
 its budget, so lengths are exactly 1x and 8x the median). A thread announces a new version at a
 random moment (1-4 s after the last was loaded); the checkpoint is the model's own directory
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def run_mode(engine, *, inflight: bool, versions: int, median: int, in_flight: int, seed: int) -> dict[str, float]:
+def run_mode(engine, *, inflight: bool, versions: int, median: int, seed: int) -> dict[str, float]:
     """Drive `engine` until `versions` announced versions are sampled with; the mode's figures."""
     from common.messages import PromptTask
     from engines.base import SamplingSettings
@@ -70,7 +71,7 @@ def run_mode(engine, *, inflight: bool, versions: int, median: int, in_flight: i
             waits.append(start - marks["announced"])
             reloads.append(marks["loaded"] - start)
             announced.clear()
-        while running < in_flight and not announced.is_set():  # drain: nothing joins
+        while running < engine.max_running and not announced.is_set():  # drain: nothing joins
             p = problem(seed=seed, index=added, max_operand=50, ops=["+", "-"])
             task = PromptTask(id=f"r{added}", messages=[{"role": "user", "content": p.question}], text=None,
                               meta={}, n=4, admitted_at=0)
@@ -93,7 +94,6 @@ def main() -> None:
     ap.add_argument("--model", default="default", help="default (SmolLM2-135M-Instruct), tiny, or a model directory")
     ap.add_argument("--versions", type=int, default=6)
     ap.add_argument("--median", type=int, default=16, help="new tokens of most completions; 1 in 4 prompts gets 8x")
-    ap.add_argument("--in-flight", type=int, default=8, help="prompts held in the engine (generator.max_in_flight)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
 
@@ -119,11 +119,11 @@ def main() -> None:
     vocab = engine.model.config.vocab_size
     engine.eos_ids = [vocab + 1]  # never sampled: every completion runs to its budget
     print(f"model {path}, median {args.median} tokens (1 prompt in 4: {8 * args.median}), "
-          f"{args.in_flight} prompts x 4 in flight, 4 per generate call, {args.threads} thread(s)", flush=True)
+          f"{engine.max_running} prompts x 4 in the engine, {args.threads} thread(s)", flush=True)
     rows = {}
     for mode in ("drain", "inflight"):
         rows[mode] = run_mode(engine, inflight=mode == "inflight", versions=args.versions, median=args.median,
-                              in_flight=args.in_flight, seed=1)
+                              seed=1)
         while engine.has_unfinished():
             engine.step()
         f = rows[mode]
