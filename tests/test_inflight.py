@@ -230,25 +230,22 @@ def test_a_generator_with_inflight_updates_loads_new_weights_mid_completion(tiny
     log = tmp_path / "generator.log"
     proc = spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=log)
     try:
-        for i in range(2):
+        for i in range(12):  # 6 generate calls of 2 prompts x 4 completions, each up to 400 tokens
             r.xadd(keys.prompts, {PAYLOAD: encode(ask(i, n=4))})
-        wait_for(lambda: r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 2, timeout=120,
-                 what="both prompts taken", procs=[proc])
-        time.sleep(0.3)  # sampling has begun; the tiny model's 8 completions of up to 400 tokens go on
+        # the first group written: the engine is already sampling the next two prompts
+        wait_for(lambda: r.xlen(keys.samples) >= 1, timeout=120, what="a group", procs=[proc], poll=0.01)
         publish_weights(r, keys, WeightVersion(version=1, step=1, path=str(step_1), format="safetensors",
                                                checksums=checksum_dir(step_1), created_at=time.time()))
-        wait_for(lambda: r.xlen(keys.samples) >= 2, timeout=120, what="2 groups", procs=[proc])
-        first = groups(r, keys)
-        spans = [c.versions for g in first for c in g.completions]
-        assert all(g.version == 0 for g in first), "a group is as stale as its oldest token"
-        mixed = [s for s in spans if s is not None]
-        assert mixed, f"some completion went on under version 1: {spans}"
+        wait_for(lambda: r.xlen(keys.samples) >= 12, timeout=120, what="12 groups", procs=[proc])
+        written = groups(r, keys)
+        for g in written:  # a group is as stale as its oldest token
+            assert g.version == min(c.versions[0][1] if c.versions else g.version for c in g.completions)
+        mixed = [c.versions for g in written for c in g.completions if c.versions is not None]
+        assert mixed, f"some completion went on under version 1: {[g.version for g in written]}"
         assert all(len(s) == 2 and s[0] == (0, 0) and s[1][0] > 0 and s[1][1] == 1 for s in mixed), mixed
+        assert written[0].version == 0 and written[-1].version == 1
+        assert all(c.versions is None for c in written[-1].completions)
         assert read_heartbeat(r, keys, "g1").version == 1
-        r.xadd(keys.prompts, {PAYLOAD: encode(ask(2, n=4))})
-        wait_for(lambda: r.xlen(keys.samples) >= 3, timeout=120, what="3 groups", procs=[proc])
-        last = groups(r, keys)[2]
-        assert last.version == 1 and all(c.versions is None for c in last.completions)
     finally:
         code = stop(proc)
     output = log.read_text()
