@@ -332,12 +332,20 @@ class GeneratorConfig(_Section):
     # Worker processes that run environment steps (sources with an `environment`); episodes
     # waiting for one take turns.
     env_workers: int = Field(2, ge=1)
+    # In-flight weight updates (partial rollouts, as PipelineRL and AReaL): a newer version is
+    # loaded as soon as it is seen, without waiting for the completions being sampled; they go on
+    # under the new weights, each token's version recorded (SampleGroup.version is the oldest's).
+    # HF engine only. Off: newer weights wait until the engine has drained.
+    inflight_updates: bool = False
 
 
     @model_validator(mode="after")
     def _check_server(self) -> GeneratorConfig:
         if self.engine == "openai" and not self.server_url:
             raise ValueError("server_url: engine \"openai\" needs the server's URL")
+        if self.inflight_updates and self.engine in ("vllm", "openai"):
+            raise ValueError(f"inflight_updates: the {self.engine} engine cannot load weights with completions in "
+                             "flight; use engine = \"hf\" or set inflight_updates = false")
         return self
 
 

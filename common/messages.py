@@ -2,7 +2,8 @@
 
 Each stream entry carries one MessagePack map under the field `keys.PAYLOAD`. Every map has
 `v` (schema version) and `t` (message type). Token ids travel as packed little-endian int32,
-log-probs as packed little-endian float32, loss masks as packed uint8; nothing is pickle.
+log-probs as packed little-endian float32, loss masks as packed uint8, a completion's weight
+versions as packed int32 (token index, version) pairs; nothing is pickle.
 
 A group to encode may hold its ids, log-probs and masks as lists, numpy arrays or array.arrays;
 a decoded group holds read-only numpy arrays (int32 ids, float32 log-probs, bool masks), views
@@ -61,6 +62,10 @@ class Completion:
     text: str  # decoded completion
     loss_mask: Ints | None = None  # 1 where the token is trained on (an episode: the model's); None means all
     reward_error: str | None = None  # why the reward function failed (reward is then 0); None: it ran
+    # Where each weight version began, as (token index, version) pairs: the first at index 0, both
+    # strictly ascending (a completion that went on under newer weights, generator.inflight_updates).
+    # None: every token was sampled with the group's `version`.
+    versions: list[tuple[int, int]] | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Completion):
@@ -73,7 +78,7 @@ class SampleGroup:
     id: str  # deterministic from the prompt: a redelivered group is recognised
     prompt_id: str  # PromptTask.id it was made from
     prompt_ids: Ints  # prompt token ids, chat template applied
-    version: int  # weight version the tokens were sampled with
+    version: int  # weight version the tokens were sampled with; the oldest token's when they span versions
     generator: str  # id of the generator that made it
     engine: str  # "hf" or "vllm"
     completions: list[Completion]
@@ -108,6 +113,8 @@ def _completion_map(c: Completion, what: str) -> dict[str, Any]:
          "loss_mask": None if c.loss_mask is None else pack_mask(c.loss_mask, f"{what}.loss_mask")}
     if c.reward_error is not None:
         d["reward_error"] = c.reward_error
+    if c.versions is not None:  # (token index, version) pairs, flat
+        d["versions"] = pack_ids([x for pair in c.versions for x in pair], f"{what}.versions")
     return d
 
 
@@ -241,7 +248,8 @@ def _completion_fields(c: object, cw: str, *, max_tokens: int) -> tuple[bytes, b
         raise MessageError(f"{cw}.reward_error: expected a string or nothing, got {type(reward_error).__name__}")
     return ids, lps, mask, {"reward": _finite(c.get("reward"), f"{cw}.reward"),
                             "rewards": _finite_map(c.get("rewards", {}), f"{cw}.rewards"), "finish": finish,
-                            "text": _get(c, "text", str, cw), "reward_error": reward_error}
+                            "text": _get(c, "text", str, cw), "reward_error": reward_error,
+                            "versions": _decode_versions(c.get("versions"), cw, tokens=n)}
 
 
 _NUMBER = (int, float)  # exact types: MessagePack gives no subclasses, and bool is not a number here
@@ -260,7 +268,8 @@ def _plain_completion(c: object, max_tokens: int) -> dict[str, Any] | None:
           and c.get("finish") in FINISH_REASONS and type(c.get("text")) is str
           and type(reward) in _NUMBER and math.isfinite(reward) and type(rewards) is dict
           and all(type(k) is str and type(v) in _NUMBER and math.isfinite(v) for k, v in rewards.items())
-          and (c.get("reward_error") is None or type(c["reward_error"]) is str))
+          and (c.get("reward_error") is None or type(c["reward_error"]) is str)
+          and c.get("versions") is None)  # a completion spanning weight versions is read closely
     if not ok:
         return None
     return {"reward": float(reward), "rewards": {k: float(v) for k, v in rewards.items()}, "finish": c["finish"],
@@ -301,6 +310,31 @@ def _completions(raw: list, w: str, *, max_tokens: int) -> tuple[list[Completion
     return completions, ids
 
 
+def _decode_versions(blob: Any, cw: str, *, tokens: int) -> list[tuple[int, int]] | None:
+    """A completion's `versions` ((token index, version) pairs), checked; None where absent."""
+    if blob is None:
+        return None
+    if not isinstance(blob, bytes):
+        raise MessageError(f"{cw}.versions: expected packed int32 pairs, got {type(blob).__name__}")
+    flat = np.frombuffer(_packed(blob, IDS, f"{cw}.versions"), IDS)
+    if flat.size == 0 or flat.size % 2:
+        raise MessageError(f"{cw}.versions: expected (token index, version) pairs, got {flat.size} numbers")
+    starts, versions = flat[0::2], flat[1::2]
+    if starts[0] != 0 or (np.diff(starts) <= 0).any() or starts[-1] >= tokens:
+        raise MessageError(f"{cw}.versions: token indices must start at 0 and ascend strictly below {tokens}")
+    if versions[0] < 0 or (np.diff(versions) <= 0).any():
+        raise MessageError(f"{cw}.versions: versions must be >= 0 and ascend strictly")
+    return [(int(i), int(v)) for i, v in zip(starts, versions, strict=True)]
+
+
+def token_versions(completion: Completion, *, group_version: int) -> np.ndarray:
+    """The weight version that sampled each of the completion's tokens (int32, one per id)."""
+    out = np.full(len(completion.ids), group_version, dtype=np.int32)
+    for start, version in completion.versions or ():
+        out[start:] = version  # later spans overwrite: each holds from its start to the next
+    return out
+
+
 def peek_id(blob: Any, *, max_bytes: int = MAX_MESSAGE_BYTES) -> str | None:
     """The `id` of a prompt or group message that does not decode as a whole, where its map has
     one (a dead letter can then settle its admitted prompt); None for anything else."""
@@ -335,6 +369,9 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size:
     version = _get(d, "version", int, w)
     if version < 0:
         raise MessageError(f"{w}: negative version {version}")
+    oldest = min([version] + [c.versions[0][1] for c in completions if c.versions is not None])
+    if oldest < version:  # a group is as stale as its oldest token: its version may not hide one
+        raise MessageError(f"{w}: a token sampled with version {oldest}, older than the group's version {version}")
     timings = _finite_map(d.get("timings", {}), f"{w}.timings")
     return SampleGroup(id=gid, prompt_id=_get(d, "prompt_id", str, w), prompt_ids=prompt_ids,
                        version=version, generator=_get(d, "generator", str, w),

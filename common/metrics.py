@@ -77,6 +77,10 @@ class StepMetrics:
     # (mean, std) over the step's completions of each reward component (a TRL function's value, or a
     # per-completion function's named part), over the completions that have it; {} for sft
     reward_components: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Since in-flight weight updates: staleness_mean/max are of each group's oldest token; these
+    # see each token's version (absent from older entries, read as their defaults).
+    staleness_token_mean: float = 0.0  # versions between the weights that sampled a completion token and the trainer
+    mixed_versions: float = 0.0  # share of completions whose tokens span two or more weight versions
 
     def entry(self) -> dict[str, Any]:
         """The flat dict the sinks write: TRL's names, policy fields only for GRPO, the sft loss only for sft."""
@@ -123,7 +127,9 @@ NAMES = {  # StepMetrics field -> the name it is written under (TRL's where TRL 
     "tokens_trained": "tokens/trained", "tokens_per_s": "tokens_per_s", "time_step": "time/step",
     "time_wait_data": "time/wait_data", "time_train": "time/train", "time_publish": "time/publish",
     "generators_alive": "generators/alive", "generators_tokens_per_s": "generators/tokens_per_s",
-    "group_ids": "group_ids", "reward_components": "rewards/<component>/mean, rewards/<component>/std",
+    "group_ids": "group_ids", "staleness_token_mean": "staleness/token_mean",
+    "mixed_versions": "completions/mixed_versions",
+    "reward_components": "rewards/<component>/mean, rewards/<component>/std",
 }
 POLICY_NAMES = {  # PolicyStats field -> the name it is written under
     "loss": "loss", "kl": "kl", "clip_low": "clip_ratio/low_mean", "clip_high": "clip_ratio/high_mean",

@@ -13,6 +13,7 @@ the behaviour log-probs the trainer's off-policy correction divides by.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -23,6 +24,10 @@ class Sampled:
     ids: list[int]  # sampled token ids; the eos is included when finish == "stop"
     logprobs: list[float]  # log-prob of each sampled id under the sampling distribution, float32
     finish: str  # "stop" (an eos was sampled) or "length" (max_new_tokens reached)
+    # (token index, weight version) where each version began, first at 0: more than one pair when
+    # newer weights were loaded while it was being sampled (generator.inflight_updates). None: the
+    # engine does not say (every token was sampled with the version it had when the request was added).
+    versions: list[tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +68,11 @@ class Engine(Protocol):
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings) -> None:
         """Queue a request; it comes back from a later `step` as one `Finished`."""
 
-    def step(self) -> list[Finished]:
-        """Advance the queued requests; return those that finished (possibly none)."""
+    def step(self, *, yield_when: Callable[[], bool] | None = None) -> list[Finished]:
+        """Advance the queued requests; return those that finished (possibly none). `yield_when`
+        (HF engine only; None: never): asked as tokens are sampled; once it says True the step
+        returns early, its unfinished completions kept to go on from their tokens so far at a
+        later step, with whatever weights are loaded by then (in-flight weight updates)."""
 
     def has_unfinished(self) -> bool:
         """Whether any added request has not come back from `step` yet."""
@@ -78,9 +86,9 @@ class Engine(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
     def load_weights(self, path: str | Path, *, version: int) -> None:
-        """Load an HF-format safetensors checkpoint in place, between steps with nothing in
-        flight; raise `common.checkpoints.CheckpointError`, weights unchanged, when it does not
-        fit the model."""
+        """Load an HF-format safetensors checkpoint in place, between steps (with nothing in
+        flight, except in an engine whose `step` takes `yield_when`); raise
+        `common.checkpoints.CheckpointError`, weights unchanged, when it does not fit the model."""
 
 
 EngineName = Literal["auto", "vllm", "hf", "openai"]

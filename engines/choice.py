@@ -18,6 +18,21 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+INFLIGHT_ENGINES = ("hf",)  # engines whose `step` can yield mid-sequence for newer weights
+
+
+def check_inflight(name: str) -> None:
+    """Refuse generator.inflight_updates for an engine that cannot continue a sequence under newer
+    weights (`name` as engine_name resolves it)."""
+    from common.config import ConfigError
+
+    if name not in INFLIGHT_ENGINES:
+        why = ("its server samples each request to its end" if name == "openai" else
+               "it does not stop a request mid-sequence and continue it under new weights")
+        raise ConfigError(f"generator.inflight_updates: the {name} engine cannot load weights with completions "
+                          f"in flight ({why}); use generator.engine = 'hf' or set inflight_updates = false")
+
+
 def engine_name(name: EngineName) -> str:
     """"hf" or "vllm": the engine `name` stands for ("auto" is vLLM where it is installed, else HF)."""
     if name == "auto":

@@ -12,16 +12,69 @@ next step.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from common.checkpoints import check_fits, copy_into
 from common.messages import PromptTask
 from engines.base import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(eq=False)
+class Row:
+    """One completion being sampled: its tokens so far and where each weight version began."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[tuple[int, int]] = field(default_factory=list)  # (token index, version)
+    finish: str | None = None  # None: unfinished
+
+    def extend(self, ids: list[int], logprobs: list[float], *, version: int, finish: str | None) -> None:
+        if ids and (not self.versions or self.versions[-1][1] != version):
+            self.versions.append((len(self.ids), version))
+        self.ids += ids
+        self.logprobs += logprobs
+        self.finish = finish
+
+    def sampled(self) -> Sampled:
+        assert self.finish is not None, "an unfinished completion"
+        return Sampled(ids=self.ids, logprobs=self.logprobs, finish=self.finish, versions=self.versions)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingSettings
+    rows: list[Row] = field(default_factory=list)  # its n completions once a step started it
+
+
+def same_batch(q: Request, head: Request) -> bool:
+    """Whether `q` is sampled in one step with `head`: both new or both interrupted (continued
+    rows), sampling the same distribution, and new ones asking for as many completions; each row
+    has its own token budget, so requests of different max_new_tokens share a step."""
+    if bool(q.rows) != bool(head.rows):
+        return False
+    a, b = q.sampling, head.sampling
+    return (a.temperature, a.top_k, a.top_p) == (b.temperature, b.top_k, b.top_p) and (a.n == b.n or bool(head.rows))
+
+
+class Budget(StoppingCriteria):
+    """Ends each row at its own length (prefix + budget), and every row once `yield_when` says so."""
+
+    def __init__(self, ends: torch.Tensor, yield_when: Callable[[], bool] | None) -> None:
+        self.ends, self.yield_when = ends, yield_when  # (B,) sequence length at which each row is done
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        if self.yield_when is not None and self.yield_when():
+            return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return input_ids.shape[1] >= self.ends  # (B,)
 
 
 class HFEngine:
@@ -34,7 +87,7 @@ class HFEngine:
         assert dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}"
         self.path = Path(path)
         self.max_batch = self.max_running = max_batch  # prompts sampled together in one step
-        self._queue: deque[tuple[str, list[int], SamplingSettings]] = deque()
+        self._queue: deque[Request] = deque()  # added, not finished: a started one holds its completions so far
         self.tokenizer = load_tokenizer(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype], use_safetensors=True).eval()
         self.model.to("cuda" if torch.cuda.is_available() else "cpu")  # the process's visible GPU (its lease)
@@ -54,29 +107,54 @@ class HFEngine:
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings) -> None:
         assert prompt_ids, f"request {request_id}: empty prompt"
-        self._queue.append((request_id, prompt_ids, sampling))
+        self._queue.append(Request(request_id, prompt_ids, sampling))
 
     def has_unfinished(self) -> bool:
         return bool(self._queue)
 
-    def step(self) -> list[Finished]:
-        """Sample the oldest queued requests that share its settings, up to `max_batch`."""
+    def step(self, *, yield_when: Callable[[], bool] | None = None) -> list[Finished]:
+        """Sample the oldest queued requests that share its settings, up to `max_batch`, in one
+        `generate` call, and return those that finished. Requests a yield interrupted (see
+        `Engine.step`) are stepped together, their unfinished completions continued from prompt +
+        tokens so far (prefilled again, under the weights loaded now) for the rest of their budgets."""
         if not self._queue:
             return []
-        sampling = self._queue[0][2]
-        batch = [q for q in self._queue if q[2] == sampling][:self.max_batch]
-        taken = {id(q) for q in batch}
-        self._queue = deque(q for q in self._queue if id(q) not in taken)
-        out = self.sample([ids for _, ids, _ in batch], sampling)
-        return [Finished(request_id=rid, samples=s) for (rid, _, _), s in zip(batch, out, strict=True)]
+        head = self._queue[0]
+        batch = [q for q in self._queue if same_batch(q, head)][:self.max_batch]
+        for q in batch:
+            q.rows = q.rows or [Row() for _ in range(q.sampling.n)]
+        rows = [(q, row) for q in batch for row in q.rows if row.finish is None]
+        cut = self._generate([q.prompt_ids + row.ids for q, row in rows],
+                             budgets=[q.sampling.max_new_tokens - len(row.ids) for q, row in rows],
+                             sampling=head.sampling, yield_when=yield_when)
+        for (_, row), (ids, logprobs, finish) in zip(rows, cut, strict=True):
+            row.extend(ids, logprobs, version=self.version, finish=finish)
+        done = [q for q in batch if all(row.finish is not None for row in q.rows)]
+        gone = {id(q) for q in done}
+        self._queue = deque(q for q in self._queue if id(q) not in gone)
+        return [Finished(request_id=q.request_id, samples=[row.sampled() for row in q.rows]) for q in done]
 
     @torch.no_grad()
     def sample(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Sampled]]:
         """`sampling.n` completions of each prompt, in one batch: result[i][j] is prompt i's j-th."""
         assert prompts and all(prompts), "sample() needs non-empty prompts"
-        n, temperature = sampling.n, sampling.temperature
-        input_ids, attention_mask = self._left_pad(prompts)
+        n = sampling.n
+        rows = self._generate([p for p in prompts for _ in range(n)],
+                              budgets=[sampling.max_new_tokens] * (len(prompts) * n), sampling=sampling)
+        samples = [Sampled(ids=ids, logprobs=lps, finish=finish or "length", versions=[(0, self.version)])
+                   for ids, lps, finish in rows]
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def _generate(self, prefixes: list[list[int]], *, budgets: list[int], sampling: SamplingSettings,
+                  yield_when: Callable[[], bool] | None = None) -> list[tuple[list[int], list[float], str | None]]:
+        """One completion of each prefix, at most its budget of new tokens, in one `generate` call:
+        per row the new ids, their behaviour log-probs, and "stop" (an eos ended it), "length"
+        (its budget did) or None (a yield cut it short: to be continued)."""
+        temperature = sampling.temperature
+        input_ids, attention_mask = self._left_pad(prefixes)
         width = input_ids.shape[1]
+        stop = Budget(torch.tensor(budgets, device=input_ids.device) + width, yield_when)
         out = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask,
             # Temperature, then top-k and top-p when on: every other processor the model's
@@ -86,26 +164,26 @@ class HFEngine:
             typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
             no_repeat_ngram_size=0, min_length=0, min_new_tokens=None, bad_words_ids=None,
             suppress_tokens=None, begin_suppress_tokens=None, forced_eos_token_id=None,
-            num_return_sequences=n, max_new_tokens=sampling.max_new_tokens,
+            max_new_tokens=max(budgets), stopping_criteria=StoppingCriteriaList([stop]),
             output_scores=True, output_logits=True, return_dict_in_generate=True,
             pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
-        new = out.sequences[:, width:]  # (B*n, T)
-        scores = torch.stack(out.scores, dim=1).float()  # (B*n, T, V) processed: logits / T, truncated
+        new = out.sequences[:, width:]  # (B, T)
+        scores = torch.stack(out.scores, dim=1).float()  # (B, T, V) processed: logits / T, truncated
         # The processors are the same at every position: checking the first is enough (all of
         # them cost a seventh of the engine's time on the default model).
-        first, raw = scores[:, 0], out.logits[0].float() / temperature  # (B*n, V)
+        first, raw = scores[:, 0], out.logits[0].float() / temperature  # (B, V)
         kept = torch.isfinite(first)  # top-k/top-p set the tokens they cut to -inf
         assert torch.allclose(first[kept], raw[kept]), \
             "generate() applied logits processors beyond temperature: behaviour log-probs would be wrong"
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B*n, T)
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
         is_eos = torch.isin(new, torch.tensor(self.eos_ids, device=new.device))
-        samples = []
-        for row in range(new.shape[0]):
-            stops = is_eos[row].nonzero()
-            end = int(stops[0]) + 1 if len(stops) else new.shape[1]
-            samples.append(Sampled(ids=new[row, :end].tolist(), logprobs=logprobs[row, :end].tolist(),
-                                   finish="stop" if len(stops) else "length"))
-        return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
+        rows = []
+        for row, budget in enumerate(budgets):
+            stops = is_eos[row, :budget].nonzero()
+            end = int(stops[0]) + 1 if len(stops) else min(budget, new.shape[1])
+            finish = "stop" if len(stops) else "length" if end == budget else None
+            rows.append((new[row, :end].tolist(), logprobs[row, :end].tolist(), finish))
+        return rows
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)

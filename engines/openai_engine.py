@@ -27,6 +27,7 @@ import http.client
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +81,12 @@ class OpenAIEngine:
     def has_unfinished(self) -> bool:
         return bool(self._in_flight)
 
-    def step(self) -> list[Finished]:
+    def step(self, *, yield_when: Callable[[], bool] | None = None) -> list[Finished]:
         """The requests that came back (waiting up to POLL_S for one); one the server refused,
-        answered with what cannot be read, or left unanswered for `timeout_s` comes back failed."""
+        answered with what cannot be read, or left unanswered for `timeout_s` comes back failed.
+        No in-flight weight updates: `yield_when` must be None (generator.inflight_updates is
+        refused at start-up)."""
+        assert yield_when is None, "in-flight weight updates need the hf engine (engines.choice.INFLIGHT_ENGINES)"
         if not self._in_flight:
             return []
         concurrent.futures.wait(self._in_flight.values(), timeout=POLL_S,

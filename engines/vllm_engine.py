@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from common.checkpoints import check_fits, tensor_shapes
@@ -100,9 +100,11 @@ class VLLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._in_flight)
 
-    def step(self) -> list[Finished]:
+    def step(self, *, yield_when: Callable[[], bool] | None = None) -> list[Finished]:
         """One scheduler iteration: a decode step of every running sequence (and prefill of new
-        ones); the requests whose n completions are all done."""
+        ones); the requests whose n completions are all done. No in-flight weight updates:
+        `yield_when` must be None (generator.inflight_updates is refused at start-up)."""
+        assert yield_when is None, "in-flight weight updates need the hf engine (engines.choice.INFLIGHT_ENGINES)"
         if not self._in_flight:
             return []
         done = []

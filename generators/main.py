@@ -31,7 +31,10 @@ its own, the thread it was created in.
 Staleness: a newer published version stops new prompts from joining the engine; the ones in flight
 finish with the weights they started with (every group is sampled with one version, the one it is
 stamped with; an episode's later turns too), then the weights are loaded and the waiting prompts
-join. A prompt admitted at a version newer than the loaded one makes the engine read
+join. With `inflight_updates` the engine's step yields as soon as newer weights are seen, they are
+loaded, and the unfinished completions go on under them (generators/inflight.py: each token's
+version is recorded; a group is as stale as its oldest token). Episodes still drain first.
+A prompt admitted at a version newer than the loaded one makes the engine read
 `weights:latest` before adding it, so a prompt admitted at version v is sampled with weights >= v,
 which is what keeps admission control's staleness bound.
 
@@ -68,11 +71,12 @@ from common.keys import GENERATORS_GROUP, Keys
 from common.messages import Completion, PromptTask, SampleGroup, WeightVersion
 from common.shaping import zero_variance
 from engines.base import Engine, Finished, Sampled, SamplingSettings, episode_prompt_ids, turn_ids
-from engines.choice import engine_name, open_engine
+from engines.choice import check_inflight, engine_name, open_engine
 from envs.base import Spec
 from generators import devices
 from generators.environments import EnvRunner, environment_specs
 from generators.episodes import EpisodeLimits, run_episodes
+from generators.inflight import group_versions
 from generators.prompts import drop_group, leave_group, own_pending, prepare_prompts, publish, take_prompts, touch_held
 from generators.scoring import RewardRunner, reward_names
 from generators.weights import Checked, Watcher, check
@@ -276,6 +280,8 @@ def open_engine_for(config: Config, *, seed: int) -> Engine:
         torch.set_num_threads(gen.threads)
     path = resolve_model_path(config.model.path)
     engine = engine_name(gen.engine)
+    if gen.inflight_updates:
+        check_inflight(engine)
     if engine == "openai":  # the server was started on model.path with the run's dtype and seed
         return open_engine(engine, path, url=gen.server_url, max_running=gen.max_in_flight * config.rollout.group_size,
                            timeout_s=gen.request_timeout_s)
@@ -395,7 +401,7 @@ async def engine_loop(g: Generator, state: State) -> None:
             asked = wanted
             state.latest = await trio.to_thread.run_sync(g.r.get, g.keys.weights_latest)
         newer = state.latest is not None and state.latest != state.acted_on
-        if newer and not g.engine.has_unfinished() and not state.episodes:
+        if newer and (g.settings.inflight_updates or not g.engine.has_unfinished()) and not state.episodes:
             await load_weights(state, g.engine, g.engine_thread, name=g.name, weights_url=g.settings.weights_url,
                                fetch_dir=g.fetch_dir)
             newer = False
@@ -486,7 +492,9 @@ def add_all(engine: Engine, requests: list[tuple[str, list[int], SamplingSetting
 
 async def step_engine(g: Generator, state: State) -> int:
     """One engine step; each prompt it finished goes on to scoring. How many finished."""
-    finished = await run_on_engine(g.engine_thread, g.engine.step, timeout_s=g.settings.engine_timeout_s)
+    pending = partial(weights_pending, state) if g.settings.inflight_updates else None
+    finished = await run_on_engine(g.engine_thread, partial(g.engine.step, yield_when=pending),
+                                   timeout_s=g.settings.engine_timeout_s)
     for done in finished:
         if done.error is not None:
             state.engine_errors += 1
@@ -510,6 +518,12 @@ def let_go(g: Generator, state: State, held: Held) -> None:
     g.capacity.release()
     print(f"{g.name}: let prompt {held.task.id} go, to be reclaimed after {g.settings.claim_idle_s:g} s",
           file=sys.stderr, flush=True)
+
+
+def weights_pending(state: State) -> bool:
+    """Whether newer weights wait to be loaded (in-flight updates: the engine yields to them). Called
+    on the engine's thread once per sampled token: a read of two fields."""
+    return state.latest is not None and state.latest != state.acted_on and not state.episodes
 
 
 async def run_on_engine(thread: concurrent.futures.Executor, fn: Callable[..., T], *args: Any,
@@ -622,11 +636,12 @@ def make_group(engine: Engine, rewards: RewardRunner, held: Held, done: Finished
     scored = rewards.score(source if isinstance(source, str) else None, prompt=prompt_text(task),
                            completions=[(text, s.ids) for text, s in zip(texts, done.samples, strict=True)],
                            meta=task.meta, messages=task.messages)
+    version, spans = group_versions(done.samples, added_at=held.version)
     completions = [Completion(ids=s.ids, logprobs=s.logprobs, reward=sc.reward, rewards=sc.rewards,
-                              finish=s.finish, text=text, reward_error=sc.error)
-                   for s, text, sc in zip(done.samples, texts, scored, strict=True)]
+                              finish=s.finish, text=text, reward_error=sc.error, versions=span)
+                   for s, text, sc, span in zip(done.samples, texts, scored, spans, strict=True)]
     group = SampleGroup(
-        id=task.id, prompt_id=task.id, prompt_ids=held.prompt_ids, version=held.version,
+        id=task.id, prompt_id=task.id, prompt_ids=held.prompt_ids, version=version,
         generator=generator_id, engine=engine.name, completions=completions,
         timings={"queue": held.added_at - held.taken_at, "generate": t0 - held.added_at,
                  "reward": time.perf_counter() - t0})

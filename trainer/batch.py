@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from common.messages import SampleGroup
+from common.messages import SampleGroup, token_versions
 from common.shaping import shaped_rewards
 from trainer.grpo import Estimator, group_advantages
 
@@ -28,7 +28,8 @@ class Row:
     trained: np.ndarray  # (len(ids),) bool: the completion tokens trained on
     logprobs: np.ndarray  # (len(ids),) float32: the generator's log-prob of each completion token
     advantage: float  # group-relative advantage of the completion
-    version: int = 0  # weight version that sampled it (the group's)
+    versions: np.ndarray | None = None  # (len(ids),) the weight version that sampled each completion
+    # token; None: version 0 everywhere
 
     @property
     def length(self) -> int:
@@ -61,7 +62,7 @@ class MicroBatch:
     mask: Tensor  # (B, T) float32, 1 on trained completion tokens
     behaviour_logp: Tensor  # (B, T) float32
     advantages: Tensor  # (B,) float32
-    versions: Tensor  # (B,) int64, weight version that sampled each row
+    versions: Tensor  # (B, T) int64, weight version that sampled each target token (padding: the row's last)
 
 
 def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: str = "none",
@@ -99,7 +100,8 @@ def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: s
         else:
             trained = np.asarray(c.loss_mask, dtype=bool)
         rows.append(Row(prompt=prompt, ids=ids, trained=trained, logprobs=np.asarray(c.logprobs, dtype=np.float32),
-                        advantage=float(adv), version=group.version))
+                        advantage=float(adv),
+                        versions=token_versions(c, group_version=group.version)))
     return rows
 
 
@@ -111,6 +113,7 @@ def collate(rows: list[Row]) -> MicroBatch:
     input_ids, targets = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
     attention = np.zeros(shape, dtype=np.int64)
     mask, logp = np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32)
+    versions = np.zeros(shape, dtype=np.int64)
     for i, row in enumerate(rows):
         p, end = len(row.prompt), row.length  # completion token j is the target at position p - 1 + j
         input_ids[i, :p] = row.prompt
@@ -120,11 +123,14 @@ def collate(rows: list[Row]) -> MicroBatch:
         attention[i, :end] = 1
         mask[i, p - 1:end] = row.trained
         logp[i, p - 1:end] = row.logprobs
+        if row.versions is not None:  # prompt positions: the first token's version; padding: the last's
+            versions[i, :p - 1], versions[i, p - 1:end], versions[i, end:] = \
+                row.versions[0], row.versions, row.versions[-1]
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention),
         targets=torch.from_numpy(targets), mask=torch.from_numpy(mask), behaviour_logp=torch.from_numpy(logp),
         advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
-        versions=torch.tensor([row.version for row in rows], dtype=torch.long),
+        versions=torch.from_numpy(versions),
     )
 
 

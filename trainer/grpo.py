@@ -236,16 +236,18 @@ def mismatch_stats(prox: Tensor, behaviour: Tensor, mask: Tensor, weight_zero: T
     """Behaviour/proximal mismatch of one micro-batch: |log pi_prox - log pi_behav| summed per
     token as a share of `total_tokens`, its max, the share of tokens a mask dropped
     (`weight_zero`), and per staleness the sum and count of |log ratio| (added over micro-batches
-    and ranks, divided at the end)."""
+    and ranks, divided at the end). `staleness` is per token, (B, T): a completion that went on
+    under newer weights has tokens of several; each counts under its own."""
     mask = mask.float()
     gap = (prox.float() - behaviour.float()).abs() * mask  # (B, T)
     stats = {"mismatch/abs_log_ratio_mean": (gap.sum() / total_tokens).item(),
              "mismatch/abs_log_ratio_max": gap.max().item() if gap.numel() else 0.0,
              "mismatch/masked": ((weight_zero.float() * mask).sum() / total_tokens).item()}
-    for s in sorted(set(staleness.tolist())):  # a few values: read to the host (no unique kernel on every device)
-        rows = (staleness == s).float()  # (B,), 1 on the rows of staleness s (no boolean indexing: shapes stay fixed)
-        stats[f"staleness/{s}/gap_sum"] = (gap.sum(dim=1) * rows).sum().item()
-        stats[f"staleness/{s}/tokens"] = (mask.sum(dim=1) * rows).sum().item()
+    trained = torch.where(mask > 0, staleness, torch.full_like(staleness, -1))  # (B, T), -1 off the mask
+    for s in sorted(set(trained.flatten().tolist()) - {-1}):  # a few values: read to the host
+        tokens = (staleness == s).float() * mask  # (B, T), no boolean indexing: shapes stay fixed
+        stats[f"staleness/{s}/gap_sum"] = (gap * tokens).sum().item()
+        stats[f"staleness/{s}/tokens"] = tokens.sum().item()
     return stats
 
 

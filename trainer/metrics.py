@@ -12,7 +12,7 @@ import torch
 
 from common.heartbeats import read_heartbeats
 from common.keys import Keys
-from common.messages import SampleGroup
+from common.messages import SampleGroup, token_versions
 from common.metrics import PolicyStats, StepMetrics
 from trainer.samples import Collected
 
@@ -29,6 +29,8 @@ def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: b
     correct = [c.rewards["correct"] for c in completions if "correct" in c.rewards]
     # the model's tokens: an episode's environment turns (loss_mask 0) are not its length
     lengths = [len(c.ids) if c.loss_mask is None else int(np.count_nonzero(c.loss_mask)) for c in completions]
+    token_staleness = [s - (token_versions(c, group_version=g.version) - g.version)  # a group's staleness is
+                       for g, s in zip(groups, staleness, strict=True) for c in g.completions]  # its oldest token's
     parts: dict[str, list[float]] = {}
     for c in completions if rewarded else []:
         for name, value in c.rewards.items():
@@ -45,6 +47,8 @@ def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: b
         "reward_components": {name: mean_std(values) for name, values in sorted(parts.items())},
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": max(staleness),
+        "staleness_token_mean": float(np.concatenate(token_staleness).mean()) if token_staleness else 0.0,
+        "mixed_versions": sum(c.versions is not None and len(c.versions) > 1 for c in completions) / len(completions),
     }
 
 
