@@ -114,7 +114,7 @@ def test_token_versions_travel_on_the_wire_and_a_group_is_as_stale_as_its_oldest
                         completions=[completion(6, spans[0]), completion(3, spans[1]), completion(2, None)])
     back = decode_group(encode(group))
     assert back == group
-    assert [token_versions(c, group_version=back.version) for c in back.completions] == [
+    assert [token_versions(c, group_version=back.version).tolist() for c in back.completions] == [
         [2, 2, 2, 2, 3, 3], [3, 3, 3], [2, 2]]
     # recorded streams (no versions) still decode: every token of the group's version
     plain = dataclasses.replace(group, completions=[completion(2, None)] * 2)
