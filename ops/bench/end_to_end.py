@@ -35,8 +35,10 @@ PY = ROOT / ".venv" / "bin" / "python"
 TRAINER_STEP = re.compile(r"\btrainer\.\d+\s*\| step\s+\d+ \|")
 
 
-def run_pipeline(*, generators: int, steps: int, tmp: Path) -> tuple[list[float], list[dict]]:
-    """(arrival time of each trainer step line, the trainer's metrics) of one honcho run."""
+def run_pipeline(*, generators: int, steps: int, tmp: Path,
+                 env: dict[str, str] | None = None) -> tuple[list[float], list[dict]]:
+    """(arrival time of each trainer step line, the trainer's metrics) of one honcho run; `env`:
+    more variables for every process (config overrides, ROLLOUTS_SECTION__FIELD)."""
     from tests.conftest import free_port
 
     tmp.mkdir(parents=True)
@@ -55,6 +57,7 @@ def run_pipeline(*, generators: int, steps: int, tmp: Path) -> tuple[list[float]
         f"ROLLOUTS_CONFIG={ROOT / 'configs' / 'demo.toml'}", f"ROLLOUTS_OUTPUT_DIR={tmp / 'run'}",
         f"ROLLOUTS_TRAINER__MAX_STEPS={steps}", f"PYTHONPATH={ROOT}",
         "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1",
+        *(f"{k}={v}" for k, v in (env or {}).items()),
     ]) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
     honcho = [str(ROOT / ".venv" / "bin" / "honcho"), "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / ".env"),
