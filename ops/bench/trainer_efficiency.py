@@ -267,9 +267,9 @@ def matmul_flops(op: str, a: tuple, b: tuple) -> int:
     return 2 * a[0] * a[1] * a[2] * b[2] if op == "bmm" else 2 * a[0] * a[1] * b[1]
 
 
-def bare_matmul_s(shapes: list[tuple[str, tuple, tuple]], *, reps: int = 3) -> float:
-    """Seconds the same matrix products take alone (fresh float32 operands, best of `reps` per
-    distinct shape, times its count), on the threads torch has now."""
+def bare_matmul_s(shapes: list[tuple[str, tuple, tuple]], *, clock, reps: int = 3) -> float:
+    """Seconds on `clock` the same matrix products take alone (fresh float32 operands, best of
+    `reps` per distinct shape, times its count), on the threads torch has now."""
     from collections import Counter
 
     import torch
@@ -281,17 +281,18 @@ def bare_matmul_s(shapes: list[tuple[str, tuple, tuple]], *, reps: int = 3) -> f
         fn(x, y)
         best = float("inf")
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn(x, y)
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, clock() - t0)
         total += best * n
     return total
 
 
 def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) -> None:
-    """In the tree on PYTHONPATH: `steps` timed trainer steps on the groups (the demo's loss
+    """In the tree $BENCH_TREE: `steps` timed trainer steps on the groups (the demo's loss
     options, micro-batches of 8) after a warm-up, then one step under the matmul recorder and one
     under torch's profiler (neither timed). Writes its figures as JSON to `out`."""
+    sys.path.insert(0, os.environ["BENCH_TREE"])  # that tree's trainer, not this file's
     import msgpack
     import torch
     from torch.profiler import profile
@@ -309,18 +310,18 @@ def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) ->
     model = load_model(Path(model_dir))
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-6, weight_decay=0.0)
 
-    def step(k: int) -> float:
-        t0 = time.perf_counter()
+    def step(k: int) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
         train_step(model, optimizer, groups[k * PER_STEP:(k + 1) * PER_STEP], loss=LossOptions(clip_high=0.28),
                    ref_model=None, temperature=0.8, estimator="grpo", overlong="none", overlong_penalty=0.0,
                    micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0, max_new_tokens=24)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     step(0)  # warm-up: AdamW allocates its state
-    step_s = [step(1 + k % (len(groups) // PER_STEP - 1)) for k in range(steps)]
+    timed = [step(1 + k % (len(groups) // PER_STEP - 1)) for k in range(steps)]
     shapes = record_matmuls(lambda: step(1))
     with profile() as prof:
-        profiled_s = step(1)
+        profiled_s = step(1)[0]
     by_op = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
     mm_s = sum(v for k, v in by_op.items() if k in ("aten::mm", "aten::addmm", "aten::bmm"))
     attention_s = sum(v for k, v in by_op.items() if "scaled_dot_product" in k)
@@ -330,8 +331,10 @@ def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) ->
     vocab = model.get_output_embeddings().weight.shape[0]
     head = [s for s in shapes if vocab in s[1] or vocab in s[2]]
     out.write_text(json.dumps({
-        "step_s": step_s, "flops": sum(matmul_flops(*s) for s in shapes),
-        "head_flops": sum(matmul_flops(*s) for s in head), "bare_matmul_s": bare_matmul_s(shapes),
+        "step_s": [w for w, _ in timed], "step_cpu_s": [c for _, c in timed],
+        "flops": sum(matmul_flops(*s) for s in shapes), "head_flops": sum(matmul_flops(*s) for s in head),
+        "bare_matmul_s": bare_matmul_s(shapes, clock=time.perf_counter),
+        "bare_matmul_cpu_s": bare_matmul_s(shapes, clock=time.process_time),
         "profiled_s": profiled_s, "mm_s": mm_s, "attention_s": attention_s, "optimizer_s": optimizer_s,
         "positions": sum(mb.input_ids.numel() for mb in batches),
         "tokens": sum(int(mb.attention_mask.sum()) for mb in batches),
@@ -351,7 +354,7 @@ def compute(trees: list[str], *, model_dir: Path, steps: int, threads: int, roun
         results: dict[str, list[dict]] = {t: [] for t in trees}
         for n in range(rounds):
             for tree in trees if n % 2 == 0 else trees[::-1]:
-                env = {**clean_env(), "PYTHONPATH": tree, "OMP_NUM_THREADS": str(threads)}
+                env = {**clean_env(), "PYTHONPATH": tree, "BENCH_TREE": tree, "OMP_NUM_THREADS": str(threads)}
                 out = tmp / "out.json"
                 subprocess.run([sys.executable, __file__, "--compute-worker", str(groups_file), "--steps", str(steps),
                                 "--threads", str(threads), "--out", str(out)], env=env, cwd=tree, check=True,
@@ -361,7 +364,7 @@ def compute(trees: list[str], *, model_dir: Path, steps: int, threads: int, roun
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"model {model_dir.name}; {PER_STEP} groups x {GROUP} completions a step, micro-batches of 8, "
           f"{threads} thread(s); {rounds} rounds x {steps} timed steps per tree, in turns")
-    medians = {}
+    medians, cpu_medians = {}, {}
     for tree, runs in results.items():
         r0 = runs[0]
         step_s = statistics.median(s for r in runs for s in r["step_s"])
@@ -378,12 +381,19 @@ def compute(trees: list[str], *, model_dir: Path, steps: int, threads: int, roun
         per_run = ", ".join(f"{r['bare_matmul_s'] / statistics.median(r['step_s']):.3f}" for r in runs)
         print(f"  the same matmuls alone: {bare_s:.2f} s = {r0['flops'] / bare_s / 1e9:.1f} GFLOP/s: "
               f"step / compute limit {bare_s / step_s:.3f} (per run: {per_run})")
+        cpu_s = statistics.median(s for r in runs for s in r["step_cpu_s"])
+        bare_cpu = statistics.median(r["bare_matmul_cpu_s"] for r in runs)
+        print(f"  over CPU seconds (what the neighbours' load moves least): step {cpu_s:.2f}, the matmuls alone "
+              f"{bare_cpu:.2f}: {bare_cpu / cpu_s:.3f} of the compute limit, "
+              f"{r0['flops'] / cpu_s / 1e9:.1f} GFLOP per CPU second")
+        cpu_medians[tree] = cpu_s
         print(f"  profiled step {prof:.2f} s: matmuls {share['mm_s']:.1%}, attention {share['attention_s']:.1%}, "
               f"AdamW's arithmetic {share['optimizer_s']:.1%}, the rest (elementwise, log-softmax, "
               f"autograd) {1 - sum(share.values()):.1%}")
     if len(trees) == 2:
         a, b = trees
-        print(f"\nstep time {b} / {a}: {medians[b] / medians[a]:.3f}")
+        print(f"\nstep time {b} / {a}: {medians[b] / medians[a]:.3f} (over CPU seconds "
+              f"{cpu_medians[b] / cpu_medians[a]:.3f})")
 
 
 # --------------------------------------------------------------------------- main

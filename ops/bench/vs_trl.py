@@ -14,7 +14,9 @@ rollouts' `loss_agg = "token_mean"`), float32 on 2 CPU threads in all:
               train, then generate again), torch on 2 threads;
     rollouts: `honcho start` of the project's Procfile on configs/demo.toml with the task above
               (ops/bench/end_to_end.py's harness: redis, producer, one generator, trainer,
-              evaluator), the generator's and trainer's threads as that config sets them.
+              evaluator), the generator's and trainer's threads as that config sets them, the
+              generator's engine as `./ops/run` picks it (vLLM, installed here) or `--engine hf`
+              for HF `generate` on both sides.
 
 TRL is not a dependency of the project: the bench installs it into its own virtualenv (`--venv`,
 `pip install trl==1.16.*` by default, or the newest that installs) that sees the project's
@@ -143,7 +145,7 @@ def run_trl(py: Path, *, steps: int, model_dir: Path, tmp: Path) -> tuple[float,
 # --------------------------------------------------------------------------- rollouts' side
 
 
-def run_rollouts(*, steps: int, tmp: Path) -> tuple[float, list[dict]]:
+def run_rollouts(*, steps: int, tmp: Path, engine: str) -> tuple[float, list[dict]]:
     """(launch time, per-step records) of `honcho start` on the demo config with the task above."""
     from ops.bench.end_to_end import run_pipeline
 
@@ -152,7 +154,8 @@ def run_rollouts(*, steps: int, tmp: Path) -> tuple[float, list[dict]]:
            "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": str(NEW_TOKENS), "ROLLOUTS_ROLLOUT__GROUP_SIZE": str(GROUP),
            "ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP": str(PROMPTS), "ROLLOUTS_TRAINER__LR": str(LR),
            "ROLLOUTS_TRAINER__CLIP_LOW": str(CLIP_LOW), "ROLLOUTS_TRAINER__CLIP_HIGH": str(CLIP_HIGH),
-           "ROLLOUTS_TRAINER__LOSS_AGG": "token_mean", "ROLLOUTS_TRAINER__KL_COEF": "0"}
+           "ROLLOUTS_TRAINER__LOSS_AGG": "token_mean", "ROLLOUTS_TRAINER__KL_COEF": "0",
+           "ROLLOUTS_GENERATOR__ENGINE": engine}
     launched = time.monotonic()
     arrivals, metrics = run_pipeline(generators=1, steps=steps, tmp=tmp, env=env)
     return launched, [{"step": m["step"], "t": t, "reward": m["reward"], "metrics": m}
@@ -182,6 +185,8 @@ def main() -> None:
     ap.add_argument("--sides", nargs="+", choices=["trl", "rollouts"], default=["trl", "rollouts"])
     ap.add_argument("--venv", type=Path, default=ROOT / "runs" / "trl-venv", help="TRL's virtualenv")
     ap.add_argument("--trl", default="trl==1.16.*", help="pip requirement of TRL")
+    ap.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"],
+                    help="rollouts' generator engine (auto: vLLM where installed, as ./ops/run)")
     ap.add_argument("--json", type=Path, help="write both sides' records here")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -202,7 +207,7 @@ def main() -> None:
             if side == "trl":
                 launched, records = run_trl(py, steps=args.steps, model_dir=model_dir, tmp=tmp / "trl")
             else:
-                launched, records = run_rollouts(steps=args.steps, tmp=tmp / "rollouts")
+                launched, records = run_rollouts(steps=args.steps, tmp=tmp / "rollouts", engine=args.engine)
             rates[side] = summary(side, launched, records, skip=args.skip)
             runs[side] = [{"step": r["step"], "s": r["t"] - launched, "reward": r["reward"]} for r in records]
     finally:
