@@ -1,6 +1,7 @@
 """Trainer steps per minute of the whole pipeline under honcho, with 1 and 2 generators, and its reward curve.
 
     .venv/bin/python ops/bench/end_to_end.py [--steps 10] [--generators 1 2] [--png docs/benchmark-reward.png]
+        [--trees OLD .] [--env ROLLOUTS_TRAINER__THREADS=2]
 
 Each run is `honcho start -c generator=G` of the project's Procfile (redis, producer, generator x G,
 trainer, evaluator) on the demo configuration (`configs/demo.toml`: the default model on the
@@ -112,21 +113,29 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--generators", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--png", type=Path, default=ROOT / "docs" / "benchmark-reward.png")
+    ap.add_argument("--trees", nargs="+", default=[str(ROOT)],
+                    help="code trees to run in turn (each with its own configs/demo.toml): before/after a change")
+    ap.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="more variables for every process, e.g. ROLLOUTS_TRAINER__THREADS=2")
     args = ap.parse_args()
     assert args.steps >= 2, "--steps must be >= 2: rates are timed from the first step line"
+    extra = dict(kv.split("=", 1) for kv in args.env)
 
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
     rates, runs = {}, {}
     try:
-        for generators in args.generators:
-            arrivals, metrics = run_pipeline(generators=generators, steps=args.steps, tmp=tmp / f"g{generators}")
-            rates[generators] = 60 * (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
-            timed = metrics[1:]
-            wait = sum(m["time/wait_data"] for m in timed) / sum(m["time/step"] for m in timed)
-            runs[generators] = metrics
-            rewards = " ".join(f"{m['reward']:.2f}" for m in metrics)
-            print(f"{generators} generator(s): {rates[generators]:.2f} steps/min, wait-for-data fraction {wait:.3f}, "
-                  f"reward by step {rewards}", flush=True)
+        for n, tree in enumerate(Path(t).resolve() for t in args.trees):
+            for generators in args.generators:
+                env = {**extra, "PYTHONPATH": str(tree), "ROLLOUTS_CONFIG": str(tree / "configs" / "demo.toml")}
+                arrivals, metrics = run_pipeline(generators=generators, steps=args.steps, env=env,
+                                                 tmp=tmp / f"t{n}-g{generators}")
+                rates[generators] = 60 * (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+                timed = metrics[1:]
+                wait = sum(m["time/wait_data"] for m in timed) / sum(m["time/step"] for m in timed)
+                runs[generators] = metrics
+                rewards = " ".join(f"{m['reward']:.2f}" for m in metrics)
+                print(f"{tree}: {generators} generator(s): {rates[generators]:.2f} steps/min, wait-for-data "
+                      f"fraction {wait:.3f}, reward by step {rewards}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     plot(runs, args.png)
