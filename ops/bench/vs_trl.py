@@ -149,7 +149,8 @@ def run_rollouts(*, steps: int, tmp: Path, engine: str) -> tuple[float, list[dic
     """(launch time, per-step records) of `honcho start` on the demo config with the task above."""
     from ops.bench.end_to_end import run_pipeline
 
-    env = {"ROLLOUTS_TASK__MAX_OPERAND": str(TASK["max_operand"]), "ROLLOUTS_TASK__OPS": json.dumps(TASK["ops"]),
+    # The list is quoted: honcho's .env parser drops double quotes inside an unquoted value.
+    env = {"ROLLOUTS_TASK__MAX_OPERAND": str(TASK["max_operand"]), "ROLLOUTS_TASK__OPS": f"'{json.dumps(TASK['ops'])}'",
            "ROLLOUTS_TASK__SEED": str(TASK["seed"]), "ROLLOUTS_ROLLOUT__TEMPERATURE": str(TEMPERATURE),
            "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": str(NEW_TOKENS), "ROLLOUTS_ROLLOUT__GROUP_SIZE": str(GROUP),
            "ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP": str(PROMPTS), "ROLLOUTS_TRAINER__LR": str(LR),
