@@ -23,6 +23,13 @@ that step is the wait-for-data fraction of a replayed stream. CPU seconds of eac
 tree (from /proc) are printed too: they move much less with the neighbours' load than seconds.
 
 Prints the ratio stream/bare at the largest world size on its last line.
+
+    .venv/bin/python ops/bench/trainer_efficiency.py --compute [--trees OLD .] [--threads 1]
+
+instead measures the step against its compute limit, per code tree in turns (a fresh process
+each, that tree's `trainer` imported): its seconds and CPU seconds, the FLOPs of its matrix
+products (recorded with a dispatch mode; the head's apart), the same products timed alone on
+the same threads, padding, and a profile split (matmuls, attention, AdamW, the rest).
 """
 
 from __future__ import annotations
