@@ -64,3 +64,59 @@ def test_no_full_vocabulary_logits_for_the_batch(batch):
         logp, _ = sequence_logprobs(model, inputs, attn, targets, temperature=1.0, entropy=True, chunk_tokens=16)
         logp.sum().backward()
     assert 0 < watch.rows <= 16, f"a tensor of {watch.rows} vocabulary-wide rows (the batch has {inputs.numel()})"
+
+
+class HeadRows(TorchDispatchMode):
+    """Counts the rows of every vocabulary-wide product (the head, forward and backward)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func.overloadpacket) in ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul") \
+                and isinstance(out, torch.Tensor) and out.shape[-1] == self.vocab:
+            self.rows += out.numel() // self.vocab
+        return out
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, 4096])
+def test_logprobs_at_trained_positions_only(batch, chunk_tokens):
+    """With `positions` (a loss mask) the log-probs, entropy and gradients there are those of the
+    full logits, 0 elsewhere, and the head computes only those rows (plus the model's own one
+    position per sequence), not the batch's."""
+    model, inputs, attn, targets = batch
+    trained = torch.zeros_like(attn, dtype=torch.float32)
+    trained[0, 25:] = 1.0
+    trained[1, 20:29] = 1.0  # row 1 is padded from 29 on
+    trained[2, [3, 17, 39]] = 1.0
+    logits = model(input_ids=inputs, attention_mask=attn, use_cache=False).logits
+    want = token_logprobs(logits, targets, 0.7) * trained
+    want_entropy = token_entropy(logits, 0.7) * trained
+    want.sum().backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    watch = HeadRows(model.config.vocab_size)
+    with watch:
+        got, entropy = sequence_logprobs(model, inputs, attn, targets, temperature=0.7, entropy=True,
+                                         chunk_tokens=chunk_tokens, positions=trained)
+        got.sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-5)
+    for p, g in zip(model.parameters(), want_grads, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+    n, batch_rows = int(trained.sum()), inputs.shape[0]
+    # forward, its recomputation in the backward pass, the gradient of the hidden states: 3 x n rows.
+    assert watch.rows <= 3 * n + batch_rows, f"the head made {watch.rows} rows for {n} trained positions"
+
+
+def test_no_trained_position_still_reaches_every_parameter(batch):
+    """A micro-batch with nothing to train (a rank's padding micro-batch under FSDP) gives 0
+    log-probs, and its backward pass still reaches every parameter (FSDP's collectives pair up)."""
+    model, inputs, attn, targets = batch
+    logp, _ = sequence_logprobs(model, inputs, attn, targets, temperature=1.0, positions=torch.zeros_like(attn))
+    assert logp.abs().sum() == 0
+    logp.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -50,3 +50,19 @@ def test_micro_batches_split_rows_and_count_trained_tokens():
     batches, total, seqs = micro_batches(groups, micro_batch_size=4)
     assert [mb.input_ids.shape[0] for mb in batches] == [4, 2]
     assert total == 6 * 2 and seqs == 6
+
+
+def test_micro_batches_bucket_rows_by_length():
+    """Rows of alternating lengths go into micro-batches of near-equal lengths: little padding,
+    and every row (with its advantage) is still there once."""
+    lengths = [1, 9, 2, 8, 1, 9, 2, 8]
+    groups = [group([completion(list(range(8, 8 + n)), [-0.1] * n, float(i % 2)) for i, n in enumerate(lengths[:4])]),
+              group([completion(list(range(8, 8 + n)), [-0.1] * n, float(i % 2)) for i, n in enumerate(lengths[4:])])]
+    batches, total, _ = micro_batches(groups, micro_batch_size=4)
+    padded = sum(mb.input_ids.numel() for mb in batches)
+    real = sum(int(mb.attention_mask.sum()) for mb in batches)
+    assert real == sum(3 + n - 1 for n in lengths) and total == sum(lengths)
+    assert padded - real <= 4, f"{padded - real} padded positions of {padded}"
+    got = sorted((int(mb.attention_mask[i].sum()), float(mb.advantages[i])) for mb in batches for i in range(4))
+    want = sorted((len(r.inputs), r.advantage) for g in groups for r in group_rows(g))
+    assert got == want

@@ -172,7 +172,13 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
                  objective: str = "grpo") -> list[tuple[list[MicroBatch], int, int]]:
     """The step's rows in `parts` consecutive mini-batches of near-equal row counts (PPO's
     mini-batches, one optimizer step each), each as (micro-batches, trained tokens, trained
-    sequences). Advantages are the whole groups' whichever mini-batch a row lands in."""
+    sequences). Advantages are the whole groups' whichever mini-batch a row lands in.
+
+    Within a mini-batch the rows are bucketed by length (sorted, stably) before they are split
+    into micro-batches, so each micro-batch pads its rows to a near-equal length: on the demo's
+    shapes (16 rows of 35-70 tokens, 8 a micro-batch) that drops the padding from about a fifth
+    of the positions to a few percent. The mini-batch's update is a sum over its rows, whichever
+    micro-batch each lands in."""
     rows = [row for group in groups for row in group_rows(group, estimator=estimator, overlong=overlong,
                                                            overlong_penalty=overlong_penalty,
                                                            objective=objective)]
@@ -180,6 +186,7 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
     bounds = [len(rows) * i // parts for i in range(parts + 1)]
     out = []
     for part in (rows[a:b] for a, b in zip(bounds, bounds[1:], strict=False)):
+        part = sorted(part, key=lambda row: len(row.inputs))  # length buckets: little padding
         batches = [collate(chunk) for chunk in split_rows(part, micro_batch_size=micro_batch_size,
                                                           micro_batch_tokens=micro_batch_tokens)]
         out.append((batches, sum(int(np.count_nonzero(row.trained)) for row in part),

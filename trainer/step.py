@@ -124,8 +124,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
 
     def forward_logp(m: torch.nn.Module, mb: MicroBatch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return sequence_logprobs(m, mb.input_ids, mb.attention_mask, mb.targets, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, entropy=entropy,
-                                 chunk_tokens=chunk_tokens)  # (B, T), (B, T) or None
+                                 top_k=top_k, top_p=top_p, entropy=entropy, chunk_tokens=chunk_tokens,
+                                 positions=mb.mask)  # (B, T), (B, T) or None: 0 off the mask
 
     model.eval()  # the no-grad passes run with dropout off
     with torch.no_grad():
@@ -196,7 +196,8 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: l
     stats = {"loss/sft": 0.0, "entropy": 0.0}
     for mb in batched.batches:
         logp, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
-                                          entropy=True, chunk_tokens=chunk_tokens)  # (B, T), (B, T)
+                                          entropy=True, chunk_tokens=chunk_tokens,
+                                          positions=mb.mask)  # (B, T), (B, T): 0 off the mask
         mb_loss = sft_loss(logp, mb.mask, total_tokens=total_tokens)
         (mb_loss * world).backward()
         stats["loss/sft"] += mb_loss.item()

@@ -1,6 +1,7 @@
 """Trainer steps per minute of the whole pipeline under honcho, with 1 and 2 generators, and its reward curve.
 
     .venv/bin/python ops/bench/end_to_end.py [--steps 10] [--generators 1 2] [--png docs/benchmark-reward.png]
+        [--trees OLD .] [--env ROLLOUTS_TRAINER__THREADS=2]
 
 Each run is `honcho start -c generator=G` of the project's Procfile (redis, producer, generator x G,
 trainer, evaluator) on the demo configuration (`configs/demo.toml`: the default model on the
@@ -35,8 +36,10 @@ PY = ROOT / ".venv" / "bin" / "python"
 TRAINER_STEP = re.compile(r"\btrainer\.\d+\s*\| step\s+\d+ \|")
 
 
-def run_pipeline(*, generators: int, steps: int, tmp: Path) -> tuple[list[float], list[dict]]:
-    """(arrival time of each trainer step line, the trainer's metrics) of one honcho run."""
+def run_pipeline(*, generators: int, steps: int, tmp: Path,
+                 env: dict[str, str] | None = None) -> tuple[list[float], list[dict]]:
+    """(arrival time of each trainer step line, the trainer's metrics) of one honcho run; `env`:
+    more variables for every process (config overrides, ROLLOUTS_SECTION__FIELD)."""
     from tests.conftest import free_port
 
     tmp.mkdir(parents=True)
@@ -55,6 +58,7 @@ def run_pipeline(*, generators: int, steps: int, tmp: Path) -> tuple[list[float]
         f"ROLLOUTS_CONFIG={ROOT / 'configs' / 'demo.toml'}", f"ROLLOUTS_OUTPUT_DIR={tmp / 'run'}",
         f"ROLLOUTS_TRAINER__MAX_STEPS={steps}", f"PYTHONPATH={ROOT}",
         "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1",
+        *(f"{k}={v}" for k, v in (env or {}).items()),
     ]) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
     honcho = [str(ROOT / ".venv" / "bin" / "honcho"), "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / ".env"),
@@ -109,21 +113,29 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--generators", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--png", type=Path, default=ROOT / "docs" / "benchmark-reward.png")
+    ap.add_argument("--trees", nargs="+", default=[str(ROOT)],
+                    help="code trees to run in turn (each with its own configs/demo.toml): before/after a change")
+    ap.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="more variables for every process, e.g. ROLLOUTS_TRAINER__THREADS=2")
     args = ap.parse_args()
     assert args.steps >= 2, "--steps must be >= 2: rates are timed from the first step line"
+    extra = dict(kv.split("=", 1) for kv in args.env)
 
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
     rates, runs = {}, {}
     try:
-        for generators in args.generators:
-            arrivals, metrics = run_pipeline(generators=generators, steps=args.steps, tmp=tmp / f"g{generators}")
-            rates[generators] = 60 * (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
-            timed = metrics[1:]
-            wait = sum(m["time/wait_data"] for m in timed) / sum(m["time/step"] for m in timed)
-            runs[generators] = metrics
-            rewards = " ".join(f"{m['reward']:.2f}" for m in metrics)
-            print(f"{generators} generator(s): {rates[generators]:.2f} steps/min, wait-for-data fraction {wait:.3f}, "
-                  f"reward by step {rewards}", flush=True)
+        for n, tree in enumerate(Path(t).resolve() for t in args.trees):
+            for generators in args.generators:
+                env = {**extra, "PYTHONPATH": str(tree), "ROLLOUTS_CONFIG": str(tree / "configs" / "demo.toml")}
+                arrivals, metrics = run_pipeline(generators=generators, steps=args.steps, env=env,
+                                                 tmp=tmp / f"t{n}-g{generators}")
+                rates[generators] = 60 * (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+                timed = metrics[1:]
+                wait = sum(m["time/wait_data"] for m in timed) / sum(m["time/step"] for m in timed)
+                runs[generators] = metrics
+                rewards = " ".join(f"{m['reward']:.2f}" for m in metrics)
+                print(f"{tree}: {generators} generator(s): {rates[generators]:.2f} steps/min, wait-for-data "
+                      f"fraction {wait:.3f}, reward by step {rewards}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     plot(runs, args.png)

@@ -23,6 +23,13 @@ that step is the wait-for-data fraction of a replayed stream. CPU seconds of eac
 tree (from /proc) are printed too: they move much less with the neighbours' load than seconds.
 
 Prints the ratio stream/bare at the largest world size on its last line.
+
+    .venv/bin/python ops/bench/trainer_efficiency.py --compute [--trees OLD .] [--threads 1]
+
+instead measures the step against its compute limit, per code tree in turns (a fresh process
+each, that tree's `trainer` imported): its seconds and CPU seconds, the FLOPs of its matrix
+products (recorded with a dispatch mode; the head's apart), the same products timed alone on
+the same threads, padding, and a profile split (matmuls, attention, AdamW, the rest).
 """
 
 from __future__ import annotations
@@ -238,6 +245,164 @@ def run_world(blobs: list[bytes], groups_file: Path, *, model_dir: Path, world: 
     return bare_s, stream_s, metrics
 
 
+# --------------------------------------------------------------------------- the compute limit (--compute)
+
+
+def record_matmuls(fn) -> list[tuple[str, tuple, tuple]]:
+    """Run `fn()` and return the (op, shape A, shape B) of every matrix product it made (aten mm,
+    addmm, bmm: the linear layers forward and backward, the head, its recomputation)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, tuple, tuple]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket).removeprefix("aten.")
+            if name in ("mm", "addmm", "bmm"):
+                a, b = args[1:3] if name == "addmm" else args[:2]
+                self.seen.append((name, tuple(a.shape), tuple(b.shape)))
+            return func(*args, **(kwargs or {}))
+
+    with Matmuls() as rec:
+        fn()
+    return rec.seen
+
+
+def matmul_flops(op: str, a: tuple, b: tuple) -> int:
+    return 2 * a[0] * a[1] * a[2] * b[2] if op == "bmm" else 2 * a[0] * a[1] * b[1]
+
+
+def bare_matmul_s(shapes: list[tuple[str, tuple, tuple]], *, clock, reps: int = 3) -> float:
+    """Seconds on `clock` the same matrix products take alone (fresh float32 operands, best of
+    `reps` per distinct shape, times its count), on the threads torch has now."""
+    from collections import Counter
+
+    import torch
+
+    total = 0.0
+    for (op, a, b), n in Counter(shapes).items():
+        x, y = torch.randn(a), torch.randn(b)
+        fn = torch.bmm if op == "bmm" else torch.mm
+        fn(x, y)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = clock()
+            fn(x, y)
+            best = min(best, clock() - t0)
+        total += best * n
+    return total
+
+
+def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) -> None:
+    """In the tree $BENCH_TREE: `steps` timed trainer steps on the groups (the demo's loss
+    options, micro-batches of 8) after a warm-up, then one step under the matmul recorder and one
+    under torch's profiler (neither timed). Writes its figures as JSON to `out`."""
+    sys.path.insert(0, os.environ["BENCH_TREE"])  # that tree's trainer, not this file's
+    import msgpack
+    import torch
+    from torch.profiler import profile
+
+    from common.messages import decode_group
+    from trainer.batch import micro_batches
+    from trainer.checkpoints import load_model
+    from trainer.grpo import LossOptions
+    from trainer.step import train_step
+
+    torch.manual_seed(0)
+    torch.set_num_threads(threads)
+    blobs, model_dir = msgpack.unpackb(groups_file.read_bytes(), raw=False)
+    groups = [decode_group(b) for b in blobs]
+    model = load_model(Path(model_dir))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-6, weight_decay=0.0)
+
+    def step(k: int) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        train_step(model, optimizer, groups[k * PER_STEP:(k + 1) * PER_STEP], loss=LossOptions(clip_high=0.28),
+                   ref_model=None, temperature=0.8, estimator="grpo", overlong="none", overlong_penalty=0.0,
+                   micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0, max_new_tokens=24)
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    step(0)  # warm-up: AdamW allocates its state
+    timed = [step(1 + k % (len(groups) // PER_STEP - 1)) for k in range(steps)]
+    shapes = record_matmuls(lambda: step(1))
+    with profile() as prof:
+        profiled_s = step(1)[0]
+    by_op = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+    mm_s = sum(v for k, v in by_op.items() if k in ("aten::mm", "aten::addmm", "aten::bmm"))
+    attention_s = sum(v for k, v in by_op.items() if "scaled_dot_product" in k)
+    optimizer_s = sum(v for k, v in by_op.items() if k.startswith("aten::_foreach") or k in (
+        "aten::addcdiv_", "aten::addcmul_", "aten::lerp_", "aten::sqrt", "aten::_fused_adamw_"))
+    batches, _, _ = micro_batches(groups[PER_STEP:2 * PER_STEP], micro_batch_size=8)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    head = [s for s in shapes if vocab in s[1] or vocab in s[2]]
+    out.write_text(json.dumps({
+        "step_s": [w for w, _ in timed], "step_cpu_s": [c for _, c in timed],
+        "flops": sum(matmul_flops(*s) for s in shapes), "head_flops": sum(matmul_flops(*s) for s in head),
+        "bare_matmul_s": bare_matmul_s(shapes, clock=time.perf_counter),
+        "bare_matmul_cpu_s": bare_matmul_s(shapes, clock=time.process_time),
+        "profiled_s": profiled_s, "mm_s": mm_s, "attention_s": attention_s, "optimizer_s": optimizer_s,
+        "positions": sum(mb.input_ids.numel() for mb in batches),
+        "tokens": sum(int(mb.attention_mask.sum()) for mb in batches),
+        "trained": sum(int(mb.mask.sum()) for mb in batches)}))
+
+
+def compute(trees: list[str], *, model_dir: Path, steps: int, threads: int, rounds: int) -> None:
+    """Each tree's trainer step against the bare matrix products of the same shapes, in turns
+    (A B, B A, ...): achieved FLOP/s, the compute limit, where the rest goes."""
+    import msgpack
+
+    tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
+    try:
+        groups_file = tmp / "groups.msgpack"
+        groups_file.write_bytes(msgpack.packb([make_groups(model_dir, 3 * PER_STEP), str(model_dir)],
+                                              use_bin_type=True))
+        results: dict[str, list[dict]] = {t: [] for t in trees}
+        for n in range(rounds):
+            for tree in trees if n % 2 == 0 else trees[::-1]:
+                env = {**clean_env(), "PYTHONPATH": tree, "BENCH_TREE": tree, "OMP_NUM_THREADS": str(threads)}
+                out = tmp / "out.json"
+                subprocess.run([sys.executable, __file__, "--compute-worker", str(groups_file), "--steps", str(steps),
+                                "--threads", str(threads), "--out", str(out)], env=env, cwd=tree, check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                results[tree].append(json.loads(out.read_text()))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"model {model_dir.name}; {PER_STEP} groups x {GROUP} completions a step, micro-batches of 8, "
+          f"{threads} thread(s); {rounds} rounds x {steps} timed steps per tree, in turns")
+    medians, cpu_medians = {}, {}
+    for tree, runs in results.items():
+        r0 = runs[0]
+        step_s = statistics.median(s for r in runs for s in r["step_s"])
+        bare_s = statistics.median(r["bare_matmul_s"] for r in runs)
+        prof = statistics.median(r["profiled_s"] for r in runs)
+        share = {k: statistics.median(r[k] / r["profiled_s"] for r in runs) for k in ("mm_s", "attention_s",
+                                                                                       "optimizer_s")}
+        medians[tree] = step_s
+        print(f"\n{tree}")
+        print(f"  positions through the model {r0['positions']} (tokens {r0['tokens']}, padding "
+              f"{1 - r0['tokens'] / r0['positions']:.1%}); trained tokens {r0['trained']}")
+        print(f"  matmul FLOPs per step {r0['flops'] / 1e9:.1f} G (the head {r0['head_flops'] / 1e9:.1f} G); "
+              f"step {step_s:.2f} s (median) = {r0['flops'] / step_s / 1e9:.1f} GFLOP/s achieved")
+        per_run = ", ".join(f"{r['bare_matmul_s'] / statistics.median(r['step_s']):.3f}" for r in runs)
+        print(f"  the same matmuls alone: {bare_s:.2f} s = {r0['flops'] / bare_s / 1e9:.1f} GFLOP/s: "
+              f"step / compute limit {bare_s / step_s:.3f} (per run: {per_run})")
+        cpu_s = statistics.median(s for r in runs for s in r["step_cpu_s"])
+        bare_cpu = statistics.median(r["bare_matmul_cpu_s"] for r in runs)
+        print(f"  over CPU seconds (what the neighbours' load moves least): step {cpu_s:.2f}, the matmuls alone "
+              f"{bare_cpu:.2f}: {bare_cpu / cpu_s:.3f} of the compute limit, "
+              f"{r0['flops'] / cpu_s / 1e9:.1f} GFLOP per CPU second")
+        cpu_medians[tree] = cpu_s
+        print(f"  profiled step {prof:.2f} s: matmuls {share['mm_s']:.1%}, attention {share['attention_s']:.1%}, "
+              f"AdamW's arithmetic {share['optimizer_s']:.1%}, the rest (elementwise, log-softmax, "
+              f"autograd) {1 - sum(share.values()):.1%}")
+    if len(trees) == 2:
+        a, b = trees
+        print(f"\nstep time {b} / {a}: {medians[b] / medians[a]:.3f} (over CPU seconds "
+              f"{cpu_medians[b] / cpu_medians[a]:.3f})")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -247,11 +412,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps per side, the first one a warm-up")
     ap.add_argument("--world", type=int, nargs="+", default=[1, 2], help="world sizes (trainer ranks)")
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--compute", action="store_true",
+                    help="instead: a step's achieved FLOP/s against the bare matmuls of its shapes (--trees)")
+    ap.add_argument("--trees", nargs="+", default=[str(ROOT)], help="--compute: code trees to measure, in turns")
+    ap.add_argument("--threads", type=int, default=1, help="--compute: torch threads")
+    ap.add_argument("--rounds", type=int, default=2, help="--compute: turns per tree")
     ap.add_argument("--bare-worker", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--compute-worker", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--redis-url", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_worker is not None:
         bare_worker(args.bare_worker, redis_url=args.redis_url, steps=args.steps, lr=args.lr)
+        return
+    if args.compute_worker is not None:
+        compute_worker(args.compute_worker, steps=args.steps, threads=args.threads, out=args.out)
+        return
+    if args.compute:
+        from common.models import resolve_model_path
+
+        compute([str(Path(t).resolve()) for t in args.trees], model_dir=resolve_model_path(args.model),
+                steps=args.steps, threads=args.threads, rounds=args.rounds)
         return
     assert args.steps >= 2, "--steps must be >= 2: the first step is a warm-up"
     assert all(PER_STEP % w == 0 for w in args.world), f"world sizes must divide {PER_STEP}"
