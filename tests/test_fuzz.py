@@ -5,6 +5,7 @@ use, keeps running, and processes every valid entry around it."""
 
 import math
 import random
+import signal
 import struct
 from pathlib import Path
 
@@ -316,6 +317,9 @@ def test_foreign_entries_in_a_live_run_change_no_admission(tmp_path, redis_url, 
     try:
         wait_for(lambda: read_trainer(r, keys).step >= 2, timeout=240, what="trainer step 2",
                  procs=list(procs.values()))
+        # held still while the forgeries are made and written, so they land in a live run however
+        # long making them takes on a loaded machine (the trainer would otherwise finish first)
+        procs["trainer"].send_signal(signal.SIGSTOP)
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype="float32")
         rng = random.Random(5)
         trained_id = r.zrange(keys.trained, 0, 0)[0].decode()
@@ -329,11 +333,13 @@ def test_foreign_entries_in_a_live_run_change_no_admission(tmp_path, redis_url, 
         for blob in foreign:
             r.xadd(keys.samples, {PAYLOAD: blob})
         r.xadd(keys.prompts, {PAYLOAD: b"\x93garbage"})  # and a foreign prompt entry
+        procs["trainer"].send_signal(signal.SIGCONT)
         assert procs["trainer"].wait(timeout=300) == 0, (tmp_path / "trainer.log").read_text()
         limit = (1 + read_trainer(r, keys).version + 1) * per_step  # admission_limit with nothing dropped
         wait_for(lambda: read_producer(r, keys).admitted >= limit, timeout=60, what=f"{limit} prompts admitted",
                  procs=[procs["producer"]])
     finally:
+        procs["trainer"].send_signal(signal.SIGCONT)  # in case a failure left it stopped
         codes = {name: stop(p) for name, p in procs.items()}
     assert set(codes.values()) == {0}, codes
     t = read_trainer(r, keys)

@@ -68,7 +68,7 @@ def test_a_hanging_trl_function_times_out_for_its_group():
         elapsed = time.monotonic() - t0
     # one call for the group: the group's budget (0.3 s x (2 + 1)), then every completion's error
     assert out == [Scored(0.0, {}, "timeout after 0.9 s")] * 2
-    assert 0.9 <= elapsed < 0.9 + 2.0, elapsed
+    assert 0.9 <= elapsed < 0.9 + 10.0, elapsed  # the budget, then the worker killed (slack for a loaded machine)
 
 
 def test_reward_funcs_and_weights_in_the_config():
