@@ -98,11 +98,12 @@ def summary(rows: list[dict], *, staleness: int, correction: str, seconds: float
 
     def mean(key: str, of: list[dict]) -> float:
         values = [r[key] for r in of if r.get(key) is not None]
-        return sum(values) / len(values) if values else float("nan")
+        assert values, f"no step logged {key!r}: has the metric been renamed? (metrics.jsonl keys: {sorted(of[0])})"
+        return sum(values) / len(values)
 
     return {"max_staleness": staleness, "correction": correction, "steps": len(rows),
-            "reward_last10": mean("reward/mean", last), "accuracy_last10": mean("accuracy", last),
-            "reward_first10": mean("reward/mean", rows[:LAST]), "pass@1": pass1,
+            "reward_last10": mean("reward", last), "accuracy_last10": mean("accuracy", last),
+            "reward_first10": mean("reward", rows[:LAST]), "pass@1": pass1,
             "staleness_mean": mean("staleness/mean", rows), "mismatch_mean": mean("mismatch/abs_log_ratio_mean", rows),
             "mismatch_max": max(r.get("mismatch/abs_log_ratio_max", 0.0) for r in rows),
             "masked": mean("mismatch/masked", rows), "clip_region": mean("clip_ratio/region_mean", rows),
