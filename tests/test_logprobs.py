@@ -101,7 +101,7 @@ def test_logprobs_at_trained_positions_only(batch, chunk_tokens):
     watch = HeadRows(model.config.vocab_size)
     with watch:
         got, entropy = sequence_logprobs(model, inputs, attn, targets, temperature=0.7, entropy=True,
-                                         chunk_tokens=chunk_tokens, positions=trained)
+                                         chunk_tokens=chunk_tokens, positions=trained.reshape(-1).nonzero().squeeze(1))
         got.sum().backward()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-5)
@@ -116,7 +116,8 @@ def test_no_trained_position_still_reaches_every_parameter(batch):
     """A micro-batch with nothing to train (a rank's padding micro-batch under FSDP) gives 0
     log-probs, and its backward pass still reaches every parameter (FSDP's collectives pair up)."""
     model, inputs, attn, targets = batch
-    logp, _ = sequence_logprobs(model, inputs, attn, targets, temperature=1.0, positions=torch.zeros_like(attn))
+    logp, _ = sequence_logprobs(model, inputs, attn, targets, temperature=1.0,
+                                positions=torch.zeros(0, dtype=torch.long))
     assert logp.abs().sum() == 0
     logp.sum().backward()
     assert all(p.grad is not None for p in model.parameters())

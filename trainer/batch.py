@@ -6,7 +6,7 @@ never a Python list per token. Groups holding lists (built in process) are taken
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -63,6 +63,10 @@ class MicroBatch:
     behaviour_logp: Tensor  # (B, T) float32
     advantages: Tensor  # (B,) float32
     versions: Tensor  # (B, T) int64, weight version that sampled each target token (padding: the row's last)
+    # (N,) int64: the flat positions (row * T + t) where `mask` is 1, found on the host when the batch
+    # is built, so the head is applied there without a device-side nonzero (no host sync on a GPU;
+    # a meta-device dry run can index with it). Kept equal to `mask` by `with_mask`.
+    trained_at: Tensor
 
 
 def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: str = "none",
@@ -130,7 +134,7 @@ def collate(rows: list[Row]) -> MicroBatch:
         input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention),
         targets=torch.from_numpy(targets), mask=torch.from_numpy(mask), behaviour_logp=torch.from_numpy(logp),
         advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
-        versions=torch.from_numpy(versions),
+        versions=torch.from_numpy(versions), trained_at=torch.from_numpy(np.flatnonzero(mask)),
     )
 
 
@@ -186,9 +190,15 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
     bounds = [len(rows) * i // parts for i in range(parts + 1)]
     out = []
     for part in (rows[a:b] for a, b in zip(bounds, bounds[1:], strict=False)):
-        part = sorted(part, key=lambda row: len(row.inputs))  # length buckets: little padding
+        part = sorted(part, key=lambda row: row.length)  # length buckets: little padding
         batches = [collate(chunk) for chunk in split_rows(part, micro_batch_size=micro_batch_size,
                                                           micro_batch_tokens=micro_batch_tokens)]
         out.append((batches, sum(int(np.count_nonzero(row.trained)) for row in part),
                     sum(1 for row in part if row.trained.any())))
     return out
+
+
+def with_mask(mb: MicroBatch, mask: Tensor) -> MicroBatch:
+    """`mb` training only where `mask` (a host tensor, (B, T)) is 1."""
+    assert mask.shape == mb.mask.shape, f"mask {tuple(mask.shape)} vs {tuple(mb.mask.shape)}"
+    return replace(mb, mask=mask, trained_at=mask.reshape(-1).nonzero().squeeze(1))

@@ -65,12 +65,13 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask:
     """log_softmax(logits / temperature) at `targets`, (B, T), and with `entropy` the entropy of that
     distribution at each position, (B, T) in nats without gradient (else None). Equal to
     `token_logprobs(model(...).logits, ...)` and `token_entropy` up to float rounding; with
-    `positions` ((B, T), nonzero where wanted) only there, both 0 elsewhere."""
+    `positions` ((N,) int64 flat indices row * T + t, e.g. `MicroBatch.trained_at`) only there,
+    both 0 elsewhere."""
     assert temperature > 0, f"temperature must be > 0, got {temperature}"
     assert chunk_tokens > 0, f"chunk_tokens must be > 0, got {chunk_tokens}"
     assert input_ids.shape == targets.shape, f"input_ids {tuple(input_ids.shape)} vs targets {tuple(targets.shape)}"
-    assert positions is None or positions.shape == targets.shape, (
-        f"positions {tuple(positions.shape)} vs targets {tuple(targets.shape)}")
+    assert positions is None or (positions.dim() == 1 and not positions.is_floating_point()), (
+        f"positions must be flat integer indices, got {positions.dtype} of shape {tuple(positions.shape)}")
     hidden = final_hidden(model, input_ids, attention_mask)  # (B, T, H)
     head = model.get_output_embeddings()
     if positions is not None:
@@ -92,12 +93,12 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask:
 
 def _at_positions(head: torch.nn.Module, hidden: Tensor, targets: Tensor, positions: Tensor, *, temperature: float,
                   top_k: int, top_p: float, entropy: bool, chunk_tokens: int) -> tuple[Tensor, Tensor | None]:
-    """`sequence_logprobs`' head part at the nonzero `positions` only, scattered back to (B, T)
+    """`sequence_logprobs`' head part at the flat `positions` only, scattered back to (B, T)
     with 0 elsewhere. With no position at all the head still sees one (its result dropped), so
     the backward pass reaches every parameter: under FSDP each rank's backward runs the same
     collectives, a rank whose micro-batch trains nothing included."""
     shape = targets.shape
-    index = positions.reshape(-1).nonzero().squeeze(1)  # (N,) flat positions
+    index = positions  # (N,) flat positions
     n_wanted = index.numel()
     if n_wanted == 0:
         index = index.new_zeros(1)

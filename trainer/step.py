@@ -11,12 +11,12 @@ share of global counts, summed over the ranks at the end.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from common.messages import SampleGroup
-from trainer.batch import MicroBatch, mini_batches
+from trainer.batch import MicroBatch, mini_batches, with_mask
 from trainer.devices import model_device, to_device
 from trainer.grpo import Estimator, LossOptions, behaviour_weight, grpo_loss, mismatch_stats, sft_loss
 from trainer.logprobs import sequence_logprobs
@@ -49,7 +49,7 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
         tokens_in = sum(int(mb.attention_mask.sum()) for mb in batches)
         rows = sum(mb.input_ids.shape[0] for mb in batches)
         tokens, seqs, tokens_in, rows = (int(x) for x in all_sum([tokens, seqs, tokens_in, rows]))
-        empty = replace(batches[-1], mask=torch.zeros_like(batches[-1].mask))
+        empty = with_mask(batches[-1], torch.zeros_like(batches[-1].mask))
         batches += [empty] * (all_max(len(batches)) - len(batches))
         if device is not None:
             batches = [to_device(mb, device) for mb in batches]
@@ -125,7 +125,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     def forward_logp(m: torch.nn.Module, mb: MicroBatch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return sequence_logprobs(m, mb.input_ids, mb.attention_mask, mb.targets, temperature=temperature,
                                  top_k=top_k, top_p=top_p, entropy=entropy, chunk_tokens=chunk_tokens,
-                                 positions=mb.mask)  # (B, T), (B, T) or None: 0 off the mask
+                                 positions=mb.trained_at)  # (B, T), (B, T) or None: 0 off the mask
 
     model.eval()  # the no-grad passes run with dropout off
     with torch.no_grad():
@@ -197,7 +197,7 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: l
     for mb in batched.batches:
         logp, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
                                           entropy=True, chunk_tokens=chunk_tokens,
-                                          positions=mb.mask)  # (B, T), (B, T): 0 off the mask
+                                          positions=mb.trained_at)  # (B, T), (B, T): 0 off the mask
         mb_loss = sft_loss(logp, mb.mask, total_tokens=total_tokens)
         (mb_loss * world).backward()
         stats["loss/sft"] += mb_loss.item()
