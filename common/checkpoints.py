@@ -97,20 +97,16 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, torch.Tensor], *,
 
 def _chunks(first: list[bytes], names: list[str], tensors: Mapping[str, torch.Tensor]):
     """The file's bytes as memoryviews of at most CHUNK bytes, straight from the tensors' memory."""
+    import torch
+
     yield from first
     for name in names:
         t = tensors[name].detach().contiguous()
         if t.numel() == 0:
             continue
-        data = memoryview(t.reshape(-1).view(_byte_dtype()).numpy())
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         for start in range(0, len(data), CHUNK):
             yield data[start:start + CHUNK]
-
-
-def _byte_dtype() -> torch.dtype:
-    import torch
-
-    return torch.uint8
 
 
 def verify_dir(path: str | Path, checksums: dict[str, str]) -> None:

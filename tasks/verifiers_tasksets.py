@@ -136,14 +136,11 @@ def dataset(source: Any):
     that name the task, so the producer and evaluator read it as a data set source."""
     import datasets
 
-    tasks = _tasks(source.taskset, args_json(source.taskset_args))
-    rows = {"messages": [], META_TASKSET: [], META_ARGS: [], META_INDEX: []}
-    for i, task in enumerate(tasks):
-        rows["messages"].append(_messages(task.data))
-        rows[META_TASKSET].append(source.taskset)
-        rows[META_ARGS].append(args_json(source.taskset_args))
-        rows[META_INDEX].append(i)
-    return datasets.Dataset.from_dict(rows)
+    args = args_json(source.taskset_args)
+    tasks = _tasks(source.taskset, args)
+    return datasets.Dataset.from_dict({"messages": [_messages(task.data) for task in tasks],
+                                       META_TASKSET: [source.taskset] * len(tasks), META_ARGS: [args] * len(tasks),
+                                       META_INDEX: list(range(len(tasks)))})
 
 
 def _trace(task: Any, messages: list[dict[str, str]], completion: str) -> Any:
