@@ -15,11 +15,9 @@ call's limit counts from when a worker takes it (waiting for a free worker is no
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import queue
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 from envs import base
+from generators import processes
 
 if TYPE_CHECKING:
     from common.config import Config
@@ -135,7 +134,7 @@ class EnvRunner:
             self._closed = True
             live, self._live = list(self._live), set()
         for worker in live:
-            _kill(worker)
+            processes.kill(worker.process, worker.conn)
 
     def __enter__(self) -> EnvRunner:
         return self
@@ -190,7 +189,7 @@ class EnvRunner:
         with self._lock:
             self._live.discard(old)
             self.restarts += 1
-        _kill(old)
+        processes.kill(old.process, old.conn)
         return self._start()
 
     def _await_ready(self, worker: _Worker) -> str | None:
@@ -207,12 +206,3 @@ class EnvRunner:
             return f"environment worker cannot load its environments: {detail}"
         worker.ready = True
         return None
-
-
-def _kill(worker: _Worker) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(worker.process.pid, signal.SIGKILL)
-    worker.process.kill()
-    worker.process.join()
-    worker.process.close()
-    worker.conn.close()

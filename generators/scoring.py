@@ -28,11 +28,9 @@ RewardRunner keeps its work under `if __name__ == "__main__":`; `python -m gener
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import queue
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 from common import rewards
+from generators import processes
 
 if TYPE_CHECKING:
     from common.config import Config
@@ -186,7 +185,7 @@ class RewardRunner:
             self._closed = True
             live, self._live = list(self._live), set()
         for worker in live:
-            _kill(worker)
+            processes.kill(worker.process, worker.conn)
 
     def __enter__(self) -> RewardRunner:
         return self
@@ -250,7 +249,7 @@ class RewardRunner:
         with self._lock:
             self._live.discard(old)
             self.restarts += 1
-        _kill(old)
+        processes.kill(old.process, old.conn)
         slot.worker = self._start()
 
     def _await_ready(self, worker: _Worker) -> str | None:
@@ -268,13 +267,3 @@ class RewardRunner:
             return f"reward worker cannot load its rewards: {detail}"
         worker.ready = True
         return None
-
-
-def _kill(worker: _Worker) -> None:
-    """SIGKILL the worker and its process group, and reap it."""
-    with contextlib.suppress(ProcessLookupError):  # gone already, or killed before it made its own group
-        os.killpg(worker.process.pid, signal.SIGKILL)
-    worker.process.kill()
-    worker.process.join()
-    worker.process.close()
-    worker.conn.close()

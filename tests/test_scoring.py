@@ -226,3 +226,27 @@ def test_workers_end_with_a_killed_generator(tmp_path: Path):
     while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids), f"workers {pids} outlived their generator"
+
+
+def test_a_worker_reaped_by_another_thread_is_still_killed_and_closed():
+    # `Process.start` in another thread reaps every finished child it knows of: it may collect the
+    # killed worker's status after our kill and before our join, and set the exit code a moment later
+    import multiprocessing
+
+    from generators import processes
+
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    worker = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    worker.start()
+    pid = worker.pid
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)  # the other thread's waitpid: our join now finds no child to wait for
+    late = threading.Timer(0.3, lambda: setattr(worker._popen, "returncode", -9))  # ... and its bookkeeping
+    late.start()
+    processes.kill(worker, ours)  # raised "Cannot close a process while it is still running"
+    late.join()
+    assert pid not in worker_processes()
+    with pytest.raises(ValueError, match="closed"):
+        worker.exitcode  # closed: its resources are released
+    assert ours.closed
