@@ -6,13 +6,12 @@ else. A version is served only while the run's weights stream announces it, a fi
 WeightVersion lists it (with its checksum), and only GET and HEAD are answered: no listing, no
 path from the request reaches the file system. A generator with `generator.weights_url` fetches
 each new version into `output_dir/fetched/step_N` (temporary name, then rename), checking every
-file against the sha256 in the WeightVersion as it arrives; a file that does not match refuses the
+file against the checksum in the WeightVersion as it arrives; a file that does not match refuses the
 version, as a bad checkpoint on a shared disk would.
 """
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import urllib.error
 import urllib.parse
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import redis
 
-from common.checkpoints import CheckpointError
+from common.checkpoints import CheckpointError, algorithm_of, checksum_text, hasher, same_checksum
 from common.keys import PAYLOAD, Keys
 from common.messages import MessageError, WeightVersion, decode_weights
 
@@ -62,7 +61,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(f.stat().st_size))
-        self.send_header("X-Sha256", wv.checksums[name])
+        self.send_header("X-Checksum", wv.checksums[name])
         self.end_headers()
         if body:
             with open(f, "rb") as src:
@@ -86,7 +85,7 @@ class CheckpointServer(ThreadingHTTPServer):
 def fetch_checkpoint(base_url: str, wv: WeightVersion, *, dest_root: Path, keep: int = 2,
                      timeout_s: float = 60.0) -> Path:
     """Download version `wv` from the checkpoint server at `base_url` into `dest_root/step_N`,
-    each file checked against its published sha256 on arrival; the newest `keep` are kept.
+    each file checked against its published checksum on arrival; the newest `keep` are kept.
     CheckpointError when the server cannot give it or a file does not match."""
     final = dest_root / f"step_{wv.version}"
     if final.is_dir():
@@ -99,7 +98,8 @@ def fetch_checkpoint(base_url: str, wv: WeightVersion, *, dest_root: Path, keep:
             if "/" in name or name in ("", ".", ".."):
                 raise CheckpointError(f"version {wv.version}: file name {name!r} is not a plain name")
             url = f"{base_url.rstrip('/')}/v{wv.version}/{urllib.parse.quote(name)}"
-            h = hashlib.sha256()
+            algorithm = algorithm_of(want)
+            h = hasher(algorithm)
             try:
                 with urllib.request.urlopen(url, timeout=timeout_s) as src, open(tmp / name, "wb") as out:
                     while chunk := src.read(1 << 20):
@@ -107,9 +107,10 @@ def fetch_checkpoint(base_url: str, wv: WeightVersion, *, dest_root: Path, keep:
                         out.write(chunk)
             except (urllib.error.URLError, OSError) as err:
                 raise CheckpointError(f"version {wv.version}: cannot fetch {url}: {err}") from None
-            if h.hexdigest() != want:
-                raise CheckpointError(f"version {wv.version}: {name} from {url} has sha256 {h.hexdigest()[:12]}…, "
-                                      f"published {want[:12]}…")
+            got = checksum_text(h, algorithm)
+            if not same_checksum(got, want):
+                raise CheckpointError(f"version {wv.version}: {name} from {url} has checksum {got[:21]}…, "
+                                      f"published {want[:21]}…")
         tmp.rename(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

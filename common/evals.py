@@ -40,7 +40,7 @@ class EvalRequest:
     version: int  # the published weight version to evaluate
     step: int  # the trainer step that wrote it
     path: str  # its checkpoint directory
-    checksums: dict[str, str]  # file name -> sha256, verified before loading
+    checksums: dict[str, str]  # file name -> checksum (common/checkpoints.py), verified before loading
     prompts: int  # problems to score per source
     seed: int  # synthetic problems are drawn from this seed (eval.seed, apart from the training problems)
     pass_k: int  # 0: greedy pass@1 only; k > 0: also pass@k of k sampled completions

@@ -96,7 +96,7 @@ class WeightVersion:
     step: int  # trainer step that published them
     path: str  # HF-format safetensors checkpoint directory
     format: str  # "safetensors"
-    checksums: dict[str, str]  # file name -> sha256 hex, for every file in `path`
+    checksums: dict[str, str]  # file name -> "ALGORITHM:HEX" (common/checkpoints.py), for every file in `path`
     created_at: float  # unix seconds
 
 
@@ -383,7 +383,7 @@ def decode_weights(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Weight
     w = "weights"
     checksums = _str_map(_get(d, "checksums", dict, w), f"{w}.checksums")
     if not checksums or not all(isinstance(v, str) for v in checksums.values()):
-        raise MessageError(f"{w}: checksums must map file names to sha256 hex strings")
+        raise MessageError(f"{w}: checksums must map file names to checksum strings")
     return WeightVersion(version=_get(d, "version", int, w), step=_get(d, "step", int, w),
                          path=_get(d, "path", str, w), format=_get(d, "format", str, w),
                          checksums=checksums, created_at=_finite(d.get("created_at"), f"{w}.created_at"))

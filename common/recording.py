@@ -3,7 +3,7 @@
 A recording is a sequence of MessagePack objects:
   1. the header: {"format": "rollouts-recording", "version": 1, "run", "streams" (names, e.g.
      ["samples"]), "created" (unix seconds), "model" (what the payloads need: the config's
-     model.path and the sha256 of its files; None when unknown)}
+     model.path and the checksums of its files; None when unknown)}
   2. one entry per stream entry, in stream order (across streams, in id order):
      [stream name, entry id, payload], the payload being the entry's `keys.PAYLOAD` field
   3. the end mark: {"end": number of entries}
@@ -214,7 +214,7 @@ def replay(r: redis.Redis, keys: Keys, path: str | Path, *, pace: str = "full", 
 
 
 def model_identity(model_path: str) -> dict[str, Any] | None:
-    """What a recording's payloads need: the model's path and the sha256 of its files."""
+    """What a recording's payloads need: the model's path and the checksums of its files."""
     from common.checkpoints import checksum_dir
     from common.models import ModelError, resolve_model_path
 

@@ -12,7 +12,7 @@ A watcher that starts late begins with `weights:latest` (what a late starter loa
 same transaction as the stream's last entry id, so nothing announced in between is missed.
 
 `check` does what must come before a version is loaded, in a worker thread: decode the payload,
-then verify every file against its published sha256 (or fetch it from the trainer's checkpoint
+then verify every file against its published checksum (or fetch it from the trainer's checkpoint
 server, checked on arrival). The generator starts it as soon as a version is announced, while its
 engine is still finishing the prompts in flight, so the load itself waits for nothing but the
 copy into the model.

@@ -1,5 +1,5 @@
 """The checkpoint server: only published versions' listed files, read-only; fetched files are
-checked against their published sha256 on arrival."""
+checked against their published checksum on arrival."""
 
 import shutil
 import threading
@@ -66,7 +66,7 @@ def test_a_file_that_does_not_match_its_checksum_refuses_the_version(tmp_path, r
     announce(r, wv)
     [weights] = ckpt.glob("*.safetensors")
     weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)  # changed on the trainer's disk after publishing
-    with pytest.raises(CheckpointError, match=r"has sha256 .*, published"):
+    with pytest.raises(CheckpointError, match=r"has checksum .*, published"):
         fetch_checkpoint(server, wv, dest_root=tmp_path / "fetched")
     assert list((tmp_path / "fetched").iterdir()) == []  # nothing half-fetched is left to load
     unpublished = WeightVersion(version=6, step=6, path=str(ckpt), format="safetensors", checksums=sums,

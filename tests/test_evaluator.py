@@ -71,7 +71,7 @@ def test_failing_eval_job_lands_in_the_failed_registry_after_its_retries(tmp_pat
     assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
     job.refresh()
     assert job.retries_left == 0
-    assert "model.safetensors has sha256" in job.latest_result().exc_string
+    assert "model.safetensors has checksum" in job.latest_result().exc_string
     assert r.xlen(Keys(RUN).metrics) == 0
 
 

@@ -37,7 +37,7 @@ def test_the_verifier_refuses_a_checkpoint_unlike_the_one_published(tiny_model, 
     blob = bytearray((ckpt / "model.safetensors").read_bytes())
     blob[-100] ^= 0xFF  # one flipped byte
     (ckpt / "model.safetensors").write_bytes(bytes(blob))
-    with pytest.raises(CheckpointError, match="model.safetensors has sha256"):
+    with pytest.raises(CheckpointError, match="model.safetensors has checksum"):
         verify_dir(ckpt, sums)
     # published without safetensors (pickled weights only), its checksums right: refused all the same
     pickled = shutil.copytree(tiny_model, tmp_path / "step_2")
@@ -124,7 +124,7 @@ def test_generator_process_turns_prompts_into_groups_and_follows_weights(engine,
         wait_for(lambda: r.xlen(keys.samples) >= 8, timeout=60, what="8 groups", procs=[proc])
         assert [g.version for g in groups(r, keys)[6:]] == [1, 1]
         beat = read_heartbeat(r, keys, "g1")
-        assert beat.version == 1 and "sha256" in beat.last_refusal
+        assert beat.version == 1 and "checksum" in beat.last_refusal
         assert beat.weights_refused == 1, "a refused version is not re-checked every pass"
     finally:
         code = stop(proc)

@@ -248,5 +248,5 @@ def test_a_worker_reaped_by_another_thread_is_still_killed_and_closed():
     late.join()
     assert pid not in worker_processes()
     with pytest.raises(ValueError, match="closed"):
-        worker.exitcode  # closed: its resources are released
+        _ = worker.exitcode  # closed: its resources are released
     assert ours.closed

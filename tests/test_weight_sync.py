@@ -4,12 +4,15 @@ refuses a staged file that was corrupted after its checksum was taken."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import time
 
 import pytest
 import torch
 import trio
+import xxhash
 
 from common.checkpoints import checksum_dir, write_safetensors
 from common.heartbeats import read_heartbeat
@@ -58,9 +61,28 @@ def test_safetensors_hashed_while_written_match_their_bytes_with_many_chunks(tmp
     tensors = {"b.weight": torch.randn(37, 41), "a.bias": torch.arange(5), "c": torch.randn(3).bfloat16(),
                "empty": torch.zeros(0, 4), "flag": torch.tensor([True, False])}
     digest = write_safetensors(tmp_path / "t.safetensors", tensors)
-    assert digest == ck.sha256_file(tmp_path / "t.safetensors")
+    assert digest == "xxh3_128:" + xxhash.xxh3_128((tmp_path / "t.safetensors").read_bytes()).hexdigest()
     back = load_file(tmp_path / "t.safetensors")
     assert set(back) == set(tensors) and all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def test_checksums_of_every_known_form_are_verified_and_an_unknown_one_is_refused_by_name(tiny_model, tmp_path):
+    from common.checkpoints import CheckpointError, verify_dir
+
+    path, sums = write_checkpoint(trained(tiny_model, seed=3), checkpoint_dir=tmp_path, step=1, source_dir=tiny_model)
+    data = (path / "model.safetensors").read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    assert sums["model.safetensors"] == "xxh3_128:" + xxhash.xxh3_128(data).hexdigest()
+    for form in (f"sha256:{sha}", sha):  # what earlier versions published and recordings hold
+        verify_dir(path, {**sums, "model.safetensors": form})
+    wrong = {"sha256 of other bytes": ("sha256:" + hashlib.sha256(b"x").hexdigest(), "has checksum sha256:"),
+             "xxh3 of other bytes": ("xxh3_128:" + xxhash.xxh3_128(b"x").hexdigest(), "has checksum xxh3_128:"),
+             "an unknown algorithm": ("md5:" + "0" * 32, "'md5:"),
+             "no algorithm": ("0" * 32, "is not ALGORITHM:HEX")}
+    for what, (form, said) in wrong.items():
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            verify_dir(path, {**sums, "model.safetensors": form})
+            pytest.fail(f"{what} was accepted")
 
 
 def test_the_watcher_hears_a_version_as_it_is_announced_not_at_a_poll(tiny_model, tmp_path, r):
@@ -97,7 +119,7 @@ def test_a_staged_file_corrupted_after_its_checksum_is_refused(tiny_model, tmp_p
         f.seek(-3, 2)
         f.write(bytes([byte[0] ^ 0xFF]))
     bad = trio.run(check, Checked(encode(wv)))
-    assert "model.safetensors has sha256" in bad.error
+    assert "model.safetensors has checksum" in bad.error
     garbage = trio.run(check, Checked(b"\x00garbage"))  # a payload that does not decode: refused too
     assert garbage.error and garbage.path == ""
 
@@ -128,7 +150,7 @@ def test_an_idle_generator_loads_a_version_at_once_and_refuses_a_corrupted_one(t
         announce(r, keys, path, sums, version=2)
         beat = wait_for(lambda: (b := read_heartbeat(r, keys, "g1")) and b.weights_refused >= 1 and b, timeout=10,
                         what="version 2 refused", procs=[proc], poll=0.05)
-        assert beat.version == 1 and "sha256" in beat.last_refusal
+        assert beat.version == 1 and "checksum" in beat.last_refusal
     finally:
         code = stop(proc)
     output = log.read_text()

@@ -97,7 +97,7 @@ def save_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, 
 def write_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, source_dir: Path,
                      state_dict: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
                      timing: dict[str, float] | None = None) -> tuple[Path, dict[str, str]]:
-    """`save_checkpoint`, also returning the sha256 of every file in the directory: the weights'
+    """`save_checkpoint`, also returning the checksum of every file in the directory: the weights'
     hashed as they are written (common.checkpoints.write_safetensors), never read back.
     `timing`, if given, gets write_safetensors' "write" and "checksum" seconds."""
     tmp = checkpoint_dir / f".step_{step}.tmp"

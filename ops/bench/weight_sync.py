@@ -18,7 +18,7 @@ stamped as it arrives:
 
     save      publish() from its start to its return (weights:latest is set at its end);
     write     of it, writing the weights file, checksum included;
-    checksum  of that, the time spent waiting for the sha256 once the bytes were written (it is
+    checksum  of that, the time spent waiting for the checksum once the bytes were written (it is
               computed beside the writes, from the bytes as they are written);
     notice    from publish()'s announcement until the generator's watcher saw it (XREAD BLOCK);
     drain     from then until the engine, done with the prompts already in it (which finish with
