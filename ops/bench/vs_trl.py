@@ -1,6 +1,7 @@
 """rollouts against TRL's synchronous GRPOTrainer on the same job: steps per minute and reward against time.
 
     .venv/bin/python ops/bench/vs_trl.py [--steps 12] [--skip 2] [--sides trl rollouts] [--venv runs/trl-venv]
+        [--env NAME=VALUE ...]
 
 The job, on both sides: the default model (SmolLM2-135M-Instruct, from its local directory: no
 model hub), 2-digit addition from tasks/arithmetic.py (operands 0-99, "+", seed 0, the chat
@@ -16,7 +17,8 @@ rollouts' `loss_agg = "token_mean"`), float32 on 2 CPU threads in all:
               (ops/bench/end_to_end.py's harness: redis, producer, one generator, trainer,
               evaluator), the generator's and trainer's threads as that config sets them, the
               generator's engine as `./ops/run` picks it (vLLM, installed here) or `--engine hf`
-              for HF `generate` on both sides.
+              for HF `generate` on both sides; `--env` sets more of its config (e.g.
+              `ROLLOUTS_TRAINER__THREADS=2`) for a variant.
 
 TRL is not a dependency of the project: the bench installs it into its own virtualenv (`--venv`,
 `pip install trl==1.16.*` by default, or the newest that installs) that sees the project's
@@ -145,8 +147,9 @@ def run_trl(py: Path, *, steps: int, model_dir: Path, tmp: Path) -> tuple[float,
 # --------------------------------------------------------------------------- rollouts' side
 
 
-def run_rollouts(*, steps: int, tmp: Path, engine: str) -> tuple[float, list[dict]]:
-    """(launch time, per-step records) of `honcho start` on the demo config with the task above."""
+def run_rollouts(*, steps: int, tmp: Path, engine: str, extra: dict[str, str]) -> tuple[float, list[dict]]:
+    """(launch time, per-step records) of `honcho start` on the demo config with the task above
+    (and the `extra` environment)."""
     from ops.bench.end_to_end import run_pipeline
 
     # The list is quoted: honcho's .env parser drops double quotes inside an unquoted value.
@@ -156,7 +159,7 @@ def run_rollouts(*, steps: int, tmp: Path, engine: str) -> tuple[float, list[dic
            "ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP": str(PROMPTS), "ROLLOUTS_TRAINER__LR": str(LR),
            "ROLLOUTS_TRAINER__CLIP_LOW": str(CLIP_LOW), "ROLLOUTS_TRAINER__CLIP_HIGH": str(CLIP_HIGH),
            "ROLLOUTS_TRAINER__LOSS_AGG": "token_mean", "ROLLOUTS_TRAINER__KL_COEF": "0",
-           "ROLLOUTS_GENERATOR__ENGINE": engine}
+           "ROLLOUTS_GENERATOR__ENGINE": engine, **extra}
     launched = time.monotonic()
     arrivals, metrics = run_pipeline(generators=1, steps=steps, tmp=tmp, env=env)
     return launched, [{"step": m["step"], "t": t, "reward": m["reward"], "metrics": m}
@@ -188,6 +191,8 @@ def main() -> None:
     ap.add_argument("--trl", default="trl==1.16.*", help="pip requirement of TRL")
     ap.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"],
                     help="rollouts' generator engine (auto: vLLM where installed, as ./ops/run)")
+    ap.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="more of rollouts' config for its side, as environment variables")
     ap.add_argument("--json", type=Path, help="write both sides' records here")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -196,6 +201,9 @@ def main() -> None:
         trl_worker(args.trl_worker, steps=args.steps, model_dir=args.model_dir)
         return
     assert args.steps >= args.skip + 2, "--steps must leave at least two steps after --skip"
+    bad = [e for e in args.env if "=" not in e or not e.startswith("ROLLOUTS_")]
+    assert not bad, f"--env takes ROLLOUTS_...=VALUE, got {bad}"
+    extra = dict(e.split("=", 1) for e in args.env)
     from common.models import resolve_model_path
 
     model_dir = resolve_model_path("")
@@ -208,7 +216,8 @@ def main() -> None:
             if side == "trl":
                 launched, records = run_trl(py, steps=args.steps, model_dir=model_dir, tmp=tmp / "trl")
             else:
-                launched, records = run_rollouts(steps=args.steps, tmp=tmp / "rollouts", engine=args.engine)
+                launched, records = run_rollouts(steps=args.steps, tmp=tmp / "rollouts", engine=args.engine,
+                                                 extra=extra)
             rates[side] = summary(side, launched, records, skip=args.skip)
             runs[side] = [{"step": r["step"], "s": r["t"] - launched, "reward": r["reward"]} for r in records]
     finally:
