@@ -147,3 +147,26 @@ def test_a_train_step_gives_the_same_update_with_and_without_shared_prompts(tiny
         assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
     assert max((w_on[k] - w_off[k]).abs().max().item() for k in w_on) < 1e-6
     assert max((w_on[k] - out0[k]).abs().max().item() for k in w_on) > 1e-4  # it did train
+
+
+def test_a_model_with_sliding_window_layers_keeps_its_rows(tmp_path):
+    """A custom 4D mask would drop a sliding window: such a model is run on the padded rows."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trainer.logprobs import packed_attention
+
+    torch.manual_seed(0)
+    windowed = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, use_sliding_window=True, sliding_window=4, max_window_layers=1))
+    assert packed_attention(windowed) is None
+    full = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1))
+    assert packed_attention(full) == "sdpa"
+    mb = collate_shared(rows_of(make_groups(300)))
+    with torch.no_grad():
+        want, _ = sequence_logprobs(windowed, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
+                                    positions=mb.trained_at)
+        got, _ = sequence_logprobs(windowed, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
+                                   positions=mb.trained_at, packed=mb.packed)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -65,9 +65,14 @@ PACKED_ATTENTION = {"sdpa": False, "eager": True}  # attention implementations t
 
 
 def packed_attention(model: torch.nn.Module) -> str | None:
-    """The model's attention implementation if a packed 4D mask works with it (sdpa, eager), else None."""
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
-    return impl if impl in PACKED_ATTENTION else None
+    """The model's attention implementation if a packed 4D mask gives its numbers (sdpa, eager,
+    every layer attending to all earlier positions), else None. A custom 4D mask replaces the one
+    transformers would build, sliding windows included, so a model with windowed layers is not packed."""
+    config = getattr(model, "config", None)
+    windowed = getattr(config, "sliding_window", None) is not None or any(
+        kind != "full_attention" for kind in getattr(config, "layer_types", None) or ())
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    return impl if impl in PACKED_ATTENTION and not windowed else None
 
 
 def final_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
