@@ -170,3 +170,26 @@ def test_a_model_with_sliding_window_layers_keeps_its_rows(tmp_path):
         got, _ = sequence_logprobs(windowed, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
                                    positions=mb.trained_at, packed=mb.packed)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_long_completions_after_a_short_prompt_go_as_their_own_rows(tiny_model):
+    """Packing G completions of n tokens makes one attention of (P + G n)^2 pairs instead of
+    G of (P + n)^2: where that costs more than the prompt saves (with the model's hidden size)
+    each completion goes as its own piece; a long prompt with short completions is packed whole."""
+    long_completions = [r for g in make_groups(300, shapes=[(4, [200] * 4)]) for r in group_rows(g)]
+    long_prompt = [r for g in make_groups(300, shapes=[(200, [4] * 4)]) for r in group_rows(g)]
+    cut = split_packs(long_completions, micro_batch_size=8, hidden_size=64)
+    assert sorted(len(piece) for mb in cut for piece in mb) == [1, 1, 1, 1]
+    assert [len(piece) for mb in split_packs(long_prompt, micro_batch_size=8, hidden_size=64)
+            for piece in mb] == [4]
+    # without the model's size only the budgets cut (a big model's pairs are cheap: 0.15 / H each)
+    assert [len(p) for mb in split_packs(long_completions, micro_batch_size=8) for p in mb] == [4]
+    (mb,), _, _ = micro_batches(make_groups(300, shapes=[(4, [200] * 4)]), micro_batch_size=8,
+                                share_prompts=True, hidden_size=64)
+    assert mb.packed.ids.shape == (4, 4 + 199)
+    # train_step cuts by its model's hidden size (the tiny model's 64): 4 rows of 203 positions, not 4 + 4 x 199
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    stats = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), make_groups(300, shapes=[(4, [200] * 4)]),
+                       loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
+                       overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0)
+    assert model.config.hidden_size == 64 and stats["tokens/forward"] == 4 * 203

@@ -196,20 +196,36 @@ def prompt_runs(rows: list[Row]) -> list[list[Row]]:
     return runs
 
 
-def split_packs(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: int = 0) -> list[list[list[Row]]]:
+ATTENTION_COST = 0.15  # a (query, key) pair's cost per layer against a position's, times the hidden size
+
+
+def body_cost(length: int, hidden_size: int) -> float:
+    """The model body's cost of one sequence of `length` positions, in positions: the linear
+    layers (~4H^2 + 3HI multiply-adds a position, I ~ 3H) and attention (~2H a pair of
+    positions) make a pair worth about 0.15 / H of a position. 0: the pairs are not counted."""
+    return length + (length * length * ATTENTION_COST / hidden_size if hidden_size > 0 else 0.0)
+
+
+def split_packs(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: int = 0,
+                hidden_size: int = 0) -> list[list[list[Row]]]:
     """`rows` as micro-batches of packs (runs of rows sharing a prompt, each packed into one
     sequence): at most `micro_batch_size` rows a micro-batch and, where `micro_batch_tokens` > 0,
     at most that many packed positions (packs x longest pack). A run too large for either is cut
-    into pieces, each carrying the prompt (a piece of one completion too long goes alone); the
-    pieces are bucketed by packed length (sorted, stably) as `mini_batches` buckets rows."""
+    into pieces, each carrying the prompt (a piece of one completion too long goes alone); so is a
+    run whose packed attention would cost more than the prompt saves (`body_cost` with the model's
+    `hidden_size`: long completions after a short prompt go as their own rows). The pieces are
+    bucketed by packed length (sorted, stably) as `mini_batches` buckets rows."""
     assert micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}"
     assert micro_batch_tokens >= 0, f"micro_batch_tokens must be >= 0, got {micro_batch_tokens}"
     pieces: list[list[Row]] = []
     for run in prompt_runs(rows):
         piece: list[Row] = []
         for row in run:
-            too_big = micro_batch_tokens > 0 and prompt_length([*piece, row]) > micro_batch_tokens
-            if piece and (len(piece) >= micro_batch_size or too_big):
+            longer = prompt_length([*piece, row])
+            too_big = micro_batch_tokens > 0 and longer > micro_batch_tokens
+            dearer = bool(piece) and body_cost(longer, hidden_size) > (
+                body_cost(prompt_length(piece), hidden_size) + body_cost(row.length, hidden_size))
+            if piece and (len(piece) >= micro_batch_size or too_big or dearer):
                 pieces.append(piece)
                 piece = []
             piece.append(row)
@@ -258,16 +274,18 @@ def split_rows(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: in
 
 def micro_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int = 0,
                   estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
-                  objective: str = "grpo", share_prompts: bool = False) -> tuple[list[MicroBatch], int, int]:
+                  objective: str = "grpo", share_prompts: bool = False,
+                  hidden_size: int = 0) -> tuple[list[MicroBatch], int, int]:
     """The step's micro-batches, its trained-token count and its count of trained sequences."""
     return mini_batches(groups, parts=1, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                         estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty,
-                        objective=objective, share_prompts=share_prompts)[0]
+                        objective=objective, share_prompts=share_prompts, hidden_size=hidden_size)[0]
 
 
 def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int, micro_batch_tokens: int = 0,
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
-                 objective: str = "grpo", share_prompts: bool = False) -> list[tuple[list[MicroBatch], int, int]]:
+                 objective: str = "grpo", share_prompts: bool = False,
+                 hidden_size: int = 0) -> list[tuple[list[MicroBatch], int, int]]:
     """The step's rows in `parts` consecutive mini-batches of near-equal row counts (PPO's
     mini-batches, one optimizer step each), each as (micro-batches, trained tokens, trained
     sequences). Advantages are the whole groups' whichever mini-batch a row lands in.
@@ -286,7 +304,8 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
     for part in (rows[a:b] for a, b in zip(bounds, bounds[1:], strict=False)):
         if share_prompts:
             batches = [collate_shared(packs) for packs in split_packs(
-                part, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens)]
+                part, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+                hidden_size=hidden_size)]
         else:
             part = sorted(part, key=lambda row: row.length)  # length buckets: little padding
             batches = [collate(chunk) for chunk in split_rows(part, micro_batch_size=micro_batch_size,

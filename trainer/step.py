@@ -38,7 +38,7 @@ class StepBatches:
 def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int,
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
                  objective: str = "grpo", parts: int = 1, device: torch.device | None = None,
-                 share_prompts: bool = False) -> list[StepBatches]:
+                 share_prompts: bool = False, hidden_size: int = 0) -> list[StepBatches]:
     """`groups` as `parts` mini-batches of micro-batches (trainer/batch.py), each padded with empty
     micro-batches to the most any rank has, their tensors on `device` (None: where collate made
     them, the CPU); with `share_prompts`, packed (each prompt through the model once)."""
@@ -46,7 +46,8 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
     for batches, tokens, seqs in mini_batches(groups, parts=parts, micro_batch_size=micro_batch_size,
                                               micro_batch_tokens=micro_batch_tokens, estimator=estimator,
                                               overlong=overlong, overlong_penalty=overlong_penalty,
-                                              objective=objective, share_prompts=share_prompts):
+                                              objective=objective, share_prompts=share_prompts,
+                                              hidden_size=hidden_size):
         tokens_in = sum(int(mb.attention_mask.sum()) if mb.packed is None else int((mb.packed.segments >= 0).sum())
                         for mb in batches)
         rows = sum(mb.input_ids.shape[0] for mb in batches)
@@ -121,7 +122,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     """
     minis = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                          estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty, parts=updates,
-                         device=model_device(model), share_prompts=share_prompts)
+                         device=model_device(model), share_prompts=share_prompts,
+                         hidden_size=int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0))
     total_tokens, world = sum(m.tokens for m in minis), world_size()
     base = {"tokens/trained": float(total_tokens), "tokens/forward": 0.0}
     if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
