@@ -453,7 +453,16 @@ class TrainerConfig(_Section):
     # Sequences per forward/backward pass; gradients accumulate over a step.
     micro_batch_size: int = Field(8, ge=1)
     # Padded tokens (rows x longest row) per forward/backward pass, besides micro_batch_size; 0: no limit.
+    # With share_prompts: packed positions (packed sequences x longest one).
     micro_batch_tokens: int = Field(0, ge=0)
+    # The GRPO family's passes run each group's prompt through the model once: a micro-batch holds
+    # whole groups, each packed as one sequence (prompt, then each completion's inputs, attending to
+    # the prompt and itself only through a 4D mask, at its own positions): the same log-probs and
+    # gradients as one right-padded row a completion, with fewer positions. A completion joins its
+    # group's pack only while that costs less than its own row (long completions after a short
+    # prompt keep their rows). Needs attention that takes a 4D mask (sdpa, eager) and no sliding
+    # window; other models take the rows as they are. sft keeps its rows.
+    share_prompts: bool = True
     # Publish weights for the generators every this many steps.
     sync_every: int = Field(1, ge=1)
     # Save the resumable trainer state (optimizer included) every this many steps, a multiple of

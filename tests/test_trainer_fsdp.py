@@ -19,13 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(tmp_path: Path, run_name: str, redis_url: str, model_dir: Path, nproc: int, dtype: str = "float32",
-        kl_coef: float = 0.0) -> str:
+        kl_coef: float = 0.0, share_prompts: bool = True) -> str:
     toml = "\n".join([
         f'run = "{run_name}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / run_name}"',
         "[model]", f'path = "{model_dir}"', f'dtype = "{dtype}"',
         "[rollout]", "group_size = 4", "prompts_per_step = 4", "max_staleness = 2",
         "[trainer]", "max_steps = 2", "lr = 1e-3", "micro_batch_size = 3", "micro_batch_tokens = 40",
-        "threads = 1", "keep_checkpoints = 2", f"kl_coef = {kl_coef}",
+        "threads = 1", "keep_checkpoints = 2", f"kl_coef = {kl_coef}", f"share_prompts = {str(share_prompts).lower()}",
     ])
     config = tmp_path / f"{run_name}.toml"
     config.write_text(toml + "\n")
@@ -68,3 +68,24 @@ def test_two_ranks_give_the_same_weights_as_one(tmp_path, redis_url, r, tiny_mod
     diff = max((a[k] - b[k]).abs().max().item() for k in a)
     print(f"largest parameter difference between world sizes 1 and 2: {diff:.3g}")
     assert diff < 1e-5
+
+
+def test_two_ranks_sharing_prompts_give_the_weights_of_one_with_padded_rows(tmp_path, redis_url, r, tiny_model):
+    """trainer.share_prompts under FSDP2: two ranks on packed groups (micro-batches of whole
+    groups, cut by micro_batch_size 3 and micro_batch_tokens 40) make the update one process
+    makes on right-padded rows."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(12)
+    blobs = [encode(make_group(model, f"g{i}", version=0, rng=rng)) for i in range(8)]
+    for name in ("rows", "packed"):
+        for blob in blobs:
+            r.xadd(Keys(name).samples, {PAYLOAD: blob})
+    run(tmp_path, "rows", redis_url, tiny_model, nproc=1, share_prompts=False)
+    run(tmp_path, "packed", redis_url, tiny_model, nproc=2, share_prompts=True)
+    rows, packed = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+                    for n in ("rows", "packed"))
+    for a, b in zip(rows, packed, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-6 and a["tokens/trained"] == b["tokens/trained"]
+    a = load_file(tmp_path / "rows" / "checkpoints" / "step_2" / "model.safetensors")
+    b = load_file(tmp_path / "packed" / "checkpoints" / "step_2" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

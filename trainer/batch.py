@@ -15,6 +15,7 @@ from torch import Tensor
 from common.messages import SampleGroup, token_versions
 from common.shaping import shaped_rewards
 from trainer.grpo import Estimator, group_advantages
+from trainer.logprobs import Packed
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,8 @@ class MicroBatch:
     # is built, so the head is applied there without a device-side nonzero (no host sync on a GPU;
     # a meta-device dry run can index with it). Kept equal to `mask` by `with_mask`.
     trained_at: Tensor
+    # The same rows with each shared prompt computed once (trainer.share_prompts), or None.
+    packed: Packed | None = None
 
 
 def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: str = "none",
@@ -138,6 +141,113 @@ def collate(rows: list[Row]) -> MicroBatch:
     )
 
 
+def prompt_length(rows: list[Row]) -> int:
+    """Positions of `rows` (completions of one prompt) packed: the prompt once, then each
+    completion's inputs."""
+    return len(rows[0].prompt) + sum(max(len(row.ids) - 1, 0) for row in rows)
+
+
+def pack(packs: list[list[Row]], width: int) -> Packed:
+    """`packs` (each a run of rows sharing their prompt, in the order `collate` lays the rows out,
+    right-padded to `width`) as packed sequences, one a pack."""
+    shape = (len(packs), max(prompt_length(p) for p in packs))
+    ids, position_ids = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
+    segments = np.full(shape, -1, dtype=np.int64)
+    at = np.zeros(sum(len(p) for p in packs) * width, dtype=np.int64)
+    i = 0  # the row's index in the right-padded layout
+    for s, rows in enumerate(packs):
+        prompt = rows[0].prompt
+        p = len(prompt)
+        for row in rows[1:]:
+            assert np.array_equal(row.prompt, prompt), \
+                f"rows packed together must share their prompt: {row.prompt.tolist()} vs {prompt.tolist()}"
+        ids[s, :p], position_ids[s, :p], segments[s, :p] = prompt, np.arange(p), 0
+        offset = p  # where the next completion's inputs start
+        for j, row in enumerate(rows):
+            n = len(row.ids)
+            k = max(n - 1, 0)  # its inputs: its tokens but the last
+            ids[s, offset:offset + k], segments[s, offset:offset + k] = row.ids[:-1], j + 1
+            position_ids[s, offset:offset + k] = np.arange(p, p + k)
+            # completion token 0 is predicted at the prompt's last position, token m at its input m - 1;
+            # in the padded layout it is the target at t = p - 1 + m
+            at[i * width + p - 1:i * width + p - 1 + n] = s * shape[1] + np.concatenate([[p - 1], np.arange(
+                offset, offset + k)])[:n]
+            offset += k
+            i += 1
+    return Packed(ids=torch.from_numpy(ids), position_ids=torch.from_numpy(position_ids),
+                  segments=torch.from_numpy(segments), at=torch.from_numpy(at))
+
+
+def collate_shared(packs: list[list[Row]]) -> MicroBatch:
+    """`collate` of the packs' rows (in order), with their packed layout: each pack (rows sharing
+    a prompt) one packed sequence."""
+    mb = collate([row for rows in packs for row in rows])
+    return replace(mb, packed=pack(packs, mb.input_ids.shape[1]))
+
+
+def prompt_runs(rows: list[Row]) -> list[list[Row]]:
+    """`rows` as consecutive runs of equal prompts (compared by value)."""
+    runs: list[list[Row]] = []
+    for row in rows:
+        if runs and np.array_equal(runs[-1][0].prompt, row.prompt):
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    return runs
+
+
+ATTENTION_COST = 0.15  # a (query, key) pair's cost per layer against a position's, times the hidden size
+
+
+def body_cost(length: int, hidden_size: int) -> float:
+    """The model body's cost of one sequence of `length` positions, in positions: the linear
+    layers (~4H^2 + 3HI multiply-adds a position, I ~ 3H) and attention (~2H a pair of
+    positions) make a pair worth about 0.15 / H of a position. 0: the pairs are not counted."""
+    return length + (length * length * ATTENTION_COST / hidden_size if hidden_size > 0 else 0.0)
+
+
+def split_packs(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: int = 0,
+                hidden_size: int = 0) -> list[list[list[Row]]]:
+    """`rows` as micro-batches of packs (runs of rows sharing a prompt, each packed into one
+    sequence): at most `micro_batch_size` rows a micro-batch and, where `micro_batch_tokens` > 0,
+    at most that many packed positions (packs x longest pack). A run too large for either is cut
+    into pieces, each carrying the prompt (a piece of one completion too long goes alone); so is a
+    run whose packed attention would cost more than the prompt saves (`body_cost` with the model's
+    `hidden_size`: long completions after a short prompt go as their own rows). The pieces are
+    bucketed by packed length (sorted, stably) as `mini_batches` buckets rows."""
+    assert micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}"
+    assert micro_batch_tokens >= 0, f"micro_batch_tokens must be >= 0, got {micro_batch_tokens}"
+    pieces: list[list[Row]] = []
+    for run in prompt_runs(rows):
+        piece: list[Row] = []
+        for row in run:
+            longer = prompt_length([*piece, row])
+            too_big = micro_batch_tokens > 0 and longer > micro_batch_tokens
+            dearer = bool(piece) and body_cost(longer, hidden_size) > (
+                body_cost(prompt_length(piece), hidden_size) + body_cost(row.length, hidden_size))
+            if piece and (len(piece) >= micro_batch_size or too_big or dearer):
+                pieces.append(piece)
+                piece = []
+            piece.append(row)
+        pieces.append(piece)
+    pieces.sort(key=prompt_length)
+    out: list[list[list[Row]]] = []
+    current: list[list[Row]] = []
+    width = n_rows = 0
+    for piece in pieces:
+        w = max(width, prompt_length(piece))
+        too_many = n_rows + len(piece) > micro_batch_size
+        too_big = micro_batch_tokens > 0 and (len(current) + 1) * w > micro_batch_tokens
+        if current and (too_many or too_big):
+            out.append(current)
+            current, w, n_rows = [], prompt_length(piece), 0
+        current.append(piece)
+        width, n_rows = w, n_rows + len(piece)
+    if current:
+        out.append(current)
+    return out
+
+
 def split_rows(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: int = 0) -> list[list[Row]]:
     """Consecutive runs of `rows`, each at most `micro_batch_size` rows and, where
     `micro_batch_tokens` > 0, at most that many padded tokens (rows x longest row); a row longer
@@ -164,16 +274,18 @@ def split_rows(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: in
 
 def micro_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int = 0,
                   estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
-                  objective: str = "grpo") -> tuple[list[MicroBatch], int, int]:
+                  objective: str = "grpo", share_prompts: bool = False,
+                  hidden_size: int = 0) -> tuple[list[MicroBatch], int, int]:
     """The step's micro-batches, its trained-token count and its count of trained sequences."""
     return mini_batches(groups, parts=1, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                         estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty,
-                        objective=objective)[0]
+                        objective=objective, share_prompts=share_prompts, hidden_size=hidden_size)[0]
 
 
 def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int, micro_batch_tokens: int = 0,
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
-                 objective: str = "grpo") -> list[tuple[list[MicroBatch], int, int]]:
+                 objective: str = "grpo", share_prompts: bool = False,
+                 hidden_size: int = 0) -> list[tuple[list[MicroBatch], int, int]]:
     """The step's rows in `parts` consecutive mini-batches of near-equal row counts (PPO's
     mini-batches, one optimizer step each), each as (micro-batches, trained tokens, trained
     sequences). Advantages are the whole groups' whichever mini-batch a row lands in.
@@ -190,9 +302,14 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
     bounds = [len(rows) * i // parts for i in range(parts + 1)]
     out = []
     for part in (rows[a:b] for a, b in zip(bounds, bounds[1:], strict=False)):
-        part = sorted(part, key=lambda row: row.length)  # length buckets: little padding
-        batches = [collate(chunk) for chunk in split_rows(part, micro_batch_size=micro_batch_size,
-                                                          micro_batch_tokens=micro_batch_tokens)]
+        if share_prompts:
+            batches = [collate_shared(packs) for packs in split_packs(
+                part, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+                hidden_size=hidden_size)]
+        else:
+            part = sorted(part, key=lambda row: row.length)  # length buckets: little padding
+            batches = [collate(chunk) for chunk in split_rows(part, micro_batch_size=micro_batch_size,
+                                                              micro_batch_tokens=micro_batch_tokens)]
         out.append((batches, sum(int(np.count_nonzero(row.trained)) for row in part),
                     sum(1 for row in part if row.trained.any())))
     return out

@@ -10,7 +10,7 @@ counts) is read off with `.item()` / `.tolist()`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import TypeVar
 
 import torch
@@ -48,9 +48,15 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def to_device(batch: T, device: torch.device) -> T:
-    """A dataclass of tensors (a micro-batch) with every tensor field on `device`."""
-    moved = {f.name: getattr(batch, f.name).to(device, non_blocking=True) for f in fields(batch)
-             if isinstance(getattr(batch, f.name), torch.Tensor)}
+    """A dataclass of tensors (a micro-batch) with every tensor field on `device`, those of its
+    dataclass fields (a micro-batch's packed layout) too."""
+    moved = {}
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor):
+            moved[f.name] = value.to(device, non_blocking=True)
+        elif is_dataclass(value) and not isinstance(value, type):
+            moved[f.name] = to_device(value, device)
     return replace(batch, **moved)
 
 

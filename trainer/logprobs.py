@@ -14,9 +14,17 @@ loss reads no prompt or padding position, and on the demo's shapes (prompts of ~
 completions of ~15, right-padded) those are about four positions in five. The head (the
 tied 49k x 576 embedding of the default model) and its V-wide log-softmax cost a quarter of
 a step's compute per position; elsewhere the result is 0.
+
+With `packed` (a `Packed` built on the host by trainer/batch.py) the body runs on packed
+sequences instead of the right-padded rows: each group's prompt once, followed by each of its
+completions' inputs, every completion attending to the prompt and to itself only (a 4D mask) at
+the positions it has in its own row (`position_ids`), so each hidden state is the one its row
+would give. The head then reads the packed hidden state that predicts each wanted target.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,13 +33,57 @@ from torch.utils.checkpoint import checkpoint
 from trainer.grpo import TRUNCATED_LOGP, truncate
 
 
-def final_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """Rows sharing a prompt as packed sequences (S of them, L positions each): the prompt once,
+    then each completion's inputs (its tokens but the last), right-padded with 0."""
+
+    ids: Tensor  # (S, L) int64 token ids
+    position_ids: Tensor  # (S, L) int64: prompt 0..P-1, each completion continuing at P; padding 0
+    segments: Tensor  # (S, L) int64: 0 on the prompt, j + 1 on completion j's inputs, -1 on padding
+    # (B * T,) int64: for each flat position row * T + t of the rows' right-padded layout, the flat
+    # position s * L + l of the packed hidden state that predicts targets[row, t] (0 off completions).
+    at: Tensor
+
+    def attention(self, float_mask: bool) -> Tensor:
+        """The (S, 1, L, L) mask: a position sees the earlier positions of its prompt and of its own
+        completion, padding sees itself only (no row all masked: no NaN). Bool (True: attend) for
+        SDPA; with `float_mask`, additive float32 (0 or the float32 minimum) for eager attention."""
+        seg = self.segments
+        idx = torch.arange(seg.shape[1], device=seg.device)
+        earlier = idx[:, None] >= idx[None, :]  # (L, L): query >= key
+        key, query = seg[:, None, :], seg[:, :, None]  # (S, 1, L), (S, L, 1)
+        sees = earlier & (query >= 0) & ((key == 0) | (key == query))  # (S, L, L)
+        mask = (sees | (idx[:, None] == idx[None, :]))[:, None]  # (S, 1, L, L)
+        if not float_mask:
+            return mask
+        return torch.zeros(mask.shape, dtype=torch.float32, device=seg.device).masked_fill(
+            ~mask, torch.finfo(torch.float32).min)
+
+
+PACKED_ATTENTION = {"sdpa": False, "eager": True}  # attention implementations taking a 4D mask: float or not
+
+
+def packed_attention(model: torch.nn.Module) -> str | None:
+    """The model's attention implementation if a packed 4D mask gives its numbers (sdpa, eager,
+    every layer attending to all earlier positions), else None. A custom 4D mask replaces the one
+    transformers would build, sliding windows included, so a model with windowed layers is not packed."""
+    config = getattr(model, "config", None)
+    windowed = getattr(config, "sliding_window", None) is not None or any(
+        kind != "full_attention" for kind in getattr(config, "layer_types", None) or ())
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    return impl if impl in PACKED_ATTENTION and not windowed else None
+
+
+def final_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                 position_ids: Tensor | None = None) -> Tensor:
     """The hidden states the model's head is applied to, (B, T, H): the decoder's output, caught as
     the whole model runs (its forward hooks, FSDP's unsharding and mixed precision included)."""
     caught: list[Tensor] = []
     hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: caught.append(out.last_hidden_state))
+    extra = {} if position_ids is None else {"position_ids": position_ids}
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1, **extra)
     finally:
         hook.remove()
     assert len(caught) == 1, f"the decoder ran {len(caught)} times in one forward pass"
@@ -61,19 +113,27 @@ def _chunk(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: 
 
 def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, targets: Tensor, *,
                       temperature: float, top_k: int = 0, top_p: float = 1.0, entropy: bool = False,
-                      chunk_tokens: int = 1024, positions: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                      chunk_tokens: int = 1024, positions: Tensor | None = None,
+                      packed: Packed | None = None) -> tuple[Tensor, Tensor | None]:
     """log_softmax(logits / temperature) at `targets`, (B, T), and with `entropy` the entropy of that
     distribution at each position, (B, T) in nats without gradient (else None). Equal to
     `token_logprobs(model(...).logits, ...)` and `token_entropy` up to float rounding; with
     `positions` ((N,) int64 flat indices row * T + t, e.g. `MicroBatch.trained_at`) only there,
-    both 0 elsewhere."""
+    both 0 elsewhere. With `packed` as well (the same rows packed, `MicroBatch.packed`) the body
+    runs on the packed sequences (the same numbers, fewer positions), unless the model's attention
+    implementation takes no 4D mask (then on `input_ids` as without it)."""
     assert temperature > 0, f"temperature must be > 0, got {temperature}"
     assert chunk_tokens > 0, f"chunk_tokens must be > 0, got {chunk_tokens}"
     assert input_ids.shape == targets.shape, f"input_ids {tuple(input_ids.shape)} vs targets {tuple(targets.shape)}"
     assert positions is None or (positions.dim() == 1 and not positions.is_floating_point()), (
         f"positions must be flat integer indices, got {positions.dtype} of shape {tuple(positions.shape)}")
-    hidden = final_hidden(model, input_ids, attention_mask)  # (B, T, H)
     head = model.get_output_embeddings()
+    impl = packed_attention(model) if packed is not None else None
+    if impl is not None and positions is not None:
+        hidden = final_hidden(model, packed.ids, packed.attention(PACKED_ATTENTION[impl]), packed.position_ids)
+        return _at_positions(head, hidden, targets, positions, temperature=temperature, top_k=top_k, top_p=top_p,
+                             entropy=entropy, chunk_tokens=chunk_tokens, rows_at=packed.at[positions])
+    hidden = final_hidden(model, input_ids, attention_mask)  # (B, T, H)
     if positions is not None:
         return _at_positions(head, hidden, targets, positions, temperature=temperature, top_k=top_k, top_p=top_p,
                              entropy=entropy, chunk_tokens=chunk_tokens)
@@ -92,17 +152,21 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask:
 
 
 def _at_positions(head: torch.nn.Module, hidden: Tensor, targets: Tensor, positions: Tensor, *, temperature: float,
-                  top_k: int, top_p: float, entropy: bool, chunk_tokens: int) -> tuple[Tensor, Tensor | None]:
+                  top_k: int, top_p: float, entropy: bool, chunk_tokens: int,
+                  rows_at: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """`sequence_logprobs`' head part at the flat `positions` only, scattered back to (B, T)
-    with 0 elsewhere. With no position at all the head still sees one (its result dropped), so
+    with 0 elsewhere; the hidden state of each is `hidden`'s flat row at `rows_at` ((N,), the
+    packed positions predicting them) or else at the position itself (`hidden` (B, T, H)).
+    With no position at all the head still sees one (its result dropped), so
     the backward pass reaches every parameter: under FSDP each rank's backward runs the same
     collectives, a rank whose micro-batch trains nothing included."""
     shape = targets.shape
     index = positions  # (N,) flat positions
+    source = index if rows_at is None else rows_at  # (N,) flat rows of hidden
     n_wanted = index.numel()
     if n_wanted == 0:
-        index = index.new_zeros(1)
-    rows, picked = hidden.reshape(-1, hidden.shape[-1])[index], targets.reshape(-1)[index]  # (N, H), (N,)
+        index, source = index.new_zeros(1), source.new_zeros(1)
+    rows, picked = hidden.reshape(-1, hidden.shape[-1])[source], targets.reshape(-1)[index]  # (N, H), (N,)
     logps, ents = [], []
     for start in range(0, index.numel(), chunk_tokens):
         args = (head, rows[None, start:start + chunk_tokens], picked[None, start:start + chunk_tokens],

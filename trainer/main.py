@@ -95,7 +95,7 @@ def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, w
                    estimator=cfg.advantage, overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
                    micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
                    updates=cfg.updates_per_batch, max_grad_norm=cfg.max_grad_norm,
-                   chunk_tokens=cfg.logits_chunk_tokens)
+                   chunk_tokens=cfg.logits_chunk_tokens, share_prompts=cfg.share_prompts)
 
 
 def train(state: State, update: Update, groups: list[SampleGroup], *, r: redis.Redis,

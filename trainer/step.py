@@ -37,16 +37,19 @@ class StepBatches:
 
 def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int,
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
-                 objective: str = "grpo", parts: int = 1, device: torch.device | None = None) -> list[StepBatches]:
+                 objective: str = "grpo", parts: int = 1, device: torch.device | None = None,
+                 share_prompts: bool = False, hidden_size: int = 0) -> list[StepBatches]:
     """`groups` as `parts` mini-batches of micro-batches (trainer/batch.py), each padded with empty
     micro-batches to the most any rank has, their tensors on `device` (None: where collate made
-    them, the CPU)."""
+    them, the CPU); with `share_prompts`, packed (each prompt through the model once)."""
     out = []
     for batches, tokens, seqs in mini_batches(groups, parts=parts, micro_batch_size=micro_batch_size,
                                               micro_batch_tokens=micro_batch_tokens, estimator=estimator,
                                               overlong=overlong, overlong_penalty=overlong_penalty,
-                                              objective=objective):
-        tokens_in = sum(int(mb.attention_mask.sum()) for mb in batches)
+                                              objective=objective, share_prompts=share_prompts,
+                                              hidden_size=hidden_size):
+        tokens_in = sum(int(mb.attention_mask.sum()) if mb.packed is None else int((mb.packed.segments >= 0).sum())
+                        for mb in batches)
         rows = sum(mb.input_ids.shape[0] for mb in batches)
         tokens, seqs, tokens_in, rows = (int(x) for x in all_sum([tokens, seqs, tokens_in, rows]))
         empty = with_mask(batches[-1], torch.zeros_like(batches[-1].mask))
@@ -103,7 +106,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                loss: LossOptions, ref_model: torch.nn.Module | None, temperature: float,
                estimator: Estimator, overlong: str, overlong_penalty: float, micro_batch_size: int,
                micro_batch_tokens: int, updates: int, max_grad_norm: float, top_k: int = 0, top_p: float = 1.0,
-               max_new_tokens: int = 0, step: int = 0, chunk_tokens: int = 1024) -> dict[str, float]:
+               max_new_tokens: int = 0, step: int = 0, chunk_tokens: int = 1024,
+               share_prompts: bool = True) -> dict[str, float]:
     """One trainer step of the GRPO family over `groups`: `updates` PPO mini-batches, one
     optimizer step each, gradients accumulated over each one's micro-batches.
 
@@ -112,11 +116,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     of the sampler's distribution (temperature, `top_k`, `top_p`). An update whose loss or
     gradient norm is not finite is skipped (counted in "steps_skipped"). `step` (trainer steps
     done) gives each group's staleness for the mismatch metrics. Stats are shares of the step's
-    trained tokens; the loss and grad norm are means over the applied updates.
+    trained tokens; the loss and grad norm are means over the applied updates. With
+    `share_prompts` each micro-batch runs each of its prompts through the model once, however
+    many of its completions share it (the same log-probs, fewer positions).
     """
     minis = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                          estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty, parts=updates,
-                         device=model_device(model))
+                         device=model_device(model), share_prompts=share_prompts,
+                         hidden_size=int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0))
     total_tokens, world = sum(m.tokens for m in minis), world_size()
     base = {"tokens/trained": float(total_tokens), "tokens/forward": 0.0}
     if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
@@ -125,7 +132,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     def forward_logp(m: torch.nn.Module, mb: MicroBatch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return sequence_logprobs(m, mb.input_ids, mb.attention_mask, mb.targets, temperature=temperature,
                                  top_k=top_k, top_p=top_p, entropy=entropy, chunk_tokens=chunk_tokens,
-                                 positions=mb.trained_at)  # (B, T), (B, T) or None: 0 off the mask
+                                 positions=mb.trained_at, packed=mb.packed)  # (B, T), (B, T) or None: 0 off the mask
 
     model.eval()  # the no-grad passes run with dropout off
     with torch.no_grad():

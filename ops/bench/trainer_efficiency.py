@@ -35,6 +35,7 @@ the same threads, padding, and a profile split (matmuls, attention, AdamW, the r
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import random
@@ -334,7 +335,9 @@ def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) ->
     attention_s = sum(v for k, v in by_op.items() if "scaled_dot_product" in k)
     optimizer_s = sum(v for k, v in by_op.items() if k.startswith("aten::_foreach") or k in (
         "aten::addcdiv_", "aten::addcmul_", "aten::lerp_", "aten::sqrt", "aten::_fused_adamw_"))
-    batches, _, _ = micro_batches(groups[PER_STEP:2 * PER_STEP], micro_batch_size=8)
+    shared = {"share_prompts": True} if "share_prompts" in inspect.signature(micro_batches).parameters else {}
+    batches, _, _ = micro_batches(groups[PER_STEP:2 * PER_STEP], micro_batch_size=8, **shared)
+    packed = [mb.packed for mb in batches if getattr(mb, "packed", None) is not None]  # trees with share_prompts
     vocab = model.get_output_embeddings().weight.shape[0]
     head = [s for s in shapes if vocab in s[1] or vocab in s[2]]
     out.write_text(json.dumps({
@@ -343,7 +346,8 @@ def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) ->
         "bare_matmul_s": bare_matmul_s(shapes, clock=time.perf_counter),
         "bare_matmul_cpu_s": bare_matmul_s(shapes, clock=time.process_time),
         "profiled_s": profiled_s, "mm_s": mm_s, "attention_s": attention_s, "optimizer_s": optimizer_s,
-        "positions": sum(mb.input_ids.numel() for mb in batches),
+        "positions": sum(p.ids.numel() for p in packed) if packed else sum(mb.input_ids.numel() for mb in batches),
+        "filled": sum(int((p.segments >= 0).sum()) for p in packed) if packed else None,
         "tokens": sum(int(mb.attention_mask.sum()) for mb in batches),
         "trained": sum(int(mb.mask.sum()) for mb in batches)}))
 
@@ -381,8 +385,9 @@ def compute(trees: list[str], *, model_dir: Path, steps: int, threads: int, roun
                                                                                        "optimizer_s")}
         medians[tree] = step_s
         print(f"\n{tree}")
-        print(f"  positions through the model {r0['positions']} (tokens {r0['tokens']}, padding "
-              f"{1 - r0['tokens'] / r0['positions']:.1%}); trained tokens {r0['trained']}")
+        filled = r0.get("filled") or r0["tokens"]  # packed: prompts once; else the rows' tokens
+        print(f"  positions through the model {r0['positions']} (filled {filled}, padding "
+              f"{1 - filled / r0['positions']:.1%}; the rows' tokens {r0['tokens']}); trained tokens {r0['trained']}")
         print(f"  matmul FLOPs per step {r0['flops'] / 1e9:.1f} G (the head {r0['head_flops'] / 1e9:.1f} G); "
               f"step {step_s:.2f} s (median) = {r0['flops'] / step_s / 1e9:.1f} GFLOP/s achieved")
         per_run = ", ".join(f"{r['bare_matmul_s'] / statistics.median(r['step_s']):.3f}" for r in runs)
