@@ -5,8 +5,6 @@ blocks on the weights stream (XREAD BLOCK, on a connection of its own from the c
 and keeps the newest announcement. Anything may ask it, from any thread and as often as it
 likes, at the cost of reading an attribute:
     watcher.latest            the newest Announcement (payload, its version, when it was seen), or None
-    watcher.pending(version)  whether a version newer than `version` has been announced
-    watcher.event             a threading.Event set at each announcement (whoever waits clears it)
     watcher.wait(seq, s)      block up to `s` seconds for an announcement after number `seq`
 A watcher that starts late begins with `weights:latest` (what a late starter loads), read in the
 same transaction as the stream's last entry id, so nothing announced in between is missed.
@@ -53,23 +51,12 @@ class Watcher:
     def __init__(self, r: redis.Redis, keys: Keys, *, block_ms: int = BLOCK_MS) -> None:
         self._r, self._keys, self._block_ms = r, keys, block_ms
         self.latest: Announcement | None = None
-        self.event = threading.Event()
-        self._newest = -1  # the highest version announced (payloads that decode)
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # what ended the thread, if anything did
 
     # ------------------------------------------------------------------ asking it
-
-    def pending(self, version: int) -> bool:
-        """Whether a version newer than `version` has been announced (one attribute read)."""
-        return self._newest > version
-
-    @property
-    def newest_version(self) -> int:
-        """The highest version announced so far; -1 before any."""
-        return self._newest
 
     def wait(self, after: int, timeout: float) -> Announcement | None:
         """The newest announcement if its number is above `after`, waiting up to `timeout`
@@ -139,9 +126,6 @@ class Watcher:
         with self._changed:
             seq = self.latest.seq + 1 if self.latest is not None else 1
             self.latest = Announcement(seq=seq, blob=blob, version=version, seen_at=time.time())
-            if version is not None and version > self._newest:
-                self._newest = version
-            self.event.set()
             self._changed.notify_all()
 
 
