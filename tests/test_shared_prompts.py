@@ -193,3 +193,39 @@ def test_long_completions_after_a_short_prompt_go_as_their_own_rows(tiny_model):
                        loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
                        overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0)
     assert model.config.hidden_size == 64 and stats["tokens/forward"] == 4 * 203
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="needs a CUDA GPU; torch sees none here")]),
+])
+def test_packed_logprobs_in_bf16_are_the_padded_rows_within_bf16_rounding(tiny_model, device):
+    # bf16 weights (the GPU path): the mask stays bool for SDPA whatever the model's dtype, and on
+    # CUDA the packed and padded layouts may take different SDPA kernels
+    from trainer.devices import to_device
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():  # weights large enough that every log-prob depends on its context (a fresh
+        for w in model.parameters():  # tiny model is near uniform: its log-probs barely move)
+            if w.dim() == 2:
+                w.normal_(0.0, 0.1)
+    model = model.to(device, torch.bfloat16)
+    mb = to_device(collate_shared(rows_of(make_groups(model.config.vocab_size))), torch.device(device))
+    assert mb.packed.attention(False).dtype == torch.bool and mb.packed.ids.device.type == device
+
+    def logp(packed):
+        got, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
+                                   positions=mb.trained_at, packed=packed)
+        return got.float()
+
+    want, got = logp(None), logp(mb.packed)
+    assert got.device.type == device and torch.isfinite(got).all()
+    trained = mb.mask.bool()
+    # bf16 keeps 8 bits of mantissa: the two layouts round differently, by about 0.01 here (a
+    # packed forward without its position ids is off by 0.18 on average, up to 1.1)
+    torch.testing.assert_close(got[trained], want[trained], rtol=0, atol=0.05)
+    assert (got[trained] - want[trained]).abs().mean() < 0.01
+    assert want[trained].std() > 0.5, "the log-probs barely depend on their context: the check would be empty"
+    assert (got[~trained] == 0).all()
