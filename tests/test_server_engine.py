@@ -21,7 +21,7 @@ from common.messages import WeightVersion, decode_group, encode
 from engines.base import SamplingSettings
 from tests.conftest import free_port
 from tests.helpers import spawn, stop, wait_for
-from tests.test_engines import LOGPROB_TOL, ask, need, perturbed_copy
+from tests.test_engines import ask, need, perturbed_copy
 from tests.test_generator import publish_weights
 
 pytestmark = pytest.mark.slow
@@ -57,6 +57,14 @@ def server(tmp_path_factory, tiny_model):
         stop(proc, timeout=60)  # SIGKILL if it does not stop by then
 
 
+# The server batches requests as their HTTP calls arrive, so the same tokens are computed in
+# batches of different shapes from run to run, and vLLM's CPU kernels round differently with the
+# shape: a bound of one float32 step (in-process engines, whose requests are all added before a
+# step, test_engines.LOGPROB_TOL = 5e-6) failed once in a loaded CI run with every value equal to
+# 4 decimals. A wrong weight version or a different temperature is off by 1e-2 or more.
+SERVER_LOGPROB_TOL = 1e-4
+
+
 def forward_logprobs(model_dir, prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +92,8 @@ def test_server_engine_samples_with_the_trainers_logprobs_and_reloads_a_version(
         for p, samples in ((prompt, done["a"]), (prompt[:4], done["b"])):
             for s in samples:
                 want = forward_logprobs(model_dir, p, s.ids, 0.7)
-                assert torch.allclose(torch.tensor(s.logprobs), want, atol=LOGPROB_TOL), (version, s)
+                off = (torch.tensor(s.logprobs) - want).abs().max().item()
+                assert off <= SERVER_LOGPROB_TOL, (version, off, s)
     assert engine.version == 1
     engine.close()
 
@@ -114,4 +123,4 @@ def test_generator_drives_a_server_and_a_second_one_is_refused(server, tiny_mode
     assert (first.engine, first.version, second.version) == ("openai", 0, 1)
     for c in second.completions:
         want = forward_logprobs(step_1, second.prompt_ids, c.ids, 1.0)
-        assert torch.allclose(torch.tensor(c.logprobs), want, atol=LOGPROB_TOL)
+        assert (torch.tensor(c.logprobs) - want).abs().max().item() <= SERVER_LOGPROB_TOL
