@@ -163,7 +163,12 @@ def verify_dir(path: str | Path, checksums: dict[str, str]) -> None:
         f = root / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {root}: {name} is missing")
-        got = file_checksum(f, algorithm_of(want))
+        try:
+            got = file_checksum(f, algorithm_of(want))
+        except OSError as err:  # removed or replaced while being read: a trainer restarted from an
+            # older state rewrites the step directories it had published
+            raise CheckpointError(f"checkpoint {root}: {name} could not be read ({err.strerror or err}): "
+                                  "removed or replaced while it was checked") from None
         if not same_checksum(got, want):
             raise CheckpointError(f"checkpoint {root}: {name} has checksum {got[:21]}…, published {want[:21]}…")
     if not any(n.endswith(".safetensors") for n in checksums):

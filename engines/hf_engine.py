@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-from common.checkpoints import check_fits, copy_into
+from common.checkpoints import CheckpointError, check_fits, copy_into
 from common.messages import PromptTask
 from engines.base import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
 
@@ -218,5 +218,8 @@ class HFEngine:
         check_fits(path, {k: tuple(v.shape) for k, v in own.items()}, tied=tied)  # headers only
         # Into the model's own tensors, from the files' mapped pages: no second copy of the weights.
         # A tied lm_head shares the embedding's tensor (save_pretrained leaves it out).
-        copy_into(path, own)
+        missing = set(own) - tied - copy_into(path, own)
+        if missing:  # its file gone since the headers were read: nothing was copied from it
+            raise CheckpointError(f"checkpoint {path}: {len(missing)} tensors (e.g. {sorted(missing)[0]}) were not "
+                                  "there to load: removed or replaced after it was checked")
         self.version = version

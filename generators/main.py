@@ -565,7 +565,11 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
         assert wv is not None
         if wv.version <= engine.version:
             return
-        await run_on_engine(engine_thread, lambda: engine.load_weights(checked.path, version=wv.version))
+        try:
+            await run_on_engine(engine_thread, lambda: engine.load_weights(checked.path, version=wv.version))
+        except OSError as err:  # a file gone between the check and the load: nothing was copied yet
+            raise CheckpointError(f"checkpoint {checked.path} could not be read ({err}): removed or replaced "
+                                  "after it was checked") from None
     except CheckpointError as err:
         state.weights_refused += 1
         state.last_refusal = str(err)

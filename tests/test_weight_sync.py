@@ -8,6 +8,7 @@ import hashlib
 import json
 import re
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -153,3 +154,53 @@ def test_an_idle_generator_loads_a_version_at_once_and_refuses_a_corrupted_one(t
     output = log.read_text()
     assert code == 0, output
     assert "loaded weights version 1" in output and "refused weights" in output
+
+
+def test_a_file_removed_while_it_is_checked_refuses_the_version_and_the_generator_goes_on(
+        tiny_model, tmp_path, monkeypatch):
+    # A trainer restarted from an older state publishes its steps again, replacing the step
+    # directories it had published: a generator checking one of them must refuse it, not crash.
+    import common.checkpoints as ck
+
+    path, sums = write_checkpoint(trained(tiny_model, seed=4), checkpoint_dir=tmp_path, step=1, source_dir=tiny_model)
+    wv = WeightVersion(version=1, step=1, path=str(path), format="safetensors", checksums=sums, created_at=0.0)
+    algorithm_of = ck.algorithm_of
+
+    def removed_meanwhile(checksum: str) -> str:  # runs after the file was found, before it is opened
+        if checksum == sums["model.safetensors"]:
+            (path / "model.safetensors").unlink()
+        return algorithm_of(checksum)
+
+    monkeypatch.setattr(ck, "algorithm_of", removed_meanwhile)
+    got = trio.run(check, Checked(encode(wv)))  # raised FileNotFoundError, which ended the generator
+    assert "could not be read" in got.error and "removed or replaced" in got.error and got.path == ""
+
+
+def test_a_checkpoint_removed_between_its_check_and_its_load_is_refused_and_the_old_weights_stay(
+        tiny_model, tmp_path, monkeypatch):
+    import concurrent.futures
+
+    import engines.hf_engine
+    from engines.choice import open_engine
+    from generators.main import State, load_weights
+
+    path, sums = write_checkpoint(trained(tiny_model, seed=5), checkpoint_dir=tmp_path, step=1, source_dir=tiny_model)
+    wv = WeightVersion(version=1, step=1, path=str(path), format="safetensors", checksums=sums, created_at=0.0)
+    checked = trio.run(check, Checked(encode(wv)))
+    assert checked.error == ""
+    check_fits = engines.hf_engine.check_fits
+
+    def removed_meanwhile(*args, **kwargs):  # the engine has read the headers; the file goes before its data
+        check_fits(*args, **kwargs)
+        (path / "model.safetensors").unlink()
+
+    monkeypatch.setattr(engines.hf_engine, "check_fits", removed_meanwhile)
+    thread = concurrent.futures.ThreadPoolExecutor(1)
+    engine = thread.submit(open_engine, "hf", tiny_model).result()
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    state = State()
+    state.latest, state.checked = checked.blob, checked
+    trio.run(partial(load_weights, state, engine, thread, name="g"))  # raised FileNotFoundError
+    assert state.weights_refused == 1 and "removed or replaced" in state.last_refusal and engine.version == 0
+    assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
+    thread.shutdown()
