@@ -106,9 +106,9 @@ def still(r) -> int | None:
 
 def test_the_trainers_output_directory_deleted_mid_run_is_written_again(tmp_path, redis_url, tiny_model):
     """The output directory removed while the trainer waits for groups (its generator stopped, so that
-    no publish is half-way). The generator cannot load the newest weights and samples with older
-    ones, whose groups soon all grow too stale to train: the trainer publishes its weights again
-    at once, with its state (both counted), and the run goes on to its end."""
+    no publish is half-way). Generators could not load the newest weights and would sample with
+    older ones, whose groups soon all grow too stale to train: the trainer, waiting, publishes its
+    weights again at once, with its state (both counted), and the run goes on to its end."""
     r = connect(redis_url)  # retries a reply slow on a loaded machine, as the processes do
     steps = 8
     pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=2))
@@ -122,6 +122,11 @@ def test_the_trainers_output_directory_deleted_mid_run_is_written_again(tmp_path
         # the trainer runs out of groups (admission holds the producer back) and waits
         step = wait_for(lambda: still(r), timeout=60, what="the trainer waiting for groups")
         shutil.rmtree(tmp_path / "run")
+        # The generator stays stopped until the trainer, still waiting, has published again: let go
+        # sooner, it could deliver groups of the older weights before the trainer's next look, and
+        # the step they make would publish (and save) anew without the deletion ever being noticed.
+        wait_for(lambda: "generators cannot load it" in pipe.log("trainer").read_text(), timeout=60,
+                 what="the trainer publishing again", procs=[pipe.procs["trainer"]])
     finally:
         gen.send_signal(signal.SIGCONT)
     pipe.finish()
