@@ -24,7 +24,7 @@ KEYS = Keys(RUN)
 
 
 def write_config(tmp_path: Path, redis_url: str, model: Path, *, steps: int, state_every: int = 0,
-                 claim_idle_s: float = 120.0, engine: str = "hf") -> dict:
+                 claim_idle_s: float = 120.0, engine: str = "hf", keep_checkpoints: int = 3) -> dict:
     """The run's config on the tiny model (the HF engine by default: it starts in seconds, vLLM in a
     minute on a CPU; delivery does not depend on the engine)."""
     path = tmp_path / "run.toml"
@@ -48,6 +48,7 @@ claim_idle_s = {claim_idle_s}
 lr = 1e-3
 max_steps = {steps}
 state_every = {state_every}
+keep_checkpoints = {keep_checkpoints}
 micro_batch_size = 8
 threads = 1
 """)

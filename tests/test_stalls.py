@@ -31,10 +31,10 @@ def groups_held_by_trainer(r) -> int:
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 16 MiB tmpfs mounted at the run's checkpoint directory (root only; skipped otherwise)."""
+    """A 32 MiB tmpfs mounted at the run's checkpoint directory (root only; skipped otherwise)."""
     where = tmp_path / "run" / "checkpoints"
     where.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)], capture_output=True,
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(where)], capture_output=True,
                           text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs to fill (needs root with CAP_SYS_ADMIN): {done.stderr.strip()}")
@@ -61,7 +61,11 @@ def test_a_full_disk_at_publish_announces_nothing_and_the_trainer_stops_resumabl
         tmp_path, redis_url, tiny_model, small_disk):
     r = connect(redis_url)  # retries a reply slow on a loaded machine, as the processes do
     steps = 30
-    pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=2))
+    # Every checkpoint is kept (the tiny model's are 0.5 MB: 30 fit), so that nothing frees space on
+    # the full disk: filled between a publish's writing and its pruning of the oldest checkpoint, the
+    # disk would get back just what the next publish needs, and the run would go on to its end.
+    pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=2,
+                                           keep_checkpoints=steps))
     for name in ("producer", "generator", "trainer"):
         pipe.start(name)
     wait_for(lambda: any(m["step"] == 3 for m in metrics(tmp_path)), timeout=180, what="step 3",
