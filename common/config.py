@@ -477,9 +477,10 @@ class TrainerConfig(_Section):
     # set stays bounded (about dedup_window x prompts_per_step ids).
     dedup_window: int = Field(1000, ge=1)
     # Published checkpoints kept on disk (the newest ones), each with its trainer state for resume.
+    # The oldest is removed before a new one is written, so the disk holds at most this many.
     keep_checkpoints: int = Field(3, ge=2)
     # Where published checkpoints are written, under the run's name (PUBLISH_DIR/RUN/step_N);
-    # "" = output_dir/checkpoints. A tmpfs such as "/dev/shm/rollouts" (RAM: keep_checkpoints + 1
+    # "" = output_dir/checkpoints. A tmpfs such as "/dev/shm/rollouts" (RAM: keep_checkpoints
     # copies of the weights) skips the disk when every generator shares the trainer's host (or
     # fetches over weights_url); resume needs only the trainer state, which stays in output_dir.
     # Two runs of the same name on one host must not share it.

@@ -204,3 +204,43 @@ def test_a_checkpoint_removed_between_its_check_and_its_load_is_refused_and_the_
     assert state.weights_refused == 1 and "removed or replaced" in state.last_refusal and engine.version == 0
     assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
     thread.shutdown()
+
+
+def test_a_disk_with_room_for_keep_checkpoints_takes_every_publish(tiny_model, tmp_path, r):
+    """The oldest checkpoint is removed before the next one is written, not after: a disk that holds
+    `keep` checkpoints (and not one more) takes publish after publish, and every announced version
+    is whole on it when it is announced."""
+    import subprocess
+
+    from common.checkpoints import verify_dir
+    from common.streams import latest_weights
+    from trainer.checkpoints import publish
+
+    keep = 3
+    model = trained(tiny_model, seed=0)
+    size = sum(f.stat().st_size for f in write_checkpoint(
+        model, checkpoint_dir=tmp_path / "sized", step=0, source_dir=tiny_model)[0].iterdir())
+    disk = tmp_path / "checkpoints"
+    disk.mkdir()
+    room = keep * size + size // 2  # `keep` checkpoints fit, `keep + 1` do not
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(disk)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs (needs root with CAP_SYS_ADMIN): {done.stderr.strip()}")
+    try:
+        keys = Keys("prune")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        for step in range(1, 3 * keep):
+            with torch.no_grad():
+                next(model.parameters()).add_(1.0)
+            publish(r, keys, model, optimizer, scheduler, step=step, checkpoint_dir=disk,
+                    state_root=tmp_path / "state", source_dir=tiny_model, keep=keep, save_state_now=False,
+                    entry_ids=[], group_ids=[], dedup_window=10)
+            latest = latest_weights(r, keys)
+            assert latest.version == step
+            verify_dir(latest.path, latest.checksums)
+            kept = sorted(int(p.name.removeprefix("step_")) for p in disk.glob("step_*"))
+            assert kept == list(range(max(1, step - keep + 1), step + 1))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -169,6 +169,12 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
     of them, the "checksum" (write_safetensors).
     """
     weights = full_state_dict(model)
+    if is_main():
+        # Room first: the oldest checkpoint goes before the new one is written (the newest stay, so
+        # every generator still finds the version it was told of). The disk then needs room for
+        # `keep` checkpoints, not one more, and the new file reuses the pages the old one held
+        # (writing into fresh page cache took 0.6 s of the default model's 0.1 s here).
+        prune_checkpoints(checkpoint_dir, keep=keep - 1)
     path, sums = write_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
                                   state_dict=weights, dtype=dtype, timing=timing) if is_main() else (None, {})
     assert save_state_now or not entry_ids, "groups are acknowledged only with a saved trainer state"
