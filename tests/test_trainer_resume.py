@@ -117,3 +117,19 @@ def test_sigkill_between_checkpoints_then_restart_matches_an_uninterrupted_run(t
     assert diff == 0.0, f"largest difference {diff}"
     # Beside each kept checkpoint, its trainer state (the newest keep_checkpoints = 2).
     assert sorted(p.name for p in (tmp_path / "b" / "trainer_state").iterdir()) == ["step_2", "step_4"]
+
+
+def test_states_saved_before_a_restart_from_an_older_one_do_not_crowd_out_those_saved_since(tmp_path):
+    """Redis named the state of step 3 (it lost what came after), while states 7-9 are on disk:
+    each state saved from step 4 on stays among the newest `keep`, and those of the abandoned steps go."""
+    from trainer.state import prune_states
+
+    root = tmp_path / "trainer_state"
+    for step in (2, 3, 7, 8, 9):
+        (root / f"step_{step}").mkdir(parents=True)
+    (root / "step_4").mkdir()  # saved again, after the restart
+    prune_states(root, keep=2, newest=4)
+    assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"]
+    (root / ".step_5.tmp").mkdir()  # half written
+    prune_states(root, keep=2)  # without `newest` (a failed publish): only the half-written one goes
+    assert sorted(p.name for p in root.iterdir()) == ["step_3", "step_4"]

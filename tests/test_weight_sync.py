@@ -244,3 +244,28 @@ def test_a_disk_with_room_for_keep_checkpoints_takes_every_publish(tiny_model, t
             assert kept == list(range(max(1, step - keep + 1), step + 1))
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_trainer_restarted_from_an_older_state_keeps_what_it_publishes_again(tiny_model, tmp_path, r):
+    """Steps 1-9 were published, then the trainer went back to its state of step 3 (a crash, with
+    `state_every` above `keep_checkpoints`): each step it publishes again stays on disk while it is
+    the newest, instead of being deleted as the oldest beside steps 7-9 of the run before."""
+    from common.checkpoints import verify_dir
+    from common.streams import latest_weights
+    from trainer.checkpoints import publish
+
+    keep, disk = 3, tmp_path / "checkpoints"
+    model = trained(tiny_model, seed=0)
+    for step in range(7, 10):  # the run before the restart (its steps 1-6 long pruned)
+        write_checkpoint(model, checkpoint_dir=disk, step=step, source_dir=tiny_model)
+    keys = Keys("again")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    for step in range(4, 8):
+        publish(r, keys, model, optimizer, scheduler, step=step, checkpoint_dir=disk, state_root=tmp_path / "state",
+                source_dir=tiny_model, keep=keep, save_state_now=False, entry_ids=[], group_ids=[], dedup_window=10)
+        latest = latest_weights(r, keys)
+        assert latest.version == step
+        verify_dir(latest.path, latest.checksums)
+        kept = sorted(int(p.name.removeprefix("step_")) for p in disk.glob("step_*"))
+        assert kept == list(range(max(4, step - keep + 1), step + 1))

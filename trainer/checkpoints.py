@@ -120,7 +120,7 @@ def write_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int,
     if hf.can_generate() and getattr(hf, "generation_config", None) is not None:
         hf.generation_config.save_pretrained(tmp)
     copy_tokenizer_files(source_dir, tmp)
-    if final.exists():  # written by a run that crashed before publishing it: never seen by anyone
+    if final.exists():  # written by a run that crashed before publishing it, or by one before a restart
         shutil.rmtree(final)
     os.rename(tmp, final)
     return final.resolve(), checksum_dir(final, known=sums)
@@ -147,11 +147,17 @@ def remove_unfinished(checkpoint_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prune_checkpoints(checkpoint_dir: Path, *, keep: int) -> None:
-    """Delete all but the newest `keep` step_N directories."""
-    dirs = sorted((p for p in checkpoint_dir.glob("step_*") if p.name[5:].isdigit()),
+def prune_checkpoints(checkpoint_dir: Path, *, keep: int, newest: int, spare: Path | None = None) -> None:
+    """Delete all but the newest `keep` step_N directories up to step `newest`, and every one past
+    it: those a trainer restarted from an older state had published before, which it writes again
+    (kept, they would outnumber the steps written since and have those deleted as they were
+    announced). `spare` (the model the run started from, which may be one of them) stays."""
+    spared = spare.resolve() if spare is not None else None
+    dirs = sorted((p for p in checkpoint_dir.glob("step_*") if p.name[5:].isdigit() and p.resolve() != spared),
                   key=lambda p: int(p.name[5:]))
-    for old in dirs[:-keep]:
+    past = [p for p in dirs if int(p.name[5:]) > newest]
+    upto = dirs[:len(dirs) - len(past)]
+    for old in past + upto[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -174,7 +180,7 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
         # every generator still finds the version it was told of). The disk then needs room for
         # `keep` checkpoints, not one more, and the new file reuses the pages the old one held
         # (writing into fresh page cache took 0.6 s of the default model's 0.1 s here).
-        prune_checkpoints(checkpoint_dir, keep=keep - 1)
+        prune_checkpoints(checkpoint_dir, keep=keep - 1, newest=step - 1, spare=source_dir)
     path, sums = write_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
                                   state_dict=weights, dtype=dtype, timing=timing) if is_main() else (None, {})
     assert save_state_now or not entry_ids, "groups are acknowledged only with a saved trainer state"
@@ -197,7 +203,7 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
     count_trained(pipe, keys, len(group_ids))
     pipe.execute()
     trim_acknowledged(r, keys.samples)  # what every group has acknowledged; nothing of ours is pending
-    prune_checkpoints(checkpoint_dir, keep=keep)
+    prune_checkpoints(checkpoint_dir, keep=keep, newest=step, spare=source_dir)
     return wv
 
 

@@ -51,20 +51,24 @@ def save_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     dcp.save(_stateful(model, optimizer, scheduler, step), checkpoint_id=tmp)
     barrier()
     if is_main():
-        if final.exists():  # from a run that crashed before publishing it
+        if final.exists():  # from a run that crashed before publishing it, or one before a restart
             shutil.rmtree(final)
         tmp.rename(final)
-        prune_states(state_root, keep=keep)
+        prune_states(state_root, keep=keep, newest=step)
     barrier()
     return final
 
 
-def prune_states(root: Path, *, keep: int) -> None:
-    """Delete half-written states and all but the newest `keep`."""
+def prune_states(root: Path, *, keep: int, newest: int | None = None) -> None:
+    """Delete half-written states and all but the newest `keep`; with `newest`, all but the newest
+    `keep` up to that step and every one past it (saved before a restart from an older state, which
+    Redis does not know of: kept, they would outnumber and delete the states saved since)."""
     for tmp in root.glob(".step_*.tmp"):
         shutil.rmtree(tmp, ignore_errors=True)
     dirs = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-    for old in dirs[:-keep]:
+    past = [p for p in dirs if newest is not None and int(p.name[5:]) > newest]
+    upto = dirs[:len(dirs) - len(past)]
+    for old in past + upto[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
