@@ -128,6 +128,11 @@ class State:
     held: dict[str, Held] = field(default_factory=dict)  # request id (prompt entry id) -> prompt
     latest: bytes | None = None  # the newest weights payload announced (or read from weights:latest)
     acted_on: bytes | None = None  # the payload last loaded or refused
+    # When the weights loaded were published (their created_at; 0: the initial checkpoint). A
+    # version announced later with a number no higher is a trainer restarted from an older state
+    # publishing its steps again: loaded all the same, once nothing is in flight (`went_back`).
+    published_at: float = 0.0
+    went_back: bytes | None = None  # such a payload, waiting for the completions in flight to finish
     checked: Checked | None = None  # the newest payload's check (checksums), begun when it was announced
     seen: tuple[bytes, float] = (b"", 0.0)  # the payload last announced, and time.time() the watcher saw it
     stopping: bool = False
@@ -400,11 +405,11 @@ async def engine_loop(g: Generator, state: State) -> None:
         if wanted > max(g.engine.version, asked):
             asked = wanted
             state.latest = await trio.to_thread.run_sync(g.r.get, g.keys.weights_latest)
-        newer = state.latest is not None and state.latest != state.acted_on
+        newer = state.latest is not None and state.latest != state.acted_on or state.went_back is not None
         if newer and (g.settings.inflight_updates or not g.engine.has_unfinished()) and not state.episodes:
             await load_weights(state, g.engine, g.engine_thread, name=g.name, weights_url=g.settings.weights_url,
                                fetch_dir=g.fetch_dir)
-            newer = False
+            newer = state.went_back is not None  # an older version waits for the engine to drain
         if state.turns and running < g.engine.max_running:  # episodes in flight go on, newer weights or not
             running += await add_turns(g, state, room=g.engine.max_running - running)
         if waiting and not newer and running < g.engine.max_running:
@@ -549,9 +554,16 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
     """Load the WeightVersion in `state.latest` if it is newer than the engine's, once its files
     are verified (the check begun when it was announced, else one begun now); a refusal (the
     payload does not decode, the files fail their checksums or do not fit the model) is counted
-    and reported, and the engine keeps its weights."""
+    and reported, and the engine keeps its weights.
+
+    A version no newer than the engine's but published after its weights (a trainer restarted
+    from an older state announces its steps again, with other weights) is loaded too, once the
+    engine has nothing in flight: until then it waits in `state.went_back`, so that no completion
+    spans versions that descend. One published before them (weights:latest read while the
+    watcher had already seen newer) is passed over."""
     blob = state.acted_on = state.latest
     assert blob is not None
+    waiting, state.went_back = state.went_back, None
     t0, loading_at = time.perf_counter(), time.time()
     checked = state.checked
     if checked is None or checked.blob != blob:
@@ -563,8 +575,16 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
         if checked.error:
             raise CheckpointError(checked.error)
         assert wv is not None
-        if wv.version <= engine.version:
+        back = wv.version <= engine.version
+        if back and wv.created_at <= state.published_at:
             return
+        if back and engine.has_unfinished():
+            if waiting is None:
+                print(f"{name}: weights version {wv.version} announced after version {engine.version} (the trainer "
+                      "went back to an older state): loading it once the completions in flight are done", flush=True)
+            state.went_back = blob
+            return
+        before = engine.version
         try:
             await run_on_engine(engine_thread, lambda: engine.load_weights(checked.path, version=wv.version))
         except OSError as err:  # a file gone between the check and the load: nothing was copied yet
@@ -577,7 +597,11 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
         print(f"{name}: refused weights: {err}", file=sys.stderr, flush=True)
         return
     state.news.set()
+    state.published_at = wv.created_at
     announced, drained = timeline(state, wv, loading_at=loading_at)
+    if back:
+        print(f"{name}: weights version {wv.version} announced after version {before}: the trainer went back to "
+              "an older state", flush=True)
     print(f"{name}: loaded weights version {wv.version} (verify {checked.seconds:.2f} s, reload "
           f"{time.perf_counter() - t1:.2f} s; announced {announced:.2f} s after publishing, drained {drained:.2f} s, "
           f"waited {t1 - t0:.2f} s for the checksums)", flush=True)

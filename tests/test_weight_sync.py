@@ -269,3 +269,46 @@ def test_a_trainer_restarted_from_an_older_state_keeps_what_it_publishes_again(t
         verify_dir(latest.path, latest.checksums)
         kept = sorted(int(p.name.removeprefix("step_")) for p in disk.glob("step_*"))
         assert kept == list(range(max(4, step - keep + 1), step + 1))
+
+
+def test_a_lower_version_announced_later_is_loaded_once_nothing_is_in_flight(tiny_model, tmp_path, monkeypatch):
+    """A trainer restarted from an older state announces versions the generator has passed, with
+    other weights: the generator loads them (they were announced later), after its completions in
+    flight, not never; a lower version published *before* its weights (a stale read) stays passed over."""
+    import concurrent.futures
+
+    from engines.choice import open_engine
+    from generators.main import State, load_weights
+
+    def version(seed: int, step: int, created_at: float) -> tuple[bytes, torch.nn.Module]:
+        model = trained(tiny_model, seed=seed)
+        path, sums = write_checkpoint(model, checkpoint_dir=tmp_path / str(seed), step=step, source_dir=tiny_model)
+        return encode(WeightVersion(version=step, step=step, path=str(path), format="safetensors", checksums=sums,
+                                    created_at=created_at)), model
+
+    thread = concurrent.futures.ThreadPoolExecutor(1)
+    engine = thread.submit(open_engine, "hf", tiny_model).result()
+    state = State()
+
+    def load(blob: bytes) -> None:
+        state.latest = blob
+        trio.run(partial(load_weights, state, engine, thread, name="g"))
+
+    def holds(model: torch.nn.Module) -> bool:
+        mine = engine.model.state_dict()
+        return all(torch.equal(mine[k], v) for k, v in model.state_dict().items())
+
+    before_restart, old = version(6, step=9, created_at=100.0)
+    load(before_restart)
+    assert engine.version == 9 and holds(old)
+    stale, _ = version(7, step=3, created_at=50.0)
+    load(stale)
+    assert engine.version == 9 and holds(old) and state.went_back is None
+    again, new = version(8, step=4, created_at=200.0)
+    monkeypatch.setattr(engine, "has_unfinished", lambda: True)  # completions in flight
+    load(again)
+    assert engine.version == 9 and holds(old) and state.went_back == again
+    monkeypatch.setattr(engine, "has_unfinished", lambda: False)  # drained
+    trio.run(partial(load_weights, state, engine, thread, name="g"))
+    assert engine.version == 4 and holds(new) and state.went_back is None and state.weights_refused == 0
+    thread.shutdown()
