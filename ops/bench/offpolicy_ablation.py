@@ -1,7 +1,8 @@
 """Ablation of the off-policy corrections: reward and held-out pass@1 by correction and staleness.
 
     python ops/bench/offpolicy_ablation.py [--steps 40] [--staleness 1 4] \
-        [--corrections behaviour_clip decoupled token_mask] [--out runs/offpolicy-ablation]
+        [--corrections behaviour_clip decoupled token_mask] [--out runs/offpolicy-ablation] \
+        [--env NAME=VALUE ...] [--label TEXT]
 
 Each run is `honcho start` of the project's processes (redis, producer, one generator, trainer;
 no evaluator) on the demo configuration (`configs/demo.toml`: the default model on the
@@ -15,6 +16,10 @@ Each finished run appends one JSON line to --out/results.jsonl (reward over the 
 pass@1, mean staleness, mismatch, masked share, seconds) and the Markdown table of every line so
 far is rewritten to --out/table.md, so a cut-short ablation keeps what finished. A run already
 in results.jsonl is not run again (rerun the command to finish an interrupted ablation).
+
+`--env` sets more of the runs' configuration (ROLLOUTS_GENERATOR__ENGINE=hf,
+ROLLOUTS_GENERATOR__INFLIGHT_UPDATES=true, ...), and `--label` names that variant in the results
+(a run is known by staleness, correction and label), so variants can share one --out.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ PY = sys.executable
 LAST = 10  # reward is averaged over the last this many steps
 
 
-def run_pipeline(*, staleness: int, correction: str, steps: int, tmp: Path) -> list[dict]:
+def run_pipeline(*, staleness: int, correction: str, steps: int, tmp: Path, extra: list[str] = ()) -> list[dict]:
     """The trainer's metrics of one honcho run."""
     from tests.conftest import free_port
 
@@ -55,7 +60,7 @@ def run_pipeline(*, staleness: int, correction: str, steps: int, tmp: Path) -> l
         f"ROLLOUTS_TRAINER__MAX_STEPS={steps}", f"ROLLOUTS_TRAINER__STATE_EVERY={steps}",
         f"ROLLOUTS_ROLLOUT__MAX_STALENESS={staleness}", f"ROLLOUTS_TRAINER__CORRECTION={correction}",
         "ROLLOUTS_EVAL__EVERY=0", f"PYTHONPATH={ROOT}",
-        "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1",
+        "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1", *extra,
     ]) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
     honcho = [str(Path(PY).parent / "honcho"), "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / ".env"),
@@ -93,7 +98,8 @@ def pass_at_1(checkpoint: Path) -> float:
     return sum(hits) / len(hits)
 
 
-def summary(rows: list[dict], *, staleness: int, correction: str, seconds: float, pass1: float) -> dict:
+def summary(rows: list[dict], *, staleness: int, correction: str, seconds: float, pass1: float,
+            label: str = "") -> dict:
     last = rows[-LAST:]
 
     def mean(key: str, of: list[dict]) -> float:
@@ -101,7 +107,7 @@ def summary(rows: list[dict], *, staleness: int, correction: str, seconds: float
         assert values, f"no step logged {key!r}: has the metric been renamed? (metrics.jsonl keys: {sorted(of[0])})"
         return sum(values) / len(values)
 
-    return {"max_staleness": staleness, "correction": correction, "steps": len(rows),
+    return {"max_staleness": staleness, "correction": correction, "label": label, "steps": len(rows),
             "reward_last10": mean("reward", last), "accuracy_last10": mean("accuracy", last),
             "reward_first10": mean("reward", rows[:LAST]), "pass@1": pass1,
             "staleness_mean": mean("staleness/mean", rows), "mismatch_mean": mean("mismatch/abs_log_ratio_mean", rows),
@@ -111,11 +117,12 @@ def summary(rows: list[dict], *, staleness: int, correction: str, seconds: float
 
 
 def table(results: list[dict]) -> str:
-    head = ("| max_staleness | correction | steps | reward (last 10) | reward (first 10) | held-out pass@1 | "
+    head = ("| max_staleness | correction | variant | steps | reward (last 10) | reward (first 10) | held-out pass@1 | "
             "staleness mean | mismatch mean / max | masked | clipped | minutes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for x in results:
-        lines.append(f"| {x['max_staleness']} | {x['correction']} | {x['steps']} | {x['reward_last10']:.3f} | "
+        lines.append(f"| {x['max_staleness']} | {x['correction']} | {x.get('label', '')} | {x['steps']} | "
+                     f"{x['reward_last10']:.3f} | "
                      f"{x['reward_first10']:.3f} | {x['pass@1']:.3f} | {x['staleness_mean']:.2f} | "
                      f"{x['mismatch_mean']:.4f} / {x['mismatch_max']:.3f} | {x['masked']:.4f} | "
                      f"{x['clip_region']:.4f} | {x['seconds'] / 60:.1f} |")
@@ -128,22 +135,27 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--corrections", nargs="+", default=["behaviour_clip", "decoupled", "token_mask"])
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "offpolicy-ablation")
+    ap.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE", help="more settings of every run")
+    ap.add_argument("--label", default="", help="the variant's name in the results")
     args = ap.parse_args()
     assert args.steps >= LAST, f"--steps must be >= {LAST}"
+    for item in args.env:
+        assert "=" in item and item.startswith("ROLLOUTS_"), f"--env {item!r}: expected ROLLOUTS_NAME=VALUE"
     args.out.mkdir(parents=True, exist_ok=True)
     results_file = args.out / "results.jsonl"
     results = [json.loads(x) for x in results_file.read_text().splitlines()] if results_file.is_file() else []
-    done = {(x["max_staleness"], x["correction"]) for x in results}
+    done = {(x["max_staleness"], x["correction"], x.get("label", "")) for x in results}
     for staleness in args.staleness:
         for correction in args.corrections:
-            if (staleness, correction) in done:
+            if (staleness, correction, args.label) in done:
                 continue
             t0 = time.monotonic()
-            tmp = args.out / f"s{staleness}-{correction}"
-            rows = run_pipeline(staleness=staleness, correction=correction, steps=args.steps, tmp=tmp)
+            tmp = args.out / (f"s{staleness}-{correction}" + (f"-{args.label}" if args.label else ""))
+            rows = run_pipeline(staleness=staleness, correction=correction, steps=args.steps, tmp=tmp,
+                                extra=args.env)
             final = tmp / "run" / "checkpoints" / f"step_{args.steps}"
             x = summary(rows, staleness=staleness, correction=correction, seconds=time.monotonic() - t0,
-                        pass1=pass_at_1(final))
+                        pass1=pass_at_1(final), label=args.label)
             results.append(x)
             with open(results_file, "a") as f:
                 f.write(json.dumps(x) + "\n")
