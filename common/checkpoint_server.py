@@ -21,14 +21,23 @@ from pathlib import Path
 
 import redis
 
-from common.checkpoints import CheckpointError, algorithm_of, checksum_text, hasher, same_checksum
+from common.checkpoints import (
+    CheckpointError,
+    algorithm_of,
+    checksum_text,
+    hasher,
+    prune_steps,
+    same_checksum,
+    verify_dir,
+)
 from common.keys import PAYLOAD, Keys
 from common.messages import MessageError, WeightVersion, decode_weights
 
 
 def published(r: redis.Redis, keys: Keys, version: int) -> WeightVersion | None:
-    """The WeightVersion the run announced for `version`, or None."""
-    for _, fields in r.xrange(keys.weights):
+    """The WeightVersion the run announced last for `version` (a trainer restarted from an older
+    state announces its numbers again, with other weights), or None."""
+    for _, fields in r.xrevrange(keys.weights):
         try:
             wv = decode_weights(fields[PAYLOAD])
         except MessageError:
@@ -85,11 +94,17 @@ class CheckpointServer(ThreadingHTTPServer):
 def fetch_checkpoint(base_url: str, wv: WeightVersion, *, dest_root: Path, keep: int = 2,
                      timeout_s: float = 60.0) -> Path:
     """Download version `wv` from the checkpoint server at `base_url` into `dest_root/step_N`,
-    each file checked against its published checksum on arrival; the newest `keep` are kept.
-    CheckpointError when the server cannot give it or a file does not match."""
+    each file checked against its published checksum on arrival; the newest `keep` are kept (none
+    past `wv`: fetched before a trainer restarted from an older state). One fetched before is used
+    again if it still matches the checksums. CheckpointError when the server cannot give it or a
+    file does not match."""
     final = dest_root / f"step_{wv.version}"
     if final.is_dir():
-        return final
+        try:
+            verify_dir(final, wv.checksums)
+            return final
+        except CheckpointError:  # that version's number, fetched before with other weights (a
+            shutil.rmtree(final, ignore_errors=True)  # trainer restarted from an older state)
     tmp = dest_root / f".step_{wv.version}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -114,7 +129,5 @@ def fetch_checkpoint(base_url: str, wv: WeightVersion, *, dest_root: Path, keep:
         tmp.rename(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    old = sorted((p for p in dest_root.glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-    for p in old[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
+    prune_steps(dest_root, keep=keep, newest=wv.version)
     return final

@@ -17,6 +17,7 @@ import concurrent.futures
 import hashlib
 import json
 import re
+import shutil
 import struct
 import time
 from collections.abc import Callable, Mapping
@@ -173,6 +174,21 @@ def verify_dir(path: str | Path, checksums: dict[str, str]) -> None:
             raise CheckpointError(f"checkpoint {root}: {name} has checksum {got[:21]}…, published {want[:21]}…")
     if not any(n.endswith(".safetensors") for n in checksums):
         raise CheckpointError(f"checkpoint {root}: no .safetensors file among {sorted(checksums)}")
+
+
+def prune_steps(root: Path, *, keep: int, newest: int | None = None, spare: Path | None = None) -> None:
+    """Delete all but the newest `keep` step_N directories in `root`; with `newest`, all but the
+    newest `keep` up to that step and every one past it. Those past it were written before the
+    trainer restarted from an older state (Redis does not know of them; the trainer writes those
+    steps again): kept, they would outnumber the ones written since, which would be deleted as
+    they were written. `spare` (the model the run started from, which may be one of them) stays."""
+    spared = spare.resolve() if spare is not None else None
+    dirs = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit() and p.resolve() != spared),
+                  key=lambda p: int(p.name[5:]))
+    past = [p for p in dirs if newest is not None and int(p.name[5:]) > newest]
+    upto = dirs[:len(dirs) - len(past)]
+    for old in past + upto[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:

@@ -73,3 +73,32 @@ def test_a_file_that_does_not_match_its_checksum_refuses_the_version(tmp_path, r
                                 created_at=0.0)
     with pytest.raises(CheckpointError, match="cannot fetch"):
         fetch_checkpoint(server, unpublished, dest_root=tmp_path / "fetched")
+
+
+def test_a_version_announced_again_with_other_weights_is_fetched_again(tmp_path, r, server, tiny_model):
+    """A trainer restarted from an older state rewrites step_4 and announces version 4 again: a
+    generator that fetched the first version 4 gets the new files, not its copy of the old ones,
+    and its copies of the versions the trainer went back on are removed."""
+    from tests.test_weight_sync import trained
+    from trainer.checkpoints import write_checkpoint
+
+    def publish(step: int, seed: int) -> WeightVersion:
+        path, sums = write_checkpoint(trained(tiny_model, seed=seed), checkpoint_dir=tmp_path / "checkpoints",
+                                      step=step, source_dir=tiny_model)
+        wv = WeightVersion(version=step, step=step, path=str(path), format="safetensors", checksums=sums,
+                           created_at=float(seed))
+        announce(r, wv)
+        return wv
+
+    dest = tmp_path / "fetched"
+    first = publish(4, seed=1)
+    assert checksum_dir(fetch_checkpoint(server, first, dest_root=dest)) == first.checksums
+    ahead = publish(5, seed=2)
+    fetch_checkpoint(server, ahead, dest_root=dest)
+    again = publish(4, seed=3)  # the restart: step 4 written and announced again
+    assert again.checksums != first.checksums
+    got = fetch_checkpoint(server, again, dest_root=dest)
+    assert checksum_dir(got) == again.checksums
+    assert sorted(p.name for p in dest.iterdir()) == ["step_4"]  # version 5 belonged to the run gone back on
+    with urllib.request.urlopen(f"{server}/v4/model.safetensors", timeout=10) as resp:
+        assert resp.headers["X-Checksum"] == again.checksums["model.safetensors"]

@@ -25,7 +25,7 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.checkpoints import WEIGHTS_FILE, checksum_dir, verify_dir, write_safetensors
+from common.checkpoints import WEIGHTS_FILE, checksum_dir, prune_steps, verify_dir, write_safetensors
 from common.config import LoraConfig
 from common.keys import PAYLOAD, TRAINER_GROUP, WEIGHTS_MAXLEN, Keys
 from common.messages import WeightVersion, encode
@@ -36,7 +36,7 @@ from trainer.devices import Placement
 from trainer.lora import apply_lora, hf_model, is_lora, merged_state_dict, scale_of
 from trainer.parallel import full_state_dict, is_main, parallelize, say
 from trainer.schedule import build_scheduler
-from trainer.state import load_state, prune_steps, save_state, state_dir
+from trainer.state import load_state, save_state, state_dir
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from common.checkpoints import prune_steps
 from trainer.parallel import barrier, is_main
 
 # dcp says so on every call when no process group is up; a single process is what we mean.
@@ -64,21 +65,6 @@ def prune_states(root: Path, *, keep: int, newest: int | None = None) -> None:
     for tmp in root.glob(".step_*.tmp"):
         shutil.rmtree(tmp, ignore_errors=True)
     prune_steps(root, keep=keep, newest=newest)
-
-
-def prune_steps(root: Path, *, keep: int, newest: int | None = None, spare: Path | None = None) -> None:
-    """Delete all but the newest `keep` step_N directories in `root`; with `newest`, all but the
-    newest `keep` up to that step and every one past it. Those past it were written before the
-    trainer restarted from an older state (Redis does not know of them; the trainer writes those
-    steps again): kept, they would outnumber the ones written since, which would be deleted as
-    they were written. `spare` (the model the run started from, which may be one of them) stays."""
-    spared = spare.resolve() if spare is not None else None
-    dirs = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit() and p.resolve() != spared),
-                  key=lambda p: int(p.name[5:]))
-    past = [p for p in dirs if newest is not None and int(p.name[5:]) > newest]
-    upto = dirs[:len(dirs) - len(past)]
-    for old in past + upto[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def load_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
