@@ -141,6 +141,7 @@ def main() -> None:
     assert args.steps >= LAST, f"--steps must be >= {LAST}"
     for item in args.env:
         assert "=" in item and item.startswith("ROLLOUTS_"), f"--env {item!r}: expected ROLLOUTS_NAME=VALUE"
+    args.out = args.out.resolve()  # honcho runs in each run's directory: paths relative to here would not hold
     args.out.mkdir(parents=True, exist_ok=True)
     results_file = args.out / "results.jsonl"
     results = [json.loads(x) for x in results_file.read_text().splitlines()] if results_file.is_file() else []
