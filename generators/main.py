@@ -580,8 +580,8 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
             return
         if back and engine.has_unfinished():
             if waiting is None:
-                print(f"{name}: weights version {wv.version} announced after version {engine.version} (the trainer "
-                      "went back to an older state): loading it once the completions in flight are done", flush=True)
+                print(f"{name}: weights version {wv.version} {anew(wv.version, engine.version)}: loading it once the "
+                      "completions in flight are done", flush=True)
             state.went_back = blob
             return
         before = engine.version
@@ -600,11 +600,17 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
     state.published_at = wv.created_at
     announced, drained = timeline(state, wv, loading_at=loading_at)
     if back:
-        print(f"{name}: weights version {wv.version} announced after version {before}: the trainer went back to "
-              "an older state", flush=True)
+        print(f"{name}: weights version {wv.version} {anew(wv.version, before)}", flush=True)
     print(f"{name}: loaded weights version {wv.version} (verify {checked.seconds:.2f} s, reload "
           f"{time.perf_counter() - t1:.2f} s; announced {announced:.2f} s after publishing, drained {drained:.2f} s, "
           f"waited {t1 - t0:.2f} s for the checksums)", flush=True)
+
+
+def anew(version: int, loaded: int) -> str:
+    """Why a version not numbered above the engine's `loaded` one is loaded all the same."""
+    if version < loaded:
+        return f"announced after version {loaded}: the trainer went back to an older state"
+    return "published again (other files; a trainer restarted from an older state, or its checkpoint was lost)"
 
 
 # ---------------------------------------------------------------------- scoring and writing
