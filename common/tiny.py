@@ -46,3 +46,44 @@ def build_tiny_model(path: str | Path, *, hidden: int = 64, layers: int = 2, see
                       pad_token_id=fast.pad_token_id, bos_token_id=None, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return path
+
+
+# The run the fault, chaos and soak harnesses share: 4 prompts of 4 completions of 8 tokens a
+# step, staleness 1, an HF generator and one thread a process.
+TINY_RUN: dict[str, dict[str, object]] = {
+    "rollout": {"group_size": 4, "prompts_per_step": 4, "max_staleness": 1, "max_new_tokens": 8},
+    "generator": {"engine": "hf", "batch_prompts": 2, "threads": 1},
+    "trainer": {"lr": 1e-3, "micro_batch_size": 8, "threads": 1},
+}
+
+
+def tiny_run_config(*, run: str, output_dir: str | Path, model: str | Path, redis_url: str | None = None,
+                    **tables: dict[str, object]) -> str:
+    """The TOML text of a TINY_RUN on `model`; each of `tables` adds to (or overrides) the table
+    of its name: `trainer={"max_steps": 30}`, `eval={"every": 2}`."""
+    top: dict[str, object] = {"run": run, "output_dir": str(output_dir)}
+    if redis_url is not None:
+        top["redis_url"] = redis_url
+    merged: dict[str, dict[str, object]] = {"model": {"path": str(model)}}
+    for name, base in TINY_RUN.items():
+        merged[name] = {**base, **tables.pop(name, {})}
+    merged.update(tables)
+    lines = [f"{k} = {_toml(v)}" for k, v in top.items()]
+    for name, table in merged.items():
+        lines += [f"[{name}]", *(f"{k} = {_toml(v)}" for k, v in table.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: object) -> str:
+    """`value` (a string, number, bool or list of them) as a TOML literal."""
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    raise TypeError(f"no TOML literal for {type(value).__name__} {value!r}")

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from common.audit import accounting, unaccounted  # noqa: E402
 from common.keys import Keys  # noqa: E402
 from common.progress import read_trainer  # noqa: E402
-from common.tiny import build_tiny_model  # noqa: E402
+from common.tiny import build_tiny_model, tiny_run_config  # noqa: E402
 
 RUN = "chaos"
 KINDS = ("generator", "trainer", "producer", "redis")
@@ -54,28 +54,9 @@ def write_run(work: Path, port: int, *, claim_idle_s: float) -> Path:
     """The run's config, Procfile and .env under `work`; returns the Procfile."""
     py, respawn, pids = sys.executable, ROOT / "ops" / "respawn", work / "pids"
     pids.mkdir(parents=True, exist_ok=True)
-    (work / "run.toml").write_text(f"""
-run = "{RUN}"
-redis_url = "redis://127.0.0.1:{port}/0"
-output_dir = "{work / 'run'}"
-[model]
-path = "{work / 'model'}"
-[rollout]
-group_size = 4
-prompts_per_step = 4
-max_staleness = 1
-max_new_tokens = 8
-[generator]
-engine = "hf"
-batch_prompts = 2
-threads = 1
-claim_idle_s = {claim_idle_s}
-[trainer]
-lr = 1e-3
-max_steps = 1000000
-micro_batch_size = 8
-threads = 1
-""")
+    (work / "run.toml").write_text(tiny_run_config(
+        run=RUN, redis_url=f"redis://127.0.0.1:{port}/0", output_dir=work / "run", model=work / "model",
+        generator={"claim_idle_s": claim_idle_s}, trainer={"max_steps": 1000000}))
     keep = f"{py} {respawn} --pidfile {pids}"
     procfile = work / "Procfile"
     procfile.write_text(

@@ -16,6 +16,7 @@ import redis
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import decode_prompt
 from common.progress import read_dropped, read_producer, read_trainer
+from common.tiny import tiny_run_config
 from tests.conftest import free_port, start_redis
 from tests.helpers import accounting, assert_accounted, need_vllm, spawn, stop, unaccounted, wait_for
 
@@ -28,30 +29,10 @@ def write_config(tmp_path: Path, redis_url: str, model: Path, *, steps: int, sta
     """The run's config on the tiny model (the HF engine by default: it starts in seconds, vLLM in a
     minute on a CPU; delivery does not depend on the engine)."""
     path = tmp_path / "run.toml"
-    path.write_text(f"""
-run = "{RUN}"
-redis_url = "{redis_url}"
-output_dir = "{tmp_path / 'run'}"
-[model]
-path = "{model}"
-[rollout]
-group_size = 4
-prompts_per_step = 4
-max_staleness = 1
-max_new_tokens = 8
-[generator]
-engine = "{engine}"
-batch_prompts = 2
-threads = 1
-claim_idle_s = {claim_idle_s}
-[trainer]
-lr = 1e-3
-max_steps = {steps}
-state_every = {state_every}
-keep_checkpoints = {keep_checkpoints}
-micro_batch_size = 8
-threads = 1
-""")
+    path.write_text(tiny_run_config(
+        run=RUN, redis_url=redis_url, output_dir=tmp_path / "run", model=model,
+        generator={"engine": engine, "claim_idle_s": claim_idle_s},
+        trainer={"max_steps": steps, "state_every": state_every, "keep_checkpoints": keep_checkpoints}))
     return {"ROLLOUTS_CONFIG": str(path)}
 
 

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from common.keys import Keys
+from common.tiny import tiny_run_config
 from tests.conftest import free_port, start_redis
 from tests.helpers import ROOT, spawn, stop, wait_for
 
@@ -30,29 +31,8 @@ ACL_RULE = f"on >{USER_PASSWORD} resetkeys ~rollouts:{RUN}:* ~rq:* resetchannels
 
 def write_config(tmp_path, model, *, steps: int, eval_every: int) -> str:
     path = tmp_path / "run.toml"
-    path.write_text(f"""
-run = "{RUN}"
-output_dir = "{tmp_path / 'run'}"
-[model]
-path = "{model}"
-[rollout]
-group_size = 4
-prompts_per_step = 4
-max_staleness = 1
-max_new_tokens = 8
-[generator]
-engine = "hf"
-batch_prompts = 2
-threads = 1
-[trainer]
-lr = 1e-3
-max_steps = {steps}
-micro_batch_size = 8
-threads = 1
-[eval]
-every = {eval_every}
-prompts = 4
-""")
+    path.write_text(tiny_run_config(run=RUN, output_dir=tmp_path / "run", model=model, trainer={"max_steps": steps},
+                                    eval={"every": eval_every, "prompts": 4}))
     return str(path)
 
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.keys import Keys  # noqa: E402
 from common.progress import read_trainer  # noqa: E402
-from common.tiny import build_tiny_model  # noqa: E402
+from common.tiny import build_tiny_model, tiny_run_config  # noqa: E402
 
 RUN = "soak"
 
@@ -67,29 +67,9 @@ def main() -> int:
     (work / "logs").mkdir(parents=True)
     build_tiny_model(work / "model")
     port = free_port()
-    (work / "run.toml").write_text(f"""
-run = "{RUN}"
-redis_url = "redis://127.0.0.1:{port}/0"
-output_dir = "{work / 'run'}"
-[model]
-path = "{work / 'model'}"
-[rollout]
-group_size = 4
-prompts_per_step = 4
-max_staleness = 1
-max_new_tokens = 8
-[generator]
-engine = "hf"
-batch_prompts = 2
-threads = 1
-claim_idle_s = 10
-[trainer]
-lr = 1e-4
-max_steps = 0
-micro_batch_size = 8
-threads = 1
-dedup_window = 200
-""")
+    (work / "run.toml").write_text(tiny_run_config(
+        run=RUN, redis_url=f"redis://127.0.0.1:{port}/0", output_dir=work / "run", model=work / "model",
+        generator={"claim_idle_s": 10}, trainer={"lr": 1e-4, "max_steps": 0, "dedup_window": 200}))
     env = {**os.environ, "ROLLOUTS_CONFIG": str(work / "run.toml")}
     redis_server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
                                      "--dir", str(work), "--save", ""], stdout=subprocess.DEVNULL)
