@@ -50,8 +50,9 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
     keys = Keys(req.run)
     r = get_current_job().connection
     if not Path(req.path).is_dir():
-        # The trainer keeps only its newest checkpoints; one pruned before its turn came is reported
-        # as skipped (retrying cannot bring it back). Raise keep_checkpoints to evaluate them all.
+        # The trainer holds the checkpoints of the newest queued evaluations (2: trainer.checkpoints.
+        # hold_for_eval); an evaluator further behind finds older ones gone, reported as skipped
+        # (retrying cannot bring them back).
         return report(r, keys, EvalResult(step=req.step, version=req.version,
                                           skipped="checkpoint pruned before its evaluation ran"), req)
     verify_dir(req.path, req.checksums)  # a bad checkpoint fails the job (and is retried)

@@ -9,6 +9,7 @@ import json
 import re
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -312,3 +313,26 @@ def test_a_lower_version_announced_later_is_loaded_once_nothing_is_in_flight(tin
     trio.run(partial(load_weights, state, engine, thread, name="g"))
     assert engine.version == 4 and holds(new) and state.went_back is None and state.weights_refused == 0
     thread.shutdown()
+
+
+def test_a_checkpoint_queued_for_evaluation_outlives_its_pruning(tiny_model, tmp_path):
+    """The evaluator may be slower than `keep_checkpoints` publishes: the checkpoint an evaluation
+    is queued on is held (hard links, no second copy on disk) until two newer ones are held, so
+    pruning the published one takes nothing from the evaluation."""
+    import shutil
+
+    from common.checkpoints import verify_dir
+    from trainer.checkpoints import hold_for_eval
+
+    held = []
+    for step in (10, 20, 30):
+        path, sums = write_checkpoint(trained(tiny_model, seed=step), checkpoint_dir=tmp_path / "checkpoints",
+                                      step=step, source_dir=tiny_model)
+        wv = WeightVersion(version=step, step=step, path=str(path), format="safetensors", checksums=sums,
+                           created_at=0.0)
+        held.append(hold_for_eval(wv))
+        assert (path / "model.safetensors").stat().st_ino == (Path(held[-1].path) / "model.safetensors").stat().st_ino
+        shutil.rmtree(path)  # pruned by the trainer before the evaluator got to it
+        verify_dir(held[-1].path, held[-1].checksums)  # what the evaluator checks, and then loads
+    assert held[-1].checksums == sums and held[-1].version == 30
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "evaluating").iterdir()) == ["step_20", "step_30"]

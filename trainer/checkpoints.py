@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import redis
@@ -145,6 +146,33 @@ def remove_unfinished(checkpoint_dir: Path) -> None:
     """Delete checkpoints half-written by a trainer that was killed (their temporary names)."""
     for tmp in checkpoint_dir.glob(".step_*.tmp"):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+EVALUATING = "evaluating"  # beside the step_N directories: the checkpoints held for a queued evaluation
+HELD_FOR_EVAL = 2  # checkpoints held so at most (older ones go: their evaluations are reported skipped)
+
+
+def hold_for_eval(wv: WeightVersion, *, keep: int = HELD_FOR_EVAL) -> WeightVersion:
+    """`wv` with its files hard-linked into `evaluating/step_N` beside it (copied where the
+    filesystem cannot link), for the evaluation queued on it: pruning the checkpoint no longer
+    pulls it from under an evaluator that is slower than the trainer's `keep_checkpoints`
+    publishes. A link costs no disk until the checkpoint itself is pruned; the newest `keep`
+    held stay (and none past `wv`, from before a restart from an older state)."""
+    src = Path(wv.path)
+    root = src.parent / EVALUATING
+    held, tmp = root / src.name, root / f".{src.name}.tmp"
+    for old in root.glob(".step_*.tmp"):
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        try:
+            os.link(f, tmp / f.name)
+        except OSError:
+            shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(held, ignore_errors=True)
+    os.rename(tmp, held)
+    prune_steps(root, keep=keep, newest=wv.version)
+    return replace(wv, path=str(held))
 
 
 def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -40,7 +40,7 @@ from common.messages import SampleGroup, WeightVersion
 from common.models import resolve_model_path
 from common.progress import Fault, Refused, count_fault, count_refused, count_skipped, read_trainer, write_step
 from common.streams import connect, ensure_group, latest_weights
-from trainer.checkpoints import load_model, place, publish, remove_unfinished, resume
+from trainer.checkpoints import hold_for_eval, load_model, place, publish, remove_unfinished, resume
 from trainer.devices import DTYPES, Placement, placement
 from trainer.grpo import LossOptions
 from trainer.metrics import step_record, summary_line
@@ -206,7 +206,7 @@ def publish_if_due(r: redis.Redis, keys: Keys, state: State, *, last: bool, conf
         save = state.step % (cfg.state_every or cfg.sync_every) == 0 or last
         wv = checkpoint(r, keys, state, save=save, config=config, source_dir=source_dir, state_root=state_root)
         if wv is not None and config.eval.every and wv.version % config.eval.every == 0:
-            enqueue_eval(r, config, wv)  # the evaluator process scores it on held-out problems
+            enqueue_eval(r, config, hold_for_eval(wv))  # the evaluator process scores it on held-out problems
     elif is_main():
         write_step(r, keys, step=state.step)
         state.record.step = state.step
