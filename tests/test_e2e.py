@@ -116,7 +116,12 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
 
     # ---- the trainer published a checkpoint per step and the run's version says so
     assert read_trainer(r, keys).version == STEPS
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_1", "step_2", "step_3"]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["evaluating", "step_1", "step_2", "step_3"]
+    # version 2's evaluation was queued on a hold of its files (hard links), which outlives pruning
+    assert [p.name for p in (checkpoints / "evaluating").iterdir()] == ["step_2"]
+    assert (checkpoints / "evaluating" / "step_2" / "model.safetensors").stat().st_ino == \
+        (checkpoints / "step_2" / "model.safetensors").stat().st_ino
 
     # ---- no prompt was lost: admitted = trained + dropped + still pending somewhere (the streams
     # were trimmed of what was acknowledged as the run went)
