@@ -217,7 +217,6 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
     count_trained(pipe, keys, len(group_ids))
     pipe.execute()
     trim_acknowledged(r, keys.samples)  # what every group has acknowledged; nothing of ours is pending
-    prune_steps(checkpoint_dir, keep=keep, newest=step, spare=source_dir)
     return wv
 
 
