@@ -8,17 +8,7 @@ import redis
 from common.heartbeats import read_counters
 from common.keys import GENERATORS_GROUP, TRAINER_GROUP, Keys
 from common.progress import count_outstanding, read_dropped, read_producer, read_trainer
-
-
-def _group(r: redis.Redis, stream: str, name: str) -> tuple[int, int]:
-    """(pending, lag) of consumer group `name` on `stream`."""
-    if not r.exists(stream):
-        return 0, 0
-    info = {g["name"].decode(): g for g in r.xinfo_groups(stream)}.get(name)
-    if info is None:  # nobody has read it yet: all waiting
-        return 0, r.xlen(stream)
-    assert info["lag"] is not None, f"{stream}: Redis cannot tell {name}'s lag"
-    return info["pending"], info["lag"]
+from common.streams import group_backlog
 
 
 def _added(r: redis.Redis, stream: str) -> int:
@@ -36,8 +26,8 @@ def accounting(r: redis.Redis, keys: Keys) -> dict[str, int]:
     prompts neither trained nor dropped, by id, and `prompts_dropped` those dropped, by id.
     """
     t = read_trainer(r, keys)
-    prompts_pending, prompts_waiting = _group(r, keys.prompts, GENERATORS_GROUP)
-    samples_pending, samples_waiting = _group(r, keys.samples, TRAINER_GROUP)
+    prompts_pending, prompts_waiting = group_backlog(r, keys.prompts, GENERATORS_GROUP)
+    samples_pending, samples_waiting = group_backlog(r, keys.samples, TRAINER_GROUP)
     acc = {
         "admitted": read_producer(r, keys).admitted,
         "trained": t.groups_trained,

@@ -16,14 +16,6 @@ if TYPE_CHECKING:
     from common.progress import TrainerProgress, TrainerStatus
 
 
-def _group_info(r, stream: str, group: str) -> dict:
-    """Pending and not-yet-delivered counts of `group` on `stream` (zeros if absent)."""
-    if not r.exists(stream):
-        return {"length": 0, "pending": 0, "lag": 0}
-    info = {g["name"].decode(): g for g in r.xinfo_groups(stream)}.get(group, {})
-    return {"length": r.xlen(stream), "pending": info.get("pending", 0), "lag": info.get("lag") or 0}
-
-
 def _trainer_line(trainer: TrainerProgress, status: TrainerStatus | None, now: float) -> str:
     line = (f"trainer    step {trainer.step}  version {trainer.version}  "
             # groups acknowledged: trained and in a saved trainer state
@@ -67,18 +59,19 @@ def status_lines(r, run: str) -> list[str]:
     from common.keys import GENERATORS_GROUP, TRAINER_GROUP, Keys
     from common.metrics import latest_step, status_line
     from common.progress import read_producer, read_status, read_trainer
+    from common.streams import group_backlog
 
     keys = Keys(run)
     producer = read_producer(r, keys)
-    prompts = _group_info(r, keys.prompts, GENERATORS_GROUP)
-    samples = _group_info(r, keys.samples, TRAINER_GROUP)
+    prompts_pending, prompts_waiting = group_backlog(r, keys.prompts, GENERATORS_GROUP)
+    samples_pending, samples_waiting = group_backlog(r, keys.samples, TRAINER_GROUP)
     now = time.time()
     lines = [
         f"run {run}",
         f"producer   admitted {producer.admitted}  skipped rows {producer.rows_skipped}  "
         + "  ".join(f"{name} at {p.epoch}:{p.offset}" for name, p in producer.sources.items()),
-        f"prompts    waiting {prompts['lag']}  in flight {prompts['pending']}  dead {r.xlen(keys.prompts_dead)}",
-        f"samples    stream {samples['length']}  waiting {samples['lag']}  unacknowledged {samples['pending']}  "
+        f"prompts    waiting {prompts_waiting}  in flight {prompts_pending}  dead {r.xlen(keys.prompts_dead)}",
+        f"samples    stream {r.xlen(keys.samples)}  waiting {samples_waiting}  unacknowledged {samples_pending}  "
         f"dead {r.xlen(keys.samples_dead)}",
         _trainer_line(read_trainer(r, keys), read_status(r, keys), now),
     ]

@@ -57,6 +57,33 @@ def ensure_group(r: redis.Redis, stream: str, group: str) -> None:
             raise
 
 
+def group_backlog(r: redis.Redis, stream: str, group: str) -> tuple[int, int]:
+    """(pending, waiting) of consumer group `group` on `stream`: entries delivered and not yet
+    acknowledged, and entries not yet delivered (all of them if nobody has read the stream).
+
+    Waiting is XINFO GROUPS' `lag` when Redis knows it. Redis 7.0 forgets a group's read counter
+    when it replays its append-only file (XCLAIM ... LASTID moves the group without it), and then
+    knows the lag only once the group has read up to the last entry: there the entries past the
+    last delivered id are counted.
+    """
+    if not r.exists(stream):
+        return 0, 0
+    info = {g["name"].decode(): g for g in r.xinfo_groups(stream)}.get(group)
+    if info is None:
+        return 0, r.xlen(stream)
+    if info["lag"] is not None:
+        return info["pending"], info["lag"]
+    waiting, start = 0, info["last-delivered-id"]
+    while entries := r.xrange(stream, min=b"(" + _as_bytes(start), count=1000):
+        waiting += len(entries)
+        start = entries[-1][0]
+    return info["pending"], waiting
+
+
+def _as_bytes(entry_id: bytes | str) -> bytes:
+    return entry_id if isinstance(entry_id, bytes) else entry_id.encode()
+
+
 def dead_letter(pipe: redis.client.Pipeline, *, dead_stream: str, source: str, entry_id: bytes | str,
                 fields: dict, reason: str) -> None:
     """Queue (on a MULTI pipeline) an entry's move to `dead_stream` with its reason."""

@@ -1,5 +1,10 @@
-from common.keys import PAYLOAD, Keys
-from common.streams import connect, dead_letter, ensure_group, lost_redis, redacted
+import redis
+
+from common.audit import accounting
+from common.cli import status_lines
+from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
+from common.streams import connect, dead_letter, ensure_group, group_backlog, lost_redis, redacted
+from tests.conftest import free_port, start_redis
 
 
 def test_passwords_never_reach_the_logs():
@@ -22,3 +27,33 @@ def test_groups_are_created_once_and_dead_letters_keep_the_payload(redis_url):
     [(_, entry)] = r.xrange(keys.samples_dead)
     assert entry == {b"source": keys.samples.encode(), b"entry_id": b"1-0", b"reason": b"not MessagePack",
                      b"payload": b"\x00junk"}
+
+
+def test_what_waits_in_a_stream_is_counted_after_redis_replays_its_append_only_file(tmp_path):
+    """Redis 7.0 forgets a group's read counter when it replays its append-only file, and reports
+    no lag until the group reaches the last entry: the audit and `rollouts status` still count
+    the entries not yet delivered."""
+    port, data = free_port(), tmp_path / "redis"
+    keys = Keys("replayed")
+    server = start_redis(data, port)
+    try:
+        r = redis.Redis(port=port)
+        ensure_group(r, keys.prompts, GENERATORS_GROUP)
+        ensure_group(r, keys.samples, TRAINER_GROUP)
+        for i in range(2500):  # more than one page of the count
+            r.xadd(keys.prompts, {PAYLOAD: str(i)})
+        r.xadd(keys.samples, {PAYLOAD: b"g"})
+        read = r.xreadgroup(GENERATORS_GROUP, "gen", {keys.prompts: ">"}, count=7)[0][1]
+        r.xack(keys.prompts, GENERATORS_GROUP, read[0][0])
+        assert group_backlog(r, keys.prompts, GENERATORS_GROUP) == (6, 2493)
+        server.terminate()
+        server.wait(timeout=10)
+        server = start_redis(data, port)
+        assert group_backlog(r, keys.prompts, GENERATORS_GROUP) == (6, 2493)
+        assert group_backlog(r, keys.samples, TRAINER_GROUP) == (0, 1)  # nobody has read it
+        acc = accounting(r, keys)
+        assert (acc["prompts_pending"], acc["prompts_waiting"], acc["samples_waiting"]) == (6, 2493, 1)
+        assert any("waiting 2493  in flight 6" in line for line in status_lines(r, "replayed"))
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

@@ -70,11 +70,10 @@ def feed(r, keys, *, low: int = 64, batch: int = 128, start: list[int]) -> None:
     """Keep at least `low` prompts waiting in the prompts stream (arithmetic, 4 completions each)."""
     from common.keys import GENERATORS_GROUP, PAYLOAD
     from common.messages import PromptTask, encode
+    from common.streams import group_backlog
     from tasks.arithmetic import problem
 
-    groups = {g["name"].decode(): g for g in r.xinfo_groups(keys.prompts)} if r.exists(keys.prompts) else {}
-    lag = groups[GENERATORS_GROUP]["lag"] if GENERATORS_GROUP in groups else r.xlen(keys.prompts)
-    if lag is not None and lag >= low:
+    if group_backlog(r, keys.prompts, GENERATORS_GROUP)[1] >= low:
         return
     with r.pipeline(transaction=False) as pipe:
         for i in range(start[0], start[0] + batch):
