@@ -202,8 +202,11 @@ max_episode_tokens = 64
         for c in g.completions:
             check_episode(c, env_turns=c.finish != "stop" or len(model_turns(c.loss_mask, c.ids)) > 1)
             assert c.finish in ("stop", "turns", "length") and c.reward_error is None
-    # The random tiny model never finds the number in one guess: every guessing episode is multi-turn.
-    assert all(len(model_turns(c.loss_mask, c.ids)) >= 2 for g in by_source["guess"] for c in g.completions)
+    # A guessing episode ends after one model turn only when that guess was right (reward 1); the
+    # random tiny model seldom guesses right (1 in 20), so episodes go on with the game's hints.
+    guesses = [(len(model_turns(c.loss_mask, c.ids)), c.reward) for g in by_source["guess"] for c in g.completions]
+    assert all(turns >= 2 or reward == 1.0 for turns, reward in guesses), guesses
+    assert any(turns >= 2 for turns, _ in guesses), guesses
     # The trainer's length counts the model's tokens only.
     step1 = [g for g in groups if g.id in metrics[0]["group_ids"]]
     model_tokens = [sum(c.loss_mask) for g in step1 for c in g.completions]
