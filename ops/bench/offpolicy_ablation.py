@@ -48,8 +48,9 @@ def run_pipeline(*, staleness: int, correction: str, steps: int, tmp: Path, extr
     tmp.mkdir(parents=True)
     port = free_port()
     (tmp / "Procfile").write_text("\n".join([
-        "redis: mkdir -p redis && exec redis-server --port ${REDIS_PORT} --bind 127.0.0.1 --appendonly yes "
-        "--dir redis --save ''",
+        # ops/redis-last: Redis outlives the generator finishing its prompts at the last step
+        f"redis: mkdir -p redis && exec {PY} {ROOT / 'ops' / 'redis-last'} redis-server --port ${{REDIS_PORT}} "
+        "--bind 127.0.0.1 --appendonly yes --dir redis --save ''",
         f"producer: exec {PY} -m producers",
         f"generator: exec {PY} -m generators",
         f"trainer: exec {PY} -m trainer",
