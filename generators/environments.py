@@ -15,14 +15,8 @@ call's limit counts from when a worker takes it (waiting for a free worker is no
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import queue
-import threading
-import time
-from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 from envs import base
@@ -30,8 +24,6 @@ from generators import processes
 
 if TYPE_CHECKING:
     from common.config import Config
-
-START_TIMEOUT_S = 120.0  # a worker has this long to import the environments and say it is ready
 
 
 def environment_specs(config: Config) -> dict[str, base.Spec]:
@@ -63,15 +55,12 @@ def _call(envs: dict[str, Any], op: str, name: str, args: tuple) -> tuple[str, A
         return "error", f"{type(err).__name__}: {err}"[:500]
 
 
-def _worker(names: list[str], conn: Connection, parent: int) -> None:
-    os.setpgrp()  # its own process group: a kill takes whatever the environment started along
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    try:
-        envs = {name: base.load(name) for name in names}
-    except ValueError as err:
-        conn.send(("failed", str(err)))
-        return
-    conn.send(("ready", None))
+def _load(names: list[str]) -> dict[str, Any]:
+    return {name: base.load(name) for name in names}
+
+
+def _serve(envs: dict[str, Any], conn: Connection) -> None:
+    """Answer start and step requests until the pipe closes."""
     while True:
         try:
             op, name, args = conn.recv()
@@ -84,20 +73,11 @@ def _worker(names: list[str], conn: Connection, parent: int) -> None:
             conn.send(("error", f"the environment's {op} returned what cannot be sent back: {err}"))
 
 
-def _exit_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
+def _worker(names: list[str], conn: Connection, parent: int) -> None:
+    processes.serve_worker(partial(_load, names), _serve, conn, parent)
 
 
 # ---------------------------------------------------------------------- the runner
-
-
-@dataclass(slots=True, eq=False)
-class _Worker:
-    process: BaseProcess
-    conn: Connection
-    ready: bool = False
 
 
 class EnvRunner:
@@ -107,19 +87,18 @@ class EnvRunner:
     def __init__(self, names: list[str], *, workers: int) -> None:
         assert workers >= 1, f"workers must be >= 1, got {workers}"
         self._names = sorted(set(names))
-        self._ctx = multiprocessing.get_context("spawn")
-        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._live: set[_Worker] = set()
         self._closed = False
-        self.restarts = 0  # workers killed (time limit) or found dead, and replaced
-        started = [self._start() for _ in range(workers)]
-        for worker in started:
-            failed = self._await_ready(worker)
-            if failed is not None:
-                self.close()
-                raise RuntimeError(failed)
-            self._idle.put(worker)
+        self._pool = processes.WorkerPool(_worker, (self._names,), workers=workers, kind="environment",
+                                          loads="its environments")
+
+    @property
+    def restarts(self) -> int:
+        """Workers killed (time limit) or found dead, and replaced."""
+        return self._pool.restarts
+
+    def pids(self) -> list[int]:
+        """The process ids of its workers."""
+        return self._pool.pids()
 
     def start(self, name: str, meta: dict[str, Any], *, timeout_s: float) -> tuple[Any, str | None]:
         """(the episode's state, None), or (None, why it failed)."""
@@ -130,11 +109,8 @@ class EnvRunner:
         return self._request("step", name, (state, text), timeout_s)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            live, self._live = list(self._live), set()
-        for worker in live:
-            processes.kill(worker.process, worker.conn)
+        self._closed = True
+        self._pool.close()
 
     def __enter__(self) -> EnvRunner:
         return self
@@ -147,62 +123,27 @@ class EnvRunner:
     def _request(self, op: str, name: str, args: tuple, timeout_s: float) -> tuple[Any, str | None]:
         assert not self._closed, f"{op}() on a closed EnvRunner"
         assert name in self._names, f"environment {name!r} was not loaded (have {self._names})"
-        worker = self._idle.get()  # blocks while every worker is busy
+        worker = self._pool.take()  # blocks while every worker is busy
         try:
-            failed = self._await_ready(worker)
+            failed = self._pool.await_ready(worker)
             if failed is not None:
-                worker = self._replace(worker)
+                worker = self._pool.replace(worker)
                 return None, failed
             try:
                 worker.conn.send((op, name, args))
             except OSError:  # it died while idle
-                worker = self._replace(worker)
+                worker = self._pool.replace(worker)
                 return None, "environment worker died"
             if not worker.conn.poll(timeout_s):
-                worker = self._replace(worker)
+                worker = self._pool.replace(worker)
                 return None, f"the environment did not answer within {timeout_s:g} s"
             try:
                 kind, value = worker.conn.recv()
             except (EOFError, OSError):
                 worker.process.join(timeout=1.0)
                 code = worker.process.exitcode
-                worker = self._replace(worker)
+                worker = self._pool.replace(worker)
                 return None, f"environment worker died (exit code {code})"
             return (value, None) if kind == "ok" else (None, value)
         finally:
-            self._idle.put(worker)
-
-    def _start(self) -> _Worker:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the EnvRunner is closed")
-            ours, theirs = self._ctx.Pipe(duplex=True)
-            process = self._ctx.Process(target=_worker, args=(self._names, theirs, os.getpid()),
-                                        name="env-worker", daemon=True)
-            process.start()
-            theirs.close()
-            worker = _Worker(process, ours)
-            self._live.add(worker)
-            return worker
-
-    def _replace(self, old: _Worker) -> _Worker:
-        with self._lock:
-            self._live.discard(old)
-            self.restarts += 1
-        processes.kill(old.process, old.conn)
-        return self._start()
-
-    def _await_ready(self, worker: _Worker) -> str | None:
-        if worker.ready:
-            return None
-        if not worker.conn.poll(START_TIMEOUT_S):
-            return f"environment worker did not start within {START_TIMEOUT_S:g} s"
-        try:
-            kind, detail = worker.conn.recv()
-        except (EOFError, OSError):
-            worker.process.join(timeout=1.0)
-            return f"environment worker died while starting (exit code {worker.process.exitcode})"
-        if kind != "ready":
-            return f"environment worker cannot load its environments: {detail}"
-        worker.ready = True
-        return None
+            self._pool.give(worker)

@@ -28,14 +28,9 @@ RewardRunner keeps its work under `if __name__ == "__main__":`; `python -m gener
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import queue
-import threading
-import time
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 from common import rewards
@@ -43,9 +38,6 @@ from generators import processes
 
 if TYPE_CHECKING:
     from common.config import Config
-
-# A worker has this long to import its reward functions and say it is ready.
-START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,16 +73,12 @@ def reward_names(config: Config) -> Names:
 # ---------------------------------------------------------------------- the worker process
 
 
-def _worker(names: Names, conn: Connection, parent: int) -> None:
-    """A reward worker's life: load the rewards, then score groups until the pipe closes."""
-    os.setpgrp()  # its own process group: a kill takes whatever the reward started along
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    try:
-        fns = {source: rewards.load_all(_funcs(spec)) for source, spec in names.items()}
-    except ValueError as err:
-        conn.send(("failed", str(err)))
-        return
-    conn.send(("ready", None))
+def _load(names: Names) -> dict[str, list[rewards.RewardFunc]]:
+    return {source: rewards.load_all(_funcs(spec)) for source, spec in names.items()}
+
+
+def _serve(fns: dict[str, list[rewards.RewardFunc]], conn: Connection) -> None:
+    """Score groups until the pipe closes."""
     while True:
         try:
             source, prompt, messages, meta, completions = conn.recv()
@@ -101,27 +89,16 @@ def _worker(names: Names, conn: Connection, parent: int) -> None:
             conn.send(result)
 
 
-def _exit_with_parent(parent: int) -> None:
-    """End this worker once the generator is gone, even while a reward hangs: this thread runs
-    between the reward's bytecodes, or whenever it releases the GIL (a sleep)."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
+def _worker(names: Names, conn: Connection, parent: int) -> None:
+    processes.serve_worker(partial(_load, names), _serve, conn, parent)
 
 
 # ---------------------------------------------------------------------- the runner
 
 
 @dataclass(slots=True, eq=False)
-class _Worker:
-    process: BaseProcess
-    conn: Connection     # the generator's end of the worker's pipe
-    ready: bool = False  # it said it loaded its reward functions
-
-
-@dataclass(slots=True, eq=False)
 class _Slot:
-    worker: _Worker  # the slot's current worker; replaced when it is killed or dies
+    worker: processes.Worker  # the slot's current worker; replaced when it is killed or dies
 
 
 class RewardRunner:
@@ -137,23 +114,21 @@ class RewardRunner:
         assert timeout_s > 0, f"timeout_s must be positive, got {timeout_s}"
         assert workers >= 0, f"workers must be >= 0, got {workers}"
         self._names = dict(names)
-        # loaded here too, to fail fast
-        self._fns = {source: rewards.load_all(_funcs(spec)) for source, spec in self._names.items()}
+        self._fns = _load(self._names)  # loaded here too, to fail fast
         self._timeout_s = timeout_s
         self._in_process = workers == 0
-        self._ctx = multiprocessing.get_context("spawn")
-        self._idle: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _live, _closed, restarts
-        self._live: set[_Worker] = set()  # every started worker not yet killed, for close()
         self._closed = False
-        self.restarts = 0  # workers killed (timeout) or found dead, and replaced
-        slots = [_Slot(self._start()) for _ in range(workers)]  # start them all, then wait
-        for slot in slots:
-            failed = self._await_ready(slot.worker)
-            if failed is not None:
-                self.close()
-                raise RuntimeError(failed)
-            self._idle.put(slot)
+        self._pool = processes.WorkerPool(_worker, (self._names,), workers=workers, kind="reward",
+                                          loads="its rewards")
+
+    @property
+    def restarts(self) -> int:
+        """Workers killed (timeout) or found dead, and replaced."""
+        return self._pool.restarts
+
+    def pids(self) -> list[int]:
+        """The process ids of its workers."""
+        return self._pool.pids()
 
     def score(self, source: str | None, *, prompt: str, completions: list[tuple[str, list[int]]],
               meta: dict[str, Any], messages: list[dict[str, str]] | None = None) -> list[Scored]:
@@ -173,19 +148,16 @@ class RewardRunner:
         if self._in_process:
             return [Scored(*r) for r in rewards.score_group(self._fns[key], prompt=prompt, messages=messages,
                                                             completions=completions, meta=meta)]
-        slot = self._idle.get()  # blocks while every worker is busy
+        slot = _Slot(self._pool.take())  # blocks while every worker is busy
         try:
             return self._run(slot, key, prompt=prompt, messages=messages, completions=completions, meta=meta)
         finally:
-            self._idle.put(slot)
+            self._pool.give(slot.worker)
 
     def close(self) -> None:
         """Kill every worker. Call it once no `score` is running; `score` afterwards is an error."""
-        with self._lock:
-            self._closed = True
-            live, self._live = list(self._live), set()
-        for worker in live:
-            processes.kill(worker.process, worker.conn)
+        self._closed = True
+        self._pool.close()
 
     def __enter__(self) -> RewardRunner:
         return self
@@ -203,14 +175,14 @@ class RewardRunner:
         batched = any(f.batched for f in self._fns[source])
         while len(results) < len(completions):
             worker = slot.worker
-            failed = self._await_ready(worker)
+            failed = self._pool.await_ready(worker)
             if failed is not None:  # a replacement that cannot start: nothing to run the rest on
-                self._replace(slot)
+                slot.worker = self._pool.replace(worker)
                 return results + [Scored(0.0, {}, failed) for _ in completions[len(results):]]
             try:
                 worker.conn.send((source, prompt, messages, meta, completions[len(results):]))
             except OSError:  # it died while idle (killed from outside): a fresh one takes the group
-                self._replace(slot)
+                slot.worker = self._pool.replace(worker)
                 continue
             first = batched  # the first result waits for the group's TRL calls too
             while len(results) < len(completions):
@@ -218,7 +190,7 @@ class RewardRunner:
                 if not worker.conn.poll(budget):
                     late = len(completions) - len(results) if first else 1
                     results += [Scored(0.0, {}, f"timeout after {budget:g} s")] * late
-                    self._replace(slot)
+                    slot.worker = self._pool.replace(worker)
                     break
                 first = False
                 try:
@@ -226,44 +198,6 @@ class RewardRunner:
                 except (EOFError, OSError):  # the reward took the worker down (os._exit, a crash)
                     worker.process.join(timeout=1.0)
                     results.append(Scored(0.0, {}, f"reward worker died (exit code {worker.process.exitcode})"))
-                    self._replace(slot)
+                    slot.worker = self._pool.replace(worker)
                     break
         return results
-
-    def _start(self) -> _Worker:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the RewardRunner is closed")
-            ours, theirs = self._ctx.Pipe(duplex=True)
-            process = self._ctx.Process(target=_worker, args=(self._names, theirs, os.getpid()),
-                                        name="reward-worker", daemon=True)
-            process.start()
-            theirs.close()  # the worker holds its end: our recv sees EOF when it dies
-            worker = _Worker(process, ours)
-            self._live.add(worker)
-            return worker
-
-    def _replace(self, slot: _Slot) -> None:
-        """Kill the slot's worker and give the slot a fresh one (it is waited for when next used)."""
-        old = slot.worker
-        with self._lock:
-            self._live.discard(old)
-            self.restarts += 1
-        processes.kill(old.process, old.conn)
-        slot.worker = self._start()
-
-    def _await_ready(self, worker: _Worker) -> str | None:
-        """None once the worker has loaded its rewards, else why it cannot score."""
-        if worker.ready:
-            return None
-        if not worker.conn.poll(START_TIMEOUT_S):
-            return f"reward worker did not start within {START_TIMEOUT_S:g} s"
-        try:
-            kind, detail = worker.conn.recv()
-        except (EOFError, OSError):
-            worker.process.join(timeout=1.0)
-            return f"reward worker died while starting (exit code {worker.process.exitcode})"
-        if kind != "ready":
-            return f"reward worker cannot load its rewards: {detail}"
-        worker.ready = True
-        return None

@@ -91,7 +91,7 @@ def test_hung_workers_are_killed_and_replaced_without_leaking_a_process_or_a_slo
             t.join(timeout=60)
         assert out == [[Scored(0.0, {}, "timeout after 0.5 s"), OK]] * 4
         assert runner.restarts == 4
-        live = {w.process.pid for w in runner._live}
+        live = set(runner.pids())
         assert len(live) == 2 and worker_processes() == live, "a killed worker was left behind"
         assert runner.score("m", prompt="p", completions=group("ok", "ok"), meta={}) == [OK, OK]
 
@@ -193,8 +193,7 @@ def test_a_name_that_does_not_load_fails_at_start():
 
 def test_a_closed_runner_has_no_workers_left():
     runner = RewardRunner({"h": f"{FIX}:half"}, timeout_s=1, workers=2)
-    processes = [w.process for w in runner._live]
-    pids = [p.pid for p in processes]
+    pids = runner.pids()
     runner.close()
     assert not any(_alive(pid) for pid in pids)
     with pytest.raises(AssertionError, match="closed"):
@@ -208,7 +207,7 @@ def test_workers_end_with_a_killed_generator(tmp_path: Path):
         import os, threading, time
         from generators.scoring import RewardRunner
         runner = RewardRunner({{"m": "tests.reward_fixtures:hang_once_started"}}, timeout_s=600, workers=2)
-        print(*(w.process.pid for w in runner._live), flush=True)
+        print(*runner.pids(), flush=True)
         meta = {{"started": {str(started)!r}}}
         threading.Thread(target=runner.score, args=("m",), daemon=True,
                          kwargs={{"prompt": "p", "completions": [("x", [1])], "meta": meta}}).start()
