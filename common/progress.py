@@ -36,6 +36,9 @@ class TrainerProgress:
 
     step: int = 0  # trainer steps done (written every step)
     version: int = 0  # the newest published weight version (0: the initial weights); producers admit against it
+    # the highest version published before the trainer last went back to an older saved state (0: it
+    # never did): groups sampled with a version above its step, up to this, used weights it abandoned
+    version_max: int = 0
     state_step: int = 0  # the step of the newest saved trainer state; 0: none saved yet
     groups_trained: int = 0  # groups acknowledged together with a saved trainer state holding their update
     groups_dead: int = 0  # sample entries dead-lettered (did not decode or validate)
@@ -62,13 +65,16 @@ def read_trainer(r: redis.Redis, keys: Keys) -> TrainerProgress:
 
 
 def write_step(r: Client, keys: Keys, *, step: int, version: int | None = None,
-               state_step: int | None = None) -> None:
-    """Record `step` (and the published `version`, and the saved trainer state's step, when given)."""
+               state_step: int | None = None, version_max: int | None = None) -> None:
+    """Record `step` (and the published `version`, the saved trainer state's step and the highest
+    version published before going back, when given)."""
     mapping = {"step": step}
     if version is not None:
         mapping["version"] = version
     if state_step is not None:
         mapping["state_step"] = state_step
+    if version_max:
+        mapping["version_max"] = version_max
     r.hset(keys.trainer, mapping=mapping)
 
 

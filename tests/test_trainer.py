@@ -169,6 +169,29 @@ def test_restarted_trainer_resumes_and_never_retrains_a_group(tmp_path, redis_ur
     assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0
 
 
+def test_a_trainer_gone_back_to_an_older_state_drops_groups_sampled_with_the_weights_it_abandoned(
+        tmp_path, redis_url, r, tiny_model):
+    """Versions 3 and 4 were published, then the trainer stopped before saving a state past step 2
+    (state_every above sync_every): restarted, it publishes steps 3 and 4 again with other weights.
+    Groups stamped 3 or 4 before then were sampled with the abandoned weights: dropped as stale,
+    counted. A version never published in the run (a replayed recording's) is trained as before."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(5)
+    for i in range(4):
+        xadd(r, encode(make_group(model, f"a{i}", version=0, rng=rng)))
+    run_trainer(tmp_path, redis_url, tiny_model, max_steps=2)
+    r.hset(KEYS.trainer, mapping={"step": 4, "version": 4})  # what the stopped incarnation had published
+    for gid, version in (("x0", 3), ("x1", 4), ("y0", 2), ("y1", 2), ("w0", 9), ("w1", 9)):
+        xadd(r, encode(make_group(model, gid, version=version, rng=rng)))
+    proc = run_trainer(tmp_path, redis_url, tiny_model, max_steps=4)
+    assert "resuming at step 2, below version 4 it had published" in proc.stdout
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["group_ids"]) for m in lines[2:]] == [(3, ["y0", "y1"]), (4, ["w0", "w1"])]
+    progress = read_trainer(r, KEYS)
+    assert (progress.groups_dropped_stale, progress.version, progress.version_max) == (2, 4, 4)
+    assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0
+
+
 def test_sigterm_publishes_unpublished_steps_and_exits_0(tmp_path, redis_url, r, tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rng = random.Random(2)

@@ -251,14 +251,17 @@ def resume(r: redis.Redis, keys: Keys, *, where: Placement, source_dir: Path, st
     """The model (placed and sharded as `where` says), its AdamW and lr schedule, and the step they
     are at: where this run's newest saved trainer state or published checkpoint left off, else the
     initial model at step 0. With `lora` (rank > 0) the model carries adapters and AdamW trains
-    them alone. Rank 0 records the step in the trainer hash as both steps done and published version."""
+    them alone. Rank 0 records the step in the trainer hash as both steps done and published version,
+    and, where the run had published past it, the highest version it had (`version_max`)."""
     step, weights = resume_point(r, keys, source_dir=source_dir, state_root=state_root)
     model = load_model(weights, where.weights_dtype)
     if lora is not None and lora.rank:
         model = apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                            target_modules=lora.target_modules)
-    if is_main():
-        write_step(r, keys, step=step, version=step)  # the newest published weights (the initial ones are 0)
+    if is_main():  # the newest published weights (the initial ones are 0); going back, the highest published
+        had = read_trainer(r, keys)
+        above = max(had.version_max, had.version)
+        write_step(r, keys, step=step, version=step, version_max=above if above > step else None)
     model = place(model, where)  # on its device; FSDP2 under torchrun
     trained = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters
     optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)

@@ -212,6 +212,18 @@ def publish_if_due(r: redis.Redis, keys: Keys, state: State, *, last: bool, conf
         state.record.step = state.step
 
 
+def note_going_back(state: State) -> None:
+    """Say so when the trainer resumed from a state older than its last publish (a stop between a
+    publish and the next saved state): it publishes those step numbers again, with other weights;
+    `resume` kept the highest version published before in Redis, and groups sampled with the
+    abandoned versions are dropped as stale (trainer/samples.py)."""
+    if state.record.version_max <= state.step:
+        return
+    say(f"trainer: resuming at step {state.step}, below version {state.record.version_max} it had published: "
+        f"groups sampled with versions {state.step + 1}-{state.record.version_max} before this start used "
+        "weights it abandoned, and are dropped as stale")
+
+
 def check_redis(r: redis.Redis, keys: Keys, state: State, *, consumer: str) -> None:
     """Before a step: read this rank's pending entries again when it holds entries it never saw,
     and put Redis right first if it lost writes the trainer made (trainer/record.py).
@@ -316,6 +328,7 @@ def run(config: Config) -> None:
         lora=cfg.lora)
     state = State(model, optimizer, scheduler, step=step, version=step, record=Record.of(read_trainer(r, keys)),
                   updates=1 if cfg.objective == "sft" else cfg.updates_per_batch)
+    note_going_back(state)
     sft = cfg.objective == "sft"
     update = objective(cfg, rollout, source_dir=source_dir, where=where)
     tracker = Tracker(r, config) if rank == 0 else None
@@ -337,7 +350,8 @@ def run(config: Config) -> None:
                                     limits=config.limits, trained=state.record.trained,
                                     skip=set(state.unacked_entries),
                                     between=partial(between_reads, r, keys, state, world=world, config=config,
-                                                    source_dir=source_dir, state_root=state_root))
+                                                    source_dir=source_dir, state_root=state_root),
+                                    abandoned_upto=state.record.version_max)
         if any_rank(got is None):  # a stop while waiting: what this rank read stays pending
             break
         everyone, mine = gather_groups(r, keys, got, rank)

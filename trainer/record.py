@@ -29,16 +29,18 @@ class Record:
     groups_trained: int  # groups acknowledged with a saved state, over the run
     latest: WeightVersion | None = None  # the newest published weights
     trained: dict[str, int] = field(default_factory=dict)  # group id -> step, the last dedup_window steps
+    version_max: int = 0  # the highest version ever published in the run (TrainerProgress.version_max)
 
     @classmethod
     def of(cls, progress: TrainerProgress) -> Record:
         return cls(step=progress.step, version=progress.version, state_step=progress.state_step,
-                   groups_trained=progress.groups_trained)
+                   groups_trained=progress.groups_trained, version_max=max(progress.version_max, progress.version))
 
     def published(self, wv: WeightVersion | None, *, step: int, saved: bool, group_ids: list[str],
                   dedup_window: int) -> None:
         """After `publish`: the version of `step`, and with `saved` the groups it acknowledged."""
         self.step = self.version = step
+        self.version_max = max(self.version_max, step)
         self.latest = wv or self.latest
         if saved:
             self.state_step = step
@@ -57,7 +59,8 @@ def put_right(r: redis.Redis, keys: Keys, record: Record) -> TrainerProgress:
     """Write `record` back into Redis in one transaction; returns what Redis had."""
     had = read_trainer(r, keys)
     pipe = r.pipeline(transaction=True)
-    write_step(pipe, keys, step=record.step, version=record.version, state_step=record.state_step)
+    write_step(pipe, keys, step=record.step, version=record.version, state_step=record.state_step,
+               version_max=record.version_max if record.version_max > record.version else None)
     restore_trained(pipe, keys, groups_trained=record.groups_trained, trained=record.trained)
     if record.latest is not None:
         blob = encode(record.latest)
