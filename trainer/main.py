@@ -219,9 +219,10 @@ def note_going_back(state: State) -> None:
     abandoned versions are dropped as stale (trainer/samples.py)."""
     if state.record.version_max <= state.step:
         return
-    say(f"trainer: resuming at step {state.step}, below version {state.record.version_max} it had published: "
-        f"groups sampled with versions {state.step + 1}-{state.record.version_max} before this start used "
-        "weights it abandoned, and are dropped as stale")
+    low, high = state.step + 1, state.record.version_max
+    versions = f"version {high}" if low == high else f"versions {low}-{high}"
+    say(f"trainer: resuming at step {state.step}, below version {high} it had published: groups sampled with "
+        f"{versions} before this start used weights it abandoned, and are dropped as stale")
 
 
 def check_redis(r: redis.Redis, keys: Keys, state: State, *, consumer: str) -> None:
