@@ -1,7 +1,10 @@
 """One typed, validated configuration per run.
 
 Every process loads the same TOML file (path from `--config`, else `$ROLLOUTS_CONFIG`, else
-`rollouts.toml` in the working directory; `--config a.toml --config b.toml`: b overrides a).
+`$ROLLOUTS_DEFAULT_CONFIG`, else `rollouts.toml` in the working directory; `--config a.toml
+--config b.toml`: b overrides a). The checkout's `.env` sets only ROLLOUTS_DEFAULT_CONFIG (the
+demo's file): honcho lets `.env` override the shell, so `ROLLOUTS_CONFIG=x.toml honcho start` would
+lose to a ROLLOUTS_CONFIG there; a default under another name cannot.
 Environment variables override single fields: `ROLLOUTS_<SECTION>__<FIELD>`
 (`ROLLOUTS_TRAINER__LR=1e-5`, `ROLLOUTS_REDIS_URL=...`), and command-line flags override both:
 `--trainer.lr 1e-5` (`python -m trainer --help` lists them all, with their defaults). A value
@@ -23,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 ENV_PREFIX = "ROLLOUTS_"
 ENV_CONFIG_FILE = "ROLLOUTS_CONFIG"  # names the TOML file; not a field
+ENV_DEFAULT_CONFIG_FILE = "ROLLOUTS_DEFAULT_CONFIG"  # the file when ROLLOUTS_CONFIG is unset (.env); not a field
 
 
 class ConfigError(ValueError):
@@ -560,7 +564,8 @@ class Config(_Section):
     # Run name: every Redis key of the run starts with `rollouts:{run}:`.
     run: str = Field("demo", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     # Redis URL, password or ACL user included (`redis://user:pass@host:port/db`, `rediss://`).
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    # The default is the Redis `./ops/run` starts (the Procfile's, port 6390, loopback only).
+    redis_url: str = "redis://127.0.0.1:6390/0"
     # Where checkpoints (`checkpoints/step_N`) and `metrics.jsonl` land.
     output_dir: str = "runs/demo"
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -654,7 +659,7 @@ def _parse_env_value(raw: str) -> Any:
 def _env_overrides(env: dict[str, str]) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
+        if not name.startswith(ENV_PREFIX) or name in (ENV_CONFIG_FILE, ENV_DEFAULT_CONFIG_FILE):
             continue
         path = name[len(ENV_PREFIX) :].lower().split("__")
         node = overrides
@@ -706,7 +711,8 @@ def load_config(path: str | os.PathLike | list[str] | None = None, *, env: dict[
     env = dict(os.environ) if env is None else env
     paths = [path] if isinstance(path, str | os.PathLike) else list(path or [])
     if not paths:
-        default = env.get(ENV_CONFIG_FILE) or ("rollouts.toml" if Path("rollouts.toml").exists() else None)
+        default = env.get(ENV_CONFIG_FILE) or env.get(ENV_DEFAULT_CONFIG_FILE) \
+            or ("rollouts.toml" if Path("rollouts.toml").exists() else None)
         paths = [default] if default else []
     data: dict[str, Any] = {}
     for one in paths:
@@ -732,8 +738,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> Callable[[argparse.Name
     from pydantic_settings import CliSettingsSource
 
     parser.add_argument("--config", action="append", metavar="FILE",
-                        help=f"TOML file; repeat it and later files override earlier ones (default: ${ENV_CONFIG_FILE} "
-                             "or ./rollouts.toml). Environment variables ROLLOUTS_<SECTION>__<FIELD> override the "
+                        help=f"TOML file; repeat it and later files override earlier ones (default: "
+                             f"${ENV_CONFIG_FILE}, ${ENV_DEFAULT_CONFIG_FILE} or ./rollouts.toml). Environment "
+                             "variables ROLLOUTS_<SECTION>__<FIELD> override the "
                              "files, and the flags below override both.")
     _document_fields()
     source = CliSettingsSource(Config, root_parser=parser, cli_implicit_flags=True, cli_avoid_json=True,

@@ -75,8 +75,19 @@ def test_shipped_demo_config_is_what_the_readme_describes():
     assert (cfg.eval.every, cfg.eval.prompts) == (10, 32)  # every tenth checkpoint, 32 held-out problems
     dotenv = dict(line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines()
                   if "=" in line and not line.startswith("#"))
-    assert dotenv["ROLLOUTS_CONFIG"] == "configs/demo.toml" and dotenv["REDIS_PORT"] == "6390"
-    assert dotenv["ROLLOUTS_REDIS_URL"] == "redis://127.0.0.1:6390/0"
+    # honcho lets .env override the shell: it names the demo's file only as the default, and sets
+    # nothing a user would choose (the config file, the Redis URL), so the environment wins.
+    assert dotenv["ROLLOUTS_DEFAULT_CONFIG"] == "configs/demo.toml"
+    assert not {"ROLLOUTS_CONFIG", "ROLLOUTS_REDIS_URL", "REDIS_PORT"} & set(dotenv)
+    assert cfg.redis_url == load_config(env={}).redis_url == "redis://127.0.0.1:6390/0"  # the Procfile's
+
+
+def test_rollouts_config_wins_over_the_default_config(tmp_path):
+    (a := tmp_path / "a.toml").write_text('run = "a"\n')
+    (b := tmp_path / "b.toml").write_text('run = "b"\n')
+    assert load_config(env={"ROLLOUTS_DEFAULT_CONFIG": str(a)}).run == "a"
+    assert load_config(env={"ROLLOUTS_DEFAULT_CONFIG": str(a), "ROLLOUTS_CONFIG": str(b)}).run == "b"
+    assert load_config(b, env={"ROLLOUTS_DEFAULT_CONFIG": str(a)}).run == "b"  # --config over both
 
 
 # ---------------------------------------------------------------------- the command line
