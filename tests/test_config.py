@@ -90,6 +90,13 @@ def test_rollouts_config_wins_over_the_default_config(tmp_path):
     assert load_config(b, env={"ROLLOUTS_DEFAULT_CONFIG": str(a)}).run == "b"  # --config over both
 
 
+def test_the_documented_variables_that_name_no_field_are_not_taken_for_fields():
+    # README: ROLLOUTS_CACHE moves the prepared model, ROLLOUTS_NO_VLLM=1 ./ops/test leaves vLLM out;
+    # both reach every process ./ops/run starts, which stopped on "cache: unknown field".
+    env = {"ROLLOUTS_CACHE": "/tmp/x", "ROLLOUTS_NO_VLLM": "1", "ROLLOUTS_RUN": "r"}
+    assert load_config(env=env).run == "r"
+
+
 # ---------------------------------------------------------------------- the command line
 
 
