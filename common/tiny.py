@@ -21,7 +21,8 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tiny_model(path: str | Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+def build_tiny_model(path: str | Path, *, hidden: int = 64, layers: int = 2, seed: int = 0,
+                     max_positions: int = 512) -> Path:
     """Write a randomly initialised tiny Llama with a BPE tokenizer and chat template to `path`."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -42,7 +43,7 @@ def build_tiny_model(path: str | Path, *, hidden: int = 64, layers: int = 2, see
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=hidden * 2,
                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                      max_position_embeddings=512, eos_token_id=fast.eos_token_id,
+                      max_position_embeddings=max_positions, eos_token_id=fast.eos_token_id,
                       pad_token_id=fast.pad_token_id, bos_token_id=None, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     return path

@@ -1,0 +1,436 @@
+"""The README as an executable spec: every fenced command and config block of README.md and
+docs/operations.md runs here as written, in a scratch copy of the checkout, or is listed in
+NOT_RUN with the reason it cannot run on this machine. A block added to either file without
+either fails `test_every_block_runs_here_or_says_why_not`.
+
+What stands in for what this machine lacks, and nothing else:
+- the model: `ROLLOUTS_MODEL__PATH` (README "Then bring your own") names a tiny model built in the
+  test, in place of the built-in or a hub model; a command that sets it itself keeps its own;
+- a hub data set: a local directory of the same name and GSM8K's layout (`openai/gsm8k/main/...`,
+  which `datasets.load_dataset` reads before the hub) holds a few hundred GSM8K-shaped problems;
+- a user's own files the README asks for (`data/train.jsonl`, `my_rewards.py`, conversations):
+  written from the README's own text where it gives them, GSM8K-shaped otherwise;
+- Redis's port: `REDIS_PORT` and `ROLLOUTS_REDIS_URL` name a free one, so a run of yours on 6390
+  never meets the tests';
+- GPUs: CPU processes (gloo), and fewer of them where the README starts one per GPU.
+
+Commands run through `bash -c` in their own session, as a terminal runs them; "Ctrl-C" is SIGINT to
+that session's process group, as a terminal sends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+from tests.helpers import ROOT
+
+DOCS = ("README.md", "docs/operations.md")
+FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
+
+
+@dataclass(frozen=True)
+class Block:
+    doc: str
+    lang: str
+    text: str  # dedented
+
+    @property
+    def keys(self) -> list[str]:
+        """A shell block's commands, one per line (comments cut); a config block, its first two lines;
+        any other, its first line."""
+        if self.lang in ("bash", "sh"):
+            return [command(line) for line in self.text.splitlines() if command(line)]
+        lines = self.text.splitlines()[: 2 if self.lang == "toml" else 1]
+        return [f"{self.lang or 'text'}: " + "\n".join(re.sub(r"\s+#.*$", "", line.strip()) for line in lines)]
+
+
+def command(line: str) -> str:
+    return re.sub(r"\s+#.*$", "", line.strip()) if not line.strip().startswith("#") else ""
+
+
+def blocks() -> list[Block]:
+    out = []
+    for doc in DOCS:
+        for indent, lang, text in FENCE.findall((ROOT / doc).read_text()):
+            text = "\n".join(line.removeprefix(indent) for line in text.splitlines())
+            out.append(Block(doc, lang, text))
+    return out
+
+
+def block(key: str) -> Block:
+    found = [b for b in blocks() if key in b.keys]
+    assert len(found) == 1, f"{key!r} is in {len(found)} blocks of {DOCS}"
+    return found[0]
+
+
+MINE = 'toml: [[data.sources]]\nname = "mine"'
+TRL = ("toml: # my_rewards.py, importable from where the generators run:\n"
+       "#   def reward_func(completions, ground_truth, **kwargs):")
+CALC = 'toml: [[data.sources]]\nname = "calc"'
+EVAL = 'toml: [[eval.sources]]\nname = "gsm8k"'
+# Each block (by its key) and the test that runs it as written.
+RUN = {
+    "./ops/run": "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
+    "text: trainer.1   | step   24 | reward 0.500 | acc 0.500 | len  16.7 | stale 1.0/1 | loss +0.0173 | "
+    "ent 0.910 | lr 5.00e-06 | 13.91s":
+        "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
+    ".venv/bin/rollouts status": "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
+    ".venv/bin/rollouts plot --config configs/demo.toml":
+        "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
+    "./ops/run -c generator=4":
+        "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
+    "ROLLOUTS_CONFIG=configs/gsm8k.toml ./ops/run": "test_the_one_gpu_command_runs_the_gsm8k_config",
+    MINE: "test_your_own_data_a_trl_reward_and_an_evaluation_source",
+    TRL: "test_your_own_data_a_trl_reward_and_an_evaluation_source",
+    CALC: "test_your_own_data_a_trl_reward_and_an_evaluation_source",
+    EVAL: "test_your_own_data_a_trl_reward_and_an_evaluation_source",
+    "ROLLOUTS_CONFIG=configs/sft.toml ./ops/run redis producer trainer": "test_sft_then_rl_from_its_checkpoint",
+    "ROLLOUTS_RUN=rl ROLLOUTS_OUTPUT_DIR=runs/rl ROLLOUTS_MODEL__PATH=runs/sft/checkpoints/step_200 ./ops/run":
+        "test_sft_then_rl_from_its_checkpoint",
+    "export ROLLOUTS_CONFIG=configs/gsm8k.toml": "test_the_eight_gpu_split_runs_on_cpu_processes",
+    "CUDA_VISIBLE_DEVICES=4,5,6,7 ./ops/run -c generator=4 redis producer generator &":
+        "test_the_eight_gpu_split_runs_on_cpu_processes",
+    "CUDA_VISIBLE_DEVICES=0,1,2,3 .venv/bin/torchrun --nproc-per-node 4 -m trainer":
+        "test_the_eight_gpu_split_runs_on_cpu_processes",
+    "text: ACL SETUSER rollouts-demo on >a-long-random-password resetkeys ~rollouts:demo:* ~rq:* resetchannels "
+    "&rq:* +@all -@dangerous +info": "test_the_acl_user_of_operations_md_is_confined_to_its_run",
+}
+# Each block that does not run here, and why.
+NOT_RUN = {
+    "./ops/test": "the test suite itself: .ci/run runs it on a fresh clone",
+    "text: producer ──prompts stream──▶ generator × N ──samples stream──▶ trainer": "a picture, not a command",
+}
+
+
+def test_every_block_runs_here_or_says_why_not():
+    keys = [k for b in blocks() for k in b.keys]
+    missing = [k for k in keys if k not in RUN and k not in NOT_RUN]
+    assert not missing, f"blocks of {DOCS} that no test runs and NOT_RUN does not explain: {missing}"
+    stale = [k for k in (*RUN, *NOT_RUN) if k not in keys]
+    assert not stale, f"listed here but in no block of {DOCS} any more: {stale}"
+    tests = {name for name in globals() if name.startswith("test_")}
+    assert set(RUN.values()) <= tests, set(RUN.values()) - tests
+
+
+def config_block(key: str) -> str:
+    return block(key).text
+
+
+# ---------------------------------------------------------------------- the scratch checkout
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("rollouts-cache")
+
+
+@pytest.fixture
+def checkout(tmp_path) -> Path:
+    """A copy of this checkout's files as git sees them (what a clone has), with its .venv."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    dest = tmp_path / "rollouts"
+    for name in filter(None, files):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name).write_bytes(src.read_bytes())
+            (dest / name).chmod(src.stat().st_mode)
+    (dest / ".venv").symlink_to(ROOT / ".venv")
+    return dest
+
+
+@pytest.fixture
+def user_env(tmp_path, tiny_model, model_cache) -> dict[str, str]:
+    """A user's shell: nothing of ours set but the substitutions the module docstring lists."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k in ("HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "ROLLOUTS_NO_VLLM")}
+    env.update(PATH="/usr/local/bin:/usr/bin:/bin", ROLLOUTS_MODEL__PATH=str(tiny_model),
+               ROLLOUTS_CACHE=str(model_cache), REDIS_PORT=str(port),
+               ROLLOUTS_REDIS_URL=f"redis://127.0.0.1:{port}/0", HF_HOME=str(tmp_path / "hf"),
+               HF_HUB_OFFLINE="1", STOP_GRACE_S="60")
+    return env
+
+
+class Shell:
+    """A command typed into a terminal: its own session, its output in a log."""
+
+    def __init__(self, line: str, *, cwd: Path, env: dict[str, str], log: Path):
+        self.log = log
+        self.proc = subprocess.Popen(["bash", "-c", line], cwd=cwd, env=env, start_new_session=True,
+                                     stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, *, timeout: float, what: str) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.text(), re.M)
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        raise AssertionError(f"{what}: no {pattern!r} in the output (exit {self.proc.poll()}):\n"
+                             f"{self.text()[-6000:]}")
+
+    def ctrl_c(self, timeout: float = 180) -> None:
+        """Ctrl-C: honcho exits 130, as a shell does on SIGINT, once every process stopped with 0."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        assert self.wait(timeout) == 130, self.text()[-4000:]
+        stopped = re.findall(r"\| (\S+) stopped \(rc=(-?\d+)\)", self.text())
+        assert stopped and all(rc == "0" for _, rc in stopped), (stopped, self.text()[-4000:])
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"still running after {timeout}s:\n{self.text()[-6000:]}") from None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def run_once(line: str, *, cwd: Path, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def trainer_steps(text: str) -> list[int]:
+    return [int(s) for s in re.findall(r"^\S+ trainer\.1\s+\| step\s+(\d+) \|", text, re.M)]
+
+
+def line_pattern(example: str) -> str:
+    """A regex for lines shaped like `example`: its numbers stand for any number, its spaces for any."""
+    out = []
+    for part in re.split(r"([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?s?|\s+)", example):
+        if not part:
+            continue
+        if part.isspace():
+            out.append(r"\s+")
+        elif re.fullmatch(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?s?", part):
+            out.append(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?" + ("s" if part.endswith("s") else ""))
+        else:
+            out.append(re.escape(part))
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------- the demo
+
+
+def test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it(checkout, user_env,
+                                                                                        tmp_path):
+    (example,) = block("text: trainer.1   | step   24 | reward 0.500 | acc 0.500 | len  16.7 | stale 1.0/1 | "
+                       "loss +0.0173 | ent 0.910 | lr 5.00e-06 | 13.91s").text.splitlines()
+    run = Shell("./ops/run", cwd=checkout, env=user_env, log=tmp_path / "run.log")
+    try:
+        run.wait_for(r"trainer\.1\s+\| step\s+3 \|", timeout=420, what="./ops/run's third step")
+        status = run_once(".venv/bin/rollouts status", cwd=checkout, env=user_env)
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.startswith("run demo\n"), status.stdout
+        assert re.search(r"^trainer\s+step \d+\s+version \d+", status.stdout, re.M), status.stdout
+        assert re.search(r"^generator\s+\S+\s+(vllm|hf)\s+v\d+", status.stdout, re.M), status.stdout
+        run.ctrl_c()
+    finally:
+        run.kill()
+    first = run.text()
+    # The trainer's lines are the README's, field for field.
+    lines = [line for line in first.splitlines() if re.match(r"^\S+ trainer\.1\s+\| step ", line)]
+    assert len(lines) >= 3 and all(re.fullmatch(line_pattern(example), line.split(" ", 1)[1]) for line in lines), \
+        (example, lines[:3])
+    assert "trainer: run 'demo'" in first and "SIGINT received" in first
+    stopped = int(re.search(r"trainer: stopped at step (\d+)", first)[1])
+
+    plot = run_once(block(".venv/bin/rollouts plot --config configs/demo.toml").text, cwd=checkout, env=user_env)
+    assert plot.returncode == 0, plot.stderr
+    assert (checkout / "runs/demo/metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Run again, with four generators: the run goes on from where it stopped.
+    again = Shell("./ops/run -c generator=4", cwd=checkout, env=user_env, log=tmp_path / "again.log")
+    try:
+        again.wait_for(r"trainer\.1\s+\| step\s+\d+ \|", timeout=420, what="the resumed run's first step")
+        for n in range(1, 5):
+            again.wait_for(rf"generator\.{n}\s+\| generator \S+ v\d+: \d+ groups written", timeout=420,
+                           what=f"generator {n} writing groups")
+        again.ctrl_c()
+    finally:
+        again.kill()
+    assert trainer_steps(again.text())[0] == stopped + 1, (stopped, trainer_steps(again.text())[:3])
+
+
+# ---------------------------------------------------------------------- GPUs, on CPU processes
+
+
+GSM8K_TEMPLATE = "Tom has {a} apples and buys {b} more. How many apples does he have?"
+
+
+def write_gsm8k(root: Path, n: int = 300) -> None:
+    """`openai/gsm8k` as a local directory with the hub data set's layout: subset main, train and test."""
+    rows = [{"question": GSM8K_TEMPLATE.format(a=a, b=b),
+             "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"}
+            for a in range(1, 61) for b in range(1, 6)][:n]
+    base = root / "openai/gsm8k"
+    (base / "main").mkdir(parents=True)
+    for split, part in (("train", rows[: n * 4 // 5]), ("test", rows[n * 4 // 5:])):
+        (base / f"main/{split}-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    (base / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n"
+                                    "    path: main/train-*\n  - split: test\n    path: main/test-*\n---\n")
+
+
+@pytest.fixture
+def long_tiny_model(tmp_path_factory) -> Path:
+    """The tiny model with room for configs/gsm8k.toml's max_model_len (1024)."""
+    from common.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-long") / "model", max_positions=1024)
+
+
+def test_the_one_gpu_command_runs_the_gsm8k_config(checkout, user_env, tmp_path, long_tiny_model):
+    """The environment wins over .env: the command trains configs/gsm8k.toml's run, not the demo."""
+    write_gsm8k(checkout)
+    env = {**user_env, "ROLLOUTS_MODEL__PATH": str(long_tiny_model)}
+    run = Shell(block("ROLLOUTS_CONFIG=configs/gsm8k.toml ./ops/run").text, cwd=checkout, env=env,
+                log=tmp_path / "run.log")
+    try:
+        run.wait_for(r"trainer\.1\s+\| step\s+2 \|", timeout=900, what="the gsm8k run's second step")
+        run.ctrl_c(timeout=600)
+    finally:
+        run.kill()
+    out = run.text()
+    assert "trainer: run 'gsm8k'" in out and "run 'demo'" not in out, out[-4000:]
+    rows = [json.loads(x) for x in (checkout / "runs/gsm8k/metrics.jsonl").read_text().splitlines()]
+    assert len(rows) >= 2 and not (checkout / "runs/demo").exists()
+
+
+@pytest.mark.slow
+def test_the_eight_gpu_split_runs_on_cpu_processes(checkout, user_env, tmp_path, long_tiny_model):
+    """README "One 8-GPU node": honcho for Redis, the producer and generators, torchrun for the
+    trainer; here two generators and two trainer ranks on the CPU (gloo) instead of four and four."""
+    write_gsm8k(checkout)
+    script = block("export ROLLOUTS_CONFIG=configs/gsm8k.toml").text
+    script = script.replace("-c generator=4", "-c generator=2").replace("--nproc-per-node 4", "--nproc-per-node 2")
+    env = {**user_env, "ROLLOUTS_MODEL__PATH": str(long_tiny_model), "ROLLOUTS_TRAINER__MAX_STEPS": "2"}
+    run = Shell(script + "\nkill -TERM %1; wait %1", cwd=checkout, env=env, log=tmp_path / "run.log")
+    try:
+        assert run.wait(timeout=1500) == 0, run.text()[-6000:]
+    finally:
+        run.kill()
+    rows = [json.loads(x) for x in (checkout / "runs/gsm8k/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2], rows
+
+
+# ---------------------------------------------------------------------- your own data
+
+
+def test_your_own_data_a_trl_reward_and_an_evaluation_source(checkout, user_env, tmp_path):
+    """"Train on your own data", "Evaluation" and "Agents": the README's blocks added to the demo's
+    config (your data with the TRL reward, mixed with the calculator's episodes as a second source,
+    and an evaluation source), its file layout (question, answer ending in `#### 42`), its TRL
+    reward function from its comment."""
+    import redis
+
+    from common.keys import PAYLOAD, Keys
+    from common.messages import decode_group
+
+    own, trl, calc, evals = (config_block(k) for k in (MINE, TRL, CALC, EVAL))
+    code = "\n".join(line.removeprefix("#   ") for line in trl.splitlines()
+                     if line.startswith("#   "))
+    (checkout / "my_rewards.py").write_text("import re\n\n\n" + code + "\n")
+    data = checkout / "data"
+    data.mkdir()
+    rows = [{"question": GSM8K_TEMPLATE.format(a=a, b=b), "answer": f"{a} + {b} = {a + b}\n#### {a + b}",
+             "ground_truth": str(a + b)} for a in range(1, 41) for b in range(1, 6)]
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:160]))
+    (data / "gsm8k_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[160:]))
+    config = checkout / "configs/demo.toml"
+    config.write_text(config.read_text() + "\n" + own + "\n" + trl + "\n" + calc + "\n" + evals)
+    source = tomllib.loads(config.read_text())["data"]["sources"][0]
+    assert source["reward_funcs"] == ["my_rewards:reward_func", "tasks.format:reward"]  # the blocks' source
+
+    run = Shell("./ops/run", cwd=checkout, env={**user_env, "ROLLOUTS_EVAL__EVERY": "2"},
+                log=tmp_path / "run.log")
+    try:
+        run.wait_for(r"evaluator\.1\s+\| evaluator: version \d+: pass@1", timeout=600,
+                     what="an evaluation on the eval source")
+        r = redis.Redis.from_url(user_env["ROLLOUTS_REDIS_URL"])
+        sources = {decode_group(f[PAYLOAD]).id.split(":")[0] for _, f in r.xrange(Keys("demo").samples)}
+        assert sources == {"mine", "calc"}, sources
+        run.ctrl_c()
+    finally:
+        run.kill()
+    metrics = [json.loads(x) for x in (checkout / "runs/demo/metrics.jsonl").read_text().splitlines()]
+    assert metrics and all(m["reward_errors"] == 0 for m in metrics), [m.get("reward_errors") for m in metrics]
+    assert all("rewards/reward_func/mean" in m for m in metrics), sorted(metrics[0])
+    evaluated = [json.loads(x) for x in (checkout / "runs/demo/evals.jsonl").read_text().splitlines()]
+    assert any("eval/gsm8k/pass@1" in e for e in evaluated), evaluated
+
+
+# ---------------------------------------------------------------------- SFT, then RL
+
+
+def test_sft_then_rl_from_its_checkpoint(checkout, user_env, tmp_path):
+    conversations = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                                   {"role": "assistant", "content": str(a + b)}]} for a in range(20) for b in range(8)]
+    (checkout / "data").mkdir()
+    (checkout / "data/conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    sft = Shell(block("ROLLOUTS_CONFIG=configs/sft.toml ./ops/run redis producer trainer").text, cwd=checkout,
+                env=user_env, log=tmp_path / "sft.log")
+    try:
+        assert sft.wait(timeout=900) == 0, sft.text()[-6000:]  # the run ends with the trainer's max_steps
+    finally:
+        sft.kill()
+    assert "trainer: run 'sft'" in sft.text()
+    assert (checkout / "runs/sft/checkpoints/step_200/model.safetensors").is_file()
+
+    rl = Shell(block("ROLLOUTS_RUN=rl ROLLOUTS_OUTPUT_DIR=runs/rl ROLLOUTS_MODEL__PATH=runs/sft/checkpoints/step_200 "
+                     "./ops/run").text, cwd=checkout, env=user_env, log=tmp_path / "rl.log")
+    try:
+        rl.wait_for(r"trainer\.1\s+\| step\s+2 \|", timeout=420, what="the RL run's second step")
+        rl.ctrl_c()
+    finally:
+        rl.kill()
+    assert "trainer: run 'rl', model runs/sft/checkpoints/step_200" in rl.text(), rl.text()[-4000:]
+    assert len((checkout / "runs/rl/metrics.jsonl").read_text().splitlines()) >= 2
+
+
+# ---------------------------------------------------------------------- docs/operations.md
+
+
+def test_the_acl_user_of_operations_md_is_confined_to_its_run(tmp_path):
+    import redis
+
+    from tests.conftest import start_redis
+
+    port = free_port()
+    server = start_redis(tmp_path, port)
+    try:
+        line = block("text: ACL SETUSER rollouts-demo on >a-long-random-password resetkeys ~rollouts:demo:* ~rq:* "
+                     "resetchannels &rq:* +@all -@dangerous +info").text.strip()
+        admin = redis.Redis(port=port)
+        assert admin.execute_command(*line.split()) in (b"OK", "OK")
+        user = redis.Redis(port=port, username="rollouts-demo", password="a-long-random-password")
+        user.xadd("rollouts:demo:prompts", {"x": 1})
+        user.set("rq:job:1", "x")
+        for forbidden in (lambda: user.set("rollouts:other:x", 1), lambda: user.flushall(),
+                          lambda: user.config_get("dir")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                forbidden()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
