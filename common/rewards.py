@@ -4,16 +4,41 @@ A source lists one or more reward functions by "module:function" (`reward_funcs`
 `reward_weights` as TRL's GRPOConfig has them; or the single `reward`). What a function is called
 with is decided by its signature:
 
-- TRL's (a parameter named `completions`): called once per group with lists, one item per
-  completion: `prompts`, `completions`, `completion_ids`, and every key of the prompt's meta (the
-  data set's columns: `answer`, `source`, `meta_columns`) as a keyword argument. A chat prompt
-  comes as its messages and each completion as `[{"role": "assistant", "content": text}]`, a text
-  prompt as text; TRL does the same. It returns a list with a float, or None ("not mine"), per
-  completion; the component is named after the function.
+- TRL's (a parameter named `completions` or `prompts`, or `completion_ids` without our `completion`,
+  `prompt` or `meta`, as TRL's length and repetition rewards have): called once per group with
+  lists, one item per completion: `prompts`, `completions`, `completion_ids`, every key of the
+  prompt's meta (the data set's columns: `answer`, `source`, `meta_columns`), and `trainer_state`
+  (below), as keyword arguments. It returns a list with a float, or None ("not mine"), per
+  completion; the component is named after the function. An `async def` function is awaited, the
+  source's async functions together (TRL gathers them too).
 - Per completion (anything else): keyword arguments `prompt` (the last user message, or the raw
   text), `completion` (decoded text), `completion_ids` and `meta` (the PromptTask's ground truth);
   it returns a number (one component, named "reward" when it is the source's only function, else
-  after the function) or named components `{component: value}`.
+  after the function) or named components `{component: value}`; an `async def` one is awaited.
+
+Text or messages, as TRL's GRPOTrainer decides it: from the data's own format, not from whether a
+chat template is applied. TRL calls a data set conversational when its prompt is a list of
+messages (`trl.data_utils.is_conversational`); then `prompts` are message lists and each completion
+is `[{"role": "assistant", "content": text}]`; a prompt that is a string gives strings for both.
+Here a source is conversational when its rows hold messages (`messages_column`, sent as chat):
+`conversational()`. A `template` or `prompt_column` source and the synthetic tasks write their
+prompt as text, so TRL functions get `prompts` (the template's text) and `completions` as strings,
+although the generator puts that text in a user message under the model's chat template (which
+TRL leaves to the data set's author). Why not the template: the function a user brings from TRL was
+written against a data set whose format they chose; a text prompt there is a text prompt here, so
+`re.search(pattern, completion)` works on a text source, and `completion[0]["content"]` (TRL's own
+`trl.rewards`) on a messages source, and each fails on the other here exactly as it does in TRL.
+
+What TRL's trainer passes beyond the data (its `_calculate_rewards`), and what happens here:
+- `trainer_state`: given, with what is true of the group: `TrainerState.global_step` is the weight
+  version it was sampled with (the trainer step that made those weights). TRL's other TrainerState
+  fields are not given; reading one is an AttributeError, the completions' recorded error.
+- `log_extra`, `log_metric` (TRL's completions table and extra scalars) and `environments`: not
+  passed (there is no table, and a group's reward travels only as numbers). A function whose
+  parameter of that name has no default is refused at start-up, naming the function and the
+  parameter; with a default (`log_extra=None`, as `trl.rewards.accuracy_reward` has) it gets the
+  default, as when it is called outside a trainer. A `**kwargs` function that reads one anyway
+  fails with an error that names it.
 
 A completion's reward is the weighted sum over functions of their components; a None is left out
 of the sum (TRL's rule), and of the components. The built-ins live beside their tasks (`tasks/`,
@@ -25,6 +50,7 @@ The generator runs them in worker processes with a timeout (generators/scoring.p
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
@@ -34,6 +60,19 @@ from typing import Any
 
 RewardFn = Callable[..., Any]
 Result = tuple[float, dict[str, float], str | None]  # (reward, components, error)
+
+# TRL's names for a group's lists; a function naming one (and none of PER_COMPLETION) is TRL's.
+TRL_ARGS = ("prompts", "completions", "completion_ids")
+PER_COMPLETION = ("prompt", "completion", "meta")
+# What TRL's GRPOTrainer passes every reward function and we do not (see the module docstring).
+NOT_PASSED = ("log_extra", "log_metric", "environments")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerState:
+    """TRL's `trainer_state` argument, with only what is true of a group here."""
+
+    global_step: int  # the weight version the group was sampled with: the trainer step that made it
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +84,13 @@ class RewardFunc:
     weight: float  # its share of the reward (TRL's reward_weights)
     batched: bool  # TRL's signature: called once per group with lists
     only: bool  # the source's only function: a number it returns is the component "reward"
+
+
+def conversational(source: Any) -> bool:
+    """Whether TRL functions get a `source`'s prompts and completions as messages (else as text):
+    its rows hold messages (`messages_column`) and the prompt is sent as them (`chat`), as TRL's
+    `is_conversational` asks of a prompt. `source` is a common.config.SourceConfig."""
+    return bool(source.messages_column) and bool(source.chat)
 
 
 def load(name: str) -> RewardFn:
@@ -59,23 +105,46 @@ def load(name: str) -> RewardFn:
     return fn
 
 
-def is_batched(fn: RewardFn) -> bool:
-    """Whether `fn` has TRL's signature: a parameter named `completions`."""
+def _parameters(fn: RewardFn) -> dict[str, inspect.Parameter] | None:
     try:
-        return "completions" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin without a signature: called per completion
-        return False
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+
+
+def is_batched(fn: RewardFn) -> bool:
+    """Whether `fn` has TRL's signature: a parameter named `completions` or `prompts`, or
+    `completion_ids` without one of our per-completion names (TRL's length and repetition
+    rewards take the ids only). No signature: called per completion."""
+    params = _parameters(fn) or {}
+    return "completions" in params or "prompts" in params or (
+        "completion_ids" in params and not any(p in params for p in PER_COMPLETION))
+
+
+def _refused(name: str, fn: RewardFn) -> str | None:
+    """Why a TRL function cannot run here: it needs an argument we do not pass; else None."""
+    for param in (_parameters(fn) or {}).values():
+        if param.name in NOT_PASSED and param.default is inspect.Parameter.empty and param.kind not in (
+                inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            return (f"reward {name!r} needs `{param.name}`, which TRL's trainer passes and rollouts does not "
+                    f"(give it a default, {param.name}=None, to run without it)")
+    return None
 
 
 def load_all(funcs: list[tuple[str, float]]) -> list[RewardFunc]:
     """A source's reward functions from [("module:function", weight), ...]; ValueError naming the
-    one that does not load, or two that would log under the same name."""
+    one that does not load or needs an argument we do not pass, or two that would log under the
+    same name."""
     assert funcs, "a source needs at least one reward function"
     loaded = []
     for name, weight in funcs:
         fn = load(name)
+        batched = is_batched(fn)
+        why = _refused(name, fn) if batched else None
+        if why is not None:
+            raise ValueError(why)
         loaded.append(RewardFunc(name=getattr(fn, "__name__", name.partition(":")[2]), fn=fn, weight=float(weight),
-                                 batched=is_batched(fn), only=len(funcs) == 1))
+                                 batched=batched, only=len(funcs) == 1))
     names = [f.name for f in loaded]
     if len(set(names)) < len(names):
         raise ValueError(f"reward functions {[n for n, _ in funcs]} share a name; each logs as rewards/<name>")
@@ -86,8 +155,15 @@ def _finite_number(v: object) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _error(err: BaseException) -> str:
+def _error(err: BaseException, name: str) -> str:
+    if isinstance(err, KeyError) and err.args and err.args[0] in NOT_PASSED:
+        return f"{name} reads `{err.args[0]}`, which TRL's trainer passes and rollouts does not"
     return f"{type(err).__name__}: {err}"[:500]
+
+
+async def _gather(*awaitables: Any) -> list[Any]:
+    """Each awaitable's value, or the exception it raised, in order."""
+    return list(await asyncio.gather(*awaitables, return_exceptions=True))
 
 
 def score(fn: RewardFn, *, prompt: str, completion: str, completion_ids: list[int],
@@ -107,8 +183,12 @@ def _call_one(f: RewardFunc, *, prompt: str, completion: str, completion_ids: li
     """A per-completion function's components, or the error."""
     try:
         rewards = f.fn(prompt=prompt, completion=completion, completion_ids=completion_ids, meta=meta)
+        if inspect.isawaitable(rewards):  # an async def
+            rewards = asyncio.run(_gather(rewards))[0]
+            if isinstance(rewards, Exception):
+                raise rewards
     except Exception as err:  # user code: any failure is the completion's recorded reward error
-        return {}, _error(err)
+        return {}, _error(err, f.name)
     if _finite_number(rewards):
         rewards = {"reward" if f.only else f.name: rewards}
     if not isinstance(rewards, dict) or not all(
@@ -117,35 +197,61 @@ def _call_one(f: RewardFunc, *, prompt: str, completion: str, completion_ids: li
     return {str(k): float(v) for k, v in rewards.items()}, None
 
 
-def _call_group(f: RewardFunc, *, prompt: str, messages: list[dict[str, str]] | None,
-                completions: list[tuple[str, list[int]]], meta: dict[str, Any]) -> list[float | None] | str:
-    """A TRL function's value per completion (None: it has none for it), or the error."""
+def _group_kwargs(f: RewardFunc, *, prompt: str, messages: list[dict[str, str]] | None,
+                  completions: list[tuple[str, list[int]]], meta: dict[str, Any],
+                  state: TrainerState) -> dict[str, Any]:
+    """What TRL's trainer would pass `f` for this group (only what it names, without **kwargs)."""
     n = len(completions)
     chat = messages is not None
     kwargs: dict[str, Any] = {k: [v] * n for k, v in meta.items()}  # the data set's columns, per completion
     kwargs.update(
         prompts=[messages if chat else prompt] * n,
         completions=[[{"role": "assistant", "content": text}] if chat else text for text, _ in completions],
-        completion_ids=[ids for _, ids in completions])
-    params = inspect.signature(f.fn).parameters
+        completion_ids=[ids for _, ids in completions],
+        trainer_state=state)
+    params = _parameters(f.fn) or {}
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}  # TRL asks for **kwargs; be lenient
-    try:
-        values = f.fn(**kwargs)
-    except Exception as err:  # user code
-        return _error(err)
+    return kwargs
+
+
+def _values(f: RewardFunc, values: Any, n: int) -> list[float | None] | str:
+    """A TRL function's value per completion, or why what it returned is not that."""
+    if isinstance(values, BaseException):
+        return _error(values, f.name)
     if not isinstance(values, list | tuple) or len(values) != n or not all(
             v is None or _finite_number(v) for v in values):
         return f"{f.name} returned {values!r:.200}, expected a list of {n} finite numbers or None"
     return [None if v is None else float(v) for v in values]
 
 
+def _call_group(funcs: list[RewardFunc], *, prompt: str, messages: list[dict[str, str]] | None,
+                completions: list[tuple[str, list[int]]], meta: dict[str, Any],
+                state: TrainerState) -> dict[str, list[float | None] | str]:
+    """{name: value per completion (None: it has none for it), or the error} of the TRL functions
+    among `funcs`: each called once, the async ones then awaited together."""
+    out: dict[str, Any] = {}
+    for f in funcs:
+        try:
+            out[f.name] = f.fn(**_group_kwargs(f, prompt=prompt, messages=messages, completions=completions,
+                                               meta=meta, state=state))
+        except Exception as err:  # user code
+            out[f.name] = err
+    pending = [name for name, v in out.items() if inspect.isawaitable(v)]
+    if pending:
+        out.update(zip(pending, asyncio.run(_gather(*(out[name] for name in pending))), strict=True))
+    return {f.name: _values(f, out[f.name], len(completions)) for f in funcs}
+
+
 def score_group(funcs: list[RewardFunc], *, prompt: str, messages: list[dict[str, str]] | None,
-                completions: list[tuple[str, list[int]]], meta: dict[str, Any]) -> Iterator[Result]:
+                completions: list[tuple[str, list[int]]], meta: dict[str, Any],
+                state: TrainerState) -> Iterator[Result]:
     """(reward, components, error) per completion, in order, as each is scored: TRL functions are
-    called once, before the first; per-completion ones for each completion."""
-    group = {f.name: _call_group(f, prompt=prompt, messages=messages, completions=completions, meta=meta)
-             for f in funcs if f.batched}
+    called once, before the first; per-completion ones for each completion. `messages`: the prompt's
+    messages when its source is conversational (`conversational`), else None: TRL functions then
+    get `prompt` and the completions as text. `state`: TRL's `trainer_state`."""
+    group = _call_group([f for f in funcs if f.batched], prompt=prompt, messages=messages, completions=completions,
+                        meta=meta, state=state)
     for i, (text, ids) in enumerate(completions):
         reward, components, errors = 0.0, {}, []
         for f in funcs:

@@ -77,6 +77,7 @@ def score_source(engine: HFEngine, source: SourceConfig, problems: list[Prompt],
     """{1: greedy hit per problem, k: whether any of k samples hit}; a hit is a reward of at least
     req.pass_reward from the source's reward functions (an error is a miss)."""
     funcs = rewards.load_all(source.reward_functions)
+    conversational = rewards.conversational(source)  # TRL functions get messages, else text
     tasks = [PromptTask(id=p.id, messages=p.messages, text=p.text, meta=p.meta, n=1, admitted_at=req.version)
              for p in problems]
     prompts = [engine.prompt_ids(t) for t in tasks]
@@ -84,7 +85,9 @@ def score_source(engine: HFEngine, source: SourceConfig, problems: list[Prompt],
     def hits(task: PromptTask, completions: list[list[int]]) -> list[bool]:
         texts = [(engine.decode(ids), ids) for ids in completions]
         prompt = task.text if task.messages is None else task.messages[-1]["content"]
-        scored = rewards.score_group(funcs, prompt=prompt, messages=task.messages, completions=texts, meta=task.meta)
+        scored = rewards.score_group(funcs, prompt=prompt, messages=task.messages if conversational else None,
+                                     completions=texts, meta=task.meta,
+                                     state=rewards.TrainerState(global_step=req.version))
         return [error is None and reward >= req.pass_reward for reward, _, error in scored]
 
     greedy = engine.greedy(prompts, max_new_tokens=req.max_new_tokens)

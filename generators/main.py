@@ -78,7 +78,7 @@ from generators.environments import EnvRunner, environment_specs
 from generators.episodes import EpisodeLimits, run_episodes
 from generators.inflight import group_versions
 from generators.prompts import drop_group, leave_group, own_pending, prepare_prompts, publish, take_prompts, touch_held
-from generators.scoring import RewardRunner, reward_names
+from generators.scoring import RewardRunner, conversational_sources, reward_names, trl_formats
 from generators.weights import Checked, Watcher, check
 
 RATE_WINDOW_S = 30.0  # tokens/s in the heartbeat is over this window
@@ -221,11 +221,14 @@ def run(config: Config, *, generator_id: str) -> None:
     engine: Engine = engine_thread.submit(
         open_engine_for, config, seed=gen.seed + zlib.crc32(generator_id.encode())).result()
     check_templates(engine, specs)
-    rewards = RewardRunner(names, timeout_s=gen.reward_timeout_s, workers=gen.reward_workers)
+    rewards = RewardRunner(names, timeout_s=gen.reward_timeout_s, workers=gen.reward_workers,
+                           conversational=conversational_sources(config))
     envs = EnvRunner([s.name for s in specs.values()], workers=gen.env_workers) if specs else None
     state = State()
     print(f"{name}: {engine.name} engine on {engine.path}{f' (GPU {gpu})' if gpu else ''}, "
           f"up to {gen.max_in_flight} prompts in flight", flush=True)
+    for line in trl_formats(config):
+        print(f"{name}: {line}", flush=True)
     try:
         trio.run(partial(serve, config, state, r=r, keys=keys, engine=engine, engine_thread=engine_thread,
                          rewards=rewards, envs=envs, specs=specs, generator_id=generator_id, host=host,
@@ -667,10 +670,10 @@ def make_group(engine: Engine, rewards: RewardRunner, held: Held, done: Finished
     t0 = time.perf_counter()
     texts = [engine.decode(s.ids) for s in done.samples]
     source = task.meta.get("source")
+    version, spans = group_versions(done.samples, added_at=held.version)
     scored = rewards.score(source if isinstance(source, str) else None, prompt=prompt_text(task),
                            completions=[(text, s.ids) for text, s in zip(texts, done.samples, strict=True)],
-                           meta=task.meta, messages=task.messages)
-    version, spans = group_versions(done.samples, added_at=held.version)
+                           meta=task.meta, messages=task.messages, version=version)
     completions = [Completion(ids=s.ids, logprobs=s.logprobs, reward=sc.reward, rewards=sc.rewards,
                               finish=s.finish, text=text, reward_error=sc.error, versions=span)
                    for s, text, sc, span in zip(done.samples, texts, scored, spans, strict=True)]

@@ -9,7 +9,7 @@ started goes too), and replaced; the completion gets reward 0.0 with the error
 
 Protocol, one duplex pipe per worker: the worker says ("ready", None) once it has loaded its
 reward functions (or ("failed", why)); then the parent sends one prompt's group as
-(source, prompt, messages, meta, [(text, ids), ...]) and the worker answers one (reward,
+(source, prompt, messages, meta, [(text, ids), ...], version) and the worker answers one (reward,
 components, error) per completion, in order, as each is scored. Each completion has its own budget
 of `timeout_s`, counted from when the worker could start on it: the request sent, or the previous
 result received. A source with a TRL reward function (called once for the whole group, before the
@@ -17,10 +17,14 @@ first result) gives the first result the group's budget, `timeout_s` x (completi
 runs out, every completion left gets the timeout error. A worker's start-up (imports) is not counted.
 
 The functions are loaded in the workers from their "module:function" names and weights, which come
-from the config at start-up; a request only says which source's reward to use. Workers are daemonic (they
-end with the generator; a reward cannot itself start multiprocessing children, subprocesses are
-fine), run in their own process group (a Ctrl-C at the terminal reaches the generator only), and
-exit when their pipe closes or, while a reward hangs, within a second of the generator's death.
+from the config at start-up; a request only says which source's reward to use. Whether TRL functions
+get a source's prompt and completions as messages or as text is the source's format
+(`conversational_sources`, common/rewards.py says why): the runner sends a prompt's messages only
+for a conversational source, and the weight version the group was sampled with.
+
+Workers are daemonic (they end with the generator; a reward cannot itself start multiprocessing
+children, subprocesses are fine), run in their own process group (a Ctrl-C at the terminal reaches
+the generator only), and exit when their pipe closes or, while a reward hangs, within a second of the generator's death.
 Spawn runs the main script again in each worker (as "__mp_main__"), so a script that makes a
 RewardRunner keeps its work under `if __name__ == "__main__":`; `python -m generators` is exempt
 (a package's __main__ is never re-run).
@@ -70,6 +74,24 @@ def reward_names(config: Config) -> Names:
     return names
 
 
+def conversational_sources(config: Config) -> frozenset[str]:
+    """The run's sources whose prompts TRL reward functions get as messages (the rest: as text)."""
+    return frozenset(s.name for s in config.sources if rewards.conversational(s))
+
+
+def trl_formats(config: Config) -> list[str]:
+    """One line per source with TRL reward functions: what they get, messages or text, and why."""
+    lines = []
+    for source in config.sources:
+        trl = [n for n, _ in source.reward_functions if rewards.is_batched(rewards.load(n))]
+        if trl:
+            how = ("as messages (its rows hold messages)" if rewards.conversational(source) else
+                   "as text (its prompt is text; a messages_column source gives messages)")
+            lines.append(f"source {source.name}: TRL reward functions {', '.join(trl)} get prompts and "
+                         f"completions {how}")
+    return lines
+
+
 # ---------------------------------------------------------------------- the worker process
 
 
@@ -81,11 +103,11 @@ def _serve(fns: dict[str, list[rewards.RewardFunc]], conn: Connection) -> None:
     """Score groups until the pipe closes."""
     while True:
         try:
-            source, prompt, messages, meta, completions = conn.recv()
+            source, prompt, messages, meta, completions, version = conn.recv()
         except EOFError:  # the generator closed the pipe, or is gone
             return
         for result in rewards.score_group(fns[source], prompt=prompt, messages=messages, completions=completions,
-                                          meta=meta):
+                                          meta=meta, state=rewards.TrainerState(global_step=version)):
             conn.send(result)
 
 
@@ -107,13 +129,16 @@ class RewardRunner:
     recorded error. Concurrent `score` calls take different workers (waiting while all are busy).
     """
 
-    def __init__(self, names: Names, *, timeout_s: float, workers: int) -> None:
+    def __init__(self, names: Names, *, timeout_s: float, workers: int,
+                 conversational: frozenset[str] = frozenset()) -> None:
         """names: {source name: "module:function" or [("module:function", weight), ...]}.
+        conversational: the sources whose TRL functions get messages (`conversational_sources`).
         workers=0: run in this process, no timeout (for tests and debugging). A name that does not
         load raises ValueError; a worker that cannot load them raises RuntimeError."""
         assert timeout_s > 0, f"timeout_s must be positive, got {timeout_s}"
         assert workers >= 0, f"workers must be >= 0, got {workers}"
         self._names = dict(names)
+        self._conversational = frozenset(conversational)
         self._fns = _load(self._names)  # loaded here too, to fail fast
         self._timeout_s = timeout_s
         self._in_process = workers == 0
@@ -131,10 +156,12 @@ class RewardRunner:
         return self._pool.pids()
 
     def score(self, source: str | None, *, prompt: str, completions: list[tuple[str, list[int]]],
-              meta: dict[str, Any], messages: list[dict[str, str]] | None = None) -> list[Scored]:
+              meta: dict[str, Any], messages: list[dict[str, str]] | None = None, version: int = 0) -> list[Scored]:
         """Score each (text, ids) completion of one prompt with the source's rewards (None: the only
         configured source; an unknown source: every completion gets an error). `messages`: the chat
-        prompt, for TRL functions (None: a text prompt). Blocking; thread-safe."""
+        prompt, given to TRL functions when the source is conversational (else they get `prompt`).
+        `version`: the weight version the completions were sampled with (TRL's
+        `trainer_state.global_step`). Blocking; thread-safe."""
         assert not self._closed, "score() on a closed RewardRunner"
         if isinstance(source, str) and source in self._names:
             key = source
@@ -145,12 +172,16 @@ class RewardRunner:
                     for _ in completions]
         if not completions:
             return []
+        if key not in self._conversational:
+            messages = None
         if self._in_process:
             return [Scored(*r) for r in rewards.score_group(self._fns[key], prompt=prompt, messages=messages,
-                                                            completions=completions, meta=meta)]
+                                                            completions=completions, meta=meta,
+                                                            state=rewards.TrainerState(global_step=version))]
         slot = _Slot(self._pool.take())  # blocks while every worker is busy
         try:
-            return self._run(slot, key, prompt=prompt, messages=messages, completions=completions, meta=meta)
+            return self._run(slot, key, prompt=prompt, messages=messages, completions=completions, meta=meta,
+                             version=version)
         finally:
             self._pool.give(slot.worker)
 
@@ -168,7 +199,7 @@ class RewardRunner:
     # ------------------------------------------------------------------ internals
 
     def _run(self, slot: _Slot, source: str, *, prompt: str, messages: list[dict[str, str]] | None,
-             completions: list[tuple[str, list[int]]], meta: dict[str, Any]) -> list[Scored]:
+             completions: list[tuple[str, list[int]]], meta: dict[str, Any], version: int) -> list[Scored]:
         """The group's results from the slot's worker, replacing it when it times out or dies and
         going on with the rest of the group on the replacement."""
         results: list[Scored] = []
@@ -180,7 +211,7 @@ class RewardRunner:
                 slot.worker = self._pool.replace(worker)
                 return results + [Scored(0.0, {}, failed) for _ in completions[len(results):]]
             try:
-                worker.conn.send((source, prompt, messages, meta, completions[len(results):]))
+                worker.conn.send((source, prompt, messages, meta, completions[len(results):], version))
             except OSError:  # it died while idle (killed from outside): a fresh one takes the group
                 slot.worker = self._pool.replace(worker)
                 continue
