@@ -20,6 +20,7 @@ that session's process group, as a terminal sends it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -76,7 +77,7 @@ def block(key: str) -> Block:
 
 MINE = 'toml: [[data.sources]]\nname = "mine"'
 TRL = ("toml: # my_rewards.py, importable from where the generators run:\n"
-       "#   def reward_func(completions, ground_truth, **kwargs):")
+       "#   import re")
 CALC = 'toml: [[data.sources]]\nname = "calc"'
 EVAL = 'toml: [[eval.sources]]\nname = "gsm8k"'
 # Each block (by its key) and the test that runs it as written.
@@ -138,6 +139,12 @@ def model_cache(tmp_path_factory) -> Path:
 @pytest.fixture
 def checkout(tmp_path) -> Path:
     """A copy of this checkout's files as git sees them (what a clone has), with its .venv."""
+    # ./ops/run bootstraps first; with a .venv installed for another pyproject.toml it would
+    # reinstall the project into the shared .venv from the copy.
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    stamp = ROOT / ".venv" / f".rollouts-installed-{digest}"
+    if not stamp.exists():
+        pytest.fail(f"{ROOT / '.venv'} was installed for another pyproject.toml: ./ops/test installs it again")
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, check=True).stdout.decode().split("\0")
     dest = tmp_path / "rollouts"
@@ -351,11 +358,11 @@ def test_your_own_data_a_trl_reward_and_an_evaluation_source(checkout, user_env,
     own, trl, calc, evals = (config_block(k) for k in (MINE, TRL, CALC, EVAL))
     code = "\n".join(line.removeprefix("#   ") for line in trl.splitlines()
                      if line.startswith("#   "))
-    (checkout / "my_rewards.py").write_text("import re\n\n\n" + code + "\n")
+    (checkout / "my_rewards.py").write_text(code + "\n")
     data = checkout / "data"
     data.mkdir()
-    rows = [{"question": GSM8K_TEMPLATE.format(a=a, b=b), "answer": f"{a} + {b} = {a + b}\n#### {a + b}",
-             "ground_truth": str(a + b)} for a in range(1, 41) for b in range(1, 6)]
+    rows = [{"question": GSM8K_TEMPLATE.format(a=a, b=b), "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+            for a in range(1, 41) for b in range(1, 6)]
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:160]))
     (data / "gsm8k_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[160:]))
     config = checkout / "configs/demo.toml"
