@@ -1,7 +1,10 @@
-"""Shared fixtures: a real redis-server on a free port, and a tiny model built in-process."""
+"""Shared fixtures: a real redis-server on a free port, a tiny model built in-process, and a scratch
+copy of the checkout with a user's environment for running the README's commands as written."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
 import socket
 import subprocess
@@ -10,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import redis
+
+from tests.helpers import ROOT
 
 
 def free_port() -> int:
@@ -58,3 +63,45 @@ def tiny_model(tmp_path_factory) -> Path:
     from common.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """ROLLOUTS_CACHE of the scratch checkouts: the built-in model prepared once a session."""
+    return tmp_path_factory.mktemp("rollouts-cache")
+
+
+@pytest.fixture
+def checkout(tmp_path) -> Path:
+    """A copy of this checkout's files as git sees them (what a clone has), with its .venv."""
+    # ./ops/run bootstraps first; with a .venv installed for another pyproject.toml it would
+    # reinstall the project into the shared .venv from the copy.
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    stamp = ROOT / ".venv" / f".rollouts-installed-{digest}"
+    if not stamp.exists():
+        pytest.fail(f"{ROOT / '.venv'} was installed for another pyproject.toml: ./ops/test installs it again")
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    dest = tmp_path / "rollouts"
+    for name in filter(None, files):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name).write_bytes(src.read_bytes())
+            (dest / name).chmod(src.stat().st_mode)
+    (dest / ".venv").symlink_to(ROOT / ".venv")
+    return dest
+
+
+@pytest.fixture
+def user_env(tmp_path, tiny_model, model_cache) -> dict[str, str]:
+    """A user's shell for commands in `checkout`: nothing of ours set but what stands in for what this
+    machine lacks (tests/test_readme.py says what): the tiny model, a free Redis port, no hub."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k in ("HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "ROLLOUTS_NO_VLLM")}
+    env.update(PATH="/usr/local/bin:/usr/bin:/bin", ROLLOUTS_MODEL__PATH=str(tiny_model),
+               ROLLOUTS_CACHE=str(model_cache), REDIS_PORT=str(port),
+               ROLLOUTS_REDIS_URL=f"redis://127.0.0.1:{port}/0", HF_HOME=str(tmp_path / "hf"),
+               HF_HUB_OFFLINE="1", STOP_GRACE_S="60")
+    return env

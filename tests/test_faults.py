@@ -4,10 +4,13 @@ started again (a dead generator's prompts are reclaimed by the other one instead
 accounting: every admitted prompt is trained, dropped for a counted reason or still pending, and
 no group is trained twice. Run with -s to see the numbers."""
 
+import contextlib
 import json
 import os
+import re
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,7 @@ from common.messages import decode_prompt
 from common.progress import read_dropped, read_producer, read_trainer
 from common.tiny import tiny_run_config
 from tests.conftest import free_port, start_redis
-from tests.helpers import accounting, assert_accounted, need_vllm, spawn, stop, unaccounted, wait_for
+from tests.helpers import Shell, accounting, assert_accounted, need_vllm, spawn, stop, unaccounted, wait_for
 
 RUN = "faults"
 KEYS = Keys(RUN)
@@ -282,6 +285,71 @@ def test_power_loss_forgets_a_second_of_redis_and_nothing_is_trained_twice_or_lo
         assert len(missing) <= read_dropped(r, KEYS), (sorted(missing), read_dropped(r, KEYS))
     finally:
         server.kill()
+
+
+def trained_twice(metrics: Path) -> list[str]:
+    """Group ids trained in more than one step, from the trainer's metrics (a step trained again
+    after a restart is written again; its last record is the one that counts)."""
+    last = {m["step"]: m["group_ids"] for m in map(json.loads, metrics.read_text().splitlines())}
+    seen = Counter(g for ids in last.values() for g in ids)
+    return sorted(g for g, n in seen.items() if n > 1)
+
+
+@pytest.mark.slow
+def test_a_whole_host_power_loss_then_ops_run_again_loses_nothing_and_trains_nothing_twice(
+        checkout, user_env, tmp_path):
+    """The host loses power under `./ops/run`: every process SIGKILLed at once, and Redis's
+    append-only file (`appendfsync everysec`, as shipped) cut back to where it was a second before.
+    `./ops/run` again: the run goes on, every admitted prompt is trained, dropped for a counted
+    reason or still pending, and none is trained twice."""
+    import psutil
+
+    def steps(text: str) -> list[int]:
+        return [int(n) for n in re.findall(r"trainer\.1\s+\| step\s+(\d+) \|", text)]
+
+    data = checkout / ".rollouts/redis"
+    run = Shell("./ops/run", cwd=checkout, env=user_env, log=tmp_path / "run.log")
+    try:
+        # Past the trainer state saved at step 10 (the demo's state_every), so a state is on disk.
+        run.wait_for(r"trainer\.1\s+\| step\s+13 \|", timeout=600, what="step 13")
+        sizes, since = [], time.monotonic()  # the append-only file's size, for a second and more
+        while time.monotonic() - since < 1.5:
+            sizes.append((time.monotonic(), aof_tail(data).stat().st_size))
+            time.sleep(0.02)
+        root = psutil.Process(run.proc.pid)
+        everything = [root, *root.children(recursive=True)]
+        for p in everything:  # the power goes: no process hears of it
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        killed_at = time.monotonic()
+        psutil.wait_procs(everything, timeout=30)
+    finally:
+        run.kill()
+    full = aof_tail(data).stat().st_size
+    cut = max(size for t, size in sizes if t <= killed_at - 1.0)
+    os.truncate(aof_tail(data), cut)  # the second the disk never got
+    assert cut < full, (cut, full)
+    before = max(steps(run.text()))
+
+    again = Shell("./ops/run", cwd=checkout, env=user_env, log=tmp_path / "again.log")
+    try:
+        again.wait_for(rf"trainer\.1\s+\| step\s+{before + 5} \|", timeout=600,
+                       what=f"five steps past the {before} the run had reached")
+        again.ctrl_c()
+    finally:
+        again.kill()
+    print(f"\npower loss at step {before}: AOF cut from {full} to {cut} bytes; the run went on from step "
+          f"{steps(again.text())[0]}")
+
+    port = free_port()
+    server = start_redis(data, port)
+    try:
+        acc = accounting(redis.Redis(port=port), Keys("demo"))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert not unaccounted(acc), (unaccounted(acc), acc)
+    assert not trained_twice(checkout / "runs/demo/metrics.jsonl")
 
 
 def test_generator_stopped_past_claim_idle_comes_back_and_its_late_groups_are_refused(

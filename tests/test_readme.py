@@ -20,13 +20,8 @@ that session's process group, as a terminal sends it.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
-import signal
-import subprocess
-import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tests.helpers import ROOT
+from tests.helpers import ROOT, Shell, run_once
 
 DOCS = ("README.md", "docs/operations.md")
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
@@ -131,94 +126,6 @@ def config_block(key: str) -> str:
 # ---------------------------------------------------------------------- the scratch checkout
 
 
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("rollouts-cache")
-
-
-@pytest.fixture
-def checkout(tmp_path) -> Path:
-    """A copy of this checkout's files as git sees them (what a clone has), with its .venv."""
-    # ./ops/run bootstraps first; with a .venv installed for another pyproject.toml it would
-    # reinstall the project into the shared .venv from the copy.
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
-    stamp = ROOT / ".venv" / f".rollouts-installed-{digest}"
-    if not stamp.exists():
-        pytest.fail(f"{ROOT / '.venv'} was installed for another pyproject.toml: ./ops/test installs it again")
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")
-    dest = tmp_path / "rollouts"
-    for name in filter(None, files):
-        src = ROOT / name
-        if src.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            (dest / name).write_bytes(src.read_bytes())
-            (dest / name).chmod(src.stat().st_mode)
-    (dest / ".venv").symlink_to(ROOT / ".venv")
-    return dest
-
-
-@pytest.fixture
-def user_env(tmp_path, tiny_model, model_cache) -> dict[str, str]:
-    """A user's shell: nothing of ours set but the substitutions the module docstring lists."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k in ("HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "ROLLOUTS_NO_VLLM")}
-    env.update(PATH="/usr/local/bin:/usr/bin:/bin", ROLLOUTS_MODEL__PATH=str(tiny_model),
-               ROLLOUTS_CACHE=str(model_cache), REDIS_PORT=str(port),
-               ROLLOUTS_REDIS_URL=f"redis://127.0.0.1:{port}/0", HF_HOME=str(tmp_path / "hf"),
-               HF_HUB_OFFLINE="1", STOP_GRACE_S="60")
-    return env
-
-
-class Shell:
-    """A command typed into a terminal: its own session, its output in a log."""
-
-    def __init__(self, line: str, *, cwd: Path, env: dict[str, str], log: Path):
-        self.log = log
-        self.proc = subprocess.Popen(["bash", "-c", line], cwd=cwd, env=env, start_new_session=True,
-                                     stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_for(self, pattern: str, *, timeout: float, what: str) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(pattern, self.text(), re.M)
-            if m:
-                return m
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.5)
-        raise AssertionError(f"{what}: no {pattern!r} in the output (exit {self.proc.poll()}):\n"
-                             f"{self.text()[-6000:]}")
-
-    def ctrl_c(self, timeout: float = 180) -> None:
-        """Ctrl-C: honcho exits 130, as a shell does on SIGINT, once every process stopped with 0."""
-        os.killpg(self.proc.pid, signal.SIGINT)
-        assert self.wait(timeout) == 130, self.text()[-4000:]
-        stopped = re.findall(r"\| (\S+) stopped \(rc=(-?\d+)\)", self.text())
-        assert stopped and all(rc == "0" for _, rc in stopped), (stopped, self.text()[-4000:])
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            raise AssertionError(f"still running after {timeout}s:\n{self.text()[-6000:]}") from None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-def run_once(line: str, *, cwd: Path, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def trainer_steps(text: str) -> list[int]:
     return [int(s) for s in re.findall(r"^\S+ trainer\.1\s+\| step\s+(\d+) \|", text, re.M)]
 
@@ -308,6 +215,7 @@ def long_tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-long") / "model", max_positions=1024)
 
 
+@pytest.mark.slow
 def test_the_one_gpu_command_runs_the_gsm8k_config(checkout, user_env, tmp_path, long_tiny_model):
     """The environment wins over .env: the command trains configs/gsm8k.toml's run, not the demo."""
     write_gsm8k(checkout)
@@ -323,6 +231,25 @@ def test_the_one_gpu_command_runs_the_gsm8k_config(checkout, user_env, tmp_path,
     assert "trainer: run 'gsm8k'" in out and "run 'demo'" not in out, out[-4000:]
     rows = [json.loads(x) for x in (checkout / "runs/gsm8k/metrics.jsonl").read_text().splitlines()]
     assert len(rows) >= 2 and not (checkout / "runs/demo").exists()
+
+
+@pytest.mark.parametrize("launcher", ["./ops/run", ".venv/bin/honcho start"])
+def test_a_variable_set_when_calling_the_launcher_wins_over_dotenv(checkout, user_env, tmp_path, launcher):
+    """README "Configuration": ROLLOUTS_CONFIG set when calling ./ops/run or plain honcho wins over
+    .env, so the processes run that config's run; under ./ops/run the environment wins for every
+    name .env sets too (plain honcho lets .env win for those, which is why .env sets no other)."""
+    write_gsm8k(checkout)
+    env = {**user_env, "ROLLOUTS_CONFIG": "configs/gsm8k.toml", "TOKENIZERS_PARALLELISM": "true"}
+    run = Shell(f"{launcher} redis producer", cwd=checkout, env=env, log=tmp_path / "run.log")
+    try:
+        run.wait_for(r"producer\.1\s+\| producer: admitted", timeout=300, what="the producer admitting")
+        pid = int(re.search(r"producer\.1 started \(pid=(\d+)\)", run.text())[1])
+        seen = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+    finally:
+        run.kill()
+    assert "producer: run 'gsm8k'" in run.text(), run.text()[-3000:]
+    assert seen["ROLLOUTS_CONFIG"] == "configs/gsm8k.toml"
+    assert seen["TOKENIZERS_PARALLELISM"] == ("true" if launcher == "./ops/run" else "false")
 
 
 @pytest.mark.slow
