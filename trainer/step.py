@@ -15,11 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
+from common.config import CorrectionConfig, LossConfig
 from common.messages import SampleGroup
 from trainer.batch import MicroBatch, mini_batches, with_mask
 from trainer.devices import model_device, to_device
-from trainer.grpo import Estimator, LossOptions, behaviour_weight, grpo_loss, mismatch_stats, sft_loss
+from trainer.grpo import Estimator, mismatch_stats
 from trainer.logprobs import sequence_logprobs
+from trainer.losses import LossInputs, LossStats, correction_of, loss_function
+from trainer.losses.corrections import behaviour_weight
+from trainer.losses.sft import sft_loss
 from trainer.parallel import all_max, all_sum, any_rank, gather, world_size
 
 
@@ -85,10 +89,9 @@ def sum_over_ranks(stats: dict[str, float]) -> dict[str, float]:
     return dict(zip(names, all_sum([stats[k] for k in names]), strict=True))
 
 
-EMPTY_GRPO_STATS = {"loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0, "kl": 0.0, "clip_ratio/low_mean": 0.0,
-                    "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0, "clip_ratio/dual_mean": 0.0,
-                    "ratio/mean": 1.0, "tis/mean": 1.0, "mismatch/abs_log_ratio_mean": 0.0,
-                    "mismatch/abs_log_ratio_max": 0.0, "mismatch/masked": 0.0, "steps_skipped": 0.0}
+EMPTY_GRPO_STATS = {**LossStats().named(), "loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0,
+                    "mismatch/abs_log_ratio_mean": 0.0, "mismatch/abs_log_ratio_max": 0.0, "mismatch/masked": 0.0,
+                    "steps_skipped": 0.0}
 
 
 def by_staleness(stats: dict[str, float]) -> dict[str, float]:
@@ -103,7 +106,7 @@ def by_staleness(stats: dict[str, float]) -> dict[str, float]:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
-               loss: LossOptions, ref_model: torch.nn.Module | None, temperature: float,
+               loss: LossConfig, ref_model: torch.nn.Module | None, temperature: float,
                estimator: Estimator, overlong: str, overlong_penalty: float, micro_batch_size: int,
                micro_batch_tokens: int, updates: int, max_grad_norm: float, top_k: int = 0, top_p: float = 1.0,
                max_new_tokens: int = 0, step: int = 0, chunk_tokens: int = 1024,
@@ -111,11 +114,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     """One trainer step of the GRPO family over `groups`: `updates` PPO mini-batches, one
     optimizer step each, gradients accumulated over each one's micro-batches.
 
-    The corrections other than behaviour_clip take the PPO ratio against the proximal policy:
-    a no-grad pass, dropout off, with the weights at the start of the step. Log-probs are those
-    of the sampler's distribution (temperature, `top_k`, `top_p`). An update whose loss or
-    gradient norm is not finite is skipped (counted in "steps_skipped"). `step` (trainer steps
-    done) gives each group's staleness for the mismatch metrics. Stats are shares of the step's
+    `loss` chooses the loss (trainer/losses/); its corrections other than behaviour_clip take the
+    PPO ratio against the proximal policy: a no-grad pass, dropout off, with the weights at the
+    start of the step. Log-probs are those of the sampler's distribution (temperature, `top_k`,
+    `top_p`). An update whose loss or gradient norm is not finite is skipped (counted in
+    "steps_skipped"). `step` (trainer steps done) gives each group's staleness for the mismatch
+    metrics. Stats are shares of the step's
     trained tokens; the loss and grad norm are means over the applied updates. With
     `share_prompts` each micro-batch runs each of its prompts through the model once, however
     many of its completions share it (the same log-probs, fewer positions).
@@ -134,9 +138,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                                  top_k=top_k, top_p=top_p, entropy=entropy, chunk_tokens=chunk_tokens,
                                  positions=mb.trained_at, packed=mb.packed)  # (B, T), (B, T) or None: 0 off the mask
 
+    loss_fn, correction = loss_function(loss), correction_of(loss)
     model.eval()  # the no-grad passes run with dropout off
     with torch.no_grad():
-        prox = [[forward_logp(model, mb)[0] for mb in m.batches] if loss.correction != "behaviour_clip"
+        prox = [[forward_logp(model, mb)[0] for mb in m.batches] if correction.type != "behaviour_clip"
                 else [None] * len(m.batches) for m in minis]
         ref = [[forward_logp(ref_model, mb)[0] if ref_model is not None else None for mb in m.batches]
                for m in minis]
@@ -152,20 +157,13 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
         share, mini_loss = mini.tokens / total_tokens, 0.0
         for mb, prox_logp, ref_logp in zip(mini.batches, mini_prox, mini_ref, strict=True):
             logp, entropy = forward_logp(model, mb, entropy=True)
-            mb_loss, mb_stats = grpo_loss(
-                logp, mb.behaviour_logp, mb.advantages, mb.mask, old_logp=prox_logp, ref_logp=ref_logp,
-                correction=loss.correction, total_tokens=mini.tokens, total_seqs=mini.seqs,
-                norm_tokens=mini.rows * max_new_tokens, clip_low=loss.clip_low, clip_high=loss.clip_high,
-                ratio_level=loss.ratio_level, aggregation=loss.aggregation, tis_cap=loss.tis_cap,
-                mask_low=loss.mask_low, mask_high=loss.mask_high, clip_ratio_c=loss.clip_ratio_c,
-                kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator)
-            (mb_loss * world).backward()
-            mini_loss += mb_loss.item()
-            measured = logp.detach() if prox_logp is None else prox_logp  # the policy before this update
-            weight = behaviour_weight(measured, mb.behaviour_logp, mb.mask, correction=loss.correction,
-                                      tis_cap=loss.tis_cap, mask_low=loss.mask_low, mask_high=loss.mask_high)
-            mb_stats.update(mismatch_stats(measured, mb.behaviour_logp, mb.mask, weight == 0,
-                                           (step - mb.versions).clamp(min=0), total_tokens=mini.tokens))
+            out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=mb.advantages,
+                                     mask=mb.mask, total_tokens=mini.tokens, total_seqs=mini.seqs,
+                                     norm_tokens=mini.rows * max_new_tokens, prox_logp=prox_logp, ref_logp=ref_logp))
+            (out.loss * world).backward()
+            mini_loss += out.loss.item()
+            mb_stats = {**out.stats.named(), **mismatch(logp.detach() if prox_logp is None else prox_logp, mb,
+                                                        correction, step=step, total_tokens=mini.tokens)}
             gap_max = max(gap_max, mb_stats.pop("mismatch/abs_log_ratio_max"))
             for k, v in mb_stats.items():  # shares of the mini-batch's tokens: weighted to the step's
                 stats[k] = stats.get(k, 0.0) + (v if k.startswith("staleness/") else v * share)
@@ -183,6 +181,16 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     out["grad_norm"] /= max(applied, 1)
     out["mismatch/abs_log_ratio_max"] = max(gather(gap_max))
     return {**out, **base, "tokens/forward": float(sum(m.tokens_in for m in minis))}
+
+
+def mismatch(measured: torch.Tensor, mb: MicroBatch, correction: CorrectionConfig, *, step: int,
+             total_tokens: int) -> dict[str, float]:
+    """The behaviour/proximal mismatch of micro-batch `mb` (grpo.mismatch_stats), `measured` the
+    policy before this update (the proximal pass, else the trained policy's own log-probs), with
+    the tokens `correction` drops and each token's staleness at trainer step `step`."""
+    weight = behaviour_weight(measured, mb.behaviour_logp, mb.mask, correction)
+    return mismatch_stats(measured, mb.behaviour_logp, mb.mask, weight == 0, (step - mb.versions).clamp(min=0),
+                          total_tokens=total_tokens)
 
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
