@@ -42,7 +42,7 @@ from common.progress import Fault, Refused, count_fault, count_refused, count_sk
 from common.streams import connect, ensure_group, latest_weights
 from trainer.checkpoints import hold_for_eval, load_model, place, publish, remove_unfinished, resume
 from trainer.devices import DTYPES, Placement, placement
-from trainer.losses import kl_coef_of, loss_function
+from trainer.losses import kl_coef_of
 from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say
 from trainer.record import Record, forgotten, put_right
@@ -82,7 +82,6 @@ def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, w
     if cfg.objective == "sft":
         return partial(sft_step, micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
                        max_grad_norm=cfg.max_grad_norm, chunk_tokens=cfg.logits_chunk_tokens)
-    loss_function(cfg.loss)  # a custom loss that does not load stops the trainer here
     ref_model = None
     if kl_coef_of(cfg.loss) > 0:  # the frozen reference: the initial model
         frozen = replace(where, master_fp32=False, activation_checkpointing=False)
