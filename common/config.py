@@ -464,7 +464,8 @@ class _DualClip(_Section):
 class GrpoLoss(ClippedLoss, _DualClip):
     # The loss (trainer/losses/<type>.py): "grpo" (the default): PPO's clipped ratio per token,
     # -min(r A, clip(r) A) (GRPO, DAPO, Dr. GRPO by loss_agg); "gspo": the ratio per sequence;
-    # "custom": `function`. Each type takes only its own settings.
+    # "cispo": the clipped ratio as a no-gradient weight; "custom": `function`. Each type takes
+    # only its own settings.
     type: Literal["grpo"] = "grpo"
     # How the per-token losses become the step's loss:
     # "token_mean": their sum / the step's trained-token count (DAPO). Long completions weigh more.
@@ -482,6 +483,13 @@ class GspoLoss(ClippedLoss, _DualClip):
     type: Literal["gspo"] = "gspo"
 
 
+class CispoLoss(ClippedLoss):
+    # CISPO (MiniMax-M1): -sg(clip(r, 1 - clip_low, 1 + clip_high)) A log pi per token, token_mean:
+    # the clipped ratio weighs each token's gradient but never zeroes it (PPO's clip drops the
+    # gradient of a clipped token). MiniMax leaves the ratio unbounded below (clip_low 1).
+    type: Literal["cispo"] = "cispo"
+
+
 class CustomLoss(_Section):
     # A loss of your own: `function(inputs: trainer.losses.LossInputs, **kwargs) -> LossOutputs`.
     type: Literal["custom"] = "custom"
@@ -491,7 +499,7 @@ class CustomLoss(_Section):
     kwargs: dict[str, float | int | bool | str] = Field({})
 
 
-LossConfig = Annotated[GspoLoss | CustomLoss | GrpoLoss, Field(discriminator="type"),
+LossConfig = Annotated[GspoLoss | CispoLoss | CustomLoss | GrpoLoss, Field(discriminator="type"),
                        BeforeValidator(_by_type("grpo"))]
 
 
@@ -581,8 +589,8 @@ class TrainerConfig(_Section):
     # The W&B project runs are logged to (report_to = ["wandb"]).
     wandb_project: str = "rollouts"
     # [trainer.loss]: the GRPO family's policy loss, chosen by its `type` (each type takes only its
-    # own settings): "grpo" (the PPO-clipped ratio per token), "gspo" (per sequence) or "custom" (a
-    # "module:function" of your own).
+    # own settings): "grpo" (the PPO-clipped ratio per token), "gspo" (per sequence), "cispo" (the
+    # clipped ratio as a no-gradient weight) or "custom" (a "module:function" of your own).
     loss: LossConfig = Field(default_factory=lambda: GrpoLoss())
     # [trainer.lora]: train low-rank adapters instead of every weight.
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -875,7 +883,7 @@ def _document_fields() -> None:
     """Give every field of the config the comment above it in this file as its description."""
     for cls in (Config, ModelConfig, TaskConfig, SourceConfig, DataConfig, RolloutConfig, GeneratorConfig,
                 TrainerConfig, LoraConfig, EvalConfig, LimitsConfig, BehaviourClip, Decoupled, TokenMask,
-                SequenceMask, GrpoLoss, GspoLoss, CustomLoss):
+                SequenceMask, GrpoLoss, GspoLoss, CispoLoss, CustomLoss):
         for written in [c for c in cls.__mro__ if issubclass(c, _Section) and c is not _Section]:  # own, then bases'
             comment: list[str] = []
             for line in inspect.getsource(written).splitlines()[1:]:

@@ -151,7 +151,7 @@ def test_help_lists_every_field_with_its_comment_and_default_and_the_processes()
             assert field.description, f"{flag} has no comment in common/config.py"
     assert "--trainer.lr float Peak learning rate (AdamW); the schedule scales it. (default: 1e-06)" in flat
     assert "--rollout.group_size int Completions sampled per prompt (the GRPO group). (default: 4)" in flat
-    for flag in ("--trainer.loss.type {custom,grpo,gspo}", "--trainer.loss.clip_high float Upper clip bound",
+    for flag in ("--trainer.loss.type {cispo,custom,grpo,gspo}", "--trainer.loss.clip_high float Upper clip bound",
                  "--trainer.loss.correction.type {behaviour_clip,decoupled,sequence_mask,token_mask}",
                  "--trainer.loss.correction.tis_cap float Cap of the behaviour weight"):
         assert flag in flat, flag

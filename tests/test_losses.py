@@ -66,3 +66,27 @@ def test_a_custom_loss_trains_a_step_as_its_function_says(tiny_model):
     assert torch.equal(still, torch.cat([p.detach().flatten() for p in base.parameters()]))
     assert still_stats["loss/policy"] == 0.0 and set(still_stats) == set(builtin_stats)
     assert set(EMPTY_GRPO_STATS) <= set(builtin_stats)  # an empty step reports the same names
+
+
+def test_cispo_by_hand():
+    """CISPO weighs each token's log-likelihood by its clipped ratio, without gradient through it:
+    clipped tokens keep their gradient (PPO's clip drops it)."""
+    from common.config import CispoLoss
+    from trainer.losses.cispo import loss as cispo_loss
+
+    logp, behaviour, adv, mask = clip_case()  # ratios 1.5, 0.9 (A +1) | 0.5, 1.1, 1.0 (A -1); logp = -2 + ln r
+    loss, stats = cispo_loss(LossInputs(logp, behaviour, adv, mask, total_tokens=5),
+                             CispoLoss(clip_low=0.2, clip_high=0.3))
+    # Weights clip(r, 0.8, 1.3): 1.3, 0.9 | 0.8, 1.1, 1.0. Per token -w A logp:
+    #   row 0: -1.3 (-2 + ln 1.5) = 2.072895, -0.9 (-2 + ln 0.9) = 1.894824
+    #   row 1: +0.8 (-2 + ln 0.5) = -2.154518, +1.1 (-2 + ln 1.1) = -2.095159, +1.0 (-2 + 0) = -2
+    # Sum -2.281957 over 5 tokens = -0.456391.
+    assert loss.item() == pytest.approx(-2.281957 / 5, abs=1e-6)
+    assert stats.clip_high == pytest.approx(1 / 5) and stats.clip_low == pytest.approx(1 / 5)
+    assert stats.ratio == pytest.approx((1.5 + 0.9 + 0.5 + 1.1 + 1.0) / 5)
+    # d loss / d logp = -w A / 5 on every trained token, the clipped ones (1.5 and 0.5) included.
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.3 / 5, -0.9 / 5, 0.0], [0.8 / 5, 1.1 / 5, 1.0 / 5]]))
+    # [trainer.loss] type = "cispo" is this file's loss
+    cfg = config_from_dict({"trainer": {"loss": {"type": "cispo", "clip_low": 0.2, "clip_high": 0.3}}}).trainer.loss
+    assert loss_function(cfg)(LossInputs(logp, behaviour, adv, mask, total_tokens=5)).loss.item() == loss.item()
