@@ -11,7 +11,9 @@ share of global counts, summed over the ranks at the end.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -21,7 +23,7 @@ from trainer.batch import MicroBatch, mini_batches, with_mask
 from trainer.devices import model_device, to_device
 from trainer.grpo import Estimator, mismatch_stats
 from trainer.logprobs import sequence_logprobs
-from trainer.losses import LossInputs, LossStats, correction_of, loss_function
+from trainer.losses import Loss, LossInputs, LossStats, correction_of, loss_function
 from trainer.losses.corrections import behaviour_weight
 from trainer.losses.sft import sft_loss
 from trainer.parallel import all_max, all_sum, any_rank, gather, world_size
@@ -133,17 +135,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
         return {**EMPTY_GRPO_STATS, **base}
 
-    def forward_logp(m: torch.nn.Module, mb: MicroBatch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return sequence_logprobs(m, mb.input_ids, mb.attention_mask, mb.targets, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, entropy=entropy, chunk_tokens=chunk_tokens,
-                                 positions=mb.trained_at, packed=mb.packed)  # (B, T), (B, T) or None: 0 off the mask
-
+    forward = partial(sequence_logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
+                      chunk_tokens=chunk_tokens)
     loss_fn, correction = loss_function(loss), correction_of(loss)
     model.eval()  # the no-grad passes run with dropout off
     with torch.no_grad():
-        prox = [[forward_logp(model, mb)[0] for mb in m.batches] if correction.type != "behaviour_clip"
+        prox = [[log_probs(forward, model, mb)[0] for mb in m.batches] if correction.type != "behaviour_clip"
                 else [None] * len(m.batches) for m in minis]
-        ref = [[forward_logp(ref_model, mb)[0] if ref_model is not None else None for mb in m.batches]
+        ref = [[log_probs(forward, ref_model, mb)[0] if ref_model is not None else None for mb in m.batches]
                for m in minis]
     model.train()
     oldest = all_max(max([0] + [step - g.version for g in groups]))
@@ -154,20 +153,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
         if mini.tokens == 0:
             continue
         optimizer.zero_grad(set_to_none=True)
-        share, mini_loss = mini.tokens / total_tokens, 0.0
-        for mb, prox_logp, ref_logp in zip(mini.batches, mini_prox, mini_ref, strict=True):
-            logp, entropy = forward_logp(model, mb, entropy=True)
-            out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=mb.advantages,
-                                     mask=mb.mask, total_tokens=mini.tokens, total_seqs=mini.seqs,
-                                     norm_tokens=mini.rows * max_new_tokens, prox_logp=prox_logp, ref_logp=ref_logp))
-            (out.loss * world).backward()
-            mini_loss += out.loss.item()
-            mb_stats = {**out.stats.named(), **mismatch(logp.detach() if prox_logp is None else prox_logp, mb,
-                                                        correction, step=step, total_tokens=mini.tokens)}
-            gap_max = max(gap_max, mb_stats.pop("mismatch/abs_log_ratio_max"))
-            for k, v in mb_stats.items():  # shares of the mini-batch's tokens: weighted to the step's
-                stats[k] = stats.get(k, 0.0) + (v if k.startswith("staleness/") else v * share)
-            stats["entropy"] += (entropy * mb.mask).sum().item() / total_tokens
+        mini_loss, mini_gap_max = backward_mini(model, mini, mini_prox, mini_ref, stats, loss_fn=loss_fn,
+                                                correction=correction, forward=forward, step=step,
+                                                total_tokens=total_tokens, max_new_tokens=max_new_tokens)
+        gap_max = max(gap_max, mini_gap_max)
         grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm,
                                   loss_finite=math.isfinite(mini_loss))
         if math.isfinite(grad_norm):  # the same on every rank
@@ -181,6 +170,37 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     out["grad_norm"] /= max(applied, 1)
     out["mismatch/abs_log_ratio_max"] = max(gather(gap_max))
     return {**out, **base, "tokens/forward": float(sum(m.tokens_in for m in minis))}
+
+
+def log_probs(forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], model: torch.nn.Module,
+              mb: MicroBatch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`model`'s log-probs of `mb`'s targets, and their entropy if asked: (B, T), 0 off the mask."""
+    return forward(model, mb.input_ids, mb.attention_mask, mb.targets, entropy=entropy, positions=mb.trained_at,
+                   packed=mb.packed)
+
+
+def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Tensor | None],
+                  ref: list[torch.Tensor | None], stats: dict[str, float], *, loss_fn: Loss,
+                  correction: CorrectionConfig, forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+                  step: int, total_tokens: int, max_new_tokens: int) -> tuple[float, float]:
+    """The loss of one mini-batch, backward micro-batch by micro-batch (the gradients accumulate),
+    its stats added to `stats` as shares of the step's `total_tokens`. Returns its loss (this
+    rank's part) and its largest behaviour/proximal gap."""
+    share, mini_loss, gap_max, world = mini.tokens / total_tokens, 0.0, 0.0, world_size()
+    for mb, prox_logp, ref_logp in zip(mini.batches, prox, ref, strict=True):
+        logp, entropy = log_probs(forward, model, mb, entropy=True)
+        out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=mb.advantages,
+                                 mask=mb.mask, total_tokens=mini.tokens, total_seqs=mini.seqs,
+                                 norm_tokens=mini.rows * max_new_tokens, prox_logp=prox_logp, ref_logp=ref_logp))
+        (out.loss * world).backward()
+        mini_loss += out.loss.item()
+        mb_stats = {**out.stats.named(), **mismatch(logp.detach() if prox_logp is None else prox_logp, mb,
+                                                    correction, step=step, total_tokens=mini.tokens)}
+        gap_max = max(gap_max, mb_stats.pop("mismatch/abs_log_ratio_max"))
+        for k, v in mb_stats.items():  # shares of the mini-batch's tokens: weighted to the step's
+            stats[k] = stats.get(k, 0.0) + (v if k.startswith("staleness/") else v * share)
+        stats["entropy"] += (entropy * mb.mask).sum().item() / total_tokens
+    return mini_loss, gap_max
 
 
 def mismatch(measured: torch.Tensor, mb: MicroBatch, correction: CorrectionConfig, *, step: int,
