@@ -121,10 +121,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     start of the step. Log-probs are those of the sampler's distribution (temperature, `top_k`,
     `top_p`). An update whose loss or gradient norm is not finite is skipped (counted in
     "steps_skipped"). `step` (trainer steps done) gives each group's staleness for the mismatch
-    metrics. Stats are shares of the step's
-    trained tokens; the loss and grad norm are means over the applied updates. With
-    `share_prompts` each micro-batch runs each of its prompts through the model once, however
-    many of its completions share it (the same log-probs, fewer positions).
+    metrics. Stats are shares of the step's trained tokens; the loss and grad norm are means over
+    the applied updates. With `share_prompts` each micro-batch runs each of its prompts through
+    the model once, however many of its completions share it (the same log-probs, fewer
+    positions).
     """
     minis = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                          estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty, parts=updates,
