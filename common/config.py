@@ -491,7 +491,8 @@ class CispoLoss(ClippedLoss):
 
 
 class CustomLoss(_Section):
-    # A loss of your own: `function(inputs: trainer.losses.LossInputs, **kwargs) -> LossOutputs`.
+    # A loss of your own: `function(inputs: trainer.losses.LossInputs, **kwargs) -> LossOutputs`
+    # (behaviour_clip's inputs: no proximal or reference pass, prox_logp and ref_logp None).
     type: Literal["custom"] = "custom"
     # "module:function" (as rewards are named); loaded at start-up.
     function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
