@@ -20,9 +20,9 @@ import re
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 ENV_PREFIX = "ROLLOUTS_"
 ENV_CONFIG_FILE = "ROLLOUTS_CONFIG"  # names the TOML file; not a field
@@ -369,6 +369,149 @@ class LoraConfig(_Section):
     target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
 
 
+# ---------------------------------------------------------------------- the loss
+# [trainer.loss] is one of the variants below, chosen by `type`; trainer/losses/<type>.py computes
+# it. [trainer.loss.correction] likewise, by its own `type` (trainer/losses/corrections/<type>.py).
+# Either may be given by its type alone: `correction = "decoupled"`, ROLLOUTS_TRAINER__LOSS=gspo.
+
+
+def _by_type(default: str) -> Callable[[Any], Any]:
+    """A before-validator of a tagged union: a bare type name is that variant with its defaults,
+    and a table without `type` is the `default` variant."""
+    def by_type(value: Any) -> Any:
+        if isinstance(value, str):
+            return {"type": value}
+        if isinstance(value, dict) and "type" not in value:
+            return {**value, "type": default}
+        return value
+    return by_type
+
+
+class BehaviourClip(_Section):
+    # The correction (trainer/losses/corrections/<type>.py): "behaviour_clip" (the default): PPO's
+    # ratio pi / pi_behav, clipped, staleness and engine mismatch going into the clipped ratio, no
+    # extra pass; "decoupled": ratio pi / pi_prox times min(pi_prox / pi_behav, tis_cap);
+    # "token_mask" / "sequence_mask": ratio pi / pi_prox times pi_prox / pi_behav (per token / the
+    # sequence's geometric mean), 0 outside [mask_low, mask_high].
+    type: Literal["behaviour_clip"] = "behaviour_clip"
+
+
+class Decoupled(_Section):
+    # Decoupled PPO (AReaL): ratio pi / pi_prox, clipped, times the no-gradient weight
+    # min(pi_prox / pi_behav, tis_cap).
+    type: Literal["decoupled"] = "decoupled"
+    # Cap of the behaviour weight pi_prox / pi_behav.
+    tis_cap: float = Field(2.0, gt=0.0)
+
+
+class TokenMask(_Section):
+    # Ratio pi / pi_prox, clipped, times pi_prox / pi_behav where that lies in [mask_low,
+    # mask_high]; tokens outside the band are dropped from the loss (MIS, icepop).
+    type: Literal["token_mask"] = "token_mask"
+    # The lower end of the band [mask_low, mask_high] of pi_prox / pi_behav kept.
+    mask_low: float = Field(0.5, ge=0.0, le=1.0)
+    # The upper end of that band.
+    mask_high: float = Field(2.0, ge=1.0)
+
+
+class SequenceMask(_Section):
+    # As token_mask with the sequence's geometric mean of pi_prox / pi_behav: a sequence outside the
+    # band is dropped whole (TRL's sequence_mask).
+    type: Literal["sequence_mask"] = "sequence_mask"
+    # The lower end of the band [mask_low, mask_high] of the geometric mean kept.
+    mask_low: float = Field(0.5, ge=0.0, le=1.0)
+    # The upper end of that band.
+    mask_high: float = Field(2.0, ge=1.0)
+
+
+# Off-policy correction: how the loss treats the gap between the policy that sampled a token (the
+# generator's behaviour log-probs: older weights, another engine, bf16 kernels) and the trainer's
+# policy. pi_prox is the proximal policy: a no-grad pass with the weights at the start of the step
+# (one more forward pass over the batch), taken by every correction but behaviour_clip.
+# The default variant last: --help shows its type as the default (and each other setting's default
+# from the first variant that has it: the variants share their defaults).
+CorrectionConfig = Annotated[Decoupled | TokenMask | SequenceMask | BehaviourClip, Field(discriminator="type"),
+                             BeforeValidator(_by_type("behaviour_clip"))]
+
+
+class ClippedLoss(_Section):
+    """The settings every loss with a clipped ratio takes."""
+
+    # Clip range of the ratio: [1 - clip_low, 1 + clip_high].
+    clip_low: float = Field(0.2, ge=0.0)
+    # Upper clip bound: 1 + clip_high (DAPO's clip-higher raises it).
+    clip_high: float = Field(0.2, ge=0.0)
+    # [trainer.loss.correction]: the off-policy correction, by `type` ("behaviour_clip",
+    # "decoupled", "token_mask", "sequence_mask").
+    correction: CorrectionConfig = Field(default_factory=lambda: BehaviourClip())
+    # KL penalty to the frozen initial model, per token; 0: no reference model is kept.
+    kl_coef: float = Field(0.0, ge=0.0)
+    # Estimator of KL(policy || reference) per sampled token, log r = log ref - log pi (Schulman's
+    # note); what each does as a loss is its gradient, in expectation over the sampled tokens:
+    # "k1" = -log r: unbiased value; gradient grad log pi, 0 in expectation (pure noise, no pull).
+    # "k2" = (log r)^2 / 2: biased value; gradient that of KL(pi || ref) (the reverse KL).
+    # "k3" = r - 1 - log r: unbiased value, >= 0 (GRPO's); gradient that of KL(ref || pi) (forward).
+    # "k3_is": k3 times the ratio pi / pi_old (TRL's bias-corrected k3, use_bias_correction_kl):
+    #   corrects for the tokens being sampled by the old policy.
+    kl_estimator: Literal["k1", "k2", "k3", "k3_is"] = "k3"
+
+
+class _DualClip(_Section):
+    # Dual clip (verl's clip_ratio_c): where the advantage is negative, a token's loss is at most
+    # -A * clip_ratio_c however large its ratio (an off-policy token the policy now favours cannot
+    # blow up the update); 0 turns it off, else it must be > 1 (verl uses 3).
+    clip_ratio_c: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check_dual_clip(self) -> _DualClip:
+        if 0 < self.clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c: must be 0 (off) or > 1, got {self.clip_ratio_c}")
+        return self
+
+
+class GrpoLoss(ClippedLoss, _DualClip):
+    # The loss (trainer/losses/<type>.py): "grpo" (the default): PPO's clipped ratio per token,
+    # -min(r A, clip(r) A) (GRPO, DAPO, Dr. GRPO by loss_agg); "gspo": the ratio per sequence;
+    # "cispo": the clipped ratio as a no-gradient weight; "custom": `function`. Each type takes
+    # only its own settings.
+    type: Literal["grpo"] = "grpo"
+    # How the per-token losses become the step's loss:
+    # "token_mean": their sum / the step's trained-token count (DAPO). Long completions weigh more.
+    # "seq_mean": mean over each sequence's tokens, then mean over the step's sequences (GRPO paper);
+    #   carries GRPO's length bias (a short wrong answer is pushed down harder per token).
+    # "token_sum_norm": their sum / a constant, completions x rollout.max_new_tokens (Dr. GRPO): no
+    #   length bias and no dependence on the step's lengths either.
+    loss_agg: Literal["token_mean", "seq_mean", "token_sum_norm"] = "token_mean"
+
+
+class GspoLoss(ClippedLoss, _DualClip):
+    # GSPO: the ratio per sequence, the geometric mean of its tokens' ratios, clipped per sequence;
+    # each sequence averaged over its tokens, then the sequences (seq_mean). GSPO uses tiny clip
+    # ranges (clip_low 3e-4, clip_high 4e-4).
+    type: Literal["gspo"] = "gspo"
+
+
+class CispoLoss(ClippedLoss):
+    # CISPO (MiniMax-M1): -sg(clip(r, 1 - clip_low, 1 + clip_high)) A log pi per token, token_mean:
+    # the clipped ratio weighs each token's gradient but never zeroes it (PPO's clip drops the
+    # gradient of a clipped token). MiniMax leaves the ratio unbounded below (clip_low 1).
+    type: Literal["cispo"] = "cispo"
+
+
+class CustomLoss(_Section):
+    # A loss of your own: `function(inputs: trainer.losses.LossInputs, **kwargs) -> LossOutputs`
+    # (behaviour_clip's inputs: no proximal or reference pass, prox_logp and ref_logp None).
+    type: Literal["custom"] = "custom"
+    # "module:function" (as rewards are named); loaded at start-up.
+    function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    # Keyword arguments passed to it ([trainer.loss.kwargs]).
+    kwargs: dict[str, float | int | bool | str] = Field({})
+
+
+LossConfig = Annotated[GspoLoss | CispoLoss | CustomLoss | GrpoLoss, Field(discriminator="type"),
+                       BeforeValidator(_by_type("grpo"))]
+
+
 class TrainerConfig(_Section):
     # "grpo": the GRPO-family policy loss on sampled, rewarded groups; "sft": cross-entropy on
     # the completions' loss-masked tokens (groups of one completion, e.g. from an sft source),
@@ -387,59 +530,10 @@ class TrainerConfig(_Section):
     total_steps: int = Field(0, ge=0)
     # Advantage estimator: "grpo" (group mean and std), "dr_grpo" (mean only), "rloo" (leave-one-out).
     advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    # PPO clip range of the ratio: [1 - clip_low, 1 + clip_high].
-    clip_low: float = Field(0.2, ge=0.0)
-    # Upper clip bound: 1 + clip_high (DAPO's clip-higher raises it).
-    clip_high: float = Field(0.2, ge=0.0)
-    # "token": a ratio per token (PPO/GRPO); "sequence": GSPO's geometric-mean ratio per sequence,
-    # clipped per sequence (GSPO uses tiny clip ranges, e.g. clip_low 3e-4, clip_high 4e-4). GSPO
-    # averages each sequence, then the sequences: "sequence" needs loss_agg = "seq_mean".
-    ratio_level: Literal["token", "sequence"] = "token"
-    # How the per-token losses become the step's loss:
-    # "token_mean": their sum / the step's trained-token count (DAPO). Long completions weigh more.
-    # "seq_mean": mean over each sequence's tokens, then mean over the step's sequences (GRPO paper);
-    #   carries GRPO's length bias (a short wrong answer is pushed down harder per token).
-    # "token_sum_norm": their sum / a constant, completions x rollout.max_new_tokens (Dr. GRPO): no
-    #   length bias and no dependence on the step's lengths either.
-    loss_agg: Literal["token_mean", "seq_mean", "token_sum_norm"] = "token_mean"
     # PPO mini-batches: each trainer step's batch is split into this many consecutive mini-batches
     # of completions, one optimizer step each (one pass over the batch). Above 1 the later
     # mini-batches are trained by a policy that has moved, and the clip bounds that move.
     updates_per_batch: int = Field(1, ge=1)
-    # Off-policy correction: how the loss treats the gap between the policy that sampled a token
-    # (the generator's behaviour log-probs: older weights, another engine, bf16 kernels) and the
-    # trainer's policy. pi_prox is the proximal policy: a no-grad pass with the weights at the
-    # start of the step (one more forward pass over the batch).
-    # "behaviour_clip": PPO's ratio pi / pi_behav, clipped; staleness and engine mismatch go into
-    #   the clipped ratio; no extra pass.
-    # "decoupled": decoupled PPO (AReaL): ratio pi / pi_prox, clipped, times the no-gradient weight
-    #   min(pi_prox / pi_behav, tis_cap).
-    # "token_mask": ratio pi / pi_prox, clipped, times pi_prox / pi_behav where that lies in
-    #   [mask_low, mask_high]; tokens outside the band are dropped from the loss (MIS, icepop).
-    # "sequence_mask": as token_mask with the sequence's geometric mean of pi_prox / pi_behav: a
-    #   sequence outside the band is dropped whole (TRL's sequence_mask).
-    correction: Literal["behaviour_clip", "decoupled", "token_mask", "sequence_mask"] = "behaviour_clip"
-    # "decoupled": cap of the behaviour weight pi_prox / pi_behav.
-    tis_cap: float = Field(2.0, gt=0.0)
-    # "token_mask" / "sequence_mask": the lower end of the band [mask_low, mask_high] of
-    # pi_prox / pi_behav kept.
-    mask_low: float = Field(0.5, ge=0.0, le=1.0)
-    # "token_mask" / "sequence_mask": the upper end of that band.
-    mask_high: float = Field(2.0, ge=1.0)
-    # Dual clip (verl's clip_ratio_c): where the advantage is negative, a token's loss is at most
-    # -A * clip_ratio_c however large its ratio (an off-policy token the policy now favours cannot
-    # blow up the update); 0 turns it off, else it must be > 1 (verl uses 3).
-    clip_ratio_c: float = Field(0.0, ge=0.0)
-    # KL penalty to the frozen initial model, per token; 0: no reference model is kept.
-    kl_coef: float = Field(0.0, ge=0.0)
-    # Estimator of KL(policy || reference) per sampled token, log r = log ref - log pi (Schulman's
-    # note); what each does as a loss is its gradient, in expectation over the sampled tokens:
-    # "k1" = -log r: unbiased value; gradient grad log pi, 0 in expectation (pure noise, no pull).
-    # "k2" = (log r)^2 / 2: biased value; gradient that of KL(pi || ref) (the reverse KL).
-    # "k3" = r - 1 - log r: unbiased value, >= 0 (GRPO's); gradient that of KL(ref || pi) (forward).
-    # "k3_is": k3 times the ratio pi / pi_old (TRL's bias-corrected k3, use_bias_correction_kl):
-    #   corrects for the tokens being sampled by the old policy.
-    kl_estimator: Literal["k1", "k2", "k3", "k3_is"] = "k3"
     # Completions cut at max_new_tokens (finish == "length"): "none" trains on them as they are,
     # "mask" excludes their tokens from the loss, "penalty" subtracts overlong_penalty from their reward.
     overlong: Literal["none", "mask", "penalty"] = "none"
@@ -503,6 +597,10 @@ class TrainerConfig(_Section):
     report_to: list[Literal["tensorboard", "wandb"]] = Field([])
     # The W&B project runs are logged to (report_to = ["wandb"]).
     wandb_project: str = "rollouts"
+    # [trainer.loss]: the GRPO family's policy loss, chosen by its `type` (each type takes only its
+    # own settings): "grpo" (the PPO-clipped ratio per token), "gspo" (per sequence), "cispo" (the
+    # clipped ratio as a no-gradient weight) or "custom" (a "module:function" of your own).
+    loss: LossConfig = Field(default_factory=lambda: GrpoLoss())
     # [trainer.lora]: train low-rank adapters instead of every weight.
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
@@ -510,15 +608,6 @@ class TrainerConfig(_Section):
     def _check_state_every(self) -> TrainerConfig:
         if self.state_every and self.state_every % self.sync_every:
             raise ValueError(f"state_every ({self.state_every}) must be a multiple of sync_every ({self.sync_every})")
-        return self
-
-    @model_validator(mode="after")
-    def _check_loss(self) -> TrainerConfig:
-        if self.ratio_level == "sequence" and self.loss_agg != "seq_mean":
-            raise ValueError(f"ratio_level: \"sequence\" (GSPO) averages per sequence; it needs loss_agg = "
-                             f"\"seq_mean\", got {self.loss_agg!r}")
-        if 0 < self.clip_ratio_c <= 1:
-            raise ValueError(f"clip_ratio_c: must be 0 (off) or > 1, got {self.clip_ratio_c}")
         return self
 
     @model_validator(mode="after")
@@ -685,11 +774,43 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# The variants' type names: pydantic puts the one it tried after a tagged union's field in an
+# error's location (trainer.loss.gspo.loss_agg), which _describe takes out again.
+_TAGS = {(field, t) for field, union in (("loss", LossConfig), ("correction", CorrectionConfig))
+         for variant in get_args(get_args(union)[0]) for t in get_args(variant.model_fields["type"].annotation)}
+
+
+def _field_name(loc: tuple[int | str, ...]) -> tuple[str, str]:
+    """The dotted field of an error's location, and the variant of a tagged union it is in ("" if none)."""
+    parts, variant = [], ""
+    for i, p in enumerate(loc):
+        if i and (loc[i - 1], p) in _TAGS:
+            variant = str(p)
+            continue
+        parts.append(str(p))
+    return ".".join(parts), variant
+
+
+# Loss settings that were [trainer] fields before the loss had its own table: where each is now.
+_MOVED = {**{f"trainer.{f}": f"trainer.loss.{f}" for f in ("clip_low", "clip_high", "kl_coef", "kl_estimator",
+                                                            "clip_ratio_c", "loss_agg", "correction")},
+          **{f"trainer.{f}": f"trainer.loss.correction.{f}" for f in ("tis_cap", "mask_low", "mask_high")},
+          "trainer.ratio_level": 'trainer.loss.type ("gspo" is the sequence-level ratio)'}
+
+
 def _describe(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        field, variant = _field_name(e["loc"])
+        field = field or "(top level)"
         msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        if variant and e["type"] == "extra_forbidden":
+            msg = f"unknown field for type {variant!r}"
+        if e["type"] == "union_tag_invalid":
+            tag, expected = e["ctx"]["tag"], e["ctx"]["expected_tags"]
+            field, msg = f"{field}.type", f"unknown type {tag!r}; expected one of {expected}"
+        if e["type"] == "extra_forbidden" and field in _MOVED:
+            msg = f"unknown field: it moved to {_MOVED[field]}"
         # A section's own check says "field: why"; name that field in full.
         named = re.match(r"^Value error, (\w+): (.*)$", msg, re.S)
         if named:
@@ -773,17 +894,19 @@ def config_from_args(prog: str, description: str, argv: list[str] | None = None,
 def _document_fields() -> None:
     """Give every field of the config the comment above it in this file as its description."""
     for cls in (Config, ModelConfig, TaskConfig, SourceConfig, DataConfig, RolloutConfig, GeneratorConfig,
-                TrainerConfig, LoraConfig, EvalConfig, LimitsConfig):
-        comment: list[str] = []
-        for line in inspect.getsource(cls).splitlines()[1:]:
-            text = line.strip()
-            field = re.match(r"^(\w+)\s*:", text)
-            if text.startswith("#"):
-                comment.append(text.lstrip("#").strip())
-                continue
-            if field and field[1] in cls.model_fields and comment and not cls.model_fields[field[1]].description:
-                cls.model_fields[field[1]].description = " ".join(c for c in comment if not c.startswith("----"))
-            comment = []
+                TrainerConfig, LoraConfig, EvalConfig, LimitsConfig, BehaviourClip, Decoupled, TokenMask,
+                SequenceMask, GrpoLoss, GspoLoss, CispoLoss, CustomLoss):
+        for written in [c for c in cls.__mro__ if issubclass(c, _Section) and c is not _Section]:  # own, then bases'
+            comment: list[str] = []
+            for line in inspect.getsource(written).splitlines()[1:]:
+                text = line.strip()
+                field = re.match(r"^(\w+)\s*:", text)
+                if text.startswith("#"):
+                    comment.append(text.lstrip("#").strip())
+                    continue
+                if field and field[1] in cls.model_fields and comment and not cls.model_fields[field[1]].description:
+                    cls.model_fields[field[1]].description = " ".join(c for c in comment if not c.startswith("----"))
+                comment = []
 
 
 _document_fields()  # every field's comment is its description, for --help and for readers of the model

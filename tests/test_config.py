@@ -38,6 +38,15 @@ def test_environment_names_the_file(tmp_path):
         ("[[data.sources]]\nname = \"a\"\nkind = \"arithmetic\"\nenvironment = \"not a module\"\n", {},
          "data.sources.0.environment"),
         ("[generator]\nengine = \"openai\"\n", {}, "generator.server_url"),
+        ("[trainer.loss]\ntype = \"ppo\"\n", {}, "trainer.loss.type: unknown type 'ppo'; expected one of"),
+        ("[trainer.loss]\ntype = \"gspo\"\nloss_agg = \"token_mean\"\n", {},
+         "trainer.loss.loss_agg: unknown field for type 'gspo'"),
+        ("", {"ROLLOUTS_TRAINER__LOSS__CORRECTION__TYPE": "decoupled",
+              "ROLLOUTS_TRAINER__LOSS__CORRECTION__MASK_LOW": "0.1"},
+         "trainer.loss.correction.mask_low: unknown field for type 'decoupled'"),
+        ("[trainer.loss]\nclip_ratio_c = 0.5\n", {}, "trainer.loss.clip_ratio_c: must be 0 (off) or > 1"),
+        ("[trainer]\nclip_high = 0.28\n", {}, "trainer.clip_high: unknown field: it moved to trainer.loss.clip_high"),
+        ("", {"ROLLOUTS_TRAINER__CORRECTION": "decoupled"}, "it moved to trainer.loss.correction"),
     ],
 )
 def test_bad_value_names_the_field(tmp_path, text, env, field):
@@ -120,6 +129,30 @@ def test_config_files_stack_and_flags_override_files_and_environment(tmp_path, m
         config_from_args("python -m trainer", "", ["--trainer.lr", "-1"])
 
 
+def test_the_loss_is_chosen_by_type_from_files_environment_and_flags(tmp_path, monkeypatch):
+    from common.config import BehaviourClip, Decoupled, GrpoLoss, GspoLoss, TokenMask, config_from_args
+
+    (tmp_path / "a.toml").write_text('[trainer.loss]\ntype = "gspo"\nclip_low = 3e-4\nclip_high = 4e-4\n'
+                                     '[trainer.loss.correction]\ntype = "token_mask"\nmask_low = 0.25\n')
+    assert load_config(tmp_path / "a.toml", env={}).trainer.loss == GspoLoss(
+        clip_low=3e-4, clip_high=4e-4, correction=TokenMask(mask_low=0.25))
+    assert load_config(env={}).trainer.loss == GrpoLoss(correction=BehaviourClip())  # the default
+    # A bare type name is that variant with its defaults; a table without `type` is the default variant.
+    assert load_config(env={"ROLLOUTS_TRAINER__LOSS": "gspo"}).trainer.loss == GspoLoss()
+    assert load_config(env={"ROLLOUTS_TRAINER__LOSS__KL_COEF": "0.1", "ROLLOUTS_TRAINER__LOSS__CORRECTION":
+                            "decoupled"}).trainer.loss == GrpoLoss(kl_coef=0.1, correction=Decoupled())
+    (tmp_path / "b.toml").write_text('[trainer.loss]\ntype = "gspo"\nclip_low = 3e-4\nclip_high = 4e-4\n')
+    monkeypatch.setenv("ROLLOUTS_TRAINER__LOSS__CLIP_HIGH", "5e-4")
+    cfg, _ = config_from_args("python -m trainer", "", [
+        "--config", str(tmp_path / "b.toml"), "--trainer.loss.correction.type", "decoupled",
+        "--trainer.loss.correction.tis_cap", "3"])
+    assert cfg.trainer.loss == GspoLoss(clip_low=3e-4, clip_high=5e-4, correction=Decoupled(tis_cap=3.0))
+    # a.toml's token_mask band does not belong to the decoupled correction a flag chose
+    with pytest.raises(ConfigError, match=r"trainer\.loss\.correction\.mask_low: unknown field for type 'decoupled'"):
+        config_from_args("python -m trainer", "", ["--config", str(tmp_path / "a.toml"),
+                                                   "--trainer.loss.correction.type", "decoupled"])
+
+
 def test_help_lists_every_field_with_its_comment_and_default_and_the_processes():
     import subprocess
     import sys
@@ -136,6 +169,11 @@ def test_help_lists_every_field_with_its_comment_and_default_and_the_processes()
             assert field.description, f"{flag} has no comment in common/config.py"
     assert "--trainer.lr float Peak learning rate (AdamW); the schedule scales it. (default: 1e-06)" in flat
     assert "--rollout.group_size int Completions sampled per prompt (the GRPO group). (default: 4)" in flat
+    for flag in ("--trainer.loss.type {cispo,custom,grpo,gspo}", "--trainer.loss.clip_high float Upper clip bound",
+                 "--trainer.loss.correction.type {behaviour_clip,decoupled,sequence_mask,token_mask}",
+                 "--trainer.loss.correction.tis_cap float Cap of the behaviour weight"):
+        assert flag in flat, flag
+    assert "Each type takes only its own settings. (default: grpo)" in flat  # the type's default is grpo's
     processes = subprocess.run([sys.executable, "-m", "common.cli", "--help"], capture_output=True, text=True,
                                check=True).stdout
     for start in ("python -m producers", "python -m generators", "-m trainer", "python -m evaluator", "./ops/run"):
@@ -150,6 +188,13 @@ def test_a_process_refuses_a_bad_flag_naming_the_field():
                           text=True)
     assert done.returncode != 0, done.stderr
     assert "rollout.group_size: Input should be greater than or equal to 2 (got '1')" in done.stderr, done.stderr
+    done = subprocess.run([sys.executable, "-m", "trainer", "--trainer.loss.type", "ppo"], capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "trainer.loss.type: unknown type 'ppo'" in done.stderr, done.stderr
+    done = subprocess.run([sys.executable, "-m", "trainer", "--trainer.loss.type", "custom",
+                           "--trainer.loss.function", "nowhere.at_all:loss"], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert "trainer.loss.function 'nowhere.at_all:loss' cannot be loaded: No module named 'nowhere'" in done.stderr
 
 
 def test_shipped_gsm8k_config_trains_on_the_train_split_and_evaluates_on_the_test_split():

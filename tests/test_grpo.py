@@ -5,7 +5,10 @@ import math
 import pytest
 import torch
 
-from trainer.grpo import group_advantages, grpo_loss, token_logprobs
+from common.config import GrpoLoss
+from trainer.grpo import group_advantages, token_logprobs
+from trainer.losses import LossInputs
+from trainer.losses.grpo import loss as grpo_loss
 
 
 def test_group_advantages_by_hand():
@@ -59,7 +62,8 @@ def clip_case():
 
 def test_grpo_loss_by_hand():
     logp, behaviour, adv, mask = clip_case()
-    loss, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5)
+    loss, stats = grpo_loss(LossInputs(logp, behaviour, adv, mask, total_tokens=5),
+                            GrpoLoss(clip_low=0.2, clip_high=0.3))
     # Clip range [0.8, 1.3]. Per-token loss -min(r A, clip(r) A):
     #   row 0, r 1.5, A +1: min(1.5, 1.3) = 1.3   -> -1.3 (high clip active)
     #   row 0, r 0.9, A +1: min(0.9, 0.9)         -> -0.9
@@ -68,10 +72,10 @@ def test_grpo_loss_by_hand():
     #   row 1, r 1.0, A -1:                       -> +1.0
     # Sum 0.7 over 5 tokens = 0.14.
     assert loss.item() == pytest.approx(0.14, abs=1e-6)
-    assert stats["clip_ratio/high_mean"] == pytest.approx(1 / 5)
-    assert stats["clip_ratio/low_mean"] == pytest.approx(1 / 5)
-    assert stats["clip_ratio/region_mean"] == pytest.approx(2 / 5)
-    assert stats["ratio/mean"] == pytest.approx((1.5 + 0.9 + 0.5 + 1.1 + 1.0) / 5)
+    assert stats.clip_high == pytest.approx(1 / 5)
+    assert stats.clip_low == pytest.approx(1 / 5)
+    assert stats.clip_region == pytest.approx(2 / 5)
+    assert stats.ratio == pytest.approx((1.5 + 0.9 + 0.5 + 1.1 + 1.0) / 5)
     # d loss / d logp = -r A / 5 where the clip is inactive, 0 where it is active or masked.
     loss.backward()
     want = torch.tensor([[0.0, -0.9 / 5, 0.0], [0.0, 1.1 / 5, 1.0 / 5]])
@@ -80,9 +84,10 @@ def test_grpo_loss_by_hand():
 
 def test_grpo_loss_micro_batches_add_up_to_the_step_mean():
     logp, behaviour, adv, mask = clip_case()
-    whole, _ = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5)
-    parts = [grpo_loss(logp[i : i + 1], behaviour[i : i + 1], adv[i : i + 1], mask[i : i + 1],
-                       clip_low=0.2, clip_high=0.3, total_tokens=5)[0] for i in range(2)]
+    cfg = GrpoLoss(clip_low=0.2, clip_high=0.3)
+    whole, _ = grpo_loss(LossInputs(logp, behaviour, adv, mask, total_tokens=5), cfg)
+    parts = [grpo_loss(LossInputs(logp[i : i + 1], behaviour[i : i + 1], adv[i : i + 1], mask[i : i + 1],
+                                  total_tokens=5), cfg)[0] for i in range(2)]
     # Row 0 gives (-1.3 - 0.9) / 5 = -0.44; row 1 gives (0.8 + 1.1 + 1.0) / 5 = 0.58.
     assert parts[0].item() == pytest.approx(-0.44, abs=1e-6)
     assert parts[1].item() == pytest.approx(0.58, abs=1e-6)
@@ -92,8 +97,8 @@ def test_grpo_loss_micro_batches_add_up_to_the_step_mean():
 def test_clip_bounds_are_asymmetric():
     def loss(ratio: float, adv: float, clip_low: float, clip_high: float) -> float:
         logp = torch.tensor([[math.log(ratio)]])
-        out, _ = grpo_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), torch.ones(1, 1),
-                           clip_low=clip_low, clip_high=clip_high, total_tokens=1)
+        out, _ = grpo_loss(LossInputs(logp, torch.zeros(1, 1), torch.tensor([adv]), torch.ones(1, 1), total_tokens=1),
+                           GrpoLoss(clip_low=clip_low, clip_high=clip_high))
         return out.item()
 
     # r = 1.25, A = +1: inside [0.8, 1.3] -> -1.25; with the high bound at 1.2 -> -1.2.
@@ -108,8 +113,8 @@ def test_padding_never_makes_nan():
     # A masked position whose log-ratio would overflow exp() contributes nothing.
     logp = torch.tensor([[-1.0, 0.0]], requires_grad=True)
     behaviour = torch.tensor([[-1.0, -1000.0]])
-    loss, stats = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]),
-                            clip_low=0.2, clip_high=0.2, total_tokens=1)
+    loss, stats = grpo_loss(LossInputs(logp, behaviour, torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]),
+                                       total_tokens=1), GrpoLoss(clip_low=0.2, clip_high=0.2))
     loss.backward()
     assert loss.item() == pytest.approx(-1.0)
-    assert torch.isfinite(logp.grad).all() and stats["ratio/mean"] == pytest.approx(1.0)
+    assert torch.isfinite(logp.grad).all() and stats.ratio == pytest.approx(1.0)

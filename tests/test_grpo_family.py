@@ -10,11 +10,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.config import GrpoLoss, GspoLoss
 from common.messages import Completion, SampleGroup
 from tests.test_grpo import clip_case
 from tests.test_trainer import make_group
 from trainer.batch import Row, group_rows, micro_batches, split_rows
-from trainer.grpo import LossOptions, group_advantages, grpo_loss, kl_penalty, token_entropy
+from trainer.grpo import group_advantages, token_entropy
+from trainer.losses import LossInputs
+from trainer.losses.grpo import loss as grpo_loss
+from trainer.losses.gspo import loss as gspo_loss
+from trainer.losses.kl import kl_penalty
 from trainer.schedule import lr_factor
 from trainer.step import train_step
 
@@ -36,8 +41,8 @@ def test_rloo_advantage_is_reward_minus_mean_of_the_others():
 
 def test_seq_mean_averages_each_sequence_then_the_sequences():
     logp, behaviour, adv, mask = clip_case()
-    loss, _ = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5,
-                        aggregation="seq_mean", total_seqs=2)
+    loss, _ = grpo_loss(LossInputs(logp, behaviour, adv, mask, total_tokens=5, total_seqs=2),
+                        GrpoLoss(clip_low=0.2, clip_high=0.3, loss_agg="seq_mean"))
     # Per-token losses (test_grpo): row 0 -1.3, -0.9 -> mean -1.1; row 1 0.8, 1.1, 1.0 -> mean 2.9/3.
     # (-1.1 + 0.966667) / 2 = -0.0666667.
     assert loss.item() == pytest.approx((-1.1 + 2.9 / 3) / 2, abs=1e-6)
@@ -49,10 +54,10 @@ def test_seq_mean_averages_each_sequence_then_the_sequences():
 
 def test_seq_mean_micro_batches_add_up():
     logp, behaviour, adv, mask = clip_case()
-    kw = dict(clip_low=0.2, clip_high=0.3, total_tokens=5, aggregation="seq_mean", total_seqs=2)
-    whole, _ = grpo_loss(logp, behaviour, adv, mask, **kw)
-    parts = [grpo_loss(logp[i : i + 1], behaviour[i : i + 1], adv[i : i + 1], mask[i : i + 1], **kw)[0]
-             for i in range(2)]
+    cfg, kw = GrpoLoss(clip_low=0.2, clip_high=0.3, loss_agg="seq_mean"), dict(total_tokens=5, total_seqs=2)
+    whole, _ = grpo_loss(LossInputs(logp, behaviour, adv, mask, **kw), cfg)
+    parts = [grpo_loss(LossInputs(logp[i : i + 1], behaviour[i : i + 1], adv[i : i + 1], mask[i : i + 1], **kw),
+                       cfg)[0] for i in range(2)]
     # Row 0: -1.1 / 2 = -0.55; row 1: (2.9 / 3) / 2 = 0.483333.
     assert parts[0].item() == pytest.approx(-0.55, abs=1e-6)
     assert parts[1].item() == pytest.approx(2.9 / 6, abs=1e-6)
@@ -61,28 +66,29 @@ def test_seq_mean_micro_batches_add_up():
 
 def test_gspo_sequence_ratio_is_the_geometric_mean():
     logp, behaviour, adv, mask = clip_case()
-    loss, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5,
-                            ratio_level="sequence")
+    loss, stats = gspo_loss(LossInputs(logp, behaviour, adv, mask, total_tokens=5, total_seqs=2),
+                            GspoLoss(clip_low=0.2, clip_high=0.3))
     # Row 0: s = sqrt(1.5 * 0.9) = 1.161895, inside [0.8, 1.3], A = +1: -1.161895 on each of 2 tokens.
     # Row 1: s = (0.5 * 1.1 * 1.0)^(1/3) = 0.819321, inside, A = -1: +0.819321 on each of 3 tokens.
+    # GSPO's sequence mean: each row's mean (-s0, +s1), over the 2 sequences.
     s0, s1 = math.sqrt(1.35), 0.55 ** (1 / 3)
-    assert loss.item() == pytest.approx((-2 * s0 + 3 * s1) / 5, abs=1e-6)  # 0.0268346
-    assert stats["ratio/mean"] == pytest.approx((2 * s0 + 3 * s1) / 5, abs=1e-6)
-    # d s_i / d logp_t = s_i / n_i, so row 0's tokens get -(2/5) * s0 / 2 = -s0 / 5, row 1's +s1 / 5.
+    assert loss.item() == pytest.approx((-s0 + s1) / 2, abs=1e-6)  # -0.171287
+    assert stats.ratio == pytest.approx((2 * s0 + 3 * s1) / 5, abs=1e-6)
+    # d s_i / d logp_t = s_i / n_i, so row 0's tokens get -(1/2) * s0 / 2 = -s0 / 4, row 1's +s1 / 6.
     loss.backward()
-    torch.testing.assert_close(logp.grad, torch.tensor([[-s0 / 5, -s0 / 5, 0.0], [s1 / 5, s1 / 5, s1 / 5]]))
+    torch.testing.assert_close(logp.grad, torch.tensor([[-s0 / 4, -s0 / 4, 0.0], [s1 / 6, s1 / 6, s1 / 6]]))
 
 
 def test_gspo_clips_whole_sequences():
     logp, behaviour, adv, mask = clip_case()
-    loss, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=0.1, clip_high=0.1, total_tokens=5,
-                            ratio_level="sequence")
+    loss, stats = gspo_loss(LossInputs(logp, behaviour, adv, mask, total_tokens=5, total_seqs=2),
+                            GspoLoss(clip_low=0.1, clip_high=0.1))
     # Range [0.9, 1.1]: row 0's s = 1.162 > 1.1 with A > 0 -> -1.1 per token (clipped);
     # row 1's s = 0.819 < 0.9 with A < 0 -> -min(-0.819, -0.9) = 0.9 per token (clipped).
-    # (2 * -1.1 + 3 * 0.9) / 5 = 0.1; every token's sequence is clipped, so no gradient.
-    assert loss.item() == pytest.approx(0.1, abs=1e-6)
-    assert stats["clip_ratio/high_mean"] == pytest.approx(2 / 5)
-    assert stats["clip_ratio/low_mean"] == pytest.approx(3 / 5)
+    # (-1.1 + 0.9) / 2 sequences = -0.1; every token's sequence is clipped, so no gradient.
+    assert loss.item() == pytest.approx(-0.1, abs=1e-6)
+    assert stats.clip_high == pytest.approx(2 / 5)
+    assert stats.clip_low == pytest.approx(3 / 5)
     loss.backward()
     assert torch.count_nonzero(logp.grad) == 0
 
@@ -93,22 +99,24 @@ def test_ratio_is_against_old_logp_and_tis_weights_by_the_behaviour_gap():
     behaviour = torch.tensor([[-2.0, -2.0]])
     old = behaviour + torch.tensor([[math.log(3.0), math.log(0.5)]])
     logp = old.clone().requires_grad_()
-    loss, stats = grpo_loss(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), clip_low=0.2,
-                            clip_high=0.2, total_tokens=2, old_logp=old, tis_cap=2.0, correction="decoupled")
+    loss, stats = grpo_loss(LossInputs(logp, behaviour, torch.tensor([1.0]), torch.ones(1, 2), total_tokens=2,
+                                       prox_logp=old),
+                            GrpoLoss(clip_low=0.2, clip_high=0.2, correction={"type": "decoupled", "tis_cap": 2.0}))
     # (2 * -1 + 0.5 * -1) / 2 = -1.25; d/d logp = -w r A / 2 = -1, -0.25.
     assert loss.item() == pytest.approx(-1.25, abs=1e-6)
-    assert stats["ratio/mean"] == pytest.approx(1.0) and stats["tis/mean"] == pytest.approx(1.25)
-    assert stats["clip_ratio/region_mean"] == 0.0
+    assert stats.ratio == pytest.approx(1.0) and stats.tis == pytest.approx(1.25)
+    assert stats.clip_region == 0.0
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, -0.25]]))
 
 
 def test_tis_is_one_when_old_is_behaviour():
     logp, behaviour, adv, mask = clip_case()
-    plain, _ = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5)
-    tis, stats = grpo_loss(logp, behaviour, adv, mask, clip_low=0.2, clip_high=0.3, total_tokens=5,
-                           tis_cap=2.0)
-    assert tis.item() == pytest.approx(plain.item()) and stats["tis/mean"] == pytest.approx(1.0)
+    plain, _ = grpo_loss(LossInputs(logp, behaviour, adv, mask, total_tokens=5), GrpoLoss(clip_low=0.2, clip_high=0.3))
+    # decoupled with the proximal policy the behaviour one: ratio and weight as behaviour_clip's
+    tis, stats = grpo_loss(LossInputs(logp, behaviour, adv, mask, total_tokens=5, prox_logp=behaviour),
+                           GrpoLoss(clip_low=0.2, clip_high=0.3, correction={"type": "decoupled", "tis_cap": 2.0}))
+    assert tis.item() == pytest.approx(plain.item()) and stats.tis == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(("estimator", "value", "grad"), [
@@ -124,10 +132,11 @@ def test_kl_estimators_by_hand(estimator, value, grad):
     ref = torch.tensor([[math.log(0.25)]])
     assert kl_penalty(logp, ref, estimator).item() == pytest.approx(value, abs=1e-6)
     # In the loss, with A = 0 (no policy term) and kl_coef 0.1: 0.1 * k, gradient 0.1 * dk.
-    loss, stats = grpo_loss(logp, logp.detach(), torch.tensor([0.0]), torch.ones(1, 1), clip_low=0.2,
-                            clip_high=0.2, total_tokens=1, ref_logp=ref, kl_coef=0.1, kl_estimator=estimator)
+    loss, stats = grpo_loss(LossInputs(logp, logp.detach(), torch.tensor([0.0]), torch.ones(1, 1), total_tokens=1,
+                                       ref_logp=ref),
+                            GrpoLoss(clip_low=0.2, clip_high=0.2, kl_coef=0.1, kl_estimator=estimator))
     assert loss.item() == pytest.approx(0.1 * value, abs=1e-6)
-    assert stats["kl"] == pytest.approx(value, abs=1e-6)
+    assert stats.kl == pytest.approx(value, abs=1e-6)
     loss.backward()
     assert logp.grad.item() == pytest.approx(0.1 * grad, abs=1e-6)
 
@@ -200,7 +209,7 @@ def steps(tiny_model):
     def run(groups=groups, **kw):
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient itself
-        args = dict(loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
+        args = dict(loss=GrpoLoss(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
                     overlong_penalty=0.0, micro_batch_size=16, micro_batch_tokens=0, updates=1,
                     max_grad_norm=1e9)
         stats = train_step(model, opt, groups, **{**args, **kw})
@@ -211,7 +220,7 @@ def steps(tiny_model):
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
 def test_micro_batching_does_not_change_the_update(steps, agg):
-    loss = LossOptions(aggregation=agg)
+    loss = GrpoLoss(loss_agg=agg)
     whole, _ = steps(loss=loss)
     for split in (dict(micro_batch_size=1), dict(micro_batch_size=5), dict(micro_batch_tokens=40)):
         part, _ = steps(loss=loss, **split)
@@ -223,22 +232,22 @@ def test_decoupled_on_policy_equals_behaviour_clip_and_mini_batches_step_twice(s
     # The groups' behaviour log-probs are the initial model's: the proximal pass matches them, so
     # the behaviour weight is 1 and the decoupled update equals the behaviour-clipped one.
     one, plain = steps()
-    decoupled, st = steps(loss=LossOptions(correction="decoupled"))
+    decoupled, st = steps(loss=GrpoLoss(correction="decoupled"))
     torch.testing.assert_close(decoupled, one, atol=1e-6, rtol=0)
     assert st["tis/mean"] == pytest.approx(1.0, abs=1e-4) and st["entropy"] > 0
     assert st["mismatch/abs_log_ratio_max"] < 1e-4 and st["mismatch/masked"] == 0.0
     # Two PPO mini-batches: two optimizer steps in one pass over the batch; the second
     # mini-batch's policy has moved (ratio off 1), which is what the clip bounds.
-    two, st2 = steps(updates=2, loss=LossOptions(correction="decoupled"))
+    two, st2 = steps(updates=2, loss=GrpoLoss(correction="decoupled"))
     assert not torch.allclose(two, one)
     # one pass over the rows; with shared prompts (the default) a group the mini-batches cut carries
     # its prompt into both pieces
     assert st2["tokens/forward"] > plain["tokens/forward"]
-    flat = [steps(updates=n, loss=LossOptions(correction="decoupled"), share_prompts=False)[1] for n in (1, 2)]
+    flat = [steps(updates=n, loss=GrpoLoss(correction="decoupled"), share_prompts=False)[1] for n in (1, 2)]
     assert flat[1]["tokens/forward"] == flat[0]["tokens/forward"] > st2["tokens/forward"]
     assert abs(st2["ratio/mean"] - 1.0) > 1e-4 and abs(plain["ratio/mean"] - 1.0) < 1e-5
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).requires_grad_(False)
-    _, st3 = steps(ref_model=ref, loss=LossOptions(kl_coef=0.1))
+    _, st3 = steps(ref_model=ref, loss=GrpoLoss(kl_coef=0.1))
     assert st3["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before its first update
 
 

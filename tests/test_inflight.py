@@ -10,14 +10,15 @@ import time
 import pytest
 import torch
 
-from common.config import ConfigError, config_from_dict
+from common.config import ConfigError, TokenMask, config_from_dict
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import Completion, MessageError, SampleGroup, decode_group, encode, token_versions
 from engines.base import Sampled, SamplingSettings
 from engines.choice import check_inflight, open_engine
 from generators.inflight import group_versions
 from tests.test_engines import LOGPROB_TOL, ask, perturbed_copy
-from trainer.grpo import behaviour_weight, token_logprobs
+from trainer.grpo import token_logprobs
+from trainer.losses.corrections import behaviour_weight
 
 SWITCH = 5  # tokens sampled before the new version is announced
 # The engine's behaviour log-probs against the trainer's single-sequence forward pass, on the
@@ -156,8 +157,8 @@ def test_the_trainer_drops_a_group_whose_oldest_token_is_too_stale(r):
 def test_the_trainer_sees_each_tokens_version(switched):
     """token_mask drops only tokens sampled with the old weights (the trainer holds the new ones),
     and the mismatch metrics count each token under its own staleness."""
+    from common.config import GrpoLoss
     from trainer.batch import micro_batches
-    from trainer.grpo import LossOptions
     from trainer.logprobs import sequence_logprobs
     from trainer.metrics import step_metrics
     from trainer.step import train_step
@@ -175,8 +176,7 @@ def test_the_trainer_sees_each_tokens_version(switched):
     (mb,), tokens, _ = micro_batches(groups, micro_batch_size=len(groups) * 2)
     with torch.no_grad():
         prox, _ = sequence_logprobs(new_model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0)
-    weight = behaviour_weight(prox, mb.behaviour_logp, mb.mask, correction="token_mask", tis_cap=2.0,
-                              mask_low=0.5, mask_high=2.0)
+    weight = behaviour_weight(prox, mb.behaviour_logp, mb.mask, TokenMask(mask_low=0.5, mask_high=2.0))
     trained = mb.mask > 0
     new_tokens, old_tokens = trained & (mb.versions == 1), trained & (mb.versions == 0)
     assert int(new_tokens.sum()) > 0 and int(old_tokens.sum()) > 0
@@ -191,7 +191,7 @@ def test_the_trainer_sees_each_tokens_version(switched):
     assert 0 < metrics["staleness_token_mean"] < 1
 
     optimizer = torch.optim.SGD(new_model.parameters(), lr=0.0)
-    stats = train_step(new_model, optimizer, groups, loss=LossOptions(correction="token_mask"), ref_model=None,
+    stats = train_step(new_model, optimizer, groups, loss=GrpoLoss(correction="token_mask"), ref_model=None,
                        temperature=1.0, estimator="grpo", overlong="none", overlong_penalty=0.0,
                        micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0, step=1)
     assert stats["mismatch/abs_log_ratio_mean/staleness_0"] < 1e-4, "tokens of the trainer's own version"

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.config import ConfigError, RolloutConfig, TrainerConfig, config_from_dict
+from common.config import ConfigError, GrpoLoss, RolloutConfig, TrainerConfig, config_from_dict
 from common.keys import Keys
 from common.messages import Completion, SampleGroup
 from common.progress import read_trainer
@@ -21,7 +21,10 @@ from producers.admission import admission_limit
 from tests.test_trainer import make_group
 from trainer.batch import group_rows
 from trainer.devices import placement
-from trainer.grpo import LossOptions, grpo_loss, kl_penalty, token_logprobs
+from trainer.grpo import token_logprobs
+from trainer.losses import LossInputs
+from trainer.losses.grpo import loss as grpo_loss
+from trainer.losses.kl import kl_penalty
 from trainer.main import State, cross_rank_duplicates, objective, train
 from trainer.samples import Collected
 from trainer.schedule import build_scheduler
@@ -43,16 +46,16 @@ def weighted_case(weights: list[list[float]], adv: list[float]):
 def test_token_mask_drops_tokens_outside_the_band():
     # A = +1, ratio 1: pg = -1 per token. Weights 3 and 0.4 leave [0.5, 2] (dropped); 1 stays.
     logp, behaviour, adv, mask, prox = weighted_case([[3.0, 1.0, 0.4]], [1.0])
-    loss, stats = grpo_loss(logp, behaviour, adv, mask, old_logp=prox, correction="token_mask", clip_low=0.2,
-                            clip_high=0.2, total_tokens=3, mask_low=0.5, mask_high=2.0)
+    loss, stats = grpo_loss(LossInputs(logp, behaviour, adv, mask, total_tokens=3, prox_logp=prox),
+                            GrpoLoss(correction={"type": "token_mask", "mask_low": 0.5, "mask_high": 2.0}))
     assert loss.item() == pytest.approx(-1 / 3, abs=1e-6)
-    assert stats["tis/mean"] == pytest.approx(1 / 3, abs=1e-6)
+    assert stats.tis == pytest.approx(1 / 3, abs=1e-6)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -1 / 3, 0.0]]))
     # decoupled caps instead: min(3, 2) = 2, 1, 0.4 -> (-2 - 1 - 0.4) / 3.
     logp2 = prox.clone().requires_grad_()
-    loss2, _ = grpo_loss(logp2, behaviour, adv, mask, old_logp=prox, correction="decoupled", clip_low=0.2,
-                         clip_high=0.2, total_tokens=3, tis_cap=2.0)
+    loss2, _ = grpo_loss(LossInputs(logp2, behaviour, adv, mask, total_tokens=3, prox_logp=prox),
+                         GrpoLoss(correction={"type": "decoupled", "tis_cap": 2.0}))
     assert loss2.item() == pytest.approx(-3.4 / 3, abs=1e-6)
 
 
@@ -60,8 +63,8 @@ def test_sequence_mask_drops_whole_sequences_by_geometric_mean():
     # Row 0: weights 3, 1 -> geometric mean sqrt(3) = 1.732 inside [0.5, 2]: each token weighs 1.732.
     # Row 1: weights 3, 3 -> 3, outside: the sequence is dropped. A = +1, ratio 1, pg = -1.
     logp, behaviour, adv, mask, prox = weighted_case([[3.0, 1.0], [3.0, 3.0]], [1.0, 1.0])
-    loss, _ = grpo_loss(logp, behaviour, adv, mask, old_logp=prox, correction="sequence_mask", clip_low=0.2,
-                        clip_high=0.2, total_tokens=4)
+    loss, _ = grpo_loss(LossInputs(logp, behaviour, adv, mask, total_tokens=4, prox_logp=prox),
+                        GrpoLoss(correction="sequence_mask"))
     assert loss.item() == pytest.approx(-2 * math.sqrt(3) / 4, abs=1e-6)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-math.sqrt(3) / 4] * 2, [0.0, 0.0]]))
@@ -70,21 +73,21 @@ def test_sequence_mask_drops_whole_sequences_by_geometric_mean():
 def test_behaviour_clip_clips_the_behaviour_ratio_and_ignores_the_proximal():
     # Same tokens: against behaviour the ratio is 3 (A = +1, clipped to 1.2, no gradient) and 1.
     logp, behaviour, adv, mask, prox = weighted_case([[3.0, 1.0]], [1.0])
-    loss, stats = grpo_loss(logp, behaviour, adv, mask, old_logp=prox, correction="behaviour_clip",
-                            clip_low=0.2, clip_high=0.2, total_tokens=2)
+    loss, stats = grpo_loss(LossInputs(logp, behaviour, adv, mask, total_tokens=2, prox_logp=prox),
+                            GrpoLoss(correction="behaviour_clip", clip_low=0.2, clip_high=0.2))
     assert loss.item() == pytest.approx((-1.2 - 1.0) / 2, abs=1e-6)
-    assert stats["clip_ratio/high_mean"] == pytest.approx(0.5) and stats["tis/mean"] == 1.0
+    assert stats.clip_high == pytest.approx(0.5) and stats.tis == 1.0
 
 
 def test_dual_clip_bounds_negative_advantage_losses():
     # A = -1, ratio 5: PPO's loss is -min(-5, -1.2) = 5; the dual clip c = 3 bounds it at 3 (no gradient).
     behaviour = torch.tensor([[-2.0]])
     logp = (behaviour + LN(5.0)).requires_grad_()
-    kw = dict(clip_low=0.2, clip_high=0.2, total_tokens=1)
-    plain, _ = grpo_loss(logp, behaviour, torch.tensor([-1.0]), torch.ones(1, 1), **kw)
-    dual, stats = grpo_loss(logp, behaviour, torch.tensor([-1.0]), torch.ones(1, 1), clip_ratio_c=3.0, **kw)
+    inputs = LossInputs(logp, behaviour, torch.tensor([-1.0]), torch.ones(1, 1), total_tokens=1)
+    plain, _ = grpo_loss(inputs, GrpoLoss(clip_low=0.2, clip_high=0.2))
+    dual, stats = grpo_loss(inputs, GrpoLoss(clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0))
     assert plain.item() == pytest.approx(5.0, abs=1e-5) and dual.item() == pytest.approx(3.0, abs=1e-6)
-    assert stats["clip_ratio/dual_mean"] == 1.0
+    assert stats.clip_dual == 1.0
     dual.backward()
     assert logp.grad.item() == 0.0
 
@@ -94,9 +97,9 @@ def test_dr_grpo_constant_normaliser():
     from tests.test_grpo import clip_case
 
     logp, behaviour, adv, mask = clip_case()
-    kw = dict(clip_low=0.2, clip_high=0.3, total_tokens=5)
-    token_mean, _ = grpo_loss(logp, behaviour, adv, mask, **kw)
-    constant, _ = grpo_loss(logp, behaviour, adv, mask, aggregation="token_sum_norm", norm_tokens=2 * 4, **kw)
+    inputs = LossInputs(logp, behaviour, adv, mask, total_tokens=5, norm_tokens=2 * 4)
+    token_mean, _ = grpo_loss(inputs, GrpoLoss(clip_low=0.2, clip_high=0.3))
+    constant, _ = grpo_loss(inputs, GrpoLoss(clip_low=0.2, clip_high=0.3, loss_agg="token_sum_norm"))
     assert token_mean.item() == pytest.approx(0.7 / 5, abs=1e-6)
     assert constant.item() == pytest.approx(0.7 / 8, abs=1e-6)  # 2 completions x max_new_tokens 4
 
@@ -142,7 +145,7 @@ def sampled_groups(model_dir, *, top_k: int, n_groups: int = 2, version: int = 0
 
 
 def step_args(**kw):
-    return {**dict(loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
+    return {**dict(loss=GrpoLoss(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
                    overlong_penalty=0.0, micro_batch_size=16, micro_batch_tokens=0, updates=1, max_grad_norm=1e9),
             **kw}
 
@@ -152,7 +155,7 @@ def test_top_k_sampling_gives_ratio_one_on_policy(tiny_model):
     groups = sampled_groups(tiny_model, top_k=2)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    truncated = train_step(model, opt, groups, top_k=2, **step_args(loss=LossOptions(correction="decoupled")))
+    truncated = train_step(model, opt, groups, top_k=2, **step_args(loss=GrpoLoss(correction="decoupled")))
     assert truncated["ratio/mean"] == pytest.approx(1.0, abs=1e-4)
     assert truncated["mismatch/abs_log_ratio_max"] < 1e-4
     # The full softmax (what the trainer computed before) puts the on-policy ratio well below 1.
@@ -169,13 +172,13 @@ def test_mismatch_is_logged_by_staleness_and_masking_acts(tiny_model):
     with torch.no_grad():
         moved.lm_head.weight.mul_(3.0)  # the trainer's policy has moved away from the sampler's
     opt = torch.optim.SGD(moved.parameters(), lr=0.0)
-    st = train_step(moved, opt, groups, step=2, **step_args(loss=LossOptions(correction="decoupled")))
+    st = train_step(moved, opt, groups, step=2, **step_args(loss=GrpoLoss(correction="decoupled")))
     assert st["mismatch/abs_log_ratio_mean"] > 0.05
     assert st["mismatch/abs_log_ratio_max"] >= st["mismatch/abs_log_ratio_mean"]
     assert {"mismatch/abs_log_ratio_mean/staleness_1", "mismatch/abs_log_ratio_mean/staleness_2"} <= set(st)
     assert st["tis/mean"] != pytest.approx(1.0, abs=1e-3)  # the correction's weight acts
     masked = train_step(moved, opt, groups, step=2, **step_args(
-        loss=LossOptions(correction="token_mask", mask_low=0.9, mask_high=1.1)))
+        loss=GrpoLoss(correction={"type": "token_mask", "mask_low": 0.9, "mask_high": 1.1})))
     assert 0 < masked["mismatch/masked"] <= 1
 
 
@@ -187,7 +190,7 @@ def test_proximal_pass_runs_with_dropout_off(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attention_dropout=0.5)
     model.train()  # as the trainer's model is after its first step
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    st = train_step(model, opt, groups, **step_args(loss=LossOptions(correction="decoupled")))
+    st = train_step(model, opt, groups, **step_args(loss=GrpoLoss(correction="decoupled")))
     assert st["mismatch/abs_log_ratio_max"] < 1e-4  # the proximal pass is the sampler's policy exactly
 
 
@@ -264,11 +267,11 @@ def test_stalling_staleness_configuration_is_refused_in_one_line():
 
 
 def test_gspo_needs_its_sequence_mean_and_dual_clip_above_one():
-    with pytest.raises(ConfigError, match="loss_agg"):
-        config_from_dict({"trainer": {"ratio_level": "sequence"}})
-    config_from_dict({"trainer": {"ratio_level": "sequence", "loss_agg": "seq_mean"}})
+    with pytest.raises(ConfigError, match="loss_agg"):  # GSPO's aggregation is its sequence mean, always
+        config_from_dict({"trainer": {"loss": {"type": "gspo", "loss_agg": "token_mean"}}})
+    config_from_dict({"trainer": {"loss": {"type": "gspo"}}})
     with pytest.raises(ConfigError, match="clip_ratio_c"):
-        config_from_dict({"trainer": {"clip_ratio_c": 0.5}})
+        config_from_dict({"trainer": {"loss": {"clip_ratio_c": 0.5}}})
     with pytest.raises(ConfigError, match="updates_per_batch"):
         config_from_dict({"trainer": {"updates_per_batch": 100}, "rollout": {"prompts_per_step": 2}})
 

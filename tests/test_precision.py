@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from common.config import GrpoLoss
 from common.keys import PAYLOAD, Keys
 from common.messages import encode
 from engines.base import SamplingSettings
@@ -17,7 +18,6 @@ from engines.hf_engine import HFEngine
 from tests.test_trainer import make_group
 from tests.test_trainer_fsdp import run
 from trainer.checkpoints import load_model, save_checkpoint
-from trainer.grpo import LossOptions
 from trainer.logprobs import sequence_logprobs
 from trainer.parallel import parallelize
 from trainer.step import train_step
@@ -43,7 +43,7 @@ def test_a_bf16_step_tracks_float32_and_publishes_bf16(tmp_path, tiny_model):
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model = parallelize(load_model(tiny_model), device=torch.device("cpu"), compute_dtype=dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        out[name] = [train_step(model, opt, groups, loss=LossOptions(), ref_model=None, temperature=1.0,
+        out[name] = [train_step(model, opt, groups, loss=GrpoLoss(), ref_model=None, temperature=1.0,
                                 estimator="grpo", overlong="none", overlong_penalty=0.0, micro_batch_size=8,
                                 micro_batch_tokens=0, updates=1,
                                 max_grad_norm=1.0)["loss/policy"] for _ in range(2)]
@@ -67,7 +67,7 @@ def test_activation_checkpointing_gives_the_same_step(tiny_model):
         model = parallelize(load_model(tiny_model), device=torch.device("cpu"), activation_checkpointing=checkpointing)
         assert model.is_gradient_checkpointing == checkpointing
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        train_step(model, opt, groups, loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo",
+        train_step(model, opt, groups, loss=GrpoLoss(), ref_model=None, temperature=1.0, estimator="grpo",
                    overlong="none", overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1,
                    max_grad_norm=1e9)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))

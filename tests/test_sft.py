@@ -19,7 +19,8 @@ from tests.helpers import spawn, stop, wait_for
 from tests.test_plot import STEP
 from tests.test_trainer import make_group
 from trainer.batch import micro_batches
-from trainer.grpo import sft_loss, token_logprobs
+from trainer.grpo import token_logprobs
+from trainer.losses.sft import sft_loss
 from trainer.metrics import step_metrics, summary_line
 
 ROOT = Path(__file__).resolve().parents[1]

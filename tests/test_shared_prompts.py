@@ -8,9 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.config import GrpoLoss
 from common.messages import Completion, SampleGroup
 from trainer.batch import collate_shared, group_rows, micro_batches, split_packs
-from trainer.grpo import LossOptions, token_entropy, token_logprobs
+from trainer.grpo import token_entropy, token_logprobs
 from trainer.logprobs import sequence_logprobs
 from trainer.step import train_step
 
@@ -135,7 +136,7 @@ def test_a_train_step_gives_the_same_update_with_and_without_shared_prompts(tiny
             model = apply_lora(model, rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj"])
         out0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        stats = train_step(model, opt, groups, loss=LossOptions(correction="decoupled", kl_coef=0.1),
+        stats = train_step(model, opt, groups, loss=GrpoLoss(correction="decoupled", kl_coef=0.1),
                            ref_model=AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval(),
                            temperature=0.8, top_k=30, estimator="grpo", overlong="none", overlong_penalty=0.0,
                            micro_batch_size=5, micro_batch_tokens=0, updates=2, max_grad_norm=1.0,
@@ -190,7 +191,7 @@ def test_long_completions_after_a_short_prompt_go_as_their_own_rows(tiny_model):
     # train_step cuts by its model's hidden size (the tiny model's 64): 4 rows of 203 positions, not 4 + 4 x 199
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     stats = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), make_groups(300, shapes=[(4, [200] * 4)]),
-                       loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
+                       loss=GrpoLoss(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
                        overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0)
     assert model.config.hidden_size == 64 and stats["tokens/forward"] == 4 * 203
 

@@ -244,7 +244,7 @@ def test_kl_to_the_initial_model_and_reward_errors_reach_the_metrics(tmp_path, r
         completions = [replace(c, reward=0.0, rewards={}, reward_error="ValueError: no good") if j in bad else c
                        for j, c in enumerate(g.completions)]
         xadd(r, encode(replace(g, version=min(i // 2, 1), completions=completions)))
-    run_trainer(tmp_path, redis_url, tiny_model, lr=1e-2, kl_coef=0.5, kl_estimator='"k3"')
+    run_trainer(tmp_path, redis_url, tiny_model, lr=1e-2, loss='{ kl_coef = 0.5, kl_estimator = "k3" }')
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [m["group_ids"] for m in lines] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]
     assert [m["reward_errors"] for m in lines] == [1, 2, 3]

@@ -12,9 +12,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
+from common.config import GrpoLoss
 from tests.test_trainer import make_group
 from trainer.devices import backend_device
-from trainer.grpo import LossOptions
 from trainer.parallel import all_max, all_sum, any_rank, collective_device
 from trainer.step import sft_step, train_step
 
@@ -55,7 +55,7 @@ def test_a_grpo_step_builds_every_tensor_on_the_models_device(meta_run):
     model, ref = on_meta(), on_meta().eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with ReadsOffMetaAreZero():
-        train_step(model, opt, groups, loss=LossOptions(correction="decoupled", kl_coef=0.1, tis_cap=2.0),
+        train_step(model, opt, groups, loss=GrpoLoss(correction={"type": "decoupled", "tis_cap": 2.0}, kl_coef=0.1),
                    ref_model=ref, temperature=0.7, top_k=4, top_p=0.9, estimator="grpo", overlong="none",
                    overlong_penalty=0.0, micro_batch_size=4, micro_batch_tokens=0, updates=2, step=1,
                    max_grad_norm=1.0)

@@ -25,7 +25,8 @@ def run(tmp_path: Path, run_name: str, redis_url: str, model_dir: Path, nproc: i
         "[model]", f'path = "{model_dir}"', f'dtype = "{dtype}"',
         "[rollout]", "group_size = 4", "prompts_per_step = 4", "max_staleness = 2",
         "[trainer]", "max_steps = 2", "lr = 1e-3", "micro_batch_size = 3", "micro_batch_tokens = 40",
-        "threads = 1", "keep_checkpoints = 2", f"kl_coef = {kl_coef}", f"share_prompts = {str(share_prompts).lower()}",
+        "threads = 1", "keep_checkpoints = 2", f"loss.kl_coef = {kl_coef}",
+        f"share_prompts = {str(share_prompts).lower()}",
     ])
     config = tmp_path / f"{run_name}.toml"
     config.write_text(toml + "\n")

@@ -17,6 +17,14 @@ def main() -> None:
         print(f"trainer: {err}", file=sys.stderr)
         sys.exit(2)
 
+    from trainer.losses import loss_function  # imports torch
+
+    try:
+        loss_function(config.trainer.loss)  # a custom loss that does not load
+    except ValueError as err:
+        print(f"trainer: {err}", file=sys.stderr)
+        sys.exit(2)
+
     from common.models import ModelError, resolve_model_path
 
     try:

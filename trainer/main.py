@@ -42,7 +42,7 @@ from common.progress import Fault, Refused, count_fault, count_refused, count_sk
 from common.streams import connect, ensure_group, latest_weights
 from trainer.checkpoints import hold_for_eval, load_model, place, publish, remove_unfinished, resume
 from trainer.devices import DTYPES, Placement, placement
-from trainer.grpo import LossOptions
+from trainer.losses import kl_coef_of
 from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say
 from trainer.record import Record, forgotten, put_right
@@ -83,14 +83,10 @@ def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, w
         return partial(sft_step, micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
                        max_grad_norm=cfg.max_grad_norm, chunk_tokens=cfg.logits_chunk_tokens)
     ref_model = None
-    if cfg.kl_coef > 0:  # the frozen reference: the initial model
+    if kl_coef_of(cfg.loss) > 0:  # the frozen reference: the initial model
         frozen = replace(where, master_fp32=False, activation_checkpointing=False)
         ref_model = place(load_model(source_dir, frozen.weights_dtype), frozen).eval().requires_grad_(False)
-    loss = LossOptions(clip_low=cfg.clip_low, clip_high=cfg.clip_high, correction=cfg.correction,
-                       ratio_level=cfg.ratio_level, aggregation=cfg.loss_agg, tis_cap=cfg.tis_cap,
-                       mask_low=cfg.mask_low, mask_high=cfg.mask_high, clip_ratio_c=cfg.clip_ratio_c,
-                       kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
-    return partial(train_step, loss=loss, ref_model=ref_model, temperature=rollout.temperature,
+    return partial(train_step, loss=cfg.loss, ref_model=ref_model, temperature=rollout.temperature,
                    top_k=rollout.top_k, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
                    estimator=cfg.advantage, overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
                    micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,

@@ -14,6 +14,7 @@ from common.heartbeats import read_heartbeats
 from common.keys import Keys
 from common.messages import SampleGroup, token_versions
 from common.metrics import PolicyStats, StepMetrics
+from trainer.losses import STAT_NAMES
 from trainer.samples import Collected
 
 
@@ -69,9 +70,7 @@ def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: di
     """
     all_groups = [g for c in everyone for g in c.groups]
     policy = None if sft else PolicyStats(
-        loss=stats["loss/policy"], kl=stats["kl"], clip_low=stats["clip_ratio/low_mean"],
-        clip_high=stats["clip_ratio/high_mean"], clip_region=stats["clip_ratio/region_mean"],
-        ratio=stats["ratio/mean"], tis=stats["tis/mean"], clip_dual=stats["clip_ratio/dual_mean"],
+        loss=stats["loss/policy"], **{field: stats[name] for field, name in STAT_NAMES.items()},
         mismatch_mean=stats["mismatch/abs_log_ratio_mean"], mismatch_max=stats["mismatch/abs_log_ratio_max"],
         masked=stats["mismatch/masked"], mismatch_by_staleness={
             k.rsplit("_", 1)[1]: v for k, v in stats.items() if k.startswith("mismatch/abs_log_ratio_mean/staleness_")})

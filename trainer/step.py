@@ -11,15 +11,21 @@ share of global counts, summed over the ranks at the end.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from common.config import CorrectionConfig, LossConfig
 from common.messages import SampleGroup
 from trainer.batch import MicroBatch, mini_batches, with_mask
 from trainer.devices import model_device, to_device
-from trainer.grpo import Estimator, LossOptions, behaviour_weight, grpo_loss, mismatch_stats, sft_loss
+from trainer.grpo import Estimator, mismatch_stats
 from trainer.logprobs import sequence_logprobs
+from trainer.losses import Loss, LossInputs, LossStats, correction_of, loss_function
+from trainer.losses.corrections import behaviour_weight
+from trainer.losses.sft import sft_loss
 from trainer.parallel import all_max, all_sum, any_rank, gather, world_size
 
 
@@ -85,10 +91,9 @@ def sum_over_ranks(stats: dict[str, float]) -> dict[str, float]:
     return dict(zip(names, all_sum([stats[k] for k in names]), strict=True))
 
 
-EMPTY_GRPO_STATS = {"loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0, "kl": 0.0, "clip_ratio/low_mean": 0.0,
-                    "clip_ratio/high_mean": 0.0, "clip_ratio/region_mean": 0.0, "clip_ratio/dual_mean": 0.0,
-                    "ratio/mean": 1.0, "tis/mean": 1.0, "mismatch/abs_log_ratio_mean": 0.0,
-                    "mismatch/abs_log_ratio_max": 0.0, "mismatch/masked": 0.0, "steps_skipped": 0.0}
+EMPTY_GRPO_STATS = {**LossStats().named(), "loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0,
+                    "mismatch/abs_log_ratio_mean": 0.0, "mismatch/abs_log_ratio_max": 0.0, "mismatch/masked": 0.0,
+                    "steps_skipped": 0.0}
 
 
 def by_staleness(stats: dict[str, float]) -> dict[str, float]:
@@ -103,7 +108,7 @@ def by_staleness(stats: dict[str, float]) -> dict[str, float]:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
-               loss: LossOptions, ref_model: torch.nn.Module | None, temperature: float,
+               loss: LossConfig, ref_model: torch.nn.Module | None, temperature: float,
                estimator: Estimator, overlong: str, overlong_penalty: float, micro_batch_size: int,
                micro_batch_tokens: int, updates: int, max_grad_norm: float, top_k: int = 0, top_p: float = 1.0,
                max_new_tokens: int = 0, step: int = 0, chunk_tokens: int = 1024,
@@ -111,14 +116,15 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     """One trainer step of the GRPO family over `groups`: `updates` PPO mini-batches, one
     optimizer step each, gradients accumulated over each one's micro-batches.
 
-    The corrections other than behaviour_clip take the PPO ratio against the proximal policy:
-    a no-grad pass, dropout off, with the weights at the start of the step. Log-probs are those
-    of the sampler's distribution (temperature, `top_k`, `top_p`). An update whose loss or
-    gradient norm is not finite is skipped (counted in "steps_skipped"). `step` (trainer steps
-    done) gives each group's staleness for the mismatch metrics. Stats are shares of the step's
-    trained tokens; the loss and grad norm are means over the applied updates. With
-    `share_prompts` each micro-batch runs each of its prompts through the model once, however
-    many of its completions share it (the same log-probs, fewer positions).
+    `loss` chooses the loss (trainer/losses/); its corrections other than behaviour_clip take the
+    PPO ratio against the proximal policy: a no-grad pass, dropout off, with the weights at the
+    start of the step. Log-probs are those of the sampler's distribution (temperature, `top_k`,
+    `top_p`). An update whose loss or gradient norm is not finite is skipped (counted in
+    "steps_skipped"). `step` (trainer steps done) gives each group's staleness for the mismatch
+    metrics. Stats are shares of the step's trained tokens; the loss and grad norm are means over
+    the applied updates. With `share_prompts` each micro-batch runs each of its prompts through
+    the model once, however many of its completions share it (the same log-probs, fewer
+    positions).
     """
     minis = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                          estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty, parts=updates,
@@ -129,16 +135,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
         return {**EMPTY_GRPO_STATS, **base}
 
-    def forward_logp(m: torch.nn.Module, mb: MicroBatch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return sequence_logprobs(m, mb.input_ids, mb.attention_mask, mb.targets, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, entropy=entropy, chunk_tokens=chunk_tokens,
-                                 positions=mb.trained_at, packed=mb.packed)  # (B, T), (B, T) or None: 0 off the mask
-
+    forward = partial(sequence_logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
+                      chunk_tokens=chunk_tokens)
+    loss_fn, correction = loss_function(loss), correction_of(loss)
     model.eval()  # the no-grad passes run with dropout off
     with torch.no_grad():
-        prox = [[forward_logp(model, mb)[0] for mb in m.batches] if loss.correction != "behaviour_clip"
+        prox = [[log_probs(forward, model, mb)[0] for mb in m.batches] if correction.type != "behaviour_clip"
                 else [None] * len(m.batches) for m in minis]
-        ref = [[forward_logp(ref_model, mb)[0] if ref_model is not None else None for mb in m.batches]
+        ref = [[log_probs(forward, ref_model, mb)[0] if ref_model is not None else None for mb in m.batches]
                for m in minis]
     model.train()
     oldest = all_max(max([0] + [step - g.version for g in groups]))
@@ -149,27 +153,10 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
         if mini.tokens == 0:
             continue
         optimizer.zero_grad(set_to_none=True)
-        share, mini_loss = mini.tokens / total_tokens, 0.0
-        for mb, prox_logp, ref_logp in zip(mini.batches, mini_prox, mini_ref, strict=True):
-            logp, entropy = forward_logp(model, mb, entropy=True)
-            mb_loss, mb_stats = grpo_loss(
-                logp, mb.behaviour_logp, mb.advantages, mb.mask, old_logp=prox_logp, ref_logp=ref_logp,
-                correction=loss.correction, total_tokens=mini.tokens, total_seqs=mini.seqs,
-                norm_tokens=mini.rows * max_new_tokens, clip_low=loss.clip_low, clip_high=loss.clip_high,
-                ratio_level=loss.ratio_level, aggregation=loss.aggregation, tis_cap=loss.tis_cap,
-                mask_low=loss.mask_low, mask_high=loss.mask_high, clip_ratio_c=loss.clip_ratio_c,
-                kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator)
-            (mb_loss * world).backward()
-            mini_loss += mb_loss.item()
-            measured = logp.detach() if prox_logp is None else prox_logp  # the policy before this update
-            weight = behaviour_weight(measured, mb.behaviour_logp, mb.mask, correction=loss.correction,
-                                      tis_cap=loss.tis_cap, mask_low=loss.mask_low, mask_high=loss.mask_high)
-            mb_stats.update(mismatch_stats(measured, mb.behaviour_logp, mb.mask, weight == 0,
-                                           (step - mb.versions).clamp(min=0), total_tokens=mini.tokens))
-            gap_max = max(gap_max, mb_stats.pop("mismatch/abs_log_ratio_max"))
-            for k, v in mb_stats.items():  # shares of the mini-batch's tokens: weighted to the step's
-                stats[k] = stats.get(k, 0.0) + (v if k.startswith("staleness/") else v * share)
-            stats["entropy"] += (entropy * mb.mask).sum().item() / total_tokens
+        mini_loss, mini_gap_max = backward_mini(model, mini, mini_prox, mini_ref, stats, loss_fn=loss_fn,
+                                                correction=correction, forward=forward, step=step,
+                                                total_tokens=total_tokens, max_new_tokens=max_new_tokens)
+        gap_max = max(gap_max, mini_gap_max)
         grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm,
                                   loss_finite=math.isfinite(mini_loss))
         if math.isfinite(grad_norm):  # the same on every rank
@@ -183,6 +170,47 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     out["grad_norm"] /= max(applied, 1)
     out["mismatch/abs_log_ratio_max"] = max(gather(gap_max))
     return {**out, **base, "tokens/forward": float(sum(m.tokens_in for m in minis))}
+
+
+def log_probs(forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], model: torch.nn.Module,
+              mb: MicroBatch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`model`'s log-probs of `mb`'s targets, and their entropy if asked: (B, T), 0 off the mask."""
+    return forward(model, mb.input_ids, mb.attention_mask, mb.targets, entropy=entropy, positions=mb.trained_at,
+                   packed=mb.packed)
+
+
+def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Tensor | None],
+                  ref: list[torch.Tensor | None], stats: dict[str, float], *, loss_fn: Loss,
+                  correction: CorrectionConfig, forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+                  step: int, total_tokens: int, max_new_tokens: int) -> tuple[float, float]:
+    """The loss of one mini-batch, backward micro-batch by micro-batch (the gradients accumulate),
+    its stats added to `stats` as shares of the step's `total_tokens`. Returns its loss (this
+    rank's part) and its largest behaviour/proximal gap."""
+    share, mini_loss, gap_max, world = mini.tokens / total_tokens, 0.0, 0.0, world_size()
+    for mb, prox_logp, ref_logp in zip(mini.batches, prox, ref, strict=True):
+        logp, entropy = log_probs(forward, model, mb, entropy=True)
+        out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=mb.advantages,
+                                 mask=mb.mask, total_tokens=mini.tokens, total_seqs=mini.seqs,
+                                 norm_tokens=mini.rows * max_new_tokens, prox_logp=prox_logp, ref_logp=ref_logp))
+        (out.loss * world).backward()
+        mini_loss += out.loss.item()
+        mb_stats = {**out.stats.named(), **mismatch(logp.detach() if prox_logp is None else prox_logp, mb,
+                                                    correction, step=step, total_tokens=mini.tokens)}
+        gap_max = max(gap_max, mb_stats.pop("mismatch/abs_log_ratio_max"))
+        for k, v in mb_stats.items():  # shares of the mini-batch's tokens: weighted to the step's
+            stats[k] = stats.get(k, 0.0) + (v if k.startswith("staleness/") else v * share)
+        stats["entropy"] += (entropy * mb.mask).sum().item() / total_tokens
+    return mini_loss, gap_max
+
+
+def mismatch(measured: torch.Tensor, mb: MicroBatch, correction: CorrectionConfig, *, step: int,
+             total_tokens: int) -> dict[str, float]:
+    """The behaviour/proximal mismatch of micro-batch `mb` (grpo.mismatch_stats), `measured` the
+    policy before this update (the proximal pass, else the trained policy's own log-probs), with
+    the tokens `correction` drops and each token's staleness at trainer step `step`."""
+    weight = behaviour_weight(measured, mb.behaviour_logp, mb.mask, correction)
+    return mismatch_stats(measured, mb.behaviour_logp, mb.mask, weight == 0, (step - mb.versions).clamp(min=0),
+                          total_tokens=total_tokens)
 
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,

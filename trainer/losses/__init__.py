@@ -1,0 +1,94 @@
+"""The GRPO family's policy losses: one file each, chosen by [trainer.loss]'s `type`.
+
+A loss is `loss(inputs: LossInputs, cfg) -> LossOutputs` in trainer/losses/<type>.py, `cfg` its
+variant of common/config.py's LossConfig; a "custom" loss is any `module:function` of that shape
+(its settings come as keyword arguments). Adding one is that file, its variant and its test.
+`LossInputs` is one micro-batch; the loss is its share of the whole (mini-)batch's mean (the
+normalisers are counts of the whole batch, over every rank), so the micro-batches' losses and
+stats add up exactly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from functools import partial
+from typing import NamedTuple
+
+from torch import Tensor
+
+from common.config import BehaviourClip, ClippedLoss, CorrectionConfig, CustomLoss, LossConfig
+
+
+@dataclass(frozen=True, slots=True)
+class LossInputs:
+    """One micro-batch, as the loss sees it. (B, T): completions x trained positions."""
+
+    logp: Tensor  # (B, T) the policy's log-probs of the sampled tokens, with gradient; 0 off the mask
+    behaviour_logp: Tensor  # (B, T) the generator's: the policy that sampled the tokens
+    advantages: Tensor  # (B,) one per completion
+    mask: Tensor  # (B, T) 1 where a token is trained
+    total_tokens: int  # trained tokens of the whole (mini-)batch, every micro-batch and rank
+    total_seqs: int = 0  # its sequences with a trained token (a per-sequence mean divides by it)
+    norm_tokens: int = 0  # completions x max_new_tokens (Dr. GRPO's constant normaliser)
+    prox_logp: Tensor | None = None  # (B, T) the proximal policy: no-grad, weights at the step's start;
+    # None where the correction takes none (behaviour_clip)
+    ref_logp: Tensor | None = None  # (B, T) the frozen reference's; None without a KL term
+
+
+@dataclass(frozen=True, slots=True)
+class LossStats:
+    """A micro-batch's statistics, each a share of the (mini-)batch's trained tokens, so that they
+    add up over micro-batches and ranks. The defaults are an empty step's."""
+
+    clip_low: float = 0.0  # tokens whose ratio is clipped at the lower bound (where that acts)
+    clip_high: float = 0.0  # ... at the upper bound
+    clip_region: float = 0.0  # clip_low + clip_high
+    clip_dual: float = 0.0  # tokens the dual clip bounds
+    ratio: float = 1.0  # mean ratio pi / pi_old
+    tis: float = 1.0  # mean behaviour weight of the correction (1: none)
+    kl: float = 0.0  # mean KL estimate to the reference (0: no reference)
+
+    def named(self) -> dict[str, float]:
+        """The stats under their metric names (trainer/metrics.py reads them so)."""
+        return {STAT_NAMES[f.name]: getattr(self, f.name) for f in fields(self)}
+
+
+# Each LossStats field's metric name, TRL's where TRL has one.
+STAT_NAMES = {"clip_low": "clip_ratio/low_mean", "clip_high": "clip_ratio/high_mean",
+              "clip_region": "clip_ratio/region_mean", "clip_dual": "clip_ratio/dual_mean", "ratio": "ratio/mean",
+              "tis": "tis/mean", "kl": "kl"}
+
+
+class LossOutputs(NamedTuple):
+    loss: Tensor  # () the micro-batch's share of the (mini-)batch's loss, with gradient
+    stats: LossStats
+
+
+Loss = Callable[[LossInputs], LossOutputs]
+
+
+def loss_function(cfg: LossConfig) -> Loss:
+    """The loss `cfg` chooses, its settings bound: trainer/losses/<type>.py's `loss`, or a custom
+    loss's function with its kwargs; ValueError if a custom one cannot be loaded."""
+    if isinstance(cfg, CustomLoss):
+        module_name, _, attr = cfg.function.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"trainer.loss.function {cfg.function!r} cannot be loaded: {err}") from None
+        if not callable(fn):
+            raise ValueError(f"trainer.loss.function {cfg.function!r} is not callable")
+        return partial(fn, **cfg.kwargs)
+    return partial(importlib.import_module(f"trainer.losses.{cfg.type}").loss, cfg=cfg)
+
+
+def correction_of(cfg: LossConfig) -> CorrectionConfig:
+    """`cfg`'s off-policy correction; a custom loss takes behaviour_clip's (no proximal pass)."""
+    return cfg.correction if isinstance(cfg, ClippedLoss) else BehaviourClip()
+
+
+def kl_coef_of(cfg: LossConfig) -> float:
+    """`cfg`'s KL coefficient; above 0 the trainer keeps a frozen reference model."""
+    return cfg.kl_coef if isinstance(cfg, ClippedLoss) else 0.0

@@ -1,0 +1,22 @@
+"""Off-policy corrections, one file each, chosen by [trainer.loss.correction]'s `type`.
+
+A correction is `weight(prox, behaviour, mask, cfg) -> Tensor` in corrections/<type>.py: the
+no-gradient per-token weight (B, T) of the mismatch between the proximal policy (`prox`, the
+weights at the start of the step) and the behaviour policy that sampled the tokens; a weight of
+0 drops the token. Every correction but behaviour_clip takes the PPO ratio against the proximal
+policy (trainer/losses/clipped.py). Adding one is that file, its variant and its test.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import Tensor
+
+from common.config import CorrectionConfig
+
+
+def behaviour_weight(prox: Tensor, behaviour: Tensor, mask: Tensor, correction: CorrectionConfig) -> Tensor:
+    """The no-gradient per-token weight (B, T) of `correction` (see each correction's file)."""
+    log_w = (prox - behaviour) * mask  # (B, T), 0 off the mask
+    return importlib.import_module(f"trainer.losses.corrections.{correction.type}").weight(log_w, mask, correction)

@@ -1,0 +1,29 @@
+"""grpo: PPO's clipped ratio per token (GRPO; DAPO and Dr. GRPO by their aggregation).
+
+Per token: ratio r = pi / pi_old (pi_old the behaviour policy under behaviour_clip, else the
+proximal one), loss = w * -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + kl_coef * kl, the
+dual clip bounding it where A < 0, w the correction's no-gradient weight; aggregated by loss_agg.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.config import GrpoLoss
+from trainer.losses import LossInputs, LossOutputs
+from trainer.losses.clipped import aggregate, clipped_objective, prepare, token_stats
+from trainer.losses.kl import with_kl
+
+
+def loss(x: LossInputs, cfg: GrpoLoss) -> LossOutputs:
+    p = prepare(x, cfg)
+    ratio = torch.exp(p.log_ratio)  # (B, T)
+    per_token, dual = clipped_objective(ratio, p.adv, p.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                        clip_ratio_c=cfg.clip_ratio_c)
+    per_token = with_kl(per_token * p.weight, x.logp, x.ref_logp, p.mask, ratio, cfg)
+    with torch.no_grad():  # the clip acts (its gradient is 0) past the bound the advantage pushes towards
+        low = ((ratio < 1.0 - cfg.clip_low) & (p.adv < 0)).float() * p.mask
+        high = ((ratio > 1.0 + cfg.clip_high) & (p.adv > 0)).float() * p.mask
+    return LossOutputs(loss=aggregate(per_token, p, x, cfg.loss_agg),
+                       stats=token_stats(x, p, ratio=ratio, low=low, high=high, dual=dual,
+                                         kl_estimator=cfg.kl_estimator))
