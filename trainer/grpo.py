@@ -9,8 +9,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from common.config import GrpoLoss
-
 Estimator = Literal["grpo", "dr_grpo", "rloo"]
 
 TRUNCATED_LOGP = -1e4  # log-prob of a token the sampler's truncation cut (probability 0)
@@ -97,6 +95,3 @@ def mismatch_stats(prox: Tensor, behaviour: Tensor, mask: Tensor, weight_zero: T
         stats[f"staleness/{s}/tokens"] = tokens.sum().item()
     return stats
 
-
-# What ops/bench's scripts construct (`LossOptions()`, `LossOptions(clip_high=0.28)`): the grpo loss.
-LossOptions = GrpoLoss

@@ -35,8 +35,8 @@ def worker(model_dir: str, seq: int, batch: int, chunk_tokens: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from common.config import GrpoLoss as LossOptions
     from common.messages import Completion, SampleGroup
-    from trainer.grpo import LossOptions
     from trainer.step import train_step
 
     torch.manual_seed(0)

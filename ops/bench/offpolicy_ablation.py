@@ -59,7 +59,7 @@ def run_pipeline(*, staleness: int, correction: str, steps: int, tmp: Path, extr
         f"REDIS_PORT={port}", f"ROLLOUTS_REDIS_URL=redis://127.0.0.1:{port}/0",
         f"ROLLOUTS_CONFIG={ROOT / 'configs' / 'demo.toml'}", f"ROLLOUTS_OUTPUT_DIR={tmp / 'run'}",
         f"ROLLOUTS_TRAINER__MAX_STEPS={steps}", f"ROLLOUTS_TRAINER__STATE_EVERY={steps}",
-        f"ROLLOUTS_ROLLOUT__MAX_STALENESS={staleness}", f"ROLLOUTS_TRAINER__CORRECTION={correction}",
+        f"ROLLOUTS_ROLLOUT__MAX_STALENESS={staleness}", f"ROLLOUTS_TRAINER__LOSS__CORRECTION={correction}",
         "ROLLOUTS_EVAL__EVERY=0", f"PYTHONPATH={ROOT}",
         "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1", *extra,
     ]) + "\n")

@@ -101,10 +101,10 @@ def bare_worker(groups_file: Path, *, redis_url: str, steps: int, lr: float) -> 
     import redis
     import torch
 
+    from common.config import GrpoLoss as LossOptions
     from common.messages import decode_group
     from trainer.checkpoints import load_model
     from trainer.devices import trainer_device
-    from trainer.grpo import LossOptions
     from trainer.parallel import finish, init_distributed, parallelize
     from trainer.step import train_step
 
@@ -305,10 +305,10 @@ def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) ->
     import torch
     from torch.profiler import profile
 
+    from common.config import GrpoLoss as LossOptions
     from common.messages import decode_group
     from trainer.batch import micro_batches
     from trainer.checkpoints import load_model
-    from trainer.grpo import LossOptions
     from trainer.step import train_step
 
     torch.manual_seed(0)

@@ -157,8 +157,8 @@ def run_rollouts(*, steps: int, tmp: Path, engine: str, extra: dict[str, str]) -
            "ROLLOUTS_TASK__SEED": str(TASK["seed"]), "ROLLOUTS_ROLLOUT__TEMPERATURE": str(TEMPERATURE),
            "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": str(NEW_TOKENS), "ROLLOUTS_ROLLOUT__GROUP_SIZE": str(GROUP),
            "ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP": str(PROMPTS), "ROLLOUTS_TRAINER__LR": str(LR),
-           "ROLLOUTS_TRAINER__CLIP_LOW": str(CLIP_LOW), "ROLLOUTS_TRAINER__CLIP_HIGH": str(CLIP_HIGH),
-           "ROLLOUTS_TRAINER__LOSS_AGG": "token_mean", "ROLLOUTS_TRAINER__KL_COEF": "0",
+           "ROLLOUTS_TRAINER__LOSS__CLIP_LOW": str(CLIP_LOW), "ROLLOUTS_TRAINER__LOSS__CLIP_HIGH": str(CLIP_HIGH),
+           "ROLLOUTS_TRAINER__LOSS__LOSS_AGG": "token_mean", "ROLLOUTS_TRAINER__LOSS__KL_COEF": "0",
            "ROLLOUTS_GENERATOR__ENGINE": engine, **extra}
     launched = time.monotonic()
     arrivals, metrics = run_pipeline(generators=1, steps=steps, tmp=tmp, env=env)
