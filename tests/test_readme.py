@@ -318,6 +318,7 @@ def test_your_own_data_a_trl_reward_and_an_evaluation_source(checkout, user_env,
 # ---------------------------------------------------------------------- SFT, then RL
 
 
+@pytest.mark.slow
 def test_sft_then_rl_from_its_checkpoint(checkout, user_env, tmp_path):
     conversations = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
                                    {"role": "assistant", "content": str(a + b)}]} for a in range(20) for b in range(8)]
