@@ -92,6 +92,7 @@ class EvalWorker(SimpleWorker):
             return super().handle_job_failure(job, queue, started_job_registry=started_job_registry,
                                               exc_string=exc_string, execution=execution)
         with self.connection.pipeline() as pipe:  # back to the front of the queue, as if never started
+            pipe.multi()  # one transaction: out of the started registry and into the queue
             self.cleanup_execution(job, pipeline=pipe, execution=execution)
             queue.enqueue_job(job, pipeline=pipe, at_front=True)
             pipe.execute()
