@@ -83,7 +83,7 @@ def victim(log: Path, name: str) -> tuple[int, int | None]:
             cmdline = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(arg.endswith(b"ops/respawn") for arg in cmdline):
+        if len(cmdline) > 1 and cmdline[1].endswith(b"ops/respawn"):  # python ops/respawn CMD...
             return p, next(iter(children(p)), None)
     raise SystemExit(f"chaos: no ops/respawn under {name} (pid {pid}): is the Procfile the project's?")
 
