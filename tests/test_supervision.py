@@ -48,11 +48,14 @@ def started(log: Path, name: str) -> int:
     return int(re.findall(rf"{name}\.1 started \(pid=(\d+)\)", log.read_text())[-1])
 
 
-def child(pid: int) -> int | None:
-    """The process `pid` runs (the one child of an ops/respawn wrapper), or None while it has none."""
+def running(pid: int) -> int | None:
+    """The process honcho's `pid` runs: the child of an ops/respawn wrapper (None while it has
+    none), or `pid` itself where the Procfile line runs it bare."""
     try:
+        if not Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1].endswith(b"ops/respawn"):
+            return pid
         found = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
+    except (OSError, IndexError):
         return None
     return int(found[0]) if found else None
 
@@ -81,7 +84,7 @@ def test_a_sigkilled_generator_and_evaluator_are_started_again_and_the_run_train
         wait_for(lambda: step(r) >= 2 and "evaluator: version" in log.read_text(), timeout=300,
                  what="step 2 and an evaluation", procs=[run])
         for name, module in (("generator", "generators"), ("evaluator", "evaluator")):
-            victim = wait_for(lambda name=name: child(started(log, name)), timeout=30, what=f"the {name}")
+            victim = wait_for(lambda name=name: running(started(log, name)), timeout=30, what=f"the {name}")
             os.kill(victim, signal.SIGKILL)
             wait_for(lambda m=module: f"respawn: {m} died (killed by SIGKILL)" in log.read_text(), timeout=60,
                      what=f"the {name}'s wrapper seeing it die", procs=[run])
