@@ -1,6 +1,7 @@
 """`python -m evaluator [--config FILE ...] [--section.field VALUE ...] [--burst]`: an RQ worker that
 evaluates published checkpoints."""
 
+import os
 import sys
 
 import redis
@@ -34,6 +35,11 @@ def main() -> None:
         worker = EvalWorker([queue], connection=r, serializer=JSONSerializer)
         print(f"evaluator: waiting for jobs on {queue.name}", flush=True)
         worker.work(burst=args.burst, logging_level="WARNING")
+        # Stopped (or the queue empty, with --burst): exit without the interpreter's teardown of torch
+        # and transformers, seconds on a busy CPU that count against the launcher's grace.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except redis.exceptions.ConnectionError as err:
         sys.exit(lost_redis("evaluator", config.redis_url, err))
     except redis.exceptions.NoPermissionError as err:  # an ACL user without a command or key it needs

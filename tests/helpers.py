@@ -48,10 +48,11 @@ def spawn(module: str, *args: str, cwd: Path, env: dict[str, str], log: Path) ->
     return _start([sys.executable, "-m", module, *args], cwd=cwd, env=env, log=log)
 
 
-def spawn_ops_honcho(procfile: Path, *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
-    """Start honcho on `procfile` as ./ops/run does (through ops/honcho), output to `log`."""
-    return _start([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(cwd), "start"],
-                  cwd=cwd, env=env, log=log)
+def spawn_ops_honcho(procfile: Path, *names: str, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start honcho on `procfile` (only the processes `names`, if any) as ./ops/run does (through
+    ops/honcho), output to `log`."""
+    return _start([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(cwd), "start",
+                   *names], cwd=cwd, env=env, log=log)
 
 
 def _start(argv: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:

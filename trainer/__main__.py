@@ -1,6 +1,7 @@
 """`python -m trainer [--config FILE ...] [--section.field VALUE ...]`: GRPO steps on the run's sample
 groups, publishing weights."""
 
+import os
 import sys
 
 import redis
@@ -37,6 +38,11 @@ def main() -> None:
 
     try:
         run(config)
+        # Stopped or done, everything saved: exit without the interpreter's teardown of torch, seconds
+        # on a busy CPU that count against the launcher's grace (ops/honcho's STOP_GRACE_S).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except ModelError as err:  # e.g. a model directory with pickled weights only
         print(f"trainer: {err}", file=sys.stderr)
         sys.exit(2)

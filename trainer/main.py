@@ -47,7 +47,7 @@ from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say
 from trainer.record import Record, forgotten, put_right
 from trainer.samples import Collected, collect
-from trainer.shutdown import Shutdown
+from trainer.shutdown import Shutdown, stop_grace_s
 from trainer.state import prune_states, state_dir
 from trainer.step import sft_step, train_step
 from trainer.tracking import Tracker
@@ -312,7 +312,7 @@ def run(config: Config) -> None:
     state_root = Path(config.output_dir) / "trainer_state"  # DCP trainer state beside each checkpoint
     if rank == 0:
         remove_unfinished(config.checkpoint_dir)
-    shutdown = Shutdown()
+    shutdown = Shutdown(grace_s=stop_grace_s())
 
     # ---- connect, and resume from the newest published checkpoint if this run has one
     r = connect(config.redis_url)
@@ -356,6 +356,7 @@ def run(config: Config) -> None:
         staleness = [0 if sft else state.step - g.version for g in all_groups]  # sft data is never stale
 
         t_train = time.monotonic()
+        shutdown.step_started(state.step + 1)
         stats, lr = train(state, update, mine, r=r, keys=keys)
         train_s = time.monotonic() - t_train
         state.unacked_entries += [e for c in everyone for e in c.entry_ids]
@@ -367,6 +368,7 @@ def run(config: Config) -> None:
         last = any_rank(shutdown.requested) or (cfg.max_steps > 0 and state.step >= cfg.max_steps)
         publish_if_due(r, keys, state, last=last, config=config, source_dir=source_dir, state_root=state_root)
         publish_s = time.monotonic() - t_publish
+        shutdown.step_ended()
         if rank == 0:
             metrics = step_record(r, keys, everyone, stats, step=state.step, version=state.version, lr=lr,
                                   staleness=staleness, sft=sft, t_step=t_step, train_s=train_s,
