@@ -217,13 +217,18 @@ def long_tiny_model(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_the_one_gpu_command_runs_the_gsm8k_config(checkout, user_env, tmp_path, long_tiny_model):
-    """The environment wins over .env: the command trains configs/gsm8k.toml's run, not the demo."""
+    """The environment wins over .env: the command trains configs/gsm8k.toml's run, not the demo, and
+    the evaluator scores its [[eval.sources]] (GSM8K's test split) with pass@1 and pass@4. What a
+    CPU forces besides the model and the data: an evaluation at version 2 of 16 problems (the
+    config: every 10th, 256)."""
     write_gsm8k(checkout)
-    env = {**user_env, "ROLLOUTS_MODEL__PATH": str(long_tiny_model)}
+    env = {**user_env, "ROLLOUTS_MODEL__PATH": str(long_tiny_model), "ROLLOUTS_EVAL__EVERY": "2",
+           "ROLLOUTS_EVAL__PROMPTS": "16"}
     run = Shell(block("ROLLOUTS_CONFIG=configs/gsm8k.toml ./ops/run").text, cwd=checkout, env=env,
                 log=tmp_path / "run.log")
     try:
         run.wait_for(r"trainer\.1\s+\| step\s+2 \|", timeout=900, what="the gsm8k run's second step")
+        run.wait_for(r"evaluator\.1\s+\| evaluator: version 2: pass@1", timeout=900, what="version 2's evaluation")
         run.ctrl_c(timeout=600)
     finally:
         run.kill()
@@ -231,6 +236,9 @@ def test_the_one_gpu_command_runs_the_gsm8k_config(checkout, user_env, tmp_path,
     assert "trainer: run 'gsm8k'" in out and "run 'demo'" not in out, out[-4000:]
     rows = [json.loads(x) for x in (checkout / "runs/gsm8k/metrics.jsonl").read_text().splitlines()]
     assert len(rows) >= 2 and not (checkout / "runs/demo").exists()
+    (evaluated,) = [json.loads(x) for x in (checkout / "runs/gsm8k/evals.jsonl").read_text().splitlines()
+                    if json.loads(x).get("version") == 2]
+    assert {"eval/gsm8k-test/pass@1", "eval/gsm8k-test/pass@4"} <= set(evaluated), evaluated
 
 
 @pytest.mark.parametrize("launcher", ["./ops/run", ".venv/bin/honcho start"])
