@@ -89,8 +89,9 @@ class RewardFunc:
 def conversational(source: Any) -> bool:
     """Whether TRL functions get a `source`'s prompts and completions as messages (else as text):
     its rows hold messages (`messages_column`) and the prompt is sent as them (`chat`), as TRL's
-    `is_conversational` asks of a prompt. `source` is a common.config.SourceConfig."""
-    return bool(source.messages_column) and bool(source.chat)
+    `is_conversational` asks of a prompt. `source` is one of common.config's source variants."""
+    # a kind without these fields (a synthetic task) sends text
+    return bool(getattr(source, "messages_column", "")) and bool(getattr(source, "chat", True))
 
 
 def load(name: str) -> RewardFn:

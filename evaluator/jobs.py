@@ -17,7 +17,7 @@ from rq import get_current_job
 
 from common import rewards
 from common.checkpoints import verify_dir
-from common.config import SourceConfig
+from common.config import SourceConfig, source_config
 from common.evals import EvalRequest, EvalResult, read_request, record_eval
 from common.keys import Keys
 from common.messages import PromptTask
@@ -59,7 +59,7 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
     engine = engine_for(req.path, version=req.version, dtype=req.dtype)
     by_source: dict[str, dict[int, list[bool]]] = {}
     for spec_source in req.sources:
-        source = SourceConfig.model_validate(spec_source)
+        source = source_config(spec_source)
         problems = eval_prompts(source, count=req.prompts, seed=req.seed, holdout=req.holdout or None)
         if problems:
             by_source[source.name] = score_source(engine, source, problems, req)

@@ -71,7 +71,7 @@ from common.keys import GENERATORS_GROUP, Keys
 from common.messages import Completion, PromptTask, SampleGroup, WeightVersion
 from common.shaping import zero_variance
 from engines.base import Engine, Finished, Sampled, SamplingSettings, episode_prompt_ids, turn_ids
-from engines.choice import check_inflight, engine_name, open_engine
+from engines.choice import engine_kind, open_for_settings
 from envs.base import Spec
 from generators import devices
 from generators.environments import EnvRunner, environment_specs
@@ -214,7 +214,8 @@ def run(config: Config, *, generator_id: str) -> None:
     # One GPU leased per generator; a tensor-parallel one uses the GPUs CUDA_VISIBLE_DEVICES gives it.
     gpu = devices.pick_gpu(r, keys, host=host, owner=generator_id, ttl_s=gen.heartbeat_ttl_s) \
         if gen.tensor_parallel_size == 1 else None
-    if gen.engine == "openai":
+    server = engine_kind(gen.engine).server  # one generator per inference server
+    if server:
         devices.lease_server(r, keys, url=gen.server_url, owner=generator_id, ttl_s=gen.heartbeat_ttl_s)
     # The engine lives in one thread: created there, every call made there.
     engine_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -245,7 +246,7 @@ def run(config: Config, *, generator_id: str) -> None:
         leave_group(r, stream=keys.prompts, consumer=generator_id)
         if gpu is not None:
             devices.release_gpu(r, keys, host=host, device=gpu, owner=generator_id)
-        if gen.engine == "openai":
+        if server:
             devices.release_server(r, keys, url=gen.server_url, owner=generator_id)
         rewards.close()
         if envs is not None:
@@ -286,19 +287,8 @@ def open_engine_for(config: Config, *, seed: int) -> Engine:
         import torch
 
         torch.set_num_threads(gen.threads)
-    path = resolve_model_path(config.model.path)
-    engine = engine_name(gen.engine)
-    if gen.inflight_updates:
-        check_inflight(engine)
-    if engine == "openai":  # the server was started on model.path with the run's dtype and seed
-        return open_engine(engine, path, url=gen.server_url, max_running=gen.max_in_flight * config.rollout.group_size,
-                           timeout_s=gen.request_timeout_s)
-    options: dict[str, Any] = {"max_batch": gen.batch_prompts} if engine == "hf" else {
-        "kv_cache_gib": gen.kv_cache_gib, "gpu_memory_utilization": gen.gpu_memory_utilization,
-        "max_num_seqs": gen.max_in_flight * config.rollout.group_size, "threads": gen.threads,
-        "tensor_parallel_size": gen.tensor_parallel_size, "max_model_len": gen.max_model_len,
-        "enforce_eager": gen.enforce_eager}
-    return open_engine(engine, path, dtype=config.model.dtype, seed=seed, **options)
+    return open_for_settings(gen.engine, resolve_model_path(config.model.path), settings=gen, dtype=config.model.dtype,
+                             seed=seed, max_running=gen.max_in_flight * config.rollout.group_size)
 
 
 async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, engine: Engine,
@@ -801,7 +791,7 @@ async def heartbeats(g: Generator, state: State) -> None:
         beat = heartbeat(state, g.engine)
         await trio.to_thread.run_sync(lambda b=beat: write_heartbeat(
             g.r, g.keys, g.id, b, ttl_s=g.settings.heartbeat_ttl_s))
-        if g.settings.engine == "openai":
+        if engine_kind(g.settings.engine).server:
             await trio.to_thread.run_sync(lambda: devices.renew_server(
                 g.r, g.keys, url=g.settings.server_url, owner=g.id, ttl_s=g.settings.heartbeat_ttl_s))
         if g.gpu is not None:

@@ -7,7 +7,7 @@ from rq.registry import FailedJobRegistry
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checkpoints import checksum_dir
-from common.config import SourceConfig, config_from_dict
+from common.config import config_from_dict, source_config
 from common.evals import enqueue_eval, eval_queue, read_request
 from common.keys import Keys
 from common.messages import WeightVersion
@@ -45,7 +45,7 @@ def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(tmp_path, redis_ur
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     right = 0
-    [source] = [SourceConfig(**d) for d in req.sources]  # the run's own task: built-in arithmetic
+    [source] = [source_config(**d) for d in req.sources]  # the run's own task: built-in arithmetic
     problems = eval_prompts(source, count=req.prompts, seed=req.seed, holdout=req.holdout or None)
     assert len(problems) == req.prompts
     for p in problems:
@@ -170,3 +170,4 @@ def test_gsm8k_test_split_and_a_trl_reward_per_source_from_local_files(tmp_path,
     assert result["eval/gsm8k/pass@1"] == result["eval/gsm8k/pass@2"] == 0.0
     assert result["eval/easy/pass@1"] == result["eval/easy/pass@2"] == 1.0
     assert result["eval/pass@1"] == 0.5
+
