@@ -84,10 +84,9 @@ def score_source(engine: HFEngine, source: SourceConfig, problems: list[Prompt],
 
     def hits(task: PromptTask, completions: list[list[int]]) -> list[bool]:
         texts = [(engine.decode(ids), ids) for ids in completions]
-        prompt = task.text if task.messages is None else task.messages[-1]["content"]
-        scored = rewards.score_group(funcs, prompt=prompt, messages=task.messages if conversational else None,
-                                     completions=texts, meta=task.meta,
-                                     state=rewards.TrainerState(global_step=req.version))
+        scored = rewards.score_group(funcs, prompt=rewards.prompt_text(task),
+                                     messages=task.messages if conversational else None, completions=texts,
+                                     meta=task.meta, state=rewards.TrainerState(global_step=req.version))
         return [error is None and reward >= req.pass_reward for reward, _, error in scored]
 
     greedy = engine.greedy(prompts, max_new_tokens=req.max_new_tokens)

@@ -171,3 +171,19 @@ def test_gsm8k_test_split_and_a_trl_reward_per_source_from_local_files(tmp_path,
     assert result["eval/easy/pass@1"] == result["eval/easy/pass@2"] == 1.0
     assert result["eval/pass@1"] == 0.5
 
+
+def test_the_evaluators_reward_is_shown_the_last_user_message_as_the_generators_is(tmp_path, redis_url, r,
+                                                                                  tiny_model):
+    # A chat prompt that ends with the start of the assistant's answer: the reward's `prompt` is the
+    # question (the last user message), in the evaluator as in the generator (common.rewards.prompt_text).
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "What is 2 + 2?"},
+                                             {"role": "assistant", "content": "It is"}]}) + "\n")
+    source = {"name": "chat", "path": str(data), "messages_column": "messages",
+              "reward": "tests.reward_fixtures:asked_two_plus_two"}
+    wv = WeightVersion(version=1, step=1, path=str(tiny_model), format="safetensors",
+                       checksums=checksum_dir(tiny_model), created_at=0.0)
+    enqueue_eval(r, config(redis_url, prompts=1, sources=[source]), wv)
+    assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
+    [result] = read_metrics_stream(r, Keys(RUN))
+    assert result["eval/prompts"] == 1 and result["eval/pass@1"] == 1.0, result
