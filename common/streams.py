@@ -11,8 +11,8 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from common.keys import PAYLOAD, Keys
-from common.messages import WeightVersion, decode_weights
+from common.keys import PAYLOAD, WEIGHTS_MAXLEN, Keys
+from common.messages import WeightVersion, decode_weights, encode
 
 RETRY_CAP_S = 1.0  # longest pause between two tries of a command while Redis is away
 
@@ -92,7 +92,17 @@ def dead_letter(pipe: redis.client.Pipeline, *, dead_stream: str, source: str, e
                             "payload": blob if isinstance(blob, bytes) else b""})
 
 
+def announce_weights(pipe: redis.client.Pipeline, keys: Keys, wv: WeightVersion) -> None:
+    """Queue (on the caller's MULTI pipeline) the announcement of `wv`: appended to the capped
+    weights stream (generators waiting on it wake) and set as `weights:latest` (a generator that
+    starts late loads it), the two in the same transaction."""
+    blob = encode(wv)
+    pipe.xadd(keys.weights, {PAYLOAD: blob}, maxlen=WEIGHTS_MAXLEN, approximate=True)
+    pipe.set(keys.weights_latest, blob)
+
+
 def latest_weights(r: redis.Redis, keys: Keys) -> WeightVersion | None:
+    """The newest announced weights (`announce_weights`), None before the first."""
     blob = r.get(keys.weights_latest)
     return None if blob is None else decode_weights(blob)
 

@@ -57,3 +57,30 @@ def test_what_waits_in_a_stream_is_counted_after_redis_replays_its_append_only_f
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_weights_written_back_after_redis_lost_them_keep_the_stream_capped(r):
+    """The trainer's one announcement of weights (common.streams.announce_weights) caps the
+    weights stream, also where it writes its record back into a Redis that lost writes."""
+    from common.keys import WEIGHTS_MAXLEN
+    from common.messages import WeightVersion, encode
+    from common.streams import announce_weights, latest_weights
+    from trainer.record import Record, put_right
+
+    keys = Keys("capped")
+    with r.pipeline(transaction=False) as pipe:
+        for version in range(2 * WEIGHTS_MAXLEN):
+            pipe.xadd(keys.weights, {PAYLOAD: encode(WeightVersion(version=version, step=version, path=f"/c/{version}",
+                                                                   format="safetensors", checksums={},
+                                                                   created_at=0.0))})
+        pipe.execute()
+    newest = WeightVersion(version=7, step=7, path="/c/step_7", format="safetensors", checksums={"a": "1"},
+                           created_at=1.0)
+    put_right(r, keys, Record(step=7, version=7, state_step=7, groups_trained=3, latest=newest))
+    assert WEIGHTS_MAXLEN <= r.xlen(keys.weights) < 2 * WEIGHTS_MAXLEN, r.xlen(keys.weights)
+    assert latest_weights(r, keys) == newest
+    with r.pipeline(transaction=True) as pipe:
+        announce_weights(pipe, keys, newest)
+        pipe.execute()
+    [(_, last)] = r.xrevrange(keys.weights, count=1)
+    assert last == {PAYLOAD: encode(newest)}
