@@ -1,4 +1,5 @@
-"""Redis plumbing every process shares: connecting, consumer groups, dead letters, versions."""
+"""Redis plumbing every process shares: connecting, consumer groups, weight versions (dead letters:
+common/deadletters.py)."""
 
 from __future__ import annotations
 
@@ -82,14 +83,6 @@ def group_backlog(r: redis.Redis, stream: str, group: str) -> tuple[int, int]:
 
 def _as_bytes(entry_id: bytes | str) -> bytes:
     return entry_id if isinstance(entry_id, bytes) else entry_id.encode()
-
-
-def dead_letter(pipe: redis.client.Pipeline, *, dead_stream: str, source: str, entry_id: bytes | str,
-                fields: dict, reason: str) -> None:
-    """Queue (on a MULTI pipeline) an entry's move to `dead_stream` with its reason."""
-    blob = fields.get(PAYLOAD, b"")
-    pipe.xadd(dead_stream, {"source": source, "entry_id": entry_id, "reason": reason[:2000],
-                            "payload": blob if isinstance(blob, bytes) else b""})
 
 
 def announce_weights(pipe: redis.client.Pipeline, keys: Keys, wv: WeightVersion) -> None:
