@@ -194,9 +194,9 @@ def test_the_trainer_sees_each_tokens_version(switched):
     stats = train_step(new_model, optimizer, groups, loss=GrpoLoss(correction="token_mask"), ref_model=None,
                        temperature=1.0, estimator="grpo", overlong="none", overlong_penalty=0.0,
                        micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0, step=1)
-    assert stats["mismatch/abs_log_ratio_mean/staleness_0"] < 1e-4, "tokens of the trainer's own version"
-    assert stats["mismatch/abs_log_ratio_mean/staleness_1"] > 0.1, "tokens of the version before"
-    assert 0 < stats["mismatch/masked"] <= int(old_tokens.sum()) / tokens + 1e-6
+    assert stats.mismatch_by_staleness[0] < 1e-4, "tokens of the trainer's own version"
+    assert stats.mismatch_by_staleness[1] > 0.1, "tokens of the version before"
+    assert 0 < stats.masked <= int(old_tokens.sum()) / tokens + 1e-6
 
 
 def test_inflight_updates_is_refused_for_engines_that_cannot_continue_a_sequence():

@@ -193,7 +193,7 @@ def test_long_completions_after_a_short_prompt_go_as_their_own_rows(tiny_model):
     stats = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), make_groups(300, shapes=[(4, [200] * 4)]),
                        loss=GrpoLoss(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
                        overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0)
-    assert model.config.hidden_size == 64 and stats["tokens/forward"] == 4 * 203
+    assert model.config.hidden_size == 64 and stats.tokens_forward == 4 * 203
 
 
 @pytest.mark.parametrize("device", [

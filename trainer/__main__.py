@@ -22,7 +22,8 @@ def main(config: Config, args: argparse.Namespace) -> None:
     except ModelError as err:
         raise Stop(str(err), EXIT_CONFIG) from None
 
-    from trainer.main import PublishFailed, run  # imports torch and transformers
+    from trainer.main import run  # imports torch and transformers
+    from trainer.publishing import PublishFailed
 
     try:
         run(config)
