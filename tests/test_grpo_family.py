@@ -21,7 +21,7 @@ from trainer.losses.grpo import loss as grpo_loss
 from trainer.losses.gspo import loss as gspo_loss
 from trainer.losses.kl import kl_penalty
 from trainer.schedule import lr_factor
-from trainer.step import train_step
+from trainer.step import GrpoOptions, train_step
 
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 2.0]])
 
@@ -209,10 +209,11 @@ def steps(tiny_model):
     def run(groups=groups, **kw):
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient itself
-        args = dict(loss=GrpoLoss(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
-                    overlong_penalty=0.0, micro_batch_size=16, micro_batch_tokens=0, updates=1,
-                    max_grad_norm=1e9)
-        stats = train_step(model, opt, groups, **{**args, **kw})
+        ref_model = kw.pop("ref_model", None)
+        how = GrpoOptions(**{**dict(loss=GrpoLoss(), temperature=1.0, estimator="grpo", overlong="none",
+                                    overlong_penalty=0.0, micro_batch_size=16, micro_batch_tokens=0, updates=1,
+                                    max_grad_norm=1e9), **kw})
+        stats = train_step(model, opt, groups, how=how, ref_model=ref_model)
         return torch.cat([p.detach().flatten() for p in model.parameters()]), stats
 
     return run

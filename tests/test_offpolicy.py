@@ -29,7 +29,7 @@ from trainer.main import cross_rank_duplicates, objective, train
 from trainer.run import Run
 from trainer.samples import Collected
 from trainer.schedule import build_scheduler
-from trainer.step import train_step
+from trainer.step import GrpoOptions, train_step
 
 LN = math.log
 
@@ -145,10 +145,10 @@ def sampled_groups(model_dir, *, top_k: int, n_groups: int = 2, version: int = 0
             for i, (p, samples) in enumerate(zip(prompts, out, strict=True))]
 
 
-def step_args(**kw):
-    return {**dict(loss=GrpoLoss(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
-                   overlong_penalty=0.0, micro_batch_size=16, micro_batch_tokens=0, updates=1, max_grad_norm=1e9),
-            **kw}
+def step_args(**kw) -> GrpoOptions:
+    return GrpoOptions(**{**dict(loss=GrpoLoss(), temperature=1.0, estimator="grpo", overlong="none",
+                                 overlong_penalty=0.0, micro_batch_size=16, micro_batch_tokens=0, updates=1,
+                                 max_grad_norm=1e9), **kw})
 
 
 def test_top_k_sampling_gives_ratio_one_on_policy(tiny_model):
@@ -156,11 +156,11 @@ def test_top_k_sampling_gives_ratio_one_on_policy(tiny_model):
     groups = sampled_groups(tiny_model, top_k=2)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    truncated = train_step(model, opt, groups, top_k=2, **step_args(loss=GrpoLoss(correction="decoupled")))
+    truncated = train_step(model, opt, groups, how=step_args(top_k=2, loss=GrpoLoss(correction="decoupled")))
     assert truncated.policy.ratio == pytest.approx(1.0, abs=1e-4)
     assert truncated.mismatch_max < 1e-4
     # The full softmax (what the trainer computed before) puts the on-policy ratio well below 1.
-    full = train_step(model, opt, groups, **step_args())
+    full = train_step(model, opt, groups, how=step_args())
     assert full.policy.ratio < 0.9
 
 
@@ -173,12 +173,12 @@ def test_mismatch_is_logged_by_staleness_and_masking_acts(tiny_model):
     with torch.no_grad():
         moved.lm_head.weight.mul_(3.0)  # the trainer's policy has moved away from the sampler's
     opt = torch.optim.SGD(moved.parameters(), lr=0.0)
-    st = train_step(moved, opt, groups, step=2, **step_args(loss=GrpoLoss(correction="decoupled")))
+    st = train_step(moved, opt, groups, step=2, how=step_args(loss=GrpoLoss(correction="decoupled")))
     assert st.mismatch_mean > 0.05
     assert st.mismatch_max >= st.mismatch_mean
     assert {1, 2} <= set(st.mismatch_by_staleness)
     assert st.policy.tis != pytest.approx(1.0, abs=1e-3)  # the correction's weight acts
-    masked = train_step(moved, opt, groups, step=2, **step_args(
+    masked = train_step(moved, opt, groups, step=2, how=step_args(
         loss=GrpoLoss(correction={"type": "token_mask", "mask_low": 0.9, "mask_high": 1.1})))
     assert 0 < masked.masked <= 1
 
@@ -191,7 +191,7 @@ def test_proximal_pass_runs_with_dropout_off(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attention_dropout=0.5)
     model.train()  # as the trainer's model is after its first step
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    st = train_step(model, opt, groups, **step_args(loss=GrpoLoss(correction="decoupled")))
+    st = train_step(model, opt, groups, how=step_args(loss=GrpoLoss(correction="decoupled")))
     assert st.mismatch_max < 1e-4  # the proximal pass is the sampler's policy exactly
 
 

@@ -51,7 +51,7 @@ from trainer.run import Run, Update
 from trainer.samples import Collected, collect
 from trainer.shutdown import Shutdown
 from trainer.stats import StepStats
-from trainer.step import sft_step, train_step
+from trainer.step import GrpoOptions, sft_step, train_step
 from trainer.tracking import Tracker
 
 
@@ -114,12 +114,7 @@ def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, w
     if kl_coef_of(cfg.loss) > 0:  # the frozen reference: the initial model
         frozen = replace(where, master_fp32=False, activation_checkpointing=False)
         ref_model = place(load_model(source_dir, frozen.weights_dtype), frozen).eval().requires_grad_(False)
-    return partial(train_step, loss=cfg.loss, ref_model=ref_model, temperature=rollout.temperature,
-                   top_k=rollout.top_k, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
-                   estimator=cfg.advantage, overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
-                   micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
-                   updates=cfg.updates_per_batch, max_grad_norm=cfg.max_grad_norm,
-                   chunk_tokens=cfg.logits_chunk_tokens, share_prompts=cfg.share_prompts)
+    return partial(train_step, how=GrpoOptions.of(cfg, rollout), ref_model=ref_model)
 
 
 def take_step(run: Run, shutdown: Shutdown) -> bool:

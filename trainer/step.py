@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 
-from common.config import CorrectionConfig, LossConfig
+from common.config import CorrectionConfig, LossConfig, RolloutConfig, TrainerConfig
 from common.messages import SampleGroup
 from trainer.batch import MicroBatch, mini_batches, with_mask
 from trainer.devices import model_device, to_device
@@ -125,36 +125,62 @@ class Sums:
                                                        masked=masked, by_staleness=by_staleness))
 
 
+@dataclass(frozen=True, slots=True)
+class GrpoOptions:
+    """How a GRPO-family step updates: the loss and the batching ([trainer]), and the sampler's
+    distribution ([rollout]), whose log-probs the step computes."""
+
+    loss: LossConfig  # the policy loss (trainer/losses/) and its off-policy correction
+    estimator: Estimator  # the group-relative advantage (trainer.advantage)
+    overlong: str  # what a completion cut at max_new_tokens gets: "none", "mask" or "penalty"
+    overlong_penalty: float  # ... the reward it loses with "penalty"
+    micro_batch_size: int  # completions per forward/backward pass
+    micro_batch_tokens: int  # ... or at most this many tokens per pass (0: no cap)
+    updates: int  # PPO mini-batches of the step, one optimizer step each
+    max_grad_norm: float  # gradients clipped to this global norm
+    temperature: float = 1.0  # the sampler's temperature
+    top_k: int = 0  # ... its top-k truncation (0: none)
+    top_p: float = 1.0  # ... its top-p truncation (1: none)
+    max_new_tokens: int = 0  # the sampler's; Dr. GRPO's constant normaliser is completions x this
+    chunk_tokens: int = 1024  # logits computed this many positions at a time (trainer/logprobs.py)
+    share_prompts: bool = True  # each prompt through the model once per micro-batch, however many completions
+
+    @classmethod
+    def of(cls, cfg: TrainerConfig, rollout: RolloutConfig) -> GrpoOptions:
+        """The options a run's config gives."""
+        return cls(loss=cfg.loss, estimator=cfg.advantage, overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
+                   micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
+                   updates=cfg.updates_per_batch, max_grad_norm=cfg.max_grad_norm, temperature=rollout.temperature,
+                   top_k=rollout.top_k, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
+                   chunk_tokens=cfg.logits_chunk_tokens, share_prompts=cfg.share_prompts)
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
-               loss: LossConfig, ref_model: torch.nn.Module | None, temperature: float,
-               estimator: Estimator, overlong: str, overlong_penalty: float, micro_batch_size: int,
-               micro_batch_tokens: int, updates: int, max_grad_norm: float, top_k: int = 0, top_p: float = 1.0,
-               max_new_tokens: int = 0, step: int = 0, chunk_tokens: int = 1024,
-               share_prompts: bool = True) -> StepStats:
-    """One trainer step of the GRPO family over `groups`: `updates` PPO mini-batches, one
+               how: GrpoOptions, ref_model: torch.nn.Module | None = None, step: int = 0) -> StepStats:
+    """One trainer step of the GRPO family over `groups`: `how.updates` PPO mini-batches, one
     optimizer step each, gradients accumulated over each one's micro-batches.
 
-    `loss` chooses the loss (trainer/losses/); its corrections other than behaviour_clip take the
-    PPO ratio against the proximal policy: a no-grad pass, dropout off, with the weights at the
-    start of the step. Log-probs are those of the sampler's distribution (temperature, `top_k`,
-    `top_p`). An update whose loss or gradient norm is not finite is skipped (counted in
-    `skipped`). `step` (trainer steps done) gives each group's staleness for the mismatch
-    metrics. Stats are shares of the step's trained tokens; the loss and grad norm are means over
-    the applied updates. With `share_prompts` each micro-batch runs each of its prompts through
-    the model once, however many of its completions share it (the same log-probs, fewer
-    positions).
+    `how.loss` chooses the loss (trainer/losses/); its corrections other than behaviour_clip take
+    the PPO ratio against the proximal policy: a no-grad pass, dropout off, with the weights at the
+    start of the step; a KL term's reference is `ref_model`. Log-probs are those of the sampler's
+    distribution (temperature, top_k, top_p). An update whose loss or gradient norm is not finite
+    is skipped (counted in `skipped`). `step` (trainer steps done) gives each group's staleness for
+    the mismatch metrics. Stats are shares of the step's trained tokens; the loss and grad norm are
+    means over the applied updates. With `how.share_prompts` each micro-batch runs each of its
+    prompts through the model once, however many of its completions share it (the same log-probs,
+    fewer positions).
     """
-    minis = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                         estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty, parts=updates,
-                         device=model_device(model), share_prompts=share_prompts,
+    minis = step_batches(groups, micro_batch_size=how.micro_batch_size, micro_batch_tokens=how.micro_batch_tokens,
+                         estimator=how.estimator, overlong=how.overlong, overlong_penalty=how.overlong_penalty,
+                         parts=how.updates, device=model_device(model), share_prompts=how.share_prompts,
                          hidden_size=int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0))
     total_tokens, world = sum(m.tokens for m in minis), world_size()
     if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
         return StepStats(policy=LossStats())
 
-    forward = partial(sequence_logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
-                      chunk_tokens=chunk_tokens)
-    loss_fn, correction = loss_function(loss), correction_of(loss)
+    forward = partial(sequence_logprobs, temperature=how.temperature, top_k=how.top_k, top_p=how.top_p,
+                      chunk_tokens=how.chunk_tokens)
+    loss_fn, correction = loss_function(how.loss), correction_of(how.loss)
     model.eval()  # the no-grad passes run with dropout off
     with torch.no_grad():
         prox = [[log_probs(forward, model, mb)[0] for mb in m.batches] if correction.type != "behaviour_clip"
@@ -170,8 +196,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
         optimizer.zero_grad(set_to_none=True)
         mini_loss = backward_mini(model, mini, mini_prox, mini_ref, sums, loss_fn=loss_fn, correction=correction,
                                   forward=forward, step=step, total_tokens=total_tokens,
-                                  max_new_tokens=max_new_tokens)
-        grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm,
+                                  max_new_tokens=how.max_new_tokens)
+        grad_norm = clip_and_step(model, optimizer, max_grad_norm=how.max_grad_norm,
                                   loss_finite=math.isfinite(mini_loss))
         if math.isfinite(grad_norm):  # the same on every rank
             sums.grad_norm += grad_norm / world  # summed over ranks below
