@@ -90,11 +90,12 @@ def start(config: Config) -> tuple[Run, Shutdown]:
         r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps,
         lora=cfg.lora)
+    record = Record.of(read_trainer(r, keys))  # what Redis holds of the run, as `resume` left it
     run = Run(config=config, r=r, keys=keys, model=model, optimizer=optimizer, scheduler=scheduler,
               update=objective(cfg, rollout, source_dir=source_dir, where=where), source_dir=source_dir,
               state_root=state_root, step=step, version=step, rank=rank, world=world,
               updates=1 if cfg.objective == "sft" else cfg.updates_per_batch,
-              tracker=Tracker(r, config) if rank == 0 else None, record=Record.of(read_trainer(r, keys)))
+              tracker=Tracker(r, config) if rank == 0 else None, record=record)
     note_going_back(run)
     say(f"trainer: run {config.run!r}, model {source_dir}, step {run.step}, "
         f"{rollout.prompts_per_step} groups per step, {world} rank(s) on {where.device.type}, "
