@@ -16,12 +16,15 @@ from common.keys import PAYLOAD, WEIGHTS_MAXLEN, Keys
 from common.messages import WeightVersion, decode_weights, encode
 
 RETRY_CAP_S = 1.0  # longest pause between two tries of a command while Redis is away
+WAIT_SAID_AFTER_S = 3.0  # a process still waiting for Redis this long after starting says so, once
 
 
-def connect(url: str, *, wait_s: float = 30.0, retry_s: float = 120.0) -> redis.Redis:
-    """A client for `url`, waiting up to `wait_s` for the server to accept connections.
+def connect(url: str, *, wait_s: float = 180.0, retry_s: float = 120.0) -> redis.Redis:
+    """A client for `url`, waiting up to `wait_s` for the server to accept connections (saying so
+    once after a few seconds).
 
-    Processes started together by honcho may come up before Redis does. Later, every command
+    Processes started together by honcho may come up before Redis does, and a trainer started by
+    hand beside `./ops/run ... &` (README "GPUs") before that has installed and started anything. Later, every command
     that meets a lost connection (Redis restarting from its append-only file, a network blip) is
     tried again, reconnecting, for about `retry_s` seconds before the error reaches the process.
     A transaction whose reply was lost in the instant Redis died may so be applied twice: group
@@ -30,7 +33,7 @@ def connect(url: str, *, wait_s: float = 30.0, retry_s: float = 120.0) -> redis.
     """
     client = redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30,
                                   retry=Retry(NoBackoff(), 0))  # the first contact waits below
-    deadline = time.monotonic() + wait_s
+    deadline, said = time.monotonic() + wait_s, False
     while True:
         try:
             client.ping()
@@ -46,6 +49,9 @@ def connect(url: str, *, wait_s: float = 30.0, retry_s: float = 120.0) -> redis.
         except redis.exceptions.ConnectionError:
             if time.monotonic() > deadline:
                 raise
+            if not said and time.monotonic() > deadline - wait_s + WAIT_SAID_AFTER_S:
+                print(f"waiting up to {wait_s:.0f} s for Redis at {redacted(url)}", file=sys.stderr, flush=True)
+                said = True
         time.sleep(0.2)
 
 

@@ -4,7 +4,7 @@ evaluates published checkpoints."""
 import argparse
 
 from common.config import Config
-from common.process import run_process
+from common.process import exit_at_once, run_process
 
 
 def main(config: Config, args: argparse.Namespace) -> None:
@@ -24,6 +24,7 @@ def main(config: Config, args: argparse.Namespace) -> None:
     worker = EvalWorker([queue], connection=r, serializer=JSONSerializer)
     print(f"evaluator: waiting for jobs on {queue.name}", flush=True)
     worker.work(burst=args.burst, logging_level="WARNING")
+    exit_at_once()  # stopped (or the queue empty, with --burst)
 
 
 if __name__ == "__main__":

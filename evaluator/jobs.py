@@ -6,10 +6,16 @@ e.g. GSM8K's test split from a local file). Pass@1 is greedy, pass@k from k samp
 
 The evaluator is an RQ SimpleWorker (no fork per job), so the engine loaded by the first job
 stays loaded: later jobs only swap in the new checkpoint's weights.
+
+A stop (SIGTERM, Ctrl-C) in the middle of a job ends it between problems, CHUNK at a time, not at
+its end (which on a CPU can be a minute away, past the launcher's grace): the job raises
+`Interrupted`, records nothing, and the worker puts it back at the front of the queue
+(evaluator/worker.py), for the next evaluator to start again.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +34,18 @@ from tasks.rows import Prompt, eval_prompts
 # The worker process's one loaded engine. A job function is all RQ can call, so the state an
 # RQ worker keeps between jobs lives here; nothing else reads it.
 _ENGINE: dict[str, HFEngine] = {}
+# Set by the worker on a stop request: the job in hand ends before its next CHUNK of problems.
+STOP = threading.Event()
+CHUNK = 8  # problems generated in one batch, between two looks at STOP
+
+
+class Interrupted(Exception):
+    """The evaluator was asked to stop in the middle of this job; it goes back on the queue."""
+
+
+def stop_if_asked(req: EvalRequest) -> None:
+    if STOP.is_set():
+        raise Interrupted(f"stopped in the middle of evaluating version {req.version}")
 
 
 def engine_for(path: str, *, version: int, dtype: str) -> HFEngine:
@@ -56,9 +74,11 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
         return report(r, keys, EvalResult(step=req.step, version=req.version,
                                           skipped="checkpoint pruned before its evaluation ran"), req)
     verify_dir(req.path, req.checksums)  # a bad checkpoint fails the job (and is retried)
+    stop_if_asked(req)
     engine = engine_for(req.path, version=req.version, dtype=req.dtype)
     by_source: dict[str, dict[int, list[bool]]] = {}
     for spec_source in req.sources:
+        stop_if_asked(req)
         source = SourceConfig.model_validate(spec_source)
         problems = eval_prompts(source, count=req.prompts, seed=req.seed, holdout=req.holdout or None)
         if problems:
@@ -90,12 +110,21 @@ def score_source(engine: HFEngine, source: SourceConfig, problems: list[Prompt],
                                      state=rewards.TrainerState(global_step=req.version))
         return [error is None and reward >= req.pass_reward for reward, _, error in scored]
 
-    greedy = engine.greedy(prompts, max_new_tokens=req.max_new_tokens)
+    greedy = in_chunks(lambda chunk: engine.greedy(chunk, max_new_tokens=req.max_new_tokens), prompts, req)
     out = {1: [hits(t, [ids])[0] for ids, t in zip(greedy, tasks, strict=True)]}
     if req.pass_k:
-        groups = engine.sample(prompts, SamplingSettings(n=req.pass_k, max_new_tokens=req.max_new_tokens,
-                                                         temperature=req.temperature))
+        sampling = SamplingSettings(n=req.pass_k, max_new_tokens=req.max_new_tokens, temperature=req.temperature)
+        groups = in_chunks(lambda chunk: engine.sample(chunk, sampling), prompts, req)
         out[req.pass_k] = [any(hits(t, [s.ids for s in group])) for group, t in zip(groups, tasks, strict=True)]
+    return out
+
+
+def in_chunks(generate, prompts: list[list[int]], req: EvalRequest) -> list:
+    """`generate(prompts)`, CHUNK prompts a call, stopping between two calls if the worker is asked to."""
+    out = []
+    for i in range(0, len(prompts), CHUNK):
+        stop_if_asked(req)
+        out += generate(prompts[i:i + CHUNK])
     return out
 
 

@@ -5,14 +5,22 @@ itself, and a stock worker imports and calls whatever is named: whoever may writ
 queue `os.system`. Here a job that names any other function, a method of some object, or a callback
 is failed before anything it names is imported: it goes to the queue's failed registry with the
 reason, is not retried, and the worker goes on with the next job.
+
+A first SIGTERM or SIGINT stops the worker between two problems of the job in hand (RQ's own
+warm shutdown would finish the job first, a minute on a CPU, past the launcher's grace, which
+then SIGKILLs it mid-job); that job goes back to the front of the queue, its retries untouched,
+for the evaluator's next start. A second signal is RQ's cold shutdown: it exits at once.
 """
 
 from __future__ import annotations
+
+import signal
 
 from rq import SimpleWorker
 from rq.job import Job
 
 from common.evals import JOB_FUNCTION
+from evaluator.jobs import STOP, Interrupted
 
 
 class RefusedJob(Exception):
@@ -66,3 +74,26 @@ class EvalWorker(SimpleWorker):
     jobs."""
 
     job_class = EvalJob
+    interrupted = False  # whether the job being failed was stopped between problems
+
+    def request_stop(self, signum, frame):
+        STOP.set()  # the job in hand, if any, stops between problems
+        print(f"evaluator: {signal.Signals(signum).name}: stopping (between problems, if evaluating; "
+              "again to exit at once)", flush=True)
+        super().request_stop(signum, frame)
+
+    def handle_exception(self, job: Job, *exc_info):
+        self.interrupted = isinstance(exc_info[1], Interrupted)
+        if not self.interrupted:  # a stop is no error: no traceback for it
+            super().handle_exception(job, *exc_info)
+
+    def handle_job_failure(self, job: Job, queue, started_job_registry=None, exc_string="", execution=None):
+        if not self.interrupted:
+            return super().handle_job_failure(job, queue, started_job_registry=started_job_registry,
+                                              exc_string=exc_string, execution=execution)
+        with self.connection.pipeline() as pipe:  # back to the front of the queue, as if never started
+            pipe.multi()  # one transaction: out of the started registry and into the queue
+            self.cleanup_execution(job, pipeline=pipe, execution=execution)
+            queue.enqueue_job(job, pipeline=pipe, at_front=True)
+            pipe.execute()
+        print(f"evaluator: job {job.id} stopped between problems; back on the queue for the next start", flush=True)

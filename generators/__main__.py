@@ -8,7 +8,7 @@ import socket
 import sys
 
 from common.config import Config
-from common.process import EXIT_FAILED, run_process
+from common.process import EXIT_FAILED, exit_at_once, run_process
 
 
 def main(config: Config, args: argparse.Namespace) -> None:
@@ -22,13 +22,10 @@ def main(config: Config, args: argparse.Namespace) -> None:
         print(f"generator {generator_id}: {err}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_FAILED)
-    # Stopped cleanly, everything written. Run the exit handlers (vLLM's engine shutdown) and skip
-    # the interpreter's teardown: with vLLM loaded its final garbage collections take seconds, past
-    # honcho's 5 s stop window.
+    # Stopped cleanly, everything written. Run the exit handlers (vLLM's engine shutdown), then skip
+    # the interpreter's teardown.
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_at_once()
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """The fault drill behind `ops/chaos`: random SIGKILLs under honcho, then an audit.
 
-It starts `ops/honcho start -c generator=2` on a Procfile of its own (Redis with the append-only
-file as the project's Procfile ships it, `appendfsync everysec`; the producer; two generators; the
-trainer) over a tiny random model, each process under `ops/respawn`, which starts it again
-whenever it is SIGKILLed (honcho itself stops everything as soon as one process ends). Then, for
-each trial, it waits a random while, SIGKILLs one randomly chosen process (a generator, the trainer,
-the producer or redis-server) and waits until it is back and the trainer has taken a step since.
-At the end it stops everything with SIGTERM, as Ctrl-C would, starts Redis once more from its
-append-only file and audits the run: every admitted prompt trained, dropped for a counted reason
-or still pending (common/audit.py), and no group trained in two steps. One line per trial, then
-the audit; exit status 1 when the audit finds anything wrong.
+It starts `ops/honcho start -c generator=2` on the project's own Procfile, unchanged, as
+`./ops/run` does (Redis with the append-only file, the producer, two generators, the trainer and
+the evaluator, each under the Procfile's `ops/respawn`, which starts a process that dies again),
+in a directory of its own (links to this checkout's `.venv` and `ops/`), over a tiny random
+model. Then, for each trial, it waits a random while, SIGKILLs one randomly chosen process (a
+generator, the trainer, the producer, the evaluator or redis-server) and waits until its
+`ops/respawn` has started it again and the trainer has taken a step since. The one setting it
+changes is RESPAWN_WINDOW_S (10 s, not 120): it kills faster than a process that keeps dying is
+given up. At the end it stops everything with SIGTERM, as Ctrl-C would, starts Redis once more
+from its append-only file and audits the run: every admitted prompt trained, dropped for a counted
+reason or still pending (common/audit.py), no group trained in two steps, and every process
+stopped with status 0. One line per trial, then the audit; exit status 1 when the audit finds
+anything wrong.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from common.progress import read_trainer  # noqa: E402
 from common.tiny import build_tiny_model, tiny_run_config  # noqa: E402
 
 RUN = "chaos"
-KINDS = ("generator", "trainer", "producer", "redis")
+KINDS = ("generator", "trainer", "producer", "evaluator", "redis")
+PROCESSES = ["evaluator.1", "generator.1", "generator.2", "producer.1", "redis.1", "trainer.1"]
 PROGRESS_TIMEOUT_S = 300.0
 SETTLE_S = 10.0
 
@@ -50,33 +54,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_run(work: Path, port: int, *, claim_idle_s: float) -> Path:
-    """The run's config, Procfile and .env under `work`; returns the Procfile."""
-    py, respawn, pids = sys.executable, ROOT / "ops" / "respawn", work / "pids"
-    pids.mkdir(parents=True, exist_ok=True)
+def write_run(work: Path, port: int, *, claim_idle_s: float) -> dict[str, str]:
+    """The run's config, and the links that let the shipped Procfile run in `work` as in this
+    checkout; returns the environment honcho runs it with."""
+    (work / ".venv").symlink_to(ROOT / ".venv")
+    (work / "ops").symlink_to(ROOT / "ops")
     (work / "run.toml").write_text(tiny_run_config(
         run=RUN, redis_url=f"redis://127.0.0.1:{port}/0", output_dir=work / "run", model=work / "model",
-        generator={"claim_idle_s": claim_idle_s}, trainer={"max_steps": 1000000}))
-    keep = f"{py} {respawn} --pidfile {pids}"
-    procfile = work / "Procfile"
-    procfile.write_text(
-        f"redis: exec {py} {ROOT / 'ops' / 'redis-last'} {respawn} --pidfile {pids}/redis redis-server "
-        f"--port {port} --bind 127.0.0.1 --appendonly yes --appendfsync everysec --dir {work / 'redis'} --save ''\n"
-        f"producer: exec {keep}/producer {py} -m producers\n"
-        f"generator: exec {keep}/generator-$PORT {py} -m generators\n"
-        f"trainer: exec {keep}/trainer {py} -m trainer\n")
-    (work / ".env").write_text(f"ROLLOUTS_CONFIG={work / 'run.toml'}\nSTOP_GRACE_S=60\nPYTHONUNBUFFERED=1\n")
-    (work / "redis").mkdir(exist_ok=True)
-    return procfile
+        generator={"claim_idle_s": claim_idle_s}, trainer={"max_steps": 1000000}, eval={"every": 2, "prompts": 4}))
+    return {"ROLLOUTS_CONFIG": str(work / "run.toml"), "REDIS_PORT": str(port), "STOP_GRACE_S": "60",
+            "RESPAWN_WINDOW_S": "10", "PYTHONUNBUFFERED": "1"}
 
 
-def pid_of(pidfile: Path) -> int | None:
+def children(pid: int) -> list[int]:
     try:
-        pid = int(pidfile.read_text())
-        os.kill(pid, 0)
-        return pid
-    except (OSError, ValueError):
-        return None
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def victim(log: Path, name: str) -> tuple[int, int | None]:
+    """(pid of the `ops/respawn` running honcho's process `name`, pid of what it runs or None while
+    it is down). honcho's pid is the Procfile line's: the wrapper itself, or (Redis) ops/redis-last
+    with the wrapper beneath it."""
+    pid = int(re.findall(rf"{re.escape(name)} started \(pid=(\d+)\)", log.read_text())[-1])
+    for p in (pid, *children(pid)):
+        try:
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(cmdline) > 1 and cmdline[1].endswith(b"ops/respawn"):  # python ops/respawn CMD...
+            return p, next(iter(children(p)), None)
+    raise SystemExit(f"chaos: no ops/respawn under {name} (pid {pid}): is the Procfile the project's?")
 
 
 def trainer_step(r: redis.Redis, keys: Keys) -> int | None:
@@ -98,17 +107,19 @@ def wait_until(cond, *, timeout: float, what: str, honcho: subprocess.Popen):
     raise SystemExit(f"chaos: no {what} within {timeout:.0f}s")
 
 
-def trial(i: int, n: int, rng: random.Random, *, pids: Path, r: redis.Redis, keys: Keys,
+def trial(i: int, n: int, rng: random.Random, *, log: Path, r: redis.Redis, keys: Keys,
           honcho: subprocess.Popen) -> str:
     """One SIGKILL of a random process; returns its kind once it is back and the trainer stepped."""
     kind = rng.choice(KINDS)
-    name = rng.choice(sorted(p.name for p in pids.glob("generator-*"))) if kind == "generator" else kind
-    pid = wait_until(lambda: pid_of(pids / name), timeout=60, what=f"a live {name}", honcho=honcho)
+    name = rng.choice(["generator.1", "generator.2"]) if kind == "generator" else f"{kind}.1"
+    wrapper, pid = wait_until(lambda: (w := victim(log, name))[1] and w, timeout=120, what=f"a live {name}",
+                              honcho=honcho)
     before = wait_until(lambda: trainer_step(r, keys) is not None and (trainer_step(r, keys),),
                         timeout=60, what="Redis", honcho=honcho)[0]
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: pid_of(pids / name) not in (None, pid), timeout=60, what=f"{name} restarted", honcho=honcho)
+    wait_until(lambda: next(iter(children(wrapper)), None) not in (None, pid), timeout=120,
+               what=f"{name} restarted", honcho=honcho)
     after = wait_until(lambda: (s := trainer_step(r, keys)) is not None and s > before and (s,),
                        timeout=PROGRESS_TIMEOUT_S, what=f"a trainer step after killing {name}", honcho=honcho)[0]
     print(f"trial {i:3d}/{n}: SIGKILL {name:<14} (pid {pid:>7}) at step {before:4d}; "
@@ -136,7 +147,7 @@ def exit_codes(honcho_log: Path) -> dict[str, int]:
 def audit(work: Path, port: int, kinds: Counter) -> bool:
     """Start Redis on the run's append-only file, print the audit; True when it is clean."""
     server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
-                               "--dir", str(work / "redis"), "--save", ""], stdout=subprocess.DEVNULL)
+                               "--dir", str(work / ".rollouts" / "redis"), "--save", ""], stdout=subprocess.DEVNULL)
     r = redis.Redis(port=port)
     try:
         for _ in range(200):
@@ -152,7 +163,7 @@ def audit(work: Path, port: int, kinds: Counter) -> bool:
         server.wait(timeout=30)
     codes = exit_codes(work / "honcho.log")
     wrong = unaccounted(acc) + ([f"trained in two steps: {twice}"] if twice else [])
-    if sorted(codes) != ["generator.1", "generator.2", "producer.1", "redis.1", "trainer.1"] or any(codes.values()):
+    if sorted(codes) != PROCESSES or any(codes.values()):
         wrong.append(f"not every process stopped cleanly: {codes}")
     print(f"audit: {sum(kinds.values())} faults ({', '.join(f'{k} {kinds[k]}' for k in KINDS)}); "
           f"{steps} steps")
@@ -180,12 +191,12 @@ def main() -> int:
     work.mkdir(parents=True)
     build_tiny_model(work / "model")
     port = free_port()
-    procfile = write_run(work, port, claim_idle_s=5.0)
+    env = {**os.environ, **write_run(work, port, claim_idle_s=5.0)}
     print(f"chaos: {args.trials} trials, seed {args.seed}, in {work} (honcho's output: {work / 'honcho.log'})",
           flush=True)
     with open(work / "honcho.log", "w") as log:
-        honcho = subprocess.Popen([sys.executable, str(ROOT / "ops" / "honcho"), "start", "-f", str(procfile),
-                                   "-e", str(work / ".env"), "-d", str(ROOT), "-c", "generator=2"],
+        honcho = subprocess.Popen([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(ROOT / "Procfile"),
+                                   "-d", str(work), "start", "-c", "generator=2"], env=env, cwd=work,
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     r, keys, kinds = redis.Redis(port=port, socket_timeout=5), Keys(RUN), Counter()
     try:
@@ -193,7 +204,7 @@ def main() -> int:
                    honcho=honcho)
         for i in range(1, args.trials + 1):
             time.sleep(rng.uniform(*args.gap))
-            kinds[trial(i, args.trials, rng, pids=work / "pids", r=r, keys=keys, honcho=honcho)] += 1
+            kinds[trial(i, args.trials, rng, log=work / "honcho.log", r=r, keys=keys, honcho=honcho)] += 1
         time.sleep(SETTLE_S)  # the last one restarted is past its start-up, as a user's Ctrl-C would find it
     finally:
         r.close()  # Redis, stopping last, waits for its clients to go

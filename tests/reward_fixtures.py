@@ -56,6 +56,17 @@ def slow_pid(*, meta: dict, **_) -> float:
     return float(os.getpid())
 
 
+def gated(*, meta: dict, **_) -> float:
+    """Waits until the file meta["gate"] exists (the test opens the gate), then says which
+    process scored it; gives up after 300 s, as a guard against a hang only."""
+    deadline = time.monotonic() + 300
+    while not os.path.exists(meta["gate"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the gate {meta['gate']} never opened")
+        time.sleep(0.05)
+    return float(os.getpid())
+
+
 def rendezvous(*, completion: str, meta: dict, **_) -> float:
     """Waits (up to 20 s) until meta["parties"] calls have arrived in the folder meta["dir"], then
     says which process scored it: it returns only if that many rewards run at the same time."""

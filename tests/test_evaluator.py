@@ -1,6 +1,9 @@
 import json
 import re
+import shutil
 import zlib
+from collections import Counter
+from pathlib import Path
 
 import torch
 from rq.registry import FailedJobRegistry
@@ -23,6 +26,36 @@ def config(redis_url, **eval_fields):
                              "eval": {"every": 1, "prompts": 4, "retries": 1, **eval_fields}})
 
 
+def answering_model(tiny_model: Path, path: Path, answer: str) -> Path:
+    """A copy of the tiny model whose greedy (and, its logits 80 apart, sampled) completion of
+    any prompt is `answer` and then end-of-turn. Its attention and MLP outputs are zeroed, so each
+    position's logits are its own token's embedding through the final norm and lm_head: the
+    answer's token i embeds as direction i + 1 and lm_head maps it to token i + 1 (the last one to
+    end-of-turn); every other token embeds as direction 0, mapped to the answer's first token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shutil.copytree(tiny_model, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    chain = tokenizer.encode(answer, add_special_tokens=False)
+    assert len(set(chain)) == len(chain), f"{answer!r}: its tokens {chain} must differ for this model to say it"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight  # (V, H) each
+        embed.zero_()
+        embed[:, 0] = 1.0
+        head.zero_()
+        for i, token in enumerate(chain):
+            embed[token] = 0.0
+            embed[token, i + 1] = 1.0
+        for i, token in enumerate([*chain, tokenizer.eos_token_id]):  # direction i -> the token after
+            head[token, i] = 10.0  # the final norm makes a one-hot 8 (the square root of the width): logits 80
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def burst_worker(tmp_path, redis_url) -> int:
     proc = spawn("evaluator", "--burst", cwd=tmp_path, env={"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": RUN},
                  log=tmp_path / "evaluator.log")
@@ -30,32 +63,43 @@ def burst_worker(tmp_path, redis_url) -> int:
 
 
 def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(tmp_path, redis_url, r, tiny_model):
-    wv = WeightVersion(version=3, step=3, path=str(tiny_model), format="safetensors",
-                       checksums=checksum_dir(tiny_model), created_at=0.0)
-    job = enqueue_eval(r, config(redis_url, pass_k=2), wv)
+    cfg = config(redis_url, pass_k=2)
+    # the held-out problems of the run's own task (built-in arithmetic), and a checkpoint that
+    # answers each of them with the answer most of them share: it gets those right, the others wrong
+    [source] = cfg.sources
+    problems = eval_prompts(source, count=cfg.eval.prompts, seed=cfg.eval.seed, holdout=cfg.holdout)
+    assert len(problems) == cfg.eval.prompts
+    [(answer, hits)] = Counter(p.meta["answer"] for p in problems).most_common(1)
+    assert 0 < hits < len(problems), "the checkpoint must get some problems right and some wrong"
+    ckpt = answering_model(tiny_model, tmp_path / "step_3", str(answer))
+    wv = WeightVersion(version=3, step=3, path=str(ckpt), format="safetensors",
+                       checksums=checksum_dir(ckpt), created_at=0.0)
+    job = enqueue_eval(r, cfg, wv)
     # The job travels as JSON, not pickle.
     assert json.loads(zlib.decompress(r.hget(f"rq:job:{job.id}", "data")))
 
     assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
     [result] = read_metrics_stream(r, Keys(RUN))
     assert result["kind"] == "eval" and result["version"] == 3 and result["eval/prompts"] == 4
+    req = read_request(job.kwargs["spec"])
+    assert [SourceConfig(**d) for d in req.sources] == [source] and req.prompts == len(problems)
     # pass@1 as a user would work it out: the model's greedy answer to each held-out problem, by
     # transformers' own generate, against the problem's answer
-    req = read_request(job.kwargs["spec"])
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     right = 0
-    [source] = [SourceConfig(**d) for d in req.sources]  # the run's own task: built-in arithmetic
-    problems = eval_prompts(source, count=req.prompts, seed=req.seed, holdout=req.holdout or None)
-    assert len(problems) == req.prompts
     for p in problems:
         ids = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
         out = model.generate(ids, do_sample=False, max_new_tokens=req.max_new_tokens, pad_token_id=0)
-        numbers = re.findall(r"-?\d+", tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        said = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert said == str(answer), said
+        numbers = re.findall(r"-?\d+", said)
         right += bool(numbers) and int(numbers[-1]) == p.meta["answer"]
-    assert result["eval/pass@1"] == right / req.prompts
-    assert result["eval/pass@1"] <= result["eval/pass@2"]
+    assert right == hits
+    assert result["eval/pass@1"] == hits / len(problems)
+    # every sample is the greedy answer (its logits are 80 above the rest): pass@2 is pass@1
+    assert result["eval/pass@2"] == hits / len(problems)
     assert json.loads(r.hget(Keys(RUN).evals, "3")) == result
 
 
@@ -150,8 +194,9 @@ def test_the_held_out_split_is_disjoint_from_what_the_producer_trains_on():
 
 
 def test_gsm8k_test_split_and_a_trl_reward_per_source_from_local_files(tmp_path, redis_url, r, tiny_model):
-    rows = [{"question": f"Tom has {i} apples and buys 2 more. How many now?",
-             "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(5)]
+    # the first three rows are evaluated: their answers are 7, 6 and 7
+    rows = [{"question": f"Tom has {i} apples and buys {b} more. How many now?",
+             "answer": f"{i} + {b} = {i + b}\n#### {i + b}"} for i, b in enumerate([7, 5, 5, 2, 3])]
     test_split = tmp_path / "gsm8k_test.jsonl"
     test_split.write_text("".join(json.dumps(row) + "\n" for row in rows))
     gsm8k = {"name": "gsm8k", "path": str(test_split), "split": "test", "template": "{question}",
@@ -160,13 +205,14 @@ def test_gsm8k_test_split_and_a_trl_reward_per_source_from_local_files(tmp_path,
                             "eval": {"every": 1, "prompts": 3, "pass_k": 2, "sources": [
                                 gsm8k, {**gsm8k, "name": "easy", "reward_funcs": ["tests.reward_fixtures:always"]}]}})
     assert cfg.holdout == 0.0  # evaluation sources of their own: the training sources keep every problem
-    wv = WeightVersion(version=1, step=1, path=str(tiny_model), format="safetensors",
-                       checksums=checksum_dir(tiny_model), created_at=0.0)
+    ckpt = answering_model(tiny_model, tmp_path / "step_1", "7")  # answers 7 to everything
+    wv = WeightVersion(version=1, step=1, path=str(ckpt), format="safetensors",
+                       checksums=checksum_dir(ckpt), created_at=0.0)
     enqueue_eval(r, cfg, wv)
     assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
     [result] = read_metrics_stream(r, Keys(RUN))
     assert result["eval/prompts"] == 6  # 3 problems of each source
-    # the random tiny model gets no GSM8K answer right; the TRL reward passes everything
-    assert result["eval/gsm8k/pass@1"] == result["eval/gsm8k/pass@2"] == 0.0
+    # each source by its own reward: GSM8K's final answer gets 2 of 3 right; the TRL reward passes everything
+    assert result["eval/gsm8k/pass@1"] == result["eval/gsm8k/pass@2"] == 2 / 3
     assert result["eval/easy/pass@1"] == result["eval/easy/pass@2"] == 1.0
-    assert result["eval/pass@1"] == 0.5
+    assert result["eval/pass@1"] == result["eval/pass@2"] == 5 / 6

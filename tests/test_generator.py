@@ -265,25 +265,39 @@ def test_a_held_prompt_reclaimed_by_its_own_generator_is_not_sampled_twice(tiny_
     config.write_text(f'run = "self"\nredis_url = "{redis_url}"\n[model]\npath = "{tiny_model}"\n'
                       "[rollout]\nmax_new_tokens = 4\n"
                       "[generator]\nengine = \"hf\"\nthreads = 1\nbatch_prompts = 1\nclaim_idle_s = 30\n"
-                      "reward_timeout_s = 60\n"
+                      "reward_timeout_s = 600\n"
                       '[[data.sources]]\nname = "arithmetic"\nkind = "arithmetic"\n'
-                      'reward = "tests.reward_fixtures:slow_pid"\n')
+                      'reward = "tests.reward_fixtures:gated"\n')
     r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    gate = tmp_path / "gate"  # its rewards wait until the test opens it: the prompt stays held until then
     task = ask(0, n=2)
-    task = type(task)(**{**{f: getattr(task, f) for f in task.__slots__}, "meta": {**task.meta, "sleep": 8}})
+    task = type(task)(**{**{f: getattr(task, f) for f in task.__slots__}, "meta": {**task.meta, "gate": str(gate)}})
     entry = r.xadd(keys.prompts, {PAYLOAD: encode(task)})
     proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(config)},
                  log=tmp_path / "generator.log")
+
+    def taken_back_by_g1() -> bool:
+        """Whether g1's claim of idle prompts has taken the prompt back: XAUTOCLAIM counts a
+        delivery, g1's touches do not. Until then the prompt is kept looking a minute idle, as if
+        g1 had not touched it for that long (a touch may reset it between two of g1's claims),
+        with its delivery count at 1."""
+        [pending] = r.xpending_range(keys.prompts, GENERATORS_GROUP, "-", "+", 1)
+        if pending["times_delivered"] > 1:
+            return True
+        r.xclaim(keys.prompts, GENERATORS_GROUP, "g1", 0, [entry], idle=60_000, retrycount=1)
+        return False
+
     try:
         wait_for(lambda: r.xpending_range(keys.prompts, GENERATORS_GROUP, "-", "+", 1, consumername="g1"),
                  timeout=120, what="g1 holding the prompt", procs=[proc])
-        # as if g1 had not touched it for a minute, while its reward still runs
-        r.xclaim(keys.prompts, GENERATORS_GROUP, "g1", 0, [entry], idle=60_000)
+        wait_for(taken_back_by_g1, timeout=120, what="g1 claiming its own idle prompt", procs=[proc])
+        gate.touch()
         wait_for(lambda: r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0 and r.xlen(keys.samples),
                  timeout=120, what="the prompt's group written", procs=[proc])
-        time.sleep(10)  # a second sampling of it would finish its 8 s reward by now
-        assert proc.poll() is None, (tmp_path / "generator.log").read_text()[-3000:]
     finally:
-        code = stop(proc)
+        gate.touch()
+        # The first signal drains: a second sampling of the prompt, had it been started, is
+        # sampled, scored and written (or fails) before the generator exits.
+        code = stop(proc, timeout=120)
     assert code == 0, (tmp_path / "generator.log").read_text()[-3000:]
     assert [decode_group(f[PAYLOAD]).id for _, f in r.xrange(keys.samples)] == [task.id]

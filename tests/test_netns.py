@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.helpers import _start, stop, wait_for
+from tests.helpers import _start, skip_without_root, stop, wait_for
 
 RUN = "nn"
 PASSWORD, USER, USER_PASSWORD = "nn-default-pw", "rollouts-nn", "nn-acl-pw"
@@ -25,14 +25,15 @@ def sh(*argv: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def hosts():
-    """Two namespaces joined by a veth pair on a private /30: (name A, address A, name B)."""
+    """Two namespaces joined by a veth pair on a private /30: (name A, address A, name B); root
+    only (skipped otherwise, failed in CI: tests.helpers.skip_without_root)."""
     if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("network namespaces need root and iproute2's `ip`")
+        skip_without_root("network namespaces need root and iproute2's `ip`")
     tag = f"{os.getpid() % 10000}"
     a, b, net = f"rlA{tag}", f"rlB{tag}", f"10.231.{random.randrange(256)}"
     made = sh("ip", "netns", "add", a)
     if made.returncode != 0:
-        pytest.skip(f"cannot create a network namespace here: {made.stderr.strip()}")
+        skip_without_root(f"cannot create a network namespace here: {made.stderr.strip()}")
     try:
         for step in [("ip", "netns", "add", b),
                      ("ip", "link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}"),
@@ -43,7 +44,7 @@ def hosts():
                      ("ip", "-n", a, "link", "set", "lo", "up"), ("ip", "-n", b, "link", "set", "lo", "up")]:
             done = sh(*step)
             if done.returncode != 0:
-                pytest.skip(f"`{' '.join(step)}` failed here: {done.stderr.strip()}")
+                skip_without_root(f"`{' '.join(step)}` failed here: {done.stderr.strip()}")
         yield a, f"{net}.1", b
     finally:
         sh("ip", "netns", "del", a)  # takes the veth pair with it

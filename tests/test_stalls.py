@@ -20,7 +20,7 @@ from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import decode_group, encode
 from common.progress import read_trainer
 from common.streams import connect, latest_weights
-from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
+from tests.helpers import accounting, assert_accounted, skip_without_root, spawn, stop, wait_for
 from tests.test_engines import ask
 from tests.test_faults import KEYS, Pipeline, metrics, trained_once, write_config
 
@@ -31,13 +31,14 @@ def groups_held_by_trainer(r) -> int:
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 32 MiB tmpfs mounted at the run's checkpoint directory (root only; skipped otherwise)."""
+    """A 32 MiB tmpfs mounted at the run's checkpoint directory (root only: skipped otherwise,
+    failed in CI, tests.helpers.skip_without_root)."""
     where = tmp_path / "run" / "checkpoints"
     where.mkdir(parents=True)
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(where)], capture_output=True,
                           text=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill (needs root with CAP_SYS_ADMIN): {done.stderr.strip()}")
+        skip_without_root(f"cannot mount a small tmpfs to fill (needs root with CAP_SYS_ADMIN): {done.stderr.strip()}")
     try:
         yield where
     finally:

@@ -67,6 +67,25 @@ def test_what_waits_in_a_stream_is_counted_after_redis_replays_its_append_only_f
         server.wait(timeout=10)
 
 
+def test_a_process_started_before_redis_waits_for_it_and_says_so(tmp_path, capsys):
+    """README "GPUs": the trainer started beside `./ops/run ... &` may come up long before Redis
+    (./ops/run installs and prepares the model first); it waits, saying so once, then connects."""
+    import threading
+
+    port, servers = free_port(), []
+    late = threading.Timer(5.0, lambda: servers.append(start_redis(tmp_path, port)))
+    late.start()
+    try:
+        r = connect(f"redis://127.0.0.1:{port}/0", wait_s=60)
+        assert r.ping()
+        assert capsys.readouterr().err.count(f"waiting up to 60 s for Redis at redis://127.0.0.1:{port}/0") == 1
+    finally:
+        late.join()
+        for s in servers:
+            s.terminate()
+            s.wait(timeout=10)
+
+
 def test_weights_written_back_after_redis_lost_them_keep_the_stream_capped(r):
     """The trainer's one announcement of weights (common.streams.announce_weights) caps the
     weights stream, also where it writes its record back into a Redis that lost writes."""

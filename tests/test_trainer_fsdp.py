@@ -16,6 +16,7 @@ from common.messages import encode
 from tests.test_trainer import make_group
 
 ROOT = Path(__file__).resolve().parents[1]
+REL_GRAD_NORM = 1e-5  # largest relative difference of a step's gradient norm between world sizes
 
 
 def run(tmp_path: Path, run_name: str, redis_url: str, model_dir: Path, nproc: int, dtype: str = "float32",
@@ -39,6 +40,19 @@ def run(tmp_path: Path, run_name: str, redis_url: str, model_dir: Path, nproc: i
     return proc.stdout
 
 
+def assert_same_grad_norms(one: list[dict], two: list[dict]) -> None:
+    """The gradient norms (before clipping) the trainer logged at each step are those of one
+    process. The weights alone would not show a gradient scaled on some ranks: AdamW's update
+    does not change with the gradient's scale, and clipping hides it. Up to float32 summation
+    order: between 9e-8 and 3e-7 measured (2026-11-24, both tests, two steps each), against 0.5
+    for a gradient halved on world size 2."""
+    for a, b in zip(one, two, strict=True):
+        rel = abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"]
+        print(f"step {a['step']}: grad_norm {a['grad_norm']:.9g} (1 rank) {b['grad_norm']:.9g} (2 ranks), "
+              f"relative difference {rel:.3g}")
+        assert a["grad_norm"] > 0 and rel < REL_GRAD_NORM, (a["step"], a["grad_norm"], b["grad_norm"])
+
+
 def test_two_ranks_give_the_same_weights_as_one(tmp_path, redis_url, r, tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rng = random.Random(11)
@@ -59,6 +73,7 @@ def test_two_ranks_give_the_same_weights_as_one(tmp_path, redis_url, r, tiny_mod
     one_lines = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(one_lines, lines, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-6 and a["tokens/trained"] == b["tokens/trained"]
+    assert_same_grad_norms(one_lines, lines)
 
     # Same groups per step, losses normalised by the global token count: the same update, up to
     # float32 summation order (gradients summed across ranks in another order), amplified a
@@ -87,6 +102,7 @@ def test_two_ranks_sharing_prompts_give_the_weights_of_one_with_padded_rows(tmp_
                     for n in ("rows", "packed"))
     for a, b in zip(rows, packed, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-6 and a["tokens/trained"] == b["tokens/trained"]
+    assert_same_grad_norms(rows, packed)
     a = load_file(tmp_path / "rows" / "checkpoints" / "step_2" / "model.safetensors")
     b = load_file(tmp_path / "packed" / "checkpoints" / "step_2" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

@@ -21,7 +21,7 @@ from common.heartbeats import read_heartbeat
 from common.keys import PAYLOAD, Keys
 from common.messages import WeightVersion, encode
 from generators.weights import Checked, Watcher, check
-from tests.helpers import spawn, stop, wait_for
+from tests.helpers import skip_without_root, spawn, stop, wait_for
 from tests.test_generator import publish_weights
 from trainer.checkpoints import load_model, write_checkpoint
 
@@ -227,7 +227,7 @@ def test_a_disk_with_room_for_keep_checkpoints_takes_every_publish(tiny_model, t
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(disk)], capture_output=True,
                           text=True)
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs (needs root with CAP_SYS_ADMIN): {done.stderr.strip()}")
+        skip_without_root(f"cannot mount a small tmpfs (needs root with CAP_SYS_ADMIN): {done.stderr.strip()}")
     try:
         keys = Keys("prune")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -4,7 +4,7 @@ groups, publishing weights."""
 import argparse
 
 from common.config import Config, ConfigError
-from common.process import EXIT_CONFIG, Stop, run_process
+from common.process import EXIT_CONFIG, Stop, exit_at_once, run_process
 
 
 def main(config: Config, args: argparse.Namespace) -> None:
@@ -27,6 +27,7 @@ def main(config: Config, args: argparse.Namespace) -> None:
 
     try:
         run(config)
+        exit_at_once()  # stopped or done, everything saved
     except ModelError as err:  # no such model, or a model directory with pickled weights only
         raise Stop(str(err), EXIT_CONFIG) from None
     except PublishFailed as err:  # a full disk: nothing announced, the saved state resumable

@@ -49,7 +49,7 @@ from trainer.record import Record
 from trainer.repairs import between_reads, check_redis, note_going_back
 from trainer.run import Run, Update
 from trainer.samples import Collected, collect
-from trainer.shutdown import Shutdown
+from trainer.shutdown import Shutdown, stop_grace_s
 from trainer.stats import StepStats
 from trainer.step import GrpoOptions, sft_step, train_step
 from trainer.tracking import Tracker
@@ -81,7 +81,7 @@ def start(config: Config) -> tuple[Run, Shutdown]:
     state_root = Path(config.output_dir) / "trainer_state"  # DCP trainer state beside each checkpoint
     if rank == 0:
         remove_unfinished(config.checkpoint_dir)
-    shutdown = Shutdown()
+    shutdown = Shutdown(grace_s=stop_grace_s())
     r = connect(config.redis_url)
     ensure_group(r, keys.samples, TRAINER_GROUP)
     where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32,
@@ -132,6 +132,7 @@ def take_step(run: Run, shutdown: Shutdown) -> bool:
     staleness = [0 if run.sft else run.step - g.version for g in all_groups]  # sft data is never stale
 
     t_train = time.monotonic()
+    shutdown.step_started(run.step + 1)
     stats, lr = train(run, mine)
     train_s = time.monotonic() - t_train
     run.unacked_entries += [e for c in everyone for e in c.entry_ids]
@@ -143,6 +144,7 @@ def take_step(run: Run, shutdown: Shutdown) -> bool:
     max_steps = run.config.trainer.max_steps
     publish_if_due(run, last=any_rank(shutdown.requested) or (max_steps > 0 and run.step >= max_steps))
     publish_s = time.monotonic() - t_publish
+    shutdown.step_ended()
     if run.tracker is not None:
         metrics = step_record(run.r, run.keys, everyone, stats, step=run.step, version=run.version, lr=lr,
                               staleness=staleness, sft=run.sft, t_step=t_step, train_s=train_s, publish_s=publish_s)
