@@ -1,21 +1,33 @@
 """`python -m producers [--config FILE ...] [--section.field VALUE ...]`: admit prompts onto the run's
 prompts stream."""
 
-import argparse
+import sys
 
-from common.config import Config
-from common.process import Stop, run_process
+import redis
+
+from common.config import ConfigError, config_from_args
+from common.streams import lost_redis, no_permission, stop_while_starting
 
 
-def main(config: Config, args: argparse.Namespace) -> None:
+def main() -> None:
+    stop_while_starting("producer")
+    try:
+        config, _ = config_from_args("python -m producers", __doc__)
+    except ConfigError as err:
+        sys.exit(f"producer: {err}")
+
     from producers.data import DataError
     from producers.main import ProducerError, run
 
     try:
         run(config)
     except (ProducerError, DataError) as err:
-        raise Stop(str(err)) from None
+        sys.exit(f"producer: {err}")
+    except redis.exceptions.ConnectionError as err:
+        sys.exit(lost_redis("producer", config.redis_url, err))
+    except redis.exceptions.NoPermissionError as err:  # an ACL user without a command or key it needs
+        sys.exit(no_permission("producer", config.redis_url, err))
 
 
 if __name__ == "__main__":
-    run_process("producer", main, prog="python -m producers", doc=__doc__)
+    main()
