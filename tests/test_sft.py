@@ -108,19 +108,24 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     env = {"ROLLOUTS_CONFIG": str(cfg)}
     producer = spawn("producers", cwd=tmp_path, env=env, log=tmp_path / "producer.log")
     trainer = spawn("trainer", cwd=tmp_path, env=env, log=tmp_path / "trainer.log")
+    keys = Keys("sft")
+    written: dict[bytes, dict] = {}  # the samples stream's entries as they come: publishing trims them
+
+    def finished() -> bool:
+        written.update(r.xrange(keys.samples))
+        return trainer.poll() is not None
+
     try:
-        wait_for(lambda: trainer.poll() is not None, timeout=240, what="the sft trainer's 6 steps",
-                 procs=[producer])
+        wait_for(finished, timeout=240, what="the sft trainer's 6 steps", procs=[producer], poll=0.05)
     finally:
         stop(trainer)
         stop(producer)
     log = (tmp_path / "trainer.log").read_text()
     assert trainer.returncode == 0, log
-    keys = Keys("sft")
 
     # The producer wrote one-completion groups with an assistant-only mask to the samples
     # stream, skipped the conversation with no assistant turn, and cut the long ones to 56 tokens.
-    groups = [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
+    groups = [decode_group(f[PAYLOAD]) for f in written.values()]
     assert groups and all(len(g.completions) == 1 and g.version == 0 for g in groups)
     assert all(len(g.prompt_ids) + len(g.completions[0].ids) <= 56 for g in groups)
     progress = read_producer(r, keys)

@@ -89,6 +89,8 @@ dedup_window = {window}
     assert_accounted(acc)
     # Admission keeps at most (max_staleness + 1) steps of prompts ahead of the trainer, and the
     # producer trims acknowledged prompts every second; the trainer trims samples at every publish.
-    assert acc["prompt_entries"] > steps * per_step
+    # Every trained prompt was admitted, and admission ran at most (max_staleness + 1) steps ahead
+    # (the producer may be stopped before it admits past the last step: exactly as many is right).
+    assert steps * per_step <= acc["prompt_entries"] <= (steps + 2) * per_step, acc
     assert longest["prompts"] <= 30 and longest["samples"] <= 10, longest
     assert longest["trained"] <= (window + 1) * per_step, longest
