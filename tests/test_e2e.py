@@ -71,15 +71,19 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
 
         # Both generators sampled groups, and both load the new weights, even with nothing left to
         # sample (the run's last prompts may all go to one of them).
+        seen = {}  # the groups as they come: publishing trims the stream (empty at the end on a fast machine)
+
         def both_on_v2():
+            seen.update((g.id, g) for g in groups_in_stream(r, keys))
             beats = [read_heartbeat(r, keys, gid) for gid in ("g1", "g2")]
-            return all(b is not None and b.version >= 2 and b.groups > 0 for b in beats)
+            return all(b is not None and b.version >= 2 and b.groups > 0 for b in beats) \
+                and any(g.version >= 2 for g in seen.values())
         wait_for(both_on_v2, timeout=180, what="g1 and g2 heartbeats at version >= 2 with groups written",
-                 procs=[procs["g1"], procs["g2"]])
+                 procs=[procs["g1"], procs["g2"]], poll=0.05)
         # Each group is stamped with the version it was sampled with: a generator's versions only
         # go up, and the ones sampled after the trainer published version 2 say so.
         stamped: dict[str, list[int]] = {}
-        for g in groups_in_stream(r, keys):
+        for g in seen.values():  # in stream order: first seen first
             stamped.setdefault(g.generator, []).append(g.version)
         assert all(vs == sorted(vs) for vs in stamped.values()), stamped
         assert max(v for vs in stamped.values() for v in vs) >= 2, stamped

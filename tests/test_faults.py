@@ -191,6 +191,9 @@ def test_producer_sigkill_mid_run(tmp_path, redis_url, r, tiny_model):
     pipe.kill("producer")
     at_kill = accounting(r, KEYS)
     pipe.start("producer")
+    # started and taking work before the stop: one SIGTERMed while importing dies of it (-15)
+    wait_for(lambda: pipe.log("producer").read_text().count("resuming after") >= 2, timeout=120,
+             what="the restarted producer resuming", procs=[pipe.procs["producer"]])
     pipe.finish()
     after = accounting(r, KEYS)
     report("producer SIGKILL", at_kill, after)
