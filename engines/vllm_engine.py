@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from common.checkpoints import check_fits, tensor_shapes
+from common.config import GeneratorConfig
 from common.messages import PromptTask
 from engines.base import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
 
@@ -40,6 +41,15 @@ class VLLMEngine:
     """A vLLM `LLM` in this process, its tokenizer, and the weight version it holds."""
 
     name = "vllm"
+
+    @classmethod
+    def for_settings(cls, path: str | Path, *, settings: GeneratorConfig, dtype: str, seed: int,
+                     max_running: int) -> VLLMEngine:
+        """The engine a generator runs, its memory and parallelism as generator.* sets them."""
+        return cls(path, dtype=dtype, seed=seed, kv_cache_gib=settings.kv_cache_gib,
+                   gpu_memory_utilization=settings.gpu_memory_utilization, max_num_seqs=max_running,
+                   threads=settings.threads, tensor_parallel_size=settings.tensor_parallel_size,
+                   max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager)
 
     def __init__(self, path: str | Path, *, dtype: str = "float32", seed: int = 0, kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, threads: int = 0,
@@ -104,7 +114,7 @@ class VLLMEngine:
         """One scheduler iteration: a decode step of every running sequence (and prefill of new
         ones); the requests whose n completions are all done. No in-flight weight updates:
         `yield_when` must be None (generator.inflight_updates is refused at start-up)."""
-        assert yield_when is None, "in-flight weight updates need the hf engine (engines.choice.INFLIGHT_ENGINES)"
+        assert yield_when is None, "in-flight weight updates need the hf engine (common.config.ENGINES, inflight)"
         if not self._in_flight:
             return []
         done = []

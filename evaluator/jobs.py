@@ -23,7 +23,7 @@ from rq import get_current_job
 
 from common import rewards
 from common.checkpoints import verify_dir
-from common.config import SourceConfig
+from common.config import SourceConfig, source_config
 from common.evals import EvalRequest, EvalResult, read_request, record_eval
 from common.keys import Keys
 from common.messages import PromptTask
@@ -79,7 +79,7 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
     by_source: dict[str, dict[int, list[bool]]] = {}
     for spec_source in req.sources:
         stop_if_asked(req)
-        source = SourceConfig.model_validate(spec_source)
+        source = source_config(spec_source)
         problems = eval_prompts(source, count=req.prompts, seed=req.seed, holdout=req.holdout or None)
         if problems:
             by_source[source.name] = score_source(engine, source, problems, req)
@@ -104,10 +104,9 @@ def score_source(engine: HFEngine, source: SourceConfig, problems: list[Prompt],
 
     def hits(task: PromptTask, completions: list[list[int]]) -> list[bool]:
         texts = [(engine.decode(ids), ids) for ids in completions]
-        prompt = task.text if task.messages is None else task.messages[-1]["content"]
-        scored = rewards.score_group(funcs, prompt=prompt, messages=task.messages if conversational else None,
-                                     completions=texts, meta=task.meta,
-                                     state=rewards.TrainerState(global_step=req.version))
+        scored = rewards.score_group(funcs, prompt=rewards.prompt_text(task),
+                                     messages=task.messages if conversational else None, completions=texts,
+                                     meta=task.meta, state=rewards.TrainerState(global_step=req.version))
         return [error is None and reward >= req.pass_reward for reward, _, error in scored]
 
     greedy = in_chunks(lambda chunk: engine.greedy(chunk, max_new_tokens=req.max_new_tokens), prompts, req)

@@ -72,13 +72,13 @@ class Source:
         self._order: np.ndarray | None = None
         self._rows = None  # a streamed epoch's iterator, positioned at `offset`
         self._good_this_epoch = offset > 0  # a whole epoch without a prompt stops the run
-        if config.kind in ("dataset", "sft", "verifiers"):
+        if not config.synthetic:  # rows of a data set (or of a taskset's tasks)
             self.ds = load(config, field=field)
             check_columns(config, columns(self.ds), field=field)
             if not config.streaming:
                 self.size = len(self.ds)
                 if self.size == 0:
-                    raise DataError(f"{field}.path: {config.path!r} has no rows")
+                    raise DataError(f"{field}.path: {getattr(config, 'path', '')!r} has no rows")
                 assert offset < self.size, f"{field}: stored offset {offset} beyond {self.size} rows"
 
     def take(self) -> Prompt | Skipped:
@@ -93,7 +93,7 @@ class Source:
 
     def _take(self) -> Prompt | Skipped:
         c = self.config
-        if c.kind in ("arithmetic", "countdown"):
+        if c.synthetic:
             made = synthetic_prompt(c, seed=self.seed, index=self.offset, prompt_id=f"{self.name}:0:{self.offset}")
             self.offset += 1
             return made

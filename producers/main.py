@@ -13,7 +13,7 @@ import time
 
 import redis
 
-from common.config import Config
+from common.config import Config, SftSource
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import PromptTask, SampleGroup, encode
 from common.models import resolve_model_path
@@ -110,7 +110,7 @@ def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[fl
             pipe.xadd(keys.samples, {PAYLOAD: encode(made)})
             continue
         msg = PromptTask(id=made.id, messages=made.messages, text=made.text, meta=made.meta,
-                         n=n, admitted_at=version)
+                         n=n, admitted_at=version, source=source.name)
         pipe.xadd(keys.prompts, {PAYLOAD: encode(msg)})
     add_outstanding(pipe, keys, ids)
     write_admission(pipe, keys, positions={s.name: (s.epoch, s.offset) for s in sources}, admitted=count,
@@ -137,7 +137,7 @@ def run(config: Config) -> None:
     signal.signal(signal.SIGINT, on_signal)
 
     r = connect(config.redis_url)
-    sft = any(s.kind == "sft" for s in config.sources)  # then all are (DataConfig checks)
+    sft = any(isinstance(s, SftSource) for s in config.sources)  # then all are (DataConfig checks)
     tokenizer = None
     if sft:
         from transformers import AutoTokenizer
@@ -179,7 +179,8 @@ def run(config: Config) -> None:
         skipped = admit(r, keys, sources=sources, weights=weights, seed=seed, admitted=admitted,
                         count=count, n=config.rollout.group_size, version=version, tokenizer=tokenizer)
         for source, row in skipped:
-            print(f"producer: skipped row {row.id} of {source.config.path or source.name}: {row.reason}",
+            where = getattr(source.config, "path", "") or source.name
+            print(f"producer: skipped row {row.id} of {where}: {row.reason}",
                   file=sys.stderr, flush=True)
         admitted += count
         what = "conversations" if sft else "prompts"

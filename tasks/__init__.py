@@ -5,6 +5,13 @@
 - `gsm8k`: reading a final answer (GSM8K's "####", \\boxed{}, the last number) and its reward,
   for data sets of such problems.
 - `format`: whether a completion ends in a marked final answer (a reward to add to another).
+- `reverse`: reverse a word of random letters, and its reward.
+
+A synthetic task is one module here, found by its `Options` model (pydantic): its fields are the
+options of a `[[data.sources]]` table whose `kind` is the module's name (common.config makes that
+source variant), `make_prompt(options, *, seed, index) -> (user message, meta)` draws the
+`index`-th problem, and `reward` scores it as the source's built-in reward (tasks/reverse.py is the
+smallest).
 
 The producer draws problems from them, the generators score with their rewards (named in the
 config as "tasks.arithmetic:reward"), and the evaluator does both. A reward function takes the

@@ -5,9 +5,20 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
 
 INSTRUCTION = "Answer with just the number."
+
+
+class Options(BaseModel):
+    """`kind = "arithmetic"`: "What is 8 + 9?" problems drawn from the run's seed."""
+
+    # operands are drawn from [0, max_operand].
+    max_operand: int = Field(20, ge=1)
+    # operators to draw from.
+    ops: list[Literal["+", "-", "*"]] = Field(["+", "-"], min_length=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +34,12 @@ def problem(*, seed: int, index: int, max_operand: int, ops: list[str]) -> Probl
     op = rng.choice(ops)
     answer = {"+": a + b, "-": a - b, "*": a * b}[op]
     return Problem(question=f"What is {a} {op} {b}? {INSTRUCTION}", answer=answer)
+
+
+def make_prompt(options: Any, *, seed: int, index: int) -> tuple[str, dict[str, Any]]:
+    """The user message of a source's `index`-th problem, and the meta its reward reads."""
+    p = problem(seed=seed, index=index, max_operand=options.max_operand, ops=options.ops)
+    return p.question, {"answer": p.answer}
 
 
 def dataset(*, size: int, seed: int = 0, max_operand: int = 20, ops: list[str] | None = None):

@@ -12,8 +12,19 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 INSTRUCTION = ("Use + - * / and parentheses, each number at most once. "
                "Answer with just the expression, e.g. (3 + 5) * 2.")
+
+
+class Options(BaseModel):
+    """`kind = "countdown"`: reach a target from given numbers, drawn from the run's seed."""
+
+    # numbers given per problem, each drawn from [1, max_number].
+    numbers: int = Field(4, ge=2, le=6)
+    # the largest number given.
+    max_number: int = Field(25, ge=2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +52,12 @@ def problem(*, seed: int, index: int, numbers: int, max_number: int) -> Problem:
             target = int(value)
             question = f"Using the numbers {nums}, make {target}. {INSTRUCTION}"
             return Problem(question=question, numbers=nums, target=target, solution=expr[1:-1])
+
+
+def make_prompt(options: Any, *, seed: int, index: int) -> tuple[str, dict[str, Any]]:
+    """The user message of a source's `index`-th problem, and the meta its reward reads."""
+    p = problem(seed=seed, index=index, numbers=options.numbers, max_number=options.max_number)
+    return p.question, {"numbers": p.numbers, "target": p.target}
 
 
 def dataset(*, size: int, seed: int = 0, numbers: int = 4, max_number: int = 25):

@@ -2,18 +2,20 @@
 (messages or text, and the meta its reward reads). The producer draws training prompts with it,
 the evaluator held-out and evaluation problems, so both read a row the same way.
 
-A `source` here is a `common.config.SourceConfig` (not imported: tasks stand alone).
+A `source` here is one of common.config's source variants (not imported: tasks stand alone); a
+field its kind does not have reads as unset.
 """
 
 from __future__ import annotations
 
+import importlib
 import string
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks import arithmetic, countdown, gsm8k
+from tasks import gsm8k
 
 # File extension -> `datasets` builder name.
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -73,7 +75,7 @@ def load(source: Any, *, field: str):
     import datasets
 
     datasets.disable_progress_bars()
-    if source.kind == "verifiers":
+    if getattr(source, "taskset", ""):  # a verifiers source: the taskset's tasks are its rows
         from tasks import verifiers_tasksets
 
         try:
@@ -122,14 +124,17 @@ def columns(ds) -> list[str]:
 
 def check_columns(source: Any, have: list[str], *, field: str) -> None:
     """Fail naming the field when the config names a column the data set does not have."""
-    wanted = [("prompt_column", source.prompt_column), ("messages_column", source.messages_column),
-              ("answer_column", source.answer_column)]
-    wanted += [(f"meta_columns.{i}", c) for i, c in enumerate(source.meta_columns)]
-    wanted += [("template", name) for _, name, _, _ in string.Formatter().parse(source.template)
+    def named(field: str) -> Any:  # what the source names; a kind without the field names nothing
+        return getattr(source, field, "")
+
+    wanted = [("prompt_column", named("prompt_column")), ("messages_column", named("messages_column")),
+              ("answer_column", named("answer_column"))]
+    wanted += [(f"meta_columns.{i}", c) for i, c in enumerate(named("meta_columns"))]
+    wanted += [("template", name) for _, name, _, _ in string.Formatter().parse(named("template"))
                if name is not None]
     for name, column in wanted:
         if column and column not in have:
-            raise DataError(f"{field}.{name}: column {column!r} is not in {source.path!r}; "
+            raise DataError(f"{field}.{name}: column {column!r} is not in {named('path')!r}; "
                             f"its columns are {have}")
 
 
@@ -173,7 +178,7 @@ def row_messages(row: dict[str, Any], *, source: Any) -> list[dict[str, str]]:
 def row_user_text(row: dict[str, Any], *, source: Any) -> str:
     """The user message a row makes through the source's `template` or `prompt_column`; ValueError
     if it makes none."""
-    if source.template:
+    if getattr(source, "template", ""):
         for _, name, _, _ in string.Formatter().parse(source.template):
             if name is not None and (row.get(name) is None or row.get(name) == ""):
                 raise ValueError(f"column {name!r} is empty")
@@ -190,21 +195,21 @@ def row_user_text(row: dict[str, Any], *, source: Any) -> str:
 def row_prompt(row: dict[str, Any], *, source: Any, prompt_id: str) -> Prompt:
     """The prompt a data set row makes; ValueError naming what is wrong if it makes none."""
     meta: dict[str, Any] = {"source": source.name}
-    if source.messages_column:
+    if source.messages_column:  # a verifiers source's rows are chat prompts too
         messages = row_messages(row, source=source)
     else:
         messages = [{"role": "user", "content": row_user_text(row, source=source)}]
         if source.system_prompt:
             messages = [{"role": "system", "content": source.system_prompt}, *messages]
-    if source.answer_column:
+    if getattr(source, "answer_column", ""):
         meta["answer"] = extract_answer(row.get(source.answer_column), extractor=source.answer_extractor)
-    for c in source.meta_columns:
+    for c in getattr(source, "meta_columns", ()):
         meta[c] = row.get(c)
-    if source.kind == "verifiers":  # which task of which taskset: its reward scores against it
+    if getattr(source, "taskset", ""):  # which task of which taskset: its reward scores against it
         from tasks.verifiers_tasksets import META_COLUMNS
 
         meta.update({c: row[c] for c in META_COLUMNS})
-    if source.chat:
+    if getattr(source, "chat", True):  # an sft source: conversations stay chat
         return Prompt(id=prompt_id, messages=messages, text=None, meta=meta)
     return Prompt(id=prompt_id, messages=None, text="\n\n".join(m["content"] for m in messages), meta=meta)
 
@@ -215,15 +220,11 @@ def row_prompt(row: dict[str, Any], *, source: Any, prompt_id: str) -> Prompt:
 
 
 def synthetic_prompt(source: Any, *, seed: int, index: int, prompt_id: str) -> Prompt:
-    """The `index`-th problem of an arithmetic or countdown source, drawn from `seed`."""
-    if source.kind == "arithmetic":
-        p = arithmetic.problem(seed=seed, index=index, max_operand=source.max_operand, ops=source.ops)
-        meta = {"answer": p.answer, "source": source.name}
-    else:
-        assert source.kind == "countdown", f"source {source.name!r}: {source.kind!r} is not synthetic"
-        p = countdown.problem(seed=seed, index=index, numbers=source.numbers, max_number=source.max_number)
-        meta = {"numbers": p.numbers, "target": p.target, "source": source.name}
-    return Prompt(id=prompt_id, messages=[{"role": "user", "content": p.question}], text=None, meta=meta)
+    """The `index`-th problem of a synthetic task's source, drawn from `seed` by the task's module
+    (tasks/<kind>.py: `make_prompt`)."""
+    question, meta = importlib.import_module(f"tasks.{source.kind}").make_prompt(source, seed=seed, index=index)
+    return Prompt(id=prompt_id, messages=[{"role": "user", "content": question}], text=None,
+                  meta={**meta, "source": source.name})
 
 
 # ---------------------------------------------------------------------- the held-out split
@@ -242,7 +243,7 @@ def eval_prompts(source: Any, *, count: int, seed: int, holdout: float | None) -
     source (a test split), its first rows (synthetic: drawn from `seed`); a fraction: only problems
     in the held-out split the producer never trains on."""
     out: dict[str, Prompt] = {}  # distinct by what the model is shown
-    if source.kind in ("arithmetic", "countdown"):
+    if source.synthetic:
         tries = count if holdout is None else int(count * 200 / max(holdout, 1e-3))
         candidates = (synthetic_prompt(source, seed=seed, index=i, prompt_id=f"eval:{source.name}:{i}")
                       for i in range(tries))

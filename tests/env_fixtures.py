@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -86,3 +87,23 @@ class HangOnce:
         os.close(fd)
         time.sleep(3600)
         return Step(state=state, done=True)
+
+
+class FirstStartFails:
+    """The first episode of a prompt to start finds no environment (start raises: a reward error);
+    the others end at their first turn with reward 1. meta["flag"] names a file: the start that
+    creates it raises."""
+
+    system = None
+
+    @staticmethod
+    def start(meta: dict[str, Any]) -> int:
+        try:
+            os.close(os.open(meta["flag"], os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return 0
+        raise RuntimeError("no environment for the first episode")
+
+    @staticmethod
+    def step(state: int, text: str) -> Step:
+        return Step(state=state, done=True, reward=1.0, rewards={"done": 1.0})

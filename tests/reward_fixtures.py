@@ -144,3 +144,8 @@ def stuck(completions, **kwargs):
 def always(completions, **kwargs):
     """Every completion passes (a TRL function)."""
     return [1.0] * len(completions)
+
+
+def asked_two_plus_two(*, prompt: str, **_) -> float:
+    """1.0 when the reward is shown "What is 2 + 2?" as the prompt (the last user message)."""
+    return 1.0 if prompt == "What is 2 + 2?" else 0.0

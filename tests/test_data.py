@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from datasets import Dataset, DatasetDict
 
-from common.config import ConfigError, SourceConfig, config_from_dict
+from common.config import ConfigError, DatasetSource, config_from_dict, source_config
 from common.keys import PAYLOAD, Keys
 from common.messages import decode_prompt
 from common.progress import read_producer, write_step
@@ -22,8 +22,8 @@ QUESTIONS = Dataset.from_dict({"question": [f"What is {i} + {i}?" for i in range
                                "answer": [2 * i for i in range(6)]})
 
 
-def dataset_source(path, **fields) -> SourceConfig:
-    return SourceConfig(**{"name": "qa", "kind": "dataset", "path": str(path), "prompt_column": "question",
+def dataset_source(path, **fields) -> DatasetSource:
+    return source_config(**{"name": "qa", "kind": "dataset", "path": str(path), "prompt_column": "question",
                            "answer_column": "answer", **fields})
 
 
@@ -67,7 +67,7 @@ def test_gsm8k_style_jsonl_extracts_the_final_answer_and_applies_the_template(tm
     rows = [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},
             {"question": "A car costs $1,200 and a bike $34. Together?", "answer": "1200+34\n#### 1,234"}]
     path = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
-    config = SourceConfig(name="gsm8k", path=str(path), template="{question}\nAnswer with just the number.",
+    config = source_config(name="gsm8k", path=str(path), template="{question}\nAnswer with just the number.",
                           answer_column="answer", answer_extractor="gsm8k", system_prompt="Be brief.",
                           shuffle=False)
     first, second = take(Source(config, seed=0, field="data.sources.0"), 2)
@@ -80,7 +80,7 @@ def test_gsm8k_style_jsonl_extracts_the_final_answer_and_applies_the_template(tm
 def test_messages_column_and_plain_text_prompts(tmp_path):
     rows = [{"messages": [{"role": "user", "content": "Hi?"}], "label": "hello"}]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
-    chat = Source(SourceConfig(name="c", path=str(path), messages_column="messages", answer_column="label",
+    chat = Source(source_config(name="c", path=str(path), messages_column="messages", answer_column="label",
                                system_prompt="S."), seed=0, field="f").take()
     assert chat.messages == [{"role": "system", "content": "S."}, {"role": "user", "content": "Hi?"}]
     text = Source(dataset_source(write_jsonl(tmp_path / "q.jsonl", [{"question": "Q?", "answer": 1}]),
@@ -131,6 +131,19 @@ prompt_column = "prompt"
     assert "data.sources.0.prompt_column" in log and "['question', 'answer']" in log, log
 
 
+def test_a_source_takes_only_the_fields_of_its_kind():
+    with pytest.raises(ConfigError, match=r"data\.sources\.0\.path: unknown field for kind 'countdown'"):
+        config_from_dict({"data": {"sources": [{"name": "a", "kind": "countdown", "path": "x.jsonl"}]}})
+    with pytest.raises(ConfigError, match=r"data\.sources\.1\.max_length: unknown field for kind 'dataset'"):
+        config_from_dict({"data": {"sources": [{"name": "a", "kind": "arithmetic"},
+                                               {"name": "b", "path": "x.jsonl", "prompt_column": "q",
+                                                "max_length": 9}]}})
+    with pytest.raises(ConfigError, match=r"data\.sources\.0\.kind: unknown kind 'nope'; expected one of .*'reverse'"):
+        config_from_dict({"data": {"sources": [{"name": "a", "kind": "nope"}]}})
+    config = config_from_dict({"data": {"sources": [{"name": "a", "path": "x.jsonl", "prompt_column": "q"}]}})
+    assert config.sources[0].kind == "dataset"  # a table that names no kind is a data set
+
+
 def test_source_config_errors_name_the_dotted_field():
     with pytest.raises(ConfigError, match=r"data\.sources\.0\.path"):
         config_from_dict({"data": {"sources": [{"name": "a", "prompt_column": "q"}]}})
@@ -176,8 +189,8 @@ def test_bad_rows_are_skipped_counted_and_named(tmp_path, r):
 
 def test_a_two_source_mixture_is_admitted_in_its_configured_proportion(r):
     keys = Keys("mix")
-    configs = [SourceConfig(name="arith", kind="arithmetic", weight=3.0),
-               SourceConfig(name="count", kind="countdown", weight=1.0)]
+    configs = [source_config(name="arith", kind="arithmetic", weight=3.0),
+               source_config(name="count", kind="countdown", weight=1.0)]
     sources = [Source(c, seed=0, field="f") for c in configs]
     load_positions(r, keys, seed=0, names=["arith", "count"])
     for admitted in range(0, 2000, 64):
@@ -274,7 +287,7 @@ def test_builtin_tasks_ship_as_dataset_builders(tmp_path):
     ar = arithmetic.dataset(size=5, ops=["*"])
     assert ar[0]["answer"] == arithmetic.problem(seed=0, index=0, max_operand=20, ops=["*"]).answer
     ds.to_json(tmp_path / "cd.jsonl", lines=True)
-    config = SourceConfig(name="cd", path=str(tmp_path / "cd.jsonl"), prompt_column="question",
+    config = source_config(name="cd", path=str(tmp_path / "cd.jsonl"), prompt_column="question",
                           meta_columns=["numbers", "target"], reward="tasks.countdown:reward")
     prompt = Source(config, seed=0, field="f").take()
     assert set(prompt.meta) == {"source", "numbers", "target"}

@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.heartbeats import read_heartbeat
+from common.heartbeats import read_counters, read_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import PromptTask, SampleGroup, decode_group, encode
+from common.progress import add_outstanding
 from envs import guess
 from tests.helpers import spawn, stop, wait_for
 from tests.test_engines import need
@@ -127,6 +128,43 @@ kind = "arithmetic"
     assert all(c.loss_mask is None for c in plain.completions)  # single completions as before
     assert "environment error (6 in group faulty:0:0): the environment did not answer" in log.read_text()
     check_trained_ids_are_sampled([hang, boom], tiny_model)
+
+
+def test_dynamic_sampling_judges_episodes_by_the_rewards_the_trainer_learns_from(tiny_model, tmp_path, redis_url, r):
+    # In each group one episode finds no environment (a reward error: the trainer leaves it out of the
+    # group's statistics) and the other scores 1.0: one scored reward, nothing to learn; dropped.
+    keys = Keys("epds")
+    (tmp_path / "run.toml").write_text(f"""
+run = "epds"
+redis_url = "{redis_url}"
+[model]
+path = "{tiny_model}"
+[rollout]
+max_new_tokens = 4
+[generator]
+engine = "hf"
+threads = 1
+drop_zero_variance = true
+[[data.sources]]
+name = "flaky"
+kind = "arithmetic"
+environment = "tests.env_fixtures:FirstStartFails"
+""")
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    tasks = [prompt(f"flaky:0:{i}", {"source": "flaky", "flag": str(tmp_path / f"flag{i}")}) for i in range(2)]
+    add_outstanding(r, keys, [t.id for t in tasks])  # as the producer admits them
+    for task in tasks:
+        r.xadd(keys.prompts, {PAYLOAD: encode(task)})
+    log = tmp_path / "generator.log"
+    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(tmp_path / "run.toml")},
+                 log=log)
+    try:
+        wait_for(lambda: read_counters(r, keys).groups_dropped_zero_variance + r.xlen(keys.samples) == 2,
+                 timeout=120, what="2 groups written or dropped", procs=[proc])
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    assert r.xlen(keys.samples) == 0, [decode_group(f[PAYLOAD]).completions for _, f in r.xrange(keys.samples)]
+    assert read_counters(r, keys).groups_dropped_zero_variance == 2
 
 
 def test_pipeline_trains_on_calculator_and_guessing_episodes(tmp_path, redis_url, r, tiny_model):

@@ -10,7 +10,7 @@ from rq.registry import FailedJobRegistry
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checkpoints import checksum_dir
-from common.config import SourceConfig, config_from_dict
+from common.config import config_from_dict, source_config
 from common.evals import enqueue_eval, eval_queue, read_request
 from common.keys import Keys
 from common.messages import WeightVersion
@@ -82,7 +82,7 @@ def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(tmp_path, redis_ur
     [result] = read_metrics_stream(r, Keys(RUN))
     assert result["kind"] == "eval" and result["version"] == 3 and result["eval/prompts"] == 4
     req = read_request(job.kwargs["spec"])
-    assert [SourceConfig(**d) for d in req.sources] == [source] and req.prompts == len(problems)
+    assert [source_config(**d) for d in req.sources] == [source] and req.prompts == len(problems)
     # pass@1 as a user would work it out: the model's greedy answer to each held-out problem, by
     # transformers' own generate, against the problem's answer
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
@@ -216,3 +216,20 @@ def test_gsm8k_test_split_and_a_trl_reward_per_source_from_local_files(tmp_path,
     assert result["eval/gsm8k/pass@1"] == result["eval/gsm8k/pass@2"] == 2 / 3
     assert result["eval/easy/pass@1"] == result["eval/easy/pass@2"] == 1.0
     assert result["eval/pass@1"] == result["eval/pass@2"] == 5 / 6
+
+
+def test_the_evaluators_reward_is_shown_the_last_user_message_as_the_generators_is(tmp_path, redis_url, r,
+                                                                                  tiny_model):
+    # A chat prompt that ends with the start of the assistant's answer: the reward's `prompt` is the
+    # question (the last user message), in the evaluator as in the generator (common.rewards.prompt_text).
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "What is 2 + 2?"},
+                                             {"role": "assistant", "content": "It is"}]}) + "\n")
+    source = {"name": "chat", "path": str(data), "messages_column": "messages",
+              "reward": "tests.reward_fixtures:asked_two_plus_two"}
+    wv = WeightVersion(version=1, step=1, path=str(tiny_model), format="safetensors",
+                       checksums=checksum_dir(tiny_model), created_at=0.0)
+    enqueue_eval(r, config(redis_url, prompts=1, sources=[source]), wv)
+    assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
+    [result] = read_metrics_stream(r, Keys(RUN))
+    assert result["eval/prompts"] == 1 and result["eval/pass@1"] == 1.0, result

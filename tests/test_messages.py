@@ -85,6 +85,21 @@ def test_oversized_payload_is_refused_before_unpacking():
         decode_group(encode(group()), max_bytes=16)
 
 
+def test_a_prompts_source_is_a_field_that_travels_where_it_always_did():
+    ask = dict(id="calc:0:1", messages=[{"role": "user", "content": "2 + 2?"}], text=None, n=2, admitted_at=0)
+    typed = PromptTask(**ask, meta={"answer": 4}, source="calc")
+    assert typed.meta == {"answer": 4, "source": "calc"}  # what the reward reads, as before
+    assert decode_prompt(encode(typed)) == typed and decode_prompt(encode(typed)).source == "calc"
+    # the bytes of an entry whose meta named its source before the field existed, both ways
+    old = msgpack.packb({"v": 1, "t": "prompt", "id": "calc:0:1", "messages": ask["messages"], "text": None,
+                         "meta": {"answer": 4, "source": "calc"}, "n": 2, "admitted_at": 0}, use_bin_type=True)
+    assert encode(typed) == old and decode_prompt(old) == typed
+    # an entry naming no source still decodes: its source is None
+    plain = msgpack.packb({"v": 1, "t": "prompt", "id": "x", "messages": None, "text": "hi", "meta": {"answer": 1},
+                           "n": 1, "admitted_at": 0}, use_bin_type=True)
+    assert decode_prompt(plain).source is None and decode_prompt(plain).meta == {"answer": 1}
+
+
 def test_prompt_needs_exactly_one_of_messages_and_text():
     both = PromptTask(id="a", messages=[{"role": "user", "content": "x"}], text="x", meta={}, n=2, admitted_at=0)
     with pytest.raises(MessageError, match="exactly one"):

@@ -72,10 +72,10 @@ def test_an_uncached_hub_id_gives_one_clear_line(tmp_path):
 
 LOAD_DATA = """
 import sys
-from common.config import SourceConfig
+from common.config import source_config
 from producers.data import DataError, load
 try:
-    load(SourceConfig(name="gsm8k", path="openai/gsm8k", subset="main", prompt_column="question"),
+    load(source_config(name="gsm8k", path="openai/gsm8k", subset="main", prompt_column="question"),
          field="data.sources[0]")
 except DataError as err:
     sys.exit(str(err))

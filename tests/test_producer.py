@@ -69,7 +69,7 @@ def test_the_evaluators_problems_are_the_runs_held_out_split(r):
     """README: pass@1 "on 32 held-out problems (the eval.holdout share of the task's problems ...
     that the producer never admits for training)": the evaluator is asked for the run's own
     sources, on their held-out split (tests/test_evaluator.py checks the producer skips it)."""
-    from common.config import SourceConfig, load_config
+    from common.config import load_config, source_config
     from common.evals import enqueue_eval, read_request
     from common.messages import WeightVersion
     from tasks.rows import eval_prompts, held_out
@@ -80,7 +80,7 @@ def test_the_evaluators_problems_are_the_runs_held_out_split(r):
                        checksums={}, created_at=0.0)
     req = read_request(enqueue_eval(r, cfg, wv).kwargs["spec"])  # what the evaluator is asked
     assert req.prompts == 32 and req.holdout == cfg.eval.holdout > 0
-    sources = [SourceConfig(**d) for d in req.sources]
+    sources = [source_config(**d) for d in req.sources]
     assert sources == list(cfg.sources)  # the run's own task, not a fixed one
     problems = eval_prompts(sources[0], count=req.prompts, seed=req.seed, holdout=req.holdout)
     assert len(problems) == 32 and all(held_out(p, req.holdout) for p in problems)

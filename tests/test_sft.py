@@ -184,14 +184,14 @@ def test_the_sft_config_loads():
 
 
 def test_an_sft_source_without_a_trainable_conversation_stops_the_producer(tmp_path, r, tiny_model):
-    from common.config import SourceConfig
+    from common.config import source_config
     from producers.data import DataError, Source
     from producers.main import admit
 
     data = tmp_path / "bad.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
                             for i in range(3)))
-    source = Source(SourceConfig(name="chat", kind="sft", path=str(data)), seed=0, field="data.sources.0")
+    source = Source(source_config(name="chat", kind="sft", path=str(data)), seed=0, field="data.sources.0")
     with pytest.raises(DataError, match="no row makes a trainable conversation"):
         admit(r, Keys("bad"), sources=[source], weights=[1.0], seed=0, admitted=0, count=1, n=1, version=0,
               tokenizer=AutoTokenizer.from_pretrained(tiny_model))

@@ -16,8 +16,7 @@ import pytest
 from common.config import ConfigError, config_from_dict
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import Completion, PromptTask, SampleGroup, decode_group, encode
-from common.rewards import TrainerState
-from generators.main import prompt_text
+from common.rewards import TrainerState, prompt_text
 from generators.scoring import RewardRunner, Scored, conversational_sources, reward_names
 from tasks import rows
 from tests import reward_fixtures

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from common.config import ConfigError, SourceConfig, config_from_dict
+from common.config import ConfigError, VerifiersSource, config_from_dict, source_config
 from common.keys import PAYLOAD, Keys
 from common.messages import decode_group
 from generators.scoring import RewardRunner, Scored, reward_names
@@ -20,8 +20,8 @@ from tests.helpers import spawn, stop, wait_for
 FIX = "tests.vf_fixtures"
 
 
-def echo_source(**extra) -> SourceConfig:
-    return SourceConfig(name="echo", kind="verifiers", taskset=f"{FIX}:EchoTaskset", **extra)
+def echo_source(**extra) -> VerifiersSource:
+    return source_config(name="echo", kind="verifiers", taskset=f"{FIX}:EchoTaskset", **extra)
 
 
 def verifiers_own_reward(index: int, reply: str, num_tasks: int = 6) -> float:
@@ -77,7 +77,7 @@ def test_the_reward_is_the_tasks_hooks_weighted_as_verifiers_weighs_them(workers
 
 
 def test_the_built_in_arithmetic_taskset_scores_as_the_arithmetic_task():
-    source = Source(SourceConfig(name="vf", kind="verifiers", taskset="tasks.vf_arithmetic",
+    source = Source(source_config(name="vf", kind="verifiers", taskset="tasks.vf_arithmetic",
                                  taskset_args={"num_tasks": 20, "max_operand": 9}), seed=0, field="data.sources.0")
     from tasks import arithmetic
 
@@ -105,7 +105,7 @@ def test_what_cannot_score_here_is_refused_by_name():
     for taskset, said in cases.items():
         named = re.escape(f"data.sources.0.taskset: {taskset!r} ") + ".*" + re.escape(said)
         with pytest.raises(DataError, match=named):
-            Source(SourceConfig(name="x", kind="verifiers", taskset=taskset), seed=0, field="data.sources.0")
+            Source(source_config(name="x", kind="verifiers", taskset=taskset), seed=0, field="data.sources.0")
     with pytest.raises(DataError, match=r"data\.sources\.0\.taskset_args: not a valid EchoConfig.*num_tasks: "):
         Source(echo_source(taskset_args={"num_tasks": "many"}), seed=0, field="data.sources.0")
 

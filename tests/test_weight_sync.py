@@ -183,7 +183,8 @@ def test_a_checkpoint_removed_between_its_check_and_its_load_is_refused_and_the_
 
     import engines.hf_engine
     from engines.choice import open_engine
-    from generators.main import State, load_weights
+    from generators.engine_loop import load_weights
+    from generators.state import State
 
     path, sums = write_checkpoint(trained(tiny_model, seed=5), checkpoint_dir=tmp_path, step=1, source_dir=tiny_model)
     wv = WeightVersion(version=1, step=1, path=str(path), format="safetensors", checksums=sums, created_at=0.0)
@@ -279,7 +280,8 @@ def test_a_lower_version_announced_later_is_loaded_once_nothing_is_in_flight(tin
     import concurrent.futures
 
     from engines.choice import open_engine
-    from generators.main import State, load_weights
+    from generators.engine_loop import load_weights
+    from generators.state import State
 
     def version(seed: int, step: int, created_at: float) -> tuple[bytes, torch.nn.Module]:
         model = trained(tiny_model, seed=seed)

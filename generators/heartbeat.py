@@ -1,0 +1,64 @@
+"""Beside the pipeline: the heartbeat (the hash `rollouts status` reads, leases renewed, held prompts
+touched) and the signals (the first stops the intake, the second everything)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import trio
+
+from common.heartbeats import Heartbeat, write_heartbeat
+from engines.base import Engine
+from engines.choice import engine_kind
+from generators import devices
+from generators.prompts import touch_held
+from generators.state import Generator, State
+
+
+async def heartbeats(g: Generator, state: State) -> None:
+    """Write the heartbeat hash and renew the GPU lease every few seconds (at once on news), and
+    keep the held prompts from looking idle to the other generators."""
+    touched = time.monotonic()
+    while True:
+        if time.monotonic() - touched > g.settings.claim_idle_s / 3:
+            touched = time.monotonic()
+            await trio.to_thread.run_sync(lambda held=list(state.held): touch_held(
+                g.r, stream=g.keys.prompts, consumer=g.id, held=held))
+        beat = heartbeat(state, g.engine)
+        await trio.to_thread.run_sync(lambda b=beat: write_heartbeat(
+            g.r, g.keys, g.id, b, ttl_s=g.settings.heartbeat_ttl_s))
+        if engine_kind(g.settings.engine).server:
+            await trio.to_thread.run_sync(lambda: devices.renew_server(
+                g.r, g.keys, url=g.settings.server_url, owner=g.id, ttl_s=g.settings.heartbeat_ttl_s))
+        if g.gpu is not None:
+            await trio.to_thread.run_sync(lambda: devices.renew_gpu(
+                g.r, g.keys, host=g.host, device=g.gpu, owner=g.id, ttl_s=g.settings.heartbeat_ttl_s))
+        with trio.move_on_after(min(5.0, g.settings.heartbeat_ttl_s / 3, g.settings.claim_idle_s / 3)):
+            await state.news.wait()
+        state.news = trio.Event()
+
+
+def heartbeat(state: State, engine: Engine) -> Heartbeat:
+    """What the heartbeat says of this generator now (`rollouts status` shows it)."""
+    return Heartbeat(engine=engine.name, version=engine.version, tokens_per_s=state.tokens_per_s(),
+                     in_flight=len(state.held), groups=state.groups, reward_errors=state.reward_errors,
+                     dropped_zero_variance=state.dropped_zero_variance, weights_refused=state.weights_refused,
+                     last_refusal=state.last_refusal, env_errors=state.env_errors, engine_errors=state.engine_errors)
+
+
+async def signals(g: Generator, state: State, everything: trio.CancelScope) -> None:
+    """The first SIGTERM/SIGINT stops the intake (what is held is finished); the second cancels
+    `everything` and sets the exit code."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+        async for signum in received:
+            if state.stopping:
+                print(f"{g.name}: second signal, exiting now", file=sys.stderr, flush=True)
+                state.exit_code = 128 + signum
+                everything.cancel()
+                return
+            state.stopping = True
+            g.intake_scope.cancel()
+            print(f"{g.name}: finishing the {len(state.held)} prompts it holds (signal again to exit now)",
+                  file=sys.stderr, flush=True)
