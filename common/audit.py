@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import redis
 
+from common.deadletters import count_dead_letters
 from common.heartbeats import read_counters
 from common.keys import GENERATORS_GROUP, TRAINER_GROUP, Keys
 from common.progress import count_outstanding, read_dropped, read_producer, read_trainer
@@ -33,7 +34,7 @@ def accounting(r: redis.Redis, keys: Keys) -> dict[str, int]:
         "trained": t.groups_trained,
         "dropped_stale": t.groups_dropped_stale,
         "dead_groups": t.groups_dead,
-        "dead_prompts": r.xlen(keys.prompts_dead),
+        "dead_prompts": count_dead_letters(r, keys.prompts_dead),
         "dropped_zero_variance": read_counters(r, keys).groups_dropped_zero_variance,
         "duplicate": t.groups_duplicate,
         "prompts_waiting": prompts_waiting, "prompts_pending": prompts_pending,

@@ -55,6 +55,7 @@ def _generator_lines(r, keys, now: float) -> list[str]:
 
 def status_lines(r, run: str) -> list[str]:
     """What `rollouts status` prints: the run's state as Redis holds it."""
+    from common.deadletters import count_dead_letters
     from common.evals import read_evals
     from common.keys import GENERATORS_GROUP, TRAINER_GROUP, Keys
     from common.metrics import latest_step, status_line
@@ -70,9 +71,10 @@ def status_lines(r, run: str) -> list[str]:
         f"run {run}",
         f"producer   admitted {producer.admitted}  skipped rows {producer.rows_skipped}  "
         + "  ".join(f"{name} at {p.epoch}:{p.offset}" for name, p in producer.sources.items()),
-        f"prompts    waiting {prompts_waiting}  in flight {prompts_pending}  dead {r.xlen(keys.prompts_dead)}",
+        f"prompts    waiting {prompts_waiting}  in flight {prompts_pending}  "
+        f"dead {count_dead_letters(r, keys.prompts_dead)}",
         f"samples    stream {r.xlen(keys.samples)}  waiting {samples_waiting}  unacknowledged {samples_pending}  "
-        f"dead {r.xlen(keys.samples_dead)}",
+        f"dead {count_dead_letters(r, keys.samples_dead)}",
         _trainer_line(read_trainer(r, keys), read_status(r, keys), now),
     ]
     last = latest_step(r, keys)

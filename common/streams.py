@@ -1,4 +1,5 @@
-"""Redis plumbing every process shares: connecting, consumer groups, dead letters, versions."""
+"""Redis plumbing every process shares: connecting, consumer groups, weight versions (dead letters:
+common/deadletters.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from common.keys import PAYLOAD, Keys
-from common.messages import WeightVersion, decode_weights
+from common.keys import PAYLOAD, WEIGHTS_MAXLEN, Keys
+from common.messages import WeightVersion, decode_weights, encode
 
 RETRY_CAP_S = 1.0  # longest pause between two tries of a command while Redis is away
 WAIT_SAID_AFTER_S = 3.0  # a process still waiting for Redis this long after starting says so, once
@@ -90,15 +91,17 @@ def _as_bytes(entry_id: bytes | str) -> bytes:
     return entry_id if isinstance(entry_id, bytes) else entry_id.encode()
 
 
-def dead_letter(pipe: redis.client.Pipeline, *, dead_stream: str, source: str, entry_id: bytes | str,
-                fields: dict, reason: str) -> None:
-    """Queue (on a MULTI pipeline) an entry's move to `dead_stream` with its reason."""
-    blob = fields.get(PAYLOAD, b"")
-    pipe.xadd(dead_stream, {"source": source, "entry_id": entry_id, "reason": reason[:2000],
-                            "payload": blob if isinstance(blob, bytes) else b""})
+def announce_weights(pipe: redis.client.Pipeline, keys: Keys, wv: WeightVersion) -> None:
+    """Queue (on the caller's MULTI pipeline) the announcement of `wv`: appended to the capped
+    weights stream (generators waiting on it wake) and set as `weights:latest` (a generator that
+    starts late loads it), the two in the same transaction."""
+    blob = encode(wv)
+    pipe.xadd(keys.weights, {PAYLOAD: blob}, maxlen=WEIGHTS_MAXLEN, approximate=True)
+    pipe.set(keys.weights_latest, blob)
 
 
 def latest_weights(r: redis.Redis, keys: Keys) -> WeightVersion | None:
+    """The newest announced weights (`announce_weights`), None before the first."""
     blob = r.get(keys.weights_latest)
     return None if blob is None else decode_weights(blob)
 

@@ -15,8 +15,8 @@ import sys
 import redis
 from jinja2 import TemplateError
 
-from common import streams
 from common.config import LimitsConfig
+from common.deadletters import DeadLetter, dead_letter
 from common.heartbeats import count_dropped_zero_variance
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import MessageError, PromptTask, SampleGroup, decode_prompt, encode, peek_id
@@ -88,8 +88,8 @@ def prepare_prompts(r: redis.Redis, engine: Engine, entries: list[Entry], *, key
                                    f"{max_new_tokens} exceed the model's context {engine.context_length}")
         except (MessageError, TemplateError) as err:
             with r.pipeline(transaction=True) as pipe:
-                streams.dead_letter(pipe, dead_stream=keys.prompts_dead, source=keys.prompts,
-                                    entry_id=entry_id, fields=fields, reason=str(err))
+                dead_letter(pipe, keys.prompts_dead, DeadLetter.of(source=keys.prompts, entry_id=entry_id,
+                                                                   entry=fields, reason=str(err)))
                 pipe.xack(keys.prompts, GENERATORS_GROUP, entry_id)
                 # an admitted prompt given up for good: the producer admits another in its place
                 settle(pipe, keys, [i for i in [peek_id(fields.get(PAYLOAD, b""))] if i], dropped=True)

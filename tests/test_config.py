@@ -197,6 +197,25 @@ def test_a_process_refuses_a_bad_flag_naming_the_field():
     assert "trainer.loss.function 'nowhere.at_all:loss' cannot be loaded: No module named 'nowhere'" in done.stderr
 
 
+def test_every_process_exits_2_with_the_same_lines_on_the_same_bad_config(tmp_path):
+    """One wrapper runs every process's main (common/process.py): a bad value in the config file
+    stops each of the four with status 2 and the same message, under its own name."""
+    import subprocess
+    import sys
+
+    p = write(tmp_path, "[rollout]\ngroup_size = 1\n")
+    said = {}
+    for process, module in (("producer", "producers"), ("generator", "generators"), ("trainer", "trainer"),
+                            ("evaluator", "evaluator")):
+        done = subprocess.run([sys.executable, "-m", module, "--config", str(p)], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2, (process, done.returncode, done.stderr)
+        assert "Traceback" not in done.stderr and done.stderr.startswith(f"{process}: "), done.stderr
+        said[process] = done.stderr.removeprefix(f"{process}: ")
+    assert "rollout.group_size: Input should be greater than or equal to 2 (got 1)" in said["trainer"], said
+    assert len(set(said.values())) == 1, said
+
+
 def test_shipped_gsm8k_config_trains_on_the_train_split_and_evaluates_on_the_test_split():
     from tests.helpers import ROOT
 

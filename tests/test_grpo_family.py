@@ -21,7 +21,7 @@ from trainer.losses.grpo import loss as grpo_loss
 from trainer.losses.gspo import loss as gspo_loss
 from trainer.losses.kl import kl_penalty
 from trainer.schedule import lr_factor
-from trainer.step import train_step
+from trainer.step import GrpoOptions, train_step
 
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 2.0]])
 
@@ -209,10 +209,11 @@ def steps(tiny_model):
     def run(groups=groups, **kw):
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient itself
-        args = dict(loss=GrpoLoss(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
-                    overlong_penalty=0.0, micro_batch_size=16, micro_batch_tokens=0, updates=1,
-                    max_grad_norm=1e9)
-        stats = train_step(model, opt, groups, **{**args, **kw})
+        ref_model = kw.pop("ref_model", None)
+        how = GrpoOptions(**{**dict(loss=GrpoLoss(), temperature=1.0, estimator="grpo", overlong="none",
+                                    overlong_penalty=0.0, micro_batch_size=16, micro_batch_tokens=0, updates=1,
+                                    max_grad_norm=1e9), **kw})
+        stats = train_step(model, opt, groups, how=how, ref_model=ref_model)
         return torch.cat([p.detach().flatten() for p in model.parameters()]), stats
 
     return run
@@ -234,21 +235,21 @@ def test_decoupled_on_policy_equals_behaviour_clip_and_mini_batches_step_twice(s
     one, plain = steps()
     decoupled, st = steps(loss=GrpoLoss(correction="decoupled"))
     torch.testing.assert_close(decoupled, one, atol=1e-6, rtol=0)
-    assert st["tis/mean"] == pytest.approx(1.0, abs=1e-4) and st["entropy"] > 0
-    assert st["mismatch/abs_log_ratio_max"] < 1e-4 and st["mismatch/masked"] == 0.0
+    assert st.policy.tis == pytest.approx(1.0, abs=1e-4) and st.entropy > 0
+    assert st.mismatch_max < 1e-4 and st.masked == 0.0
     # Two PPO mini-batches: two optimizer steps in one pass over the batch; the second
     # mini-batch's policy has moved (ratio off 1), which is what the clip bounds.
     two, st2 = steps(updates=2, loss=GrpoLoss(correction="decoupled"))
     assert not torch.allclose(two, one)
     # one pass over the rows; with shared prompts (the default) a group the mini-batches cut carries
     # its prompt into both pieces
-    assert st2["tokens/forward"] > plain["tokens/forward"]
+    assert st2.tokens_forward > plain.tokens_forward
     flat = [steps(updates=n, loss=GrpoLoss(correction="decoupled"), share_prompts=False)[1] for n in (1, 2)]
-    assert flat[1]["tokens/forward"] == flat[0]["tokens/forward"] > st2["tokens/forward"]
-    assert abs(st2["ratio/mean"] - 1.0) > 1e-4 and abs(plain["ratio/mean"] - 1.0) < 1e-5
+    assert flat[1].tokens_forward == flat[0].tokens_forward > st2.tokens_forward
+    assert abs(st2.policy.ratio - 1.0) > 1e-4 and abs(plain.policy.ratio - 1.0) < 1e-5
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).requires_grad_(False)
     _, st3 = steps(ref_model=ref, loss=GrpoLoss(kl_coef=0.1))
-    assert st3["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before its first update
+    assert st3.policy.kl == pytest.approx(0.0, abs=1e-6)  # the policy is the reference before its first update
 
 
 def initial_weights(tiny_model) -> torch.Tensor:
@@ -259,10 +260,10 @@ def initial_weights(tiny_model) -> torch.Tensor:
 def test_gradients_are_clipped_to_max_grad_norm(steps, tiny_model):
     start = initial_weights(tiny_model)
     free, st = steps()  # max_grad_norm 1e9: never clipped
-    norm = st["grad_norm"]
+    norm = st.grad_norm
     assert norm > 0
     clipped, st_clipped = steps(max_grad_norm=norm / 4)
-    assert st_clipped["grad_norm"] == pytest.approx(norm, rel=1e-5)  # the norm before clipping is reported
+    assert st_clipped.grad_norm == pytest.approx(norm, rel=1e-5)  # the norm before clipping is reported
     # with SGD at lr 1 the update is the gradient: clipped to a quarter of its norm, same direction
     torch.testing.assert_close(clipped - start, (free - start) / 4, rtol=1e-3, atol=1e-7)
     loose, _ = steps(max_grad_norm=norm * 2)  # a bound above the norm changes nothing
@@ -278,10 +279,10 @@ def test_a_step_with_nothing_to_train_on_leaves_the_weights(steps, tiny_model):
     # every completion truncated and overlong = "mask": no token to train on
     truncated = [replace(g, completions=[replace(c, finish="length") for c in g.completions]) for g in groups]
     after, st = steps(groups=truncated, overlong="mask")
-    assert st["tokens/trained"] == 0 and st["grad_norm"] == 0 and st["loss/policy"] == 0, st
+    assert st.tokens_trained == 0 and st.grad_norm == 0 and st.loss == 0, st
     assert torch.equal(after, start)
     # every group's completions rewarded alike: every advantage is 0, so is the gradient
     alike = [replace(g, completions=[replace(c, reward=1.0) for c in g.completions]) for g in groups]
     after, st = steps(groups=alike)
-    assert st["tokens/trained"] > 0 and st["grad_norm"] == 0 and math.isfinite(st["entropy"]), st
+    assert st.tokens_trained > 0 and st.grad_norm == 0 and math.isfinite(st.entropy), st
     assert torch.equal(after, start)

@@ -161,7 +161,7 @@ def test_the_trainer_sees_each_tokens_version(switched):
     from trainer.batch import micro_batches
     from trainer.logprobs import sequence_logprobs
     from trainer.metrics import step_metrics
-    from trainer.step import train_step
+    from trainer.step import GrpoOptions, train_step
 
     results, prompts, _, new_model = switched
     groups = []
@@ -191,12 +191,12 @@ def test_the_trainer_sees_each_tokens_version(switched):
     assert 0 < metrics["staleness_token_mean"] < 1
 
     optimizer = torch.optim.SGD(new_model.parameters(), lr=0.0)
-    stats = train_step(new_model, optimizer, groups, loss=GrpoLoss(correction="token_mask"), ref_model=None,
-                       temperature=1.0, estimator="grpo", overlong="none", overlong_penalty=0.0,
-                       micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0, step=1)
-    assert stats["mismatch/abs_log_ratio_mean/staleness_0"] < 1e-4, "tokens of the trainer's own version"
-    assert stats["mismatch/abs_log_ratio_mean/staleness_1"] > 0.1, "tokens of the version before"
-    assert 0 < stats["mismatch/masked"] <= int(old_tokens.sum()) / tokens + 1e-6
+    stats = train_step(new_model, optimizer, groups, step=1, how=GrpoOptions(
+        loss=GrpoLoss(correction="token_mask"), temperature=1.0, estimator="grpo", overlong="none",
+        overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0))
+    assert stats.mismatch_by_staleness[0] < 1e-4, "tokens of the trainer's own version"
+    assert stats.mismatch_by_staleness[1] > 0.1, "tokens of the version before"
+    assert 0 < stats.masked <= int(old_tokens.sum()) / tokens + 1e-6
 
 
 def test_inflight_updates_is_refused_for_engines_that_cannot_continue_a_sequence():

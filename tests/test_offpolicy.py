@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.config import ConfigError, GrpoLoss, RolloutConfig, TrainerConfig, config_from_dict
+from common.config import Config, ConfigError, GrpoLoss, RolloutConfig, TrainerConfig, config_from_dict
 from common.keys import Keys
 from common.messages import Completion, SampleGroup
 from common.progress import read_trainer
@@ -25,10 +25,11 @@ from trainer.grpo import token_logprobs
 from trainer.losses import LossInputs
 from trainer.losses.grpo import loss as grpo_loss
 from trainer.losses.kl import kl_penalty
-from trainer.main import State, cross_rank_duplicates, objective, train
+from trainer.main import cross_rank_duplicates, objective, train
+from trainer.run import Run
 from trainer.samples import Collected
 from trainer.schedule import build_scheduler
-from trainer.step import train_step
+from trainer.step import GrpoOptions, train_step
 
 LN = math.log
 
@@ -144,10 +145,10 @@ def sampled_groups(model_dir, *, top_k: int, n_groups: int = 2, version: int = 0
             for i, (p, samples) in enumerate(zip(prompts, out, strict=True))]
 
 
-def step_args(**kw):
-    return {**dict(loss=GrpoLoss(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
-                   overlong_penalty=0.0, micro_batch_size=16, micro_batch_tokens=0, updates=1, max_grad_norm=1e9),
-            **kw}
+def step_args(**kw) -> GrpoOptions:
+    return GrpoOptions(**{**dict(loss=GrpoLoss(), temperature=1.0, estimator="grpo", overlong="none",
+                                 overlong_penalty=0.0, micro_batch_size=16, micro_batch_tokens=0, updates=1,
+                                 max_grad_norm=1e9), **kw})
 
 
 def test_top_k_sampling_gives_ratio_one_on_policy(tiny_model):
@@ -155,12 +156,12 @@ def test_top_k_sampling_gives_ratio_one_on_policy(tiny_model):
     groups = sampled_groups(tiny_model, top_k=2)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    truncated = train_step(model, opt, groups, top_k=2, **step_args(loss=GrpoLoss(correction="decoupled")))
-    assert truncated["ratio/mean"] == pytest.approx(1.0, abs=1e-4)
-    assert truncated["mismatch/abs_log_ratio_max"] < 1e-4
+    truncated = train_step(model, opt, groups, how=step_args(top_k=2, loss=GrpoLoss(correction="decoupled")))
+    assert truncated.policy.ratio == pytest.approx(1.0, abs=1e-4)
+    assert truncated.mismatch_max < 1e-4
     # The full softmax (what the trainer computed before) puts the on-policy ratio well below 1.
-    full = train_step(model, opt, groups, **step_args())
-    assert full["ratio/mean"] < 0.9
+    full = train_step(model, opt, groups, how=step_args())
+    assert full.policy.ratio < 0.9
 
 
 def test_mismatch_is_logged_by_staleness_and_masking_acts(tiny_model):
@@ -172,14 +173,14 @@ def test_mismatch_is_logged_by_staleness_and_masking_acts(tiny_model):
     with torch.no_grad():
         moved.lm_head.weight.mul_(3.0)  # the trainer's policy has moved away from the sampler's
     opt = torch.optim.SGD(moved.parameters(), lr=0.0)
-    st = train_step(moved, opt, groups, step=2, **step_args(loss=GrpoLoss(correction="decoupled")))
-    assert st["mismatch/abs_log_ratio_mean"] > 0.05
-    assert st["mismatch/abs_log_ratio_max"] >= st["mismatch/abs_log_ratio_mean"]
-    assert {"mismatch/abs_log_ratio_mean/staleness_1", "mismatch/abs_log_ratio_mean/staleness_2"} <= set(st)
-    assert st["tis/mean"] != pytest.approx(1.0, abs=1e-3)  # the correction's weight acts
-    masked = train_step(moved, opt, groups, step=2, **step_args(
+    st = train_step(moved, opt, groups, step=2, how=step_args(loss=GrpoLoss(correction="decoupled")))
+    assert st.mismatch_mean > 0.05
+    assert st.mismatch_max >= st.mismatch_mean
+    assert {1, 2} <= set(st.mismatch_by_staleness)
+    assert st.policy.tis != pytest.approx(1.0, abs=1e-3)  # the correction's weight acts
+    masked = train_step(moved, opt, groups, step=2, how=step_args(
         loss=GrpoLoss(correction={"type": "token_mask", "mask_low": 0.9, "mask_high": 1.1})))
-    assert 0 < masked["mismatch/masked"] <= 1
+    assert 0 < masked.masked <= 1
 
 
 def test_proximal_pass_runs_with_dropout_off(tiny_model):
@@ -190,8 +191,8 @@ def test_proximal_pass_runs_with_dropout_off(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attention_dropout=0.5)
     model.train()  # as the trainer's model is after its first step
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    st = train_step(model, opt, groups, **step_args(loss=GrpoLoss(correction="decoupled")))
-    assert st["mismatch/abs_log_ratio_max"] < 1e-4  # the proximal pass is the sampler's policy exactly
+    st = train_step(model, opt, groups, how=step_args(loss=GrpoLoss(correction="decoupled")))
+    assert st.mismatch_max < 1e-4  # the proximal pass is the sampler's policy exactly
 
 
 def test_non_finite_update_is_skipped_not_applied_and_counted(tiny_model, r):
@@ -204,13 +205,14 @@ def test_non_finite_update_is_skipped_not_applied_and_counted(tiny_model, r):
         model.lm_head.weight[5, 3] = float("inf")  # every logit row gets an inf: the loss is NaN
     before = copy.deepcopy(model.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state = State(model, opt, build_scheduler(opt, schedule="constant", warmup_steps=0, total_steps=0),
-                  step=3, version=3)
     where = placement(dtype="float32", master_fp32=True, activation_checkpointing=False)
-    update = objective(TrainerConfig(), RolloutConfig(), source_dir=tiny_model, where=where)
-    stats, _ = train(state, update, groups, r=r, keys=Keys("nf"))
-    assert stats["steps_skipped"] == 1
-    assert state.step == 3 and state.scheduler.last_epoch == 0  # not counted: nothing to publish
+    run = Run(config=Config(), r=r, keys=Keys("nf"), model=model, optimizer=opt,
+              scheduler=build_scheduler(opt, schedule="constant", warmup_steps=0, total_steps=0),
+              update=objective(TrainerConfig(), RolloutConfig(), source_dir=tiny_model, where=where),
+              source_dir=tiny_model, state_root=tiny_model / "unused", step=3, version=3)
+    stats, _ = train(run, groups)
+    assert stats.skipped == 1
+    assert run.step == 3 and run.scheduler.last_epoch == 0  # not counted: nothing to publish
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], equal_nan=True)
     assert not opt.state  # AdamW never stepped

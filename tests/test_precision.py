@@ -20,7 +20,7 @@ from tests.test_trainer_fsdp import run
 from trainer.checkpoints import load_model, save_checkpoint
 from trainer.logprobs import sequence_logprobs
 from trainer.parallel import parallelize
-from trainer.step import train_step
+from trainer.step import GrpoOptions, train_step
 
 # Stated tolerances, in nats per token (the loss is a token mean of ratio x advantage terms):
 # bf16 keeps 8 bits of mantissa, so log-probs move by about 1e-2 and so does the loss.
@@ -43,10 +43,9 @@ def test_a_bf16_step_tracks_float32_and_publishes_bf16(tmp_path, tiny_model):
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model = parallelize(load_model(tiny_model), device=torch.device("cpu"), compute_dtype=dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        out[name] = [train_step(model, opt, groups, loss=GrpoLoss(), ref_model=None, temperature=1.0,
-                                estimator="grpo", overlong="none", overlong_penalty=0.0, micro_batch_size=8,
-                                micro_batch_tokens=0, updates=1,
-                                max_grad_norm=1.0)["loss/policy"] for _ in range(2)]
+        how = GrpoOptions(loss=GrpoLoss(), temperature=1.0, estimator="grpo", overlong="none", overlong_penalty=0.0,
+                          micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0)
+        out[name] = [train_step(model, opt, groups, how=how).loss for _ in range(2)]
     print(f"one process: loss/policy fp32 {out['fp32']}, bf16 {out['bf16']}")
     assert max(abs(a - b) for a, b in zip(out["fp32"], out["bf16"], strict=True)) < LOSS_TOL
     assert out["fp32"] != out["bf16"], "the bf16 step computed in float32"
@@ -67,9 +66,9 @@ def test_activation_checkpointing_gives_the_same_step(tiny_model):
         model = parallelize(load_model(tiny_model), device=torch.device("cpu"), activation_checkpointing=checkpointing)
         assert model.is_gradient_checkpointing == checkpointing
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        train_step(model, opt, groups, loss=GrpoLoss(), ref_model=None, temperature=1.0, estimator="grpo",
-                   overlong="none", overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1,
-                   max_grad_norm=1e9)
+        train_step(model, opt, groups, how=GrpoOptions(loss=GrpoLoss(), temperature=1.0, estimator="grpo",
+                                                       overlong="none", overlong_penalty=0.0, micro_batch_size=8,
+                                                       micro_batch_tokens=0, updates=1, max_grad_norm=1e9))
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=1e-6)
 

@@ -13,7 +13,7 @@ from common.messages import Completion, SampleGroup
 from trainer.batch import collate_shared, group_rows, micro_batches, split_packs
 from trainer.grpo import token_entropy, token_logprobs
 from trainer.logprobs import sequence_logprobs
-from trainer.step import train_step
+from trainer.step import GrpoOptions, train_step
 
 # (prompt length, completion lengths): prompts of different lengths, completions of 1 token too.
 SHAPES = [(6, [1, 4, 9, 3]), (3, [5, 1, 2, 7]), (9, [2, 2, 6, 1])]
@@ -136,16 +136,17 @@ def test_a_train_step_gives_the_same_update_with_and_without_shared_prompts(tiny
             model = apply_lora(model, rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj"])
         out0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        stats = train_step(model, opt, groups, loss=GrpoLoss(correction="decoupled", kl_coef=0.1),
-                           ref_model=AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval(),
-                           temperature=0.8, top_k=30, estimator="grpo", overlong="none", overlong_penalty=0.0,
-                           micro_batch_size=5, micro_batch_tokens=0, updates=2, max_grad_norm=1.0,
-                           share_prompts=share)
+        stats = train_step(model, opt, groups, how=GrpoOptions(
+            loss=GrpoLoss(correction="decoupled", kl_coef=0.1), temperature=0.8, top_k=30, estimator="grpo",
+            overlong="none", overlong_penalty=0.0, micro_batch_size=5, micro_batch_tokens=0, updates=2,
+            max_grad_norm=1.0, share_prompts=share),
+            ref_model=AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval())
         out[share] = stats, {k: v.detach().clone() for k, v in model.state_dict().items()}
     (off, w_off), (on, w_on) = out[False], out[True]
-    assert on["tokens/forward"] < off["tokens/forward"]
-    for key in ("loss/policy", "grad_norm", "entropy", "kl", "tokens/trained"):
-        assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
+    assert on.tokens_forward < off.tokens_forward
+    for key in ("loss", "grad_norm", "entropy", "tokens_trained"):
+        assert getattr(on, key) == pytest.approx(getattr(off, key), rel=1e-4, abs=1e-6), key
+    assert on.policy.kl == pytest.approx(off.policy.kl, rel=1e-4, abs=1e-6)
     assert max((w_on[k] - w_off[k]).abs().max().item() for k in w_on) < 1e-6
     assert max((w_on[k] - out0[k]).abs().max().item() for k in w_on) > 1e-4  # it did train
 
@@ -191,9 +192,10 @@ def test_long_completions_after_a_short_prompt_go_as_their_own_rows(tiny_model):
     # train_step cuts by its model's hidden size (the tiny model's 64): 4 rows of 203 positions, not 4 + 4 x 199
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     stats = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), make_groups(300, shapes=[(4, [200] * 4)]),
-                       loss=GrpoLoss(), ref_model=None, temperature=1.0, estimator="grpo", overlong="none",
-                       overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0)
-    assert model.config.hidden_size == 64 and stats["tokens/forward"] == 4 * 203
+                       how=GrpoOptions(loss=GrpoLoss(), temperature=1.0, estimator="grpo", overlong="none",
+                                       overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1,
+                                       max_grad_norm=1.0))
+    assert model.config.hidden_size == 64 and stats.tokens_forward == 4 * 203
 
 
 @pytest.mark.parametrize("device", [

@@ -2,8 +2,9 @@ import redis
 
 from common.audit import accounting
 from common.cli import status_lines
+from common.deadletters import DeadLetter, count_dead_letters, dead_letter, read_dead_letters
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
-from common.streams import connect, dead_letter, ensure_group, group_backlog, lost_redis, redacted
+from common.streams import connect, ensure_group, group_backlog, lost_redis, redacted
 from tests.conftest import free_port, start_redis
 
 
@@ -21,12 +22,19 @@ def test_groups_are_created_once_and_dead_letters_keep_the_payload(redis_url):
     ensure_group(r, keys.samples, "trainer")  # a second process starting: no error
     assert [g["name"] for g in r.xinfo_groups(keys.samples)] == [b"trainer"]
     with r.pipeline(transaction=True) as pipe:
-        dead_letter(pipe, dead_stream=keys.samples_dead, source=keys.samples, entry_id=b"1-0",
-                    fields={PAYLOAD: b"\x00junk"}, reason="not MessagePack")
+        dead_letter(pipe, keys.samples_dead, DeadLetter.of(source=keys.samples, entry_id=b"1-0",
+                                                           entry={PAYLOAD: b"\x00junk"}, reason="not MessagePack"))
+        dead_letter(pipe, keys.samples_dead, DeadLetter.of(source=keys.samples, entry_id="2-0", entry={},
+                                                           reason="x" * 5000))
         pipe.execute()
-    [(_, entry)] = r.xrange(keys.samples_dead)
-    assert entry == {b"source": keys.samples.encode(), b"entry_id": b"1-0", b"reason": b"not MessagePack",
-                     b"payload": b"\x00junk"}
+    first, second = r.xrange(keys.samples_dead)
+    assert first[1] == {b"source": keys.samples.encode(), b"entry_id": b"1-0", b"reason": b"not MessagePack",
+                        b"payload": b"\x00junk"}
+    assert read_dead_letters(r, keys.samples_dead) == [
+        DeadLetter(source=keys.samples, entry_id="1-0", reason="not MessagePack", payload=b"\x00junk"),
+        DeadLetter(source=keys.samples, entry_id="2-0", reason="x" * 2000, payload=b"")]
+    assert count_dead_letters(r, keys.samples_dead) == 2
+    assert "dead 2" in status_lines(r, "s")[3], status_lines(r, "s")
 
 
 def test_what_waits_in_a_stream_is_counted_after_redis_replays_its_append_only_file(tmp_path):
@@ -76,3 +84,30 @@ def test_a_process_started_before_redis_waits_for_it_and_says_so(tmp_path, capsy
         for s in servers:
             s.terminate()
             s.wait(timeout=10)
+
+
+def test_weights_written_back_after_redis_lost_them_keep_the_stream_capped(r):
+    """The trainer's one announcement of weights (common.streams.announce_weights) caps the
+    weights stream, also where it writes its record back into a Redis that lost writes."""
+    from common.keys import WEIGHTS_MAXLEN
+    from common.messages import WeightVersion, encode
+    from common.streams import announce_weights, latest_weights
+    from trainer.record import Record, put_right
+
+    keys = Keys("capped")
+    with r.pipeline(transaction=False) as pipe:
+        for version in range(2 * WEIGHTS_MAXLEN):
+            pipe.xadd(keys.weights, {PAYLOAD: encode(WeightVersion(version=version, step=version, path=f"/c/{version}",
+                                                                   format="safetensors", checksums={},
+                                                                   created_at=0.0))})
+        pipe.execute()
+    newest = WeightVersion(version=7, step=7, path="/c/step_7", format="safetensors", checksums={"a": "1"},
+                           created_at=1.0)
+    put_right(r, keys, Record(step=7, version=7, state_step=7, groups_trained=3, latest=newest))
+    assert WEIGHTS_MAXLEN <= r.xlen(keys.weights) < 2 * WEIGHTS_MAXLEN, r.xlen(keys.weights)
+    assert latest_weights(r, keys) == newest
+    with r.pipeline(transaction=True) as pipe:
+        announce_weights(pipe, keys, newest)
+        pipe.execute()
+    [(_, last)] = r.xrevrange(keys.weights, count=1)
+    assert last == {PAYLOAD: encode(newest)}

@@ -16,7 +16,7 @@ from common.config import GrpoLoss
 from tests.test_trainer import make_group
 from trainer.devices import backend_device
 from trainer.parallel import all_max, all_sum, any_rank, collective_device
-from trainer.step import sft_step, train_step
+from trainer.step import GrpoOptions, sft_step, train_step
 
 # What reads a value back to Python; on meta there is none, so the dry run reads 0.
 # (`bool` is True: transformers asks "is there no padding?" and then takes its unmasked path.)
@@ -55,10 +55,10 @@ def test_a_grpo_step_builds_every_tensor_on_the_models_device(meta_run):
     model, ref = on_meta(), on_meta().eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with ReadsOffMetaAreZero():
-        train_step(model, opt, groups, loss=GrpoLoss(correction={"type": "decoupled", "tis_cap": 2.0}, kl_coef=0.1),
-                   ref_model=ref, temperature=0.7, top_k=4, top_p=0.9, estimator="grpo", overlong="none",
-                   overlong_penalty=0.0, micro_batch_size=4, micro_batch_tokens=0, updates=2, step=1,
-                   max_grad_norm=1.0)
+        train_step(model, opt, groups, ref_model=ref, step=1, how=GrpoOptions(
+            loss=GrpoLoss(correction={"type": "decoupled", "tis_cap": 2.0}, kl_coef=0.1), temperature=0.7, top_k=4,
+            top_p=0.9, estimator="grpo", overlong="none", overlong_penalty=0.0, micro_batch_size=4,
+            micro_batch_tokens=0, updates=2, max_grad_norm=1.0))
     assert all(p.is_meta for p in model.parameters()), "the step moved the model off its device"
 
 

@@ -28,10 +28,10 @@ from transformers import AutoModelForCausalLM
 
 from common.checkpoints import WEIGHTS_FILE, checksum_dir, prune_steps, verify_dir, write_safetensors
 from common.config import LoraConfig
-from common.keys import PAYLOAD, TRAINER_GROUP, WEIGHTS_MAXLEN, Keys
-from common.messages import WeightVersion, encode
+from common.keys import TRAINER_GROUP, Keys
+from common.messages import WeightVersion
 from common.progress import count_trained, read_trainer, settle, write_step
-from common.streams import latest_weights
+from common.streams import announce_weights, latest_weights
 from common.trim import trim_acknowledged
 from trainer.devices import Placement
 from trainer.lora import apply_lora, hf_model, is_lora, merged_state_dict, scale_of
@@ -204,10 +204,8 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
         return None
     wv = WeightVersion(version=step, step=step, path=str(path), format="safetensors",
                        checksums=sums, created_at=time.time())
-    blob = encode(wv)
     pipe = r.pipeline(transaction=True)
-    pipe.xadd(keys.weights, {PAYLOAD: blob}, maxlen=WEIGHTS_MAXLEN, approximate=True)
-    pipe.set(keys.weights_latest, blob)
+    announce_weights(pipe, keys, wv)
     write_step(pipe, keys, step=step, version=step, state_step=step if save_state_now else None)
     if entry_ids:
         pipe.xack(keys.samples, TRAINER_GROUP, *entry_ids)

@@ -9,6 +9,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from trainer.stats import Mismatch
+
 Estimator = Literal["grpo", "dr_grpo", "rloo"]
 
 TRUNCATED_LOGP = -1e4  # log-prob of a token the sampler's truncation cut (probability 0)
@@ -77,7 +79,7 @@ def token_entropy(logits: Tensor, temperature: float) -> Tensor:
 
 
 def mismatch_stats(prox: Tensor, behaviour: Tensor, mask: Tensor, weight_zero: Tensor, staleness: Tensor, *,
-                   total_tokens: int) -> dict[str, float]:
+                   total_tokens: int) -> Mismatch:
     """Behaviour/proximal mismatch of one micro-batch: |log pi_prox - log pi_behav| summed per
     token as a share of `total_tokens`, its max, the share of tokens a mask dropped
     (`weight_zero`), and per staleness the sum and count of |log ratio| (added over micro-batches
@@ -85,13 +87,10 @@ def mismatch_stats(prox: Tensor, behaviour: Tensor, mask: Tensor, weight_zero: T
     under newer weights has tokens of several; each counts under its own."""
     mask = mask.float()
     gap = (prox.float() - behaviour.float()).abs() * mask  # (B, T)
-    stats = {"mismatch/abs_log_ratio_mean": (gap.sum() / total_tokens).item(),
-             "mismatch/abs_log_ratio_max": gap.max().item() if gap.numel() else 0.0,
-             "mismatch/masked": ((weight_zero.float() * mask).sum() / total_tokens).item()}
+    by_staleness = {}
     trained = torch.where(mask > 0, staleness, torch.full_like(staleness, -1))  # (B, T), -1 off the mask
     for s in sorted(set(trained.flatten().tolist()) - {-1}):  # a few values: read to the host
         tokens = (staleness == s).float() * mask  # (B, T), no boolean indexing: shapes stay fixed
-        stats[f"staleness/{s}/gap_sum"] = (gap * tokens).sum().item()
-        stats[f"staleness/{s}/tokens"] = tokens.sum().item()
-    return stats
-
+        by_staleness[int(s)] = ((gap * tokens).sum().item(), tokens.sum().item())
+    return Mismatch(gap=(gap.sum() / total_tokens).item(), gap_max=gap.max().item() if gap.numel() else 0.0,
+                    masked=((weight_zero.float() * mask).sum() / total_tokens).item(), by_staleness=by_staleness)

@@ -4,6 +4,7 @@ console line. Where they go is trainer/tracking.py."""
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -14,8 +15,8 @@ from common.heartbeats import read_heartbeats
 from common.keys import Keys
 from common.messages import SampleGroup, token_versions
 from common.metrics import PolicyStats, StepMetrics
-from trainer.losses import STAT_NAMES
 from trainer.samples import Collected
+from trainer.stats import StepStats
 
 
 def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: bool = True) -> dict[str, Any]:
@@ -59,7 +60,7 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return t.mean().item(), t.std().item() if len(values) > 1 else 0.0
 
 
-def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: dict[str, float], *, step: int,
+def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: StepStats, *, step: int,
                 version: int, lr: float, staleness: list[int], sft: bool, t_step: float, train_s: float,
                 publish_s: float) -> StepMetrics:
     """The metrics of trainer step `step` (counted once done), as the trackers record them.
@@ -69,20 +70,18 @@ def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: di
     seconds spent updating and publishing. Generators' metrics are read from their heartbeats.
     """
     all_groups = [g for c in everyone for g in c.groups]
-    policy = None if sft else PolicyStats(
-        loss=stats["loss/policy"], **{field: stats[name] for field, name in STAT_NAMES.items()},
-        mismatch_mean=stats["mismatch/abs_log_ratio_mean"], mismatch_max=stats["mismatch/abs_log_ratio_max"],
-        masked=stats["mismatch/masked"], mismatch_by_staleness={
-            k.rsplit("_", 1)[1]: v for k, v in stats.items() if k.startswith("mismatch/abs_log_ratio_mean/staleness_")})
+    policy = None if sft or stats.policy is None else PolicyStats(
+        loss=stats.loss, **asdict(stats.policy), mismatch_mean=stats.mismatch_mean, mismatch_max=stats.mismatch_max,
+        masked=stats.masked, mismatch_by_staleness={str(s): v for s, v in stats.mismatch_by_staleness.items()})
     beats = read_heartbeats(r, keys).values()
     return StepMetrics(
         step=step, version=version, **step_metrics(all_groups, staleness=staleness, rewarded=not sft),
-        policy=policy, sft_loss=stats["loss/sft"] if sft else None, entropy=stats["entropy"],
-        grad_norm=stats["grad_norm"], lr=lr,
+        policy=policy, sft_loss=stats.loss if sft else None, entropy=stats.entropy,
+        grad_norm=stats.grad_norm, lr=lr,
         dropped_stale=sum(c.stale for c in everyone), dead=sum(c.dead for c in everyone),
-        duplicate=sum(c.duplicate for c in everyone), steps_skipped=int(stats.get("steps_skipped", 0)),
-        tokens_trained=stats["tokens/trained"],
-        tokens_per_s=stats["tokens/forward"] / train_s,  # prompt + completion tokens through the model
+        duplicate=sum(c.duplicate for c in everyone), steps_skipped=stats.skipped,
+        tokens_trained=float(stats.tokens_trained),
+        tokens_per_s=stats.tokens_forward / train_s,  # prompt + completion tokens through the model
         time_step=time.monotonic() - t_step, time_wait_data=max(c.wait_s for c in everyone),
         time_train=train_s, time_publish=publish_s,
         generators_alive=float(len(beats)), generators_tokens_per_s=sum(b.tokens_per_s for b in beats),

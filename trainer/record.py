@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import redis
 
-from common.keys import PAYLOAD, Keys
-from common.messages import WeightVersion, encode
+from common.keys import Keys
+from common.messages import WeightVersion
 from common.progress import TrainerProgress, read_trainer, restore_trained, write_step
+from common.streams import announce_weights
 
 
 @dataclass
@@ -63,8 +64,6 @@ def put_right(r: redis.Redis, keys: Keys, record: Record) -> TrainerProgress:
                version_max=record.version_max if record.version_max > record.version else None)
     restore_trained(pipe, keys, groups_trained=record.groups_trained, trained=record.trained)
     if record.latest is not None:
-        blob = encode(record.latest)
-        pipe.set(keys.weights_latest, blob)
-        pipe.xadd(keys.weights, {PAYLOAD: blob})
+        announce_weights(pipe, keys, record.latest)
     pipe.execute()
     return had

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import redis
 
 from common.config import LimitsConfig
+from common.deadletters import DeadLetter, dead_letter
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import MessageError, SampleGroup, decode_group, peek_id
 from common.progress import Refused, count_refused, settle
-from common.streams import dead_letter
 from trainer.shutdown import Shutdown
 
 BLOCK_MS = 1000  # longest wait on the samples stream before checking for a stop request
@@ -92,8 +92,8 @@ def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, why: Refused, group_i
     trained before, is such a one)."""
     pipe = r.pipeline(transaction=True)
     if fields is not None:
-        dead_letter(pipe, dead_stream=keys.samples_dead, source=keys.samples, entry_id=entry_id,
-                    fields=fields, reason=reason)
+        dead_letter(pipe, keys.samples_dead, DeadLetter.of(source=keys.samples, entry_id=entry_id, entry=fields,
+                                                           reason=reason))
     pipe.xack(keys.samples, TRAINER_GROUP, entry_id)
     count_refused(pipe, keys, why)
     if group_id is not None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from functools import partial
 
 import torch
 
-from common.config import CorrectionConfig, LossConfig
+from common.config import CorrectionConfig, LossConfig, RolloutConfig, TrainerConfig
 from common.messages import SampleGroup
 from trainer.batch import MicroBatch, mini_batches, with_mask
 from trainer.devices import model_device, to_device
@@ -27,6 +27,7 @@ from trainer.losses import Loss, LossInputs, LossStats, correction_of, loss_func
 from trainer.losses.corrections import behaviour_weight
 from trainer.losses.sft import sft_loss
 from trainer.parallel import all_max, all_sum, any_rank, gather, world_size
+from trainer.stats import Mismatch, StepStats
 
 
 @dataclass(frozen=True)
@@ -85,59 +86,101 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, m
     return norm
 
 
-def sum_over_ranks(stats: dict[str, float]) -> dict[str, float]:
-    """`stats` summed over the ranks (each rank's are shares of global counts), keys in sorted order."""
-    names = sorted(stats)
-    return dict(zip(names, all_sum([stats[k] for k in names]), strict=True))
+ZERO_LOSS_STATS = LossStats(**{f.name: 0.0 for f in fields(LossStats)})
 
 
-EMPTY_GRPO_STATS = {**LossStats().named(), "loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0,
-                    "mismatch/abs_log_ratio_mean": 0.0, "mismatch/abs_log_ratio_max": 0.0, "mismatch/masked": 0.0,
-                    "steps_skipped": 0.0}
+@dataclass
+class Sums:
+    """One step's statistics as they add up over micro-batches and updates: this rank's shares of
+    the step's trained tokens (summed over the ranks at the end, `summed`)."""
+
+    loss_stats: LossStats = ZERO_LOSS_STATS  # the loss's, weighted by each mini-batch's share
+    mismatch: Mismatch = field(default_factory=Mismatch)  # ... the behaviour/proximal mismatch's
+    entropy: float = 0.0
+    loss: float = 0.0  # this rank's part of the applied updates' losses
+    grad_norm: float = 0.0  # the applied updates' norms, each divided by the world size
+    skipped: float = 0.0  # updates skipped, each 1 / world size
+
+    def add(self, stats: LossStats, mismatch: Mismatch, *, share: float) -> None:
+        """A micro-batch's loss and mismatch stats, shares of its mini-batch's tokens, weighted by
+        the mini-batch's `share` of the step's."""
+        self.loss_stats = LossStats(**{f.name: getattr(self.loss_stats, f.name) + getattr(stats, f.name) * share
+                                       for f in fields(LossStats)})
+        self.mismatch = self.mismatch.plus(mismatch, share=share)
+
+    def summed(self, *, oldest: int) -> Sums:
+        """Every rank's sums together (the same on every rank); `oldest`: the largest staleness of
+        any rank's groups, so that every rank sums the same values."""
+        stale = [self.mismatch.by_staleness.get(s, (0.0, 0.0)) for s in range(oldest + 1)]
+        mine = [getattr(self.loss_stats, f.name) for f in fields(LossStats)] + [
+            self.mismatch.gap, self.mismatch.masked, *(x for pair in stale for x in pair),
+            self.entropy, self.loss, self.grad_norm, self.skipped]
+        total = all_sum(mine)
+        n = len(fields(LossStats))
+        gap, masked, rest = total[n], total[n + 1], total[n + 2:]
+        by_staleness = {s: (rest[2 * s], rest[2 * s + 1]) for s in range(oldest + 1)}
+        entropy, loss, grad_norm, skipped = rest[2 * (oldest + 1):]
+        return Sums(loss_stats=LossStats(*total[:n]), entropy=entropy, loss=loss, grad_norm=grad_norm,
+                    skipped=skipped, mismatch=Mismatch(gap=gap, gap_max=max(gather(self.mismatch.gap_max)),
+                                                       masked=masked, by_staleness=by_staleness))
 
 
-def by_staleness(stats: dict[str, float]) -> dict[str, float]:
-    """`stats` with the per-staleness sums (grpo.mismatch_stats) turned into means,
-    "mismatch/abs_log_ratio_mean/staleness_{s}" for each staleness with a trained token."""
-    out = {k: v for k, v in stats.items() if not k.startswith("staleness/")}
-    for key in stats:
-        if key.startswith("staleness/") and key.endswith("/tokens") and stats[key] > 0:
-            s = key.split("/")[1]
-            out[f"mismatch/abs_log_ratio_mean/staleness_{s}"] = stats[f"staleness/{s}/gap_sum"] / stats[key]
-    return out
+@dataclass(frozen=True, slots=True)
+class GrpoOptions:
+    """How a GRPO-family step updates: the loss and the batching ([trainer]), and the sampler's
+    distribution ([rollout]), whose log-probs the step computes."""
+
+    loss: LossConfig  # the policy loss (trainer/losses/) and its off-policy correction
+    estimator: Estimator  # the group-relative advantage (trainer.advantage)
+    overlong: str  # what a completion cut at max_new_tokens gets: "none", "mask" or "penalty"
+    overlong_penalty: float  # ... the reward it loses with "penalty"
+    micro_batch_size: int  # completions per forward/backward pass
+    micro_batch_tokens: int  # ... or at most this many tokens per pass (0: no cap)
+    updates: int  # PPO mini-batches of the step, one optimizer step each
+    max_grad_norm: float  # gradients clipped to this global norm
+    temperature: float = 1.0  # the sampler's temperature
+    top_k: int = 0  # ... its top-k truncation (0: none)
+    top_p: float = 1.0  # ... its top-p truncation (1: none)
+    max_new_tokens: int = 0  # the sampler's; Dr. GRPO's constant normaliser is completions x this
+    chunk_tokens: int = 1024  # logits computed this many positions at a time (trainer/logprobs.py)
+    share_prompts: bool = True  # each prompt through the model once per micro-batch, however many completions
+
+    @classmethod
+    def of(cls, cfg: TrainerConfig, rollout: RolloutConfig) -> GrpoOptions:
+        """The options a run's config gives."""
+        return cls(loss=cfg.loss, estimator=cfg.advantage, overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
+                   micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
+                   updates=cfg.updates_per_batch, max_grad_norm=cfg.max_grad_norm, temperature=rollout.temperature,
+                   top_k=rollout.top_k, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
+                   chunk_tokens=cfg.logits_chunk_tokens, share_prompts=cfg.share_prompts)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
-               loss: LossConfig, ref_model: torch.nn.Module | None, temperature: float,
-               estimator: Estimator, overlong: str, overlong_penalty: float, micro_batch_size: int,
-               micro_batch_tokens: int, updates: int, max_grad_norm: float, top_k: int = 0, top_p: float = 1.0,
-               max_new_tokens: int = 0, step: int = 0, chunk_tokens: int = 1024,
-               share_prompts: bool = True) -> dict[str, float]:
-    """One trainer step of the GRPO family over `groups`: `updates` PPO mini-batches, one
+               how: GrpoOptions, ref_model: torch.nn.Module | None = None, step: int = 0) -> StepStats:
+    """One trainer step of the GRPO family over `groups`: `how.updates` PPO mini-batches, one
     optimizer step each, gradients accumulated over each one's micro-batches.
 
-    `loss` chooses the loss (trainer/losses/); its corrections other than behaviour_clip take the
-    PPO ratio against the proximal policy: a no-grad pass, dropout off, with the weights at the
-    start of the step. Log-probs are those of the sampler's distribution (temperature, `top_k`,
-    `top_p`). An update whose loss or gradient norm is not finite is skipped (counted in
-    "steps_skipped"). `step` (trainer steps done) gives each group's staleness for the mismatch
-    metrics. Stats are shares of the step's trained tokens; the loss and grad norm are means over
-    the applied updates. With `share_prompts` each micro-batch runs each of its prompts through
-    the model once, however many of its completions share it (the same log-probs, fewer
-    positions).
+    `how.loss` chooses the loss (trainer/losses/); its corrections other than behaviour_clip take
+    the PPO ratio against the proximal policy: a no-grad pass, dropout off, with the weights at the
+    start of the step; a KL term's reference is `ref_model`. Log-probs are those of the sampler's
+    distribution (temperature, top_k, top_p). An update whose loss or gradient norm is not finite
+    is skipped (counted in `skipped`). `step` (trainer steps done) gives each group's staleness for
+    the mismatch metrics. Stats are shares of the step's trained tokens; the loss and grad norm are
+    means over the applied updates. With `how.share_prompts` each micro-batch runs each of its
+    prompts through the model once, however many of its completions share it (the same log-probs,
+    fewer positions).
     """
-    minis = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                         estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty, parts=updates,
-                         device=model_device(model), share_prompts=share_prompts,
+    minis = step_batches(groups, micro_batch_size=how.micro_batch_size, micro_batch_tokens=how.micro_batch_tokens,
+                         estimator=how.estimator, overlong=how.overlong, overlong_penalty=how.overlong_penalty,
+                         parts=how.updates, device=model_device(model), share_prompts=how.share_prompts,
                          hidden_size=int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0))
     total_tokens, world = sum(m.tokens for m in minis), world_size()
-    base = {"tokens/trained": float(total_tokens), "tokens/forward": 0.0}
     if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
-        return {**EMPTY_GRPO_STATS, **base}
+        return StepStats(policy=LossStats())
 
-    forward = partial(sequence_logprobs, temperature=temperature, top_k=top_k, top_p=top_p,
-                      chunk_tokens=chunk_tokens)
-    loss_fn, correction = loss_function(loss), correction_of(loss)
+    forward = partial(sequence_logprobs, temperature=how.temperature, top_k=how.top_k, top_p=how.top_p,
+                      chunk_tokens=how.chunk_tokens)
+    loss_fn, correction = loss_function(how.loss), correction_of(how.loss)
     model.eval()  # the no-grad passes run with dropout off
     with torch.no_grad():
         prox = [[log_probs(forward, model, mb)[0] for mb in m.batches] if correction.type != "behaviour_clip"
@@ -146,30 +189,29 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                for m in minis]
     model.train()
     oldest = all_max(max([0] + [step - g.version for g in groups]))
-    stats: dict[str, float] = {"loss/policy": 0.0, "grad_norm": 0.0, "entropy": 0.0, "steps_skipped": 0.0,
-                               **{f"staleness/{s}/{k}": 0.0 for s in range(oldest + 1) for k in ("gap_sum", "tokens")}}
-    gap_max, applied = 0.0, 0
+    sums, applied = Sums(), 0
     for mini, mini_prox, mini_ref in zip(minis, prox, ref, strict=True):
         if mini.tokens == 0:
             continue
         optimizer.zero_grad(set_to_none=True)
-        mini_loss, mini_gap_max = backward_mini(model, mini, mini_prox, mini_ref, stats, loss_fn=loss_fn,
-                                                correction=correction, forward=forward, step=step,
-                                                total_tokens=total_tokens, max_new_tokens=max_new_tokens)
-        gap_max = max(gap_max, mini_gap_max)
-        grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm,
+        mini_loss = backward_mini(model, mini, mini_prox, mini_ref, sums, loss_fn=loss_fn, correction=correction,
+                                  forward=forward, step=step, total_tokens=total_tokens,
+                                  max_new_tokens=how.max_new_tokens)
+        grad_norm = clip_and_step(model, optimizer, max_grad_norm=how.max_grad_norm,
                                   loss_finite=math.isfinite(mini_loss))
         if math.isfinite(grad_norm):  # the same on every rank
-            stats["grad_norm"] += grad_norm / world  # summed over ranks below
-            stats["loss/policy"] += mini_loss  # this rank's part; summed over ranks below
+            sums.grad_norm += grad_norm / world  # summed over ranks below
+            sums.loss += mini_loss  # this rank's part; summed over ranks below
             applied += 1
         else:
-            stats["steps_skipped"] += 1.0 / world
-    out = by_staleness(sum_over_ranks(stats))
-    out["loss/policy"] /= max(applied, 1)
-    out["grad_norm"] /= max(applied, 1)
-    out["mismatch/abs_log_ratio_max"] = max(gather(gap_max))
-    return {**out, **base, "tokens/forward": float(sum(m.tokens_in for m in minis))}
+            sums.skipped += 1.0 / world
+    out = sums.summed(oldest=oldest)
+    return StepStats(loss=out.loss / max(applied, 1), grad_norm=out.grad_norm / max(applied, 1), entropy=out.entropy,
+                     skipped=round(out.skipped), tokens_trained=total_tokens,
+                     tokens_forward=sum(m.tokens_in for m in minis), policy=out.loss_stats,
+                     mismatch_mean=out.mismatch.gap, mismatch_max=out.mismatch.gap_max, masked=out.mismatch.masked,
+                     mismatch_by_staleness={s: gap / tokens for s, (gap, tokens) in out.mismatch.by_staleness.items()
+                                            if tokens > 0})
 
 
 def log_probs(forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], model: torch.nn.Module,
@@ -180,13 +222,13 @@ def log_probs(forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], 
 
 
 def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Tensor | None],
-                  ref: list[torch.Tensor | None], stats: dict[str, float], *, loss_fn: Loss,
-                  correction: CorrectionConfig, forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
-                  step: int, total_tokens: int, max_new_tokens: int) -> tuple[float, float]:
+                  ref: list[torch.Tensor | None], sums: Sums, *, loss_fn: Loss, correction: CorrectionConfig,
+                  forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], step: int, total_tokens: int,
+                  max_new_tokens: int) -> float:
     """The loss of one mini-batch, backward micro-batch by micro-batch (the gradients accumulate),
-    its stats added to `stats` as shares of the step's `total_tokens`. Returns its loss (this
-    rank's part) and its largest behaviour/proximal gap."""
-    share, mini_loss, gap_max, world = mini.tokens / total_tokens, 0.0, 0.0, world_size()
+    its stats added to `sums` as shares of the step's `total_tokens`. Returns its loss (this
+    rank's part)."""
+    share, mini_loss, world = mini.tokens / total_tokens, 0.0, world_size()
     for mb, prox_logp, ref_logp in zip(mini.batches, prox, ref, strict=True):
         logp, entropy = log_probs(forward, model, mb, entropy=True)
         out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=mb.advantages,
@@ -194,17 +236,14 @@ def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Te
                                  norm_tokens=mini.rows * max_new_tokens, prox_logp=prox_logp, ref_logp=ref_logp))
         (out.loss * world).backward()
         mini_loss += out.loss.item()
-        mb_stats = {**out.stats.named(), **mismatch(logp.detach() if prox_logp is None else prox_logp, mb,
-                                                    correction, step=step, total_tokens=mini.tokens)}
-        gap_max = max(gap_max, mb_stats.pop("mismatch/abs_log_ratio_max"))
-        for k, v in mb_stats.items():  # shares of the mini-batch's tokens: weighted to the step's
-            stats[k] = stats.get(k, 0.0) + (v if k.startswith("staleness/") else v * share)
-        stats["entropy"] += (entropy * mb.mask).sum().item() / total_tokens
-    return mini_loss, gap_max
+        sums.add(out.stats, mismatch(logp.detach() if prox_logp is None else prox_logp, mb, correction, step=step,
+                                     total_tokens=mini.tokens), share=share)
+        sums.entropy += (entropy * mb.mask).sum().item() / total_tokens
+    return mini_loss
 
 
 def mismatch(measured: torch.Tensor, mb: MicroBatch, correction: CorrectionConfig, *, step: int,
-             total_tokens: int) -> dict[str, float]:
+             total_tokens: int) -> Mismatch:
     """The behaviour/proximal mismatch of micro-batch `mb` (grpo.mismatch_stats), `measured` the
     policy before this update (the proximal pass, else the trained policy's own log-probs), with
     the tokens `correction` drops and each token's staleness at trainer step `step`."""
@@ -215,30 +254,30 @@ def mismatch(measured: torch.Tensor, mb: MicroBatch, correction: CorrectionConfi
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
              micro_batch_size: int, micro_batch_tokens: int, max_grad_norm: float,
-             step: int = 0, chunk_tokens: int = 1024) -> dict[str, float]:
+             step: int = 0, chunk_tokens: int = 1024) -> StepStats:
     """One optimizer step of supervised cross-entropy over `groups`' loss-masked completion
     tokens, normalised by the global masked-token count as `train_step`'s token_mean (so any
     world size gives the same update). `step` is unused (sft data is never stale); a non-finite
-    loss or gradient norm skips the step (counted in "steps_skipped")."""
+    loss or gradient norm skips the step (counted in `skipped`)."""
     batched = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                            objective="sft", device=model_device(model))[0]
     total_tokens, world = batched.tokens, world_size()
-    base = {"tokens/trained": float(total_tokens), "tokens/forward": float(batched.tokens_in)}
     if total_tokens == 0:
-        return {**base, "loss/sft": 0.0, "grad_norm": 0.0, "entropy": 0.0}
+        return StepStats(tokens_forward=batched.tokens_in)
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    stats = {"loss/sft": 0.0, "entropy": 0.0}
+    loss, entropy_sum = 0.0, 0.0
     for mb in batched.batches:
         logp, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
                                           entropy=True, chunk_tokens=chunk_tokens,
                                           positions=mb.trained_at)  # (B, T), (B, T): 0 off the mask
         mb_loss = sft_loss(logp, mb.mask, total_tokens=total_tokens)
         (mb_loss * world).backward()
-        stats["loss/sft"] += mb_loss.item()
-        stats["entropy"] += (entropy * mb.mask).sum().item() / total_tokens
-    grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm,
-                              loss_finite=math.isfinite(stats["loss/sft"]))
-    stats["grad_norm"] = grad_norm / world if math.isfinite(grad_norm) else 0.0  # summed below
-    stats["steps_skipped"] = 0.0 if math.isfinite(grad_norm) else 1.0 / world
-    return {**sum_over_ranks(stats), **base}
+        loss += mb_loss.item()
+        entropy_sum += (entropy * mb.mask).sum().item() / total_tokens
+    grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm, loss_finite=math.isfinite(loss))
+    applied = math.isfinite(grad_norm)
+    entropy_sum, grad_norm, loss, skipped = all_sum([entropy_sum, grad_norm / world if applied else 0.0, loss,
+                                                     0.0 if applied else 1.0 / world])
+    return StepStats(loss=loss, grad_norm=grad_norm, entropy=entropy_sum, skipped=round(skipped),
+                     tokens_trained=total_tokens, tokens_forward=batched.tokens_in)

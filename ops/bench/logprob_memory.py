@@ -57,6 +57,10 @@ def worker(model_dir: str, seq: int, batch: int, chunk_tokens: int) -> None:
                 max_grad_norm=1.0)
     if chunk_tokens and "chunk_tokens" in inspect.signature(train_step).parameters:  # a tree with chunking
         args["chunk_tokens"] = chunk_tokens
+    if "how" in inspect.signature(train_step).parameters:  # a tree whose options are one record
+        from trainer.step import GrpoOptions
+
+        args = dict(ref_model=args.pop("ref_model"), how=GrpoOptions(**args, chunk_tokens=chunk_tokens or 1024))
     train_step(model, opt, [group(8, 8)], **args)  # warm-up: AdamW's state
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.monotonic()

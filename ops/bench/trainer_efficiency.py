@@ -106,7 +106,7 @@ def bare_worker(groups_file: Path, *, redis_url: str, steps: int, lr: float) -> 
     from trainer.checkpoints import load_model
     from trainer.devices import trainer_device
     from trainer.parallel import finish, init_distributed, parallelize
-    from trainer.step import train_step
+    from trainer.step import GrpoOptions, train_step
 
     rank, world = init_distributed()
     torch.manual_seed(0)
@@ -122,9 +122,9 @@ def bare_worker(groups_file: Path, *, redis_url: str, steps: int, lr: float) -> 
         while r.blpop([bare_go(rank)], timeout=1) is None:  # the parent's turn signal: nothing runs meanwhile
             pass
         mine = groups[s * PER_STEP + rank * share:s * PER_STEP + (rank + 1) * share]
-        train_step(model, optimizer, mine, loss=LossOptions(), ref_model=None, temperature=1.0, estimator="grpo",
-                   overlong="none", overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1,
-                   max_grad_norm=1.0)
+        train_step(model, optimizer, mine, how=GrpoOptions(loss=LossOptions(), temperature=1.0, estimator="grpo",
+                                                           overlong="none", overlong_penalty=0.0, micro_batch_size=8,
+                                                           micro_batch_tokens=0, updates=1, max_grad_norm=1.0))
         r.rpush(BARE_DONE, rank)
     finish()
 
@@ -309,7 +309,7 @@ def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) ->
     from common.messages import decode_group
     from trainer.batch import micro_batches
     from trainer.checkpoints import load_model
-    from trainer.step import train_step
+    from trainer.step import GrpoOptions, train_step
 
     torch.manual_seed(0)
     torch.set_num_threads(threads)
@@ -320,9 +320,9 @@ def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) ->
 
     def step(k: int) -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
-        train_step(model, optimizer, groups[k * PER_STEP:(k + 1) * PER_STEP], loss=LossOptions(clip_high=0.28),
-                   ref_model=None, temperature=0.8, estimator="grpo", overlong="none", overlong_penalty=0.0,
-                   micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0, max_new_tokens=24)
+        train_step(model, optimizer, groups[k * PER_STEP:(k + 1) * PER_STEP], how=GrpoOptions(
+            loss=LossOptions(clip_high=0.28), temperature=0.8, estimator="grpo", overlong="none", overlong_penalty=0.0,
+            micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0, max_new_tokens=24))
         return time.perf_counter() - t0, time.process_time() - c0
 
     step(0)  # warm-up: AdamW allocates its state

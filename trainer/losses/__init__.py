@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -40,7 +40,8 @@ class LossInputs:
 @dataclass(frozen=True, slots=True)
 class LossStats:
     """A micro-batch's statistics, each a share of the (mini-)batch's trained tokens, so that they
-    add up over micro-batches and ranks. The defaults are an empty step's."""
+    add up over micro-batches and ranks. The defaults are an empty step's. The trainer's metrics
+    (common/metrics.py's PolicyStats) carry them under the same field names."""
 
     clip_low: float = 0.0  # tokens whose ratio is clipped at the lower bound (where that acts)
     clip_high: float = 0.0  # ... at the upper bound
@@ -49,16 +50,6 @@ class LossStats:
     ratio: float = 1.0  # mean ratio pi / pi_old
     tis: float = 1.0  # mean behaviour weight of the correction (1: none)
     kl: float = 0.0  # mean KL estimate to the reference (0: no reference)
-
-    def named(self) -> dict[str, float]:
-        """The stats under their metric names (trainer/metrics.py reads them so)."""
-        return {STAT_NAMES[f.name]: getattr(self, f.name) for f in fields(self)}
-
-
-# Each LossStats field's metric name, TRL's where TRL has one.
-STAT_NAMES = {"clip_low": "clip_ratio/low_mean", "clip_high": "clip_ratio/high_mean",
-              "clip_region": "clip_ratio/region_mean", "clip_dual": "clip_ratio/dual_mean", "ratio": "ratio/mean",
-              "tis": "tis/mean", "kl": "kl"}
 
 
 class LossOutputs(NamedTuple):

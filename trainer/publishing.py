@@ -1,0 +1,99 @@
+"""The trainer's publishing stages: the weights of a step (and, with them, the trainer state and the
+acknowledgement of the groups trained since the last) every `sync_every` steps, again when the
+published checkpoint is gone, and a publish that could not be written (trainer/checkpoints.py
+writes the files and the transaction)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.evals import enqueue_eval
+from common.messages import WeightVersion
+from common.progress import Fault, count_fault, write_step
+from common.streams import latest_weights
+from trainer.checkpoints import hold_for_eval, publish, remove_unfinished
+from trainer.devices import DTYPES
+from trainer.parallel import any_rank, is_main, say
+from trainer.run import Run
+from trainer.state import prune_states, state_dir
+
+
+class PublishFailed(RuntimeError):
+    """A checkpoint or trainer state could not be written (a full disk): nothing was announced, and
+    the trainer stops; the text says where a restart resumes."""
+
+
+def checkpoint(run: Run, *, save: bool) -> WeightVersion | None:
+    """Publish the weights of `run.step` (every rank takes part); with `save`, the trainer state
+    too, and acknowledge every group trained since the last. Rank 0 alone gets the WeightVersion."""
+    cfg, config = run.config.trainer, run.config
+    newest = state_dir(run.state_root, run.record.state_step)
+    if any_rank(run.record.state_step > 0 and not newest.is_dir()):
+        save = True  # a restart would have nothing to resume from: save one now
+        if is_main():
+            count_fault(run.r, run.keys, Fault.STATE_LOST)
+        say(f"trainer: its newest saved state {newest} is gone (the output directory deleted?); "
+            f"saving the trainer state of step {run.step} now")
+    try:
+        wv = publish(run.r, run.keys, run.model, run.optimizer, run.scheduler, step=run.step,
+                     checkpoint_dir=config.checkpoint_dir, state_root=run.state_root, source_dir=run.source_dir,
+                     keep=cfg.keep_checkpoints, save_state_now=save,
+                     entry_ids=run.unacked_entries if save else [], group_ids=run.unacked_ids if save else [],
+                     dedup_window=cfg.dedup_window, dtype=DTYPES[config.model.dtype])
+    except OSError as err:  # a full disk, most often: nothing was announced
+        raise publish_failed(run, err) from err
+    run.record.published(wv, step=run.step, saved=save, group_ids=run.unacked_ids if save else [],
+                         dedup_window=cfg.dedup_window)
+    if save:
+        run.unacked_entries, run.unacked_ids = [], []
+    return wv
+
+
+def publish_failed(run: Run, err: OSError) -> PublishFailed:
+    """Count a publish whose files could not be written, remove what it half wrote (space a full
+    disk needs back), and say what stands: the weights generators have, the state a restart resumes
+    from. Every group trained since that state is still pending, to be trained again."""
+    remove_unfinished(run.config.checkpoint_dir)
+    prune_states(run.state_root, keep=run.config.trainer.keep_checkpoints)  # its half-written state
+    if is_main():
+        count_fault(run.r, run.keys, Fault.PUBLISH_FAILED)
+    return PublishFailed(
+        f"publishing step {run.step} failed: {err}. Nothing was announced: generators keep version "
+        f"{run.record.version}, and the groups trained since the saved state of step {run.record.state_step} "
+        f"stay pending. Stopping; free the space and start the trainer again: it resumes from that state")
+
+
+def publish_if_due(run: Run, *, last: bool) -> None:
+    """After a step: publish every `sync_every` steps and at the `last`, saving the trainer state
+    every `state_every` (and at the last), and queue the evaluation of every `eval.every`-th
+    version; between publishes rank 0 records the step alone."""
+    cfg, config = run.config.trainer, run.config
+    if run.step % cfg.sync_every == 0 or last:
+        run.version = run.step
+        save = run.step % (cfg.state_every or cfg.sync_every) == 0 or last
+        wv = checkpoint(run, save=save)
+        if wv is not None and config.eval.every and wv.version % config.eval.every == 0:
+            enqueue_eval(run.r, config, hold_for_eval(wv))  # the evaluator process scores it on held-out problems
+    elif is_main():
+        write_step(run.r, run.keys, step=run.step)
+        run.record.step = run.step
+
+
+def republish_if_gone(run: Run, *, agree: bool) -> None:
+    """Publish the weights of `run.step` again when the newest published checkpoint's directory
+    is gone (deleted, the output directory with it): generators cannot load it and go on sampling
+    with older weights, whose groups soon all grow too stale to train, so that no step would ever
+    end. `agree`: every rank decides together (a collective); else rank 0 decides alone, which
+    only a trainer of world size 1 may (between reads, while a step waits for groups)."""
+    latest = latest_weights(run.r, run.keys) if is_main() else None
+    gone = latest is not None and not Path(latest.path).is_dir()
+    if agree:
+        gone = any_rank(gone)
+    if not gone:
+        return
+    if latest is not None:
+        count_fault(run.r, run.keys, Fault.WEIGHTS_LOST)
+        say(f"trainer: the published checkpoint {latest.path} (version {latest.version}) is gone and generators "
+            f"cannot load it; publishing the weights of step {run.step} again")
+    run.version = run.step
+    checkpoint(run, save=True)

@@ -1,0 +1,58 @@
+"""The trainer's one state object: what every stage of trainer/main.py needs, built once at start-up
+(`start` there), on every rank; the stages are functions over it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+import torch
+
+from common.config import Config
+from common.keys import Keys
+from trainer.record import Record
+from trainer.stats import StepStats
+from trainer.tracking import Tracker
+
+# One trainer step's update of (model, optimizer, this rank's groups; step = trainer steps done),
+# its objective's options bound (trainer/step.py).
+Update = Callable[..., StepStats]
+
+
+@dataclass
+class Run:
+    """One trainer process of a run: its connections and paths (fixed at start-up), its model and
+    optimizer, and what the loop carries from step to step."""
+
+    config: Config  # the run's config, validated at start-up
+    r: redis.Redis  # the run's Redis
+    keys: Keys  # ... and its keys
+    model: torch.nn.Module  # the policy: placed on its device, sharded under torchrun
+    optimizer: torch.optim.Optimizer  # AdamW over the trained parameters (all, or LoRA's adapters)
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # the lr schedule; counts trainer steps
+    update: Update  # the objective's update of one trainer step
+    source_dir: Path  # the initial model: a fresh start's weights, every checkpoint's tokenizer files
+    state_root: Path  # where the trainer states are saved, beside the checkpoints (trainer/state.py)
+    step: int  # trainer steps done
+    version: int  # the step of the newest published weights (the initial ones are version 0)
+    rank: int = 0  # this process's rank under torchrun
+    world: int = 1  # ... and the number of ranks
+    updates: int = 1  # optimizer updates per trainer step (trainer.updates_per_batch; 1 for sft)
+    tracker: Tracker | None = None  # where the step metrics go: rank 0's; None on the others
+    cursor: bytes | None = b"0"  # where this rank reads next: first its own pending entries
+    # Every rank's entries and groups trained since the last saved state: acknowledged with the next.
+    unacked_entries: list[bytes] = field(default_factory=list)
+    unacked_ids: list[str] = field(default_factory=list)
+    record: Record = field(default_factory=lambda: Record(step=0, version=0, state_step=0, groups_trained=0))
+
+    @property
+    def sft(self) -> bool:
+        """Supervised steps (trainer.objective = "sft"): no advantages, never stale."""
+        return self.config.trainer.objective == "sft"
+
+    @property
+    def consumer(self) -> str:
+        """This rank's consumer name in the samples stream's `trainer` group."""
+        return f"rank{self.rank}"
