@@ -81,6 +81,13 @@ class Keys:
         return self._k("trainer")
 
     @property
+    def gone_back(self) -> str:
+        """List: every time the trainer resumed below a version it had published, oldest first
+        (common/progress.py:GoneBack, JSON), so that groups sampled with the weights it abandoned
+        are told from those sampled with the weights it published again under the same numbers."""
+        return self._k("trainer:gone_back")
+
+    @property
     def trainer_status(self) -> str:
         """Hash: the last step's `last_step_s`, `last_wait_s`, `staleness_mean`, `staleness_max`,
         `tokens_per_s` and `updated_at` (what `rollouts status` shows of the trainer)."""

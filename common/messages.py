@@ -96,6 +96,15 @@ class SampleGroup:
     engine: str  # "hf" or "vllm"
     completions: list[Completion]
     timings: dict[str, float] = field(default_factory=dict)  # seconds: "generate", "reward"
+    # When the weights of its newest version were published (their WeightVersion.created_at): tells
+    # weights the trainer published under that number before it went back from those it published
+    # since (common/progress.py:GoneBack). 0: not said (a writer from before, a recording).
+    published_at: float = 0.0
+
+    @property
+    def newest_version(self) -> int:
+        """The newest weight version any of its tokens was sampled with."""
+        return max([self.version] + [c.versions[-1][1] for c in self.completions if c.versions])
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SampleGroup):
@@ -110,7 +119,12 @@ class WeightVersion:
     path: str  # HF-format safetensors checkpoint directory
     format: str  # "safetensors"
     checksums: dict[str, str]  # file name -> "ALGORITHM:HEX" (common/checkpoints.py), for every file in `path`
-    created_at: float  # unix seconds
+    created_at: float  # unix seconds; within a run it never goes back, even when the version does
+    # The trainer's last go-back (common/progress.py:GoneBack) before this publish: weights a generator
+    # loaded that were published before `gone_back_at` under a version above `gone_back_step` are
+    # abandoned. 0 and 0.0: it never went back.
+    gone_back_step: int = 0
+    gone_back_at: float = 0.0
 
 
 # --------------------------------------------------------------------------- packing
@@ -141,13 +155,15 @@ def encode(msg: PromptTask | SampleGroup | WeightVersion) -> bytes:
             "v": SCHEMA, "t": "group", "id": msg.id, "prompt_id": msg.prompt_id,
             "prompt_ids": pack_ids(msg.prompt_ids, f"group {msg.id}.prompt_ids"), "version": msg.version,
             "generator": msg.generator, "engine": msg.engine, "timings": msg.timings,
+            "published_at": msg.published_at,
             "completions": [_completion_map(c, f"group {msg.id}.completions[{i}]")
                             for i, c in enumerate(msg.completions)],
         })
     if isinstance(msg, WeightVersion):
         return _dump({"v": SCHEMA, "t": "weights", "version": msg.version, "step": msg.step,
                       "path": msg.path, "format": msg.format, "checksums": msg.checksums,
-                      "created_at": msg.created_at})
+                      "created_at": msg.created_at, "gone_back_step": msg.gone_back_step,
+                      "gone_back_at": msg.gone_back_at})
     raise TypeError(f"not a wire message: {type(msg).__name__}")
 
 
@@ -386,9 +402,13 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size:
     if oldest < version:  # a group is as stale as its oldest token: its version may not hide one
         raise MessageError(f"{w}: a token sampled with version {oldest}, older than the group's version {version}")
     timings = _finite_map(d.get("timings", {}), f"{w}.timings")
+    published_at = _finite(d.get("published_at", 0.0), f"{w}.published_at")
+    if published_at < 0:
+        raise MessageError(f"{w}: negative published_at {published_at}")
     return SampleGroup(id=gid, prompt_id=_get(d, "prompt_id", str, w), prompt_ids=prompt_ids,
                        version=version, generator=_get(d, "generator", str, w),
-                       engine=_get(d, "engine", str, w), completions=completions, timings=timings)
+                       engine=_get(d, "engine", str, w), completions=completions, timings=timings,
+                       published_at=published_at)
 
 
 def decode_weights(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> WeightVersion:
@@ -399,4 +419,6 @@ def decode_weights(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Weight
         raise MessageError(f"{w}: checksums must map file names to checksum strings")
     return WeightVersion(version=_get(d, "version", int, w), step=_get(d, "step", int, w),
                          path=_get(d, "path", str, w), format=_get(d, "format", str, w),
-                         checksums=checksums, created_at=_finite(d.get("created_at"), f"{w}.created_at"))
+                         checksums=checksums, created_at=_finite(d.get("created_at"), f"{w}.created_at"),
+                         gone_back_step=_get(d, "gone_back_step", int, w) if "gone_back_step" in d else 0,
+                         gone_back_at=_finite(d.get("gone_back_at", 0.0), f"{w}.gone_back_at"))

@@ -13,6 +13,7 @@ transaction that publishes a checkpoint or acknowledges groups.
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import asdict, dataclass, field, fields
 
@@ -48,6 +49,39 @@ class TrainerProgress:
     publish_failed: int = 0  # publishes whose files could not be written (a full disk): none announced, trainer stopped
     state_lost: int = 0  # times the newest saved trainer state was found deleted (saved again at once)
     weights_lost: int = 0  # times the newest published checkpoint was found deleted (published again at once)
+
+
+@dataclass(frozen=True, slots=True)
+class GoneBack:
+    """One start of the trainer from a saved state older than its last publish: it publishes the
+    versions above `step` again, with other weights. Weights of a version in (`step`, `upto`]
+    published before `at` (their created_at) are the ones it abandoned; what it publishes from
+    then on is created at or after `at`, so the same number never means two things."""
+
+    step: int  # the step it resumed at
+    upto: int  # the highest version it had published before
+    at: float  # unix seconds, after the created_at of every version it had published
+
+    def abandoned(self, version: int, published_at: float) -> bool:
+        """Whether weights of `version` published at `published_at` (0: not said) are ones it abandoned."""
+        return self.step < version <= self.upto and published_at < self.at
+
+
+def read_gone_back(r: redis.Redis, keys: Keys) -> list[GoneBack]:
+    """The trainer's go-backs over the run, oldest first."""
+    return [GoneBack(**json.loads(raw)) for raw in r.lrange(keys.gone_back, 0, -1)]
+
+
+def add_gone_back(r: Client, keys: Keys, gone: GoneBack) -> None:
+    """Record one more go-back of the trainer."""
+    r.rpush(keys.gone_back, json.dumps(asdict(gone)))
+
+
+def write_gone_back(r: Client, keys: Keys, gone: list[GoneBack]) -> None:
+    """Replace the run's go-backs with `gone` (what the trainer knows, into a Redis that lost writes)."""
+    r.delete(keys.gone_back)
+    for g in gone:
+        add_gone_back(r, keys, g)
 
 
 class Refused(enum.Enum):

@@ -146,7 +146,10 @@ async def step_engine(g: Generator, state: State) -> int:
         elif done.error is not None:
             let_go(g, state, state.held[done.request_id])
         else:
-            g.finished_send.send_nowait((done, state.held[done.request_id]))
+            held = state.held[done.request_id]
+            newest = max([held.version] + [v for s in done.samples for _, v in s.versions or ()])
+            held.published_at = state.published.get(newest, 0.0)
+            g.finished_send.send_nowait((done, held))
     return len(finished)
 
 
@@ -182,7 +185,7 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
         if checked.error:
             raise CheckpointError(checked.error)
         assert wv is not None
-        back = wv.version <= engine.version
+        back = wv.version <= engine.version or abandoned(wv, engine.version, state.published_at)
         if back and wv.created_at <= state.published_at:
             return
         if back and engine.has_unfinished():
@@ -204,7 +207,9 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
         print(f"{name}: refused weights: {err}", file=sys.stderr, flush=True)
         return
     state.news.set()
-    state.published_at = wv.created_at
+    if back:  # nothing in flight: the versions loaded before say nothing of what comes
+        state.published.clear()
+    state.published_at = state.published[wv.version] = wv.created_at
     announced, drained = timeline(state, wv, loading_at=loading_at)
     if back:
         print(f"{name}: weights version {wv.version} {anew(wv.version, before)}", flush=True)
@@ -213,8 +218,18 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
           f"waited {t1 - t0:.2f} s for the checksums)", flush=True)
 
 
+def abandoned(wv: WeightVersion, loaded: int, published_at: float) -> bool:
+    """Whether the weights loaded (version `loaded`, published at `published_at`) are ones the
+    trainer abandoned when it went back to an older state, as `wv` says (common/progress.py:GoneBack):
+    loading `wv` then goes back too, even where its number is higher."""
+    return loaded > wv.gone_back_step and published_at < wv.gone_back_at
+
+
 def anew(version: int, loaded: int) -> str:
-    """Why a version not numbered above the engine's `loaded` one is loaded all the same."""
+    """Why a version is loaded as one that goes back: numbered no higher than the engine's `loaded`
+    one, or replacing weights the trainer abandoned."""
+    if version > loaded:
+        return f"replaces version {loaded}, which the trainer abandoned when it went back to an older state"
     if version < loaded:
         return f"announced after version {loaded}: the trainer went back to an older state"
     return "published again (other files; a trainer restarted from an older state, or its checkpoint was lost)"

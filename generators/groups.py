@@ -91,7 +91,7 @@ def make_group(engine: Engine, rewards: RewardRunner, held: Held, done: Finished
         id=task.id, prompt_id=task.id, prompt_ids=held.prompt_ids, version=version,
         generator=generator_id, engine=engine.name, completions=completions,
         timings={"queue": held.added_at - held.taken_at, "generate": t0 - held.added_at,
-                 "reward": time.perf_counter() - t0})
+                 "reward": time.perf_counter() - t0}, published_at=held.published_at)
     return group, [f"prompt {task.id}: {sc.error}" for sc in scored if sc.error is not None]
 
 
@@ -122,6 +122,8 @@ async def play_and_publish(g: Generator, state: State, held: Held) -> None:
             id=task.id, prompt_id=task.id, prompt_ids=prompt_ids, version=held.version, generator=g.id,
             engine=g.engine.name, completions=completions,
             timings={"queue": held.added_at - held.taken_at, "generate": t0 - held.added_at, "reward": 0.0})
+        # weights are not loaded while episodes play: what the state says of its version holds
+        group = dataclasses.replace(group, published_at=state.published.get(group.newest_version, 0.0))
         drop = drops(g, group)
         await trio.to_thread.run_sync(partial(
             drop_group if drop else publish, g.r, keys=g.keys, entry_id=held.entry_id, group=group))

@@ -42,6 +42,7 @@ class Held:
     taken_at: float  # perf_counter when it was taken from the stream
     added_at: float = 0.0  # when it joined the engine
     version: int = -1  # weights it is sampled with, set when it joins the engine
+    published_at: float = 0.0  # when its newest version's weights were published, set when it finishes
 
 
 class TurnFailed(RuntimeError):
@@ -78,6 +79,9 @@ class State:
     # version announced later with a number no higher is a trainer restarted from an older state
     # publishing its steps again: loaded all the same, once nothing is in flight (`went_back`).
     published_at: float = 0.0
+    # ... and of every version loaded since the engine last went back: the group of a prompt says
+    # when the weights of its newest version were published (SampleGroup.published_at).
+    published: dict[int, float] = field(default_factory=dict)
     went_back: bytes | None = None  # such a payload, waiting for the completions in flight to finish
     checked: Checked | None = None  # the newest payload's check (checksums), begun when it was announced
     seen: tuple[bytes, float] = (b"", 0.0)  # the payload last announced, and time.time() the watcher saw it

@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import decode_prompt
-from common.progress import read_dropped, read_producer, read_trainer
+from common.messages import decode_prompt, decode_weights
+from common.progress import read_dropped, read_gone_back, read_producer, read_trainer
 from common.tiny import tiny_run_config
 from tests.conftest import free_port, start_redis
 from tests.helpers import Shell, accounting, assert_accounted, need_vllm, spawn, stop, unaccounted, wait_for
@@ -347,12 +347,24 @@ def test_a_whole_host_power_loss_then_ops_run_again_loses_nothing_and_trains_not
     port = free_port()
     server = start_redis(data, port)
     try:
-        acc = accounting(redis.Redis(port=port), Keys("demo"))
+        r, keys = redis.Redis(port=port), Keys("demo")
+        acc = accounting(r, keys)
+        gone = read_gone_back(r, keys)
+        announced = [decode_weights(fields[PAYLOAD]) for _, fields in r.xrange(keys.weights)]
     finally:
         server.terminate()
         server.wait(timeout=30)
     assert not unaccounted(acc), (unaccounted(acc), acc)
     assert not trained_twice(checkout / "runs/demo/metrics.jsonl")
+    # It went back to its saved state: the versions above it were published twice, with other
+    # weights, and each time is told apart by when (groups say it: SampleGroup.published_at).
+    [back] = gone
+    assert back.step == steps(again.text())[0] - 1 < back.upto <= before, (back, before)
+    twice = [v for v in range(back.step + 1, back.upto + 1) if sum(w.version == v for w in announced) > 1]
+    assert twice, [(w.version, w.created_at) for w in announced]
+    for v in twice:
+        first, *_, last = [w for w in announced if w.version == v]
+        assert first.created_at < back.at <= last.created_at
 
 
 def test_generator_stopped_past_claim_idle_comes_back_and_its_late_groups_are_refused(

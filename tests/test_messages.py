@@ -29,11 +29,17 @@ def test_round_trips():
     p = PromptTask(id="a:0:1", messages=[{"role": "user", "content": "What is 1 + 1?"}], text=None,
                    meta={"answer": 2}, n=4, admitted_at=3)
     assert decode_prompt(encode(p)) == p
-    g = group()
+    g = group(published_at=7.25)
     assert decode_group(encode(g)) == g
     w = WeightVersion(version=2, step=2, path="/c/step_2", format="safetensors",
-                      checksums={"model.safetensors": "ab" * 32}, created_at=1.5)
+                      checksums={"model.safetensors": "ab" * 32}, created_at=1.5, gone_back_step=1, gone_back_at=1.25)
     assert decode_weights(encode(w)) == w
+    # written before groups said when their weights were published, or weights when the trainer went back
+    assert decode_group(tamper(g, lambda d: d.pop("published_at"))).published_at == 0.0
+    old = msgpack.unpackb(encode(w), raw=False)
+    del old["gone_back_step"], old["gone_back_at"]
+    before = decode_weights(msgpack.packb(old))
+    assert (before.gone_back_step, before.gone_back_at) == (0, 0.0)
 
 
 def test_arrays_travel_packed_not_as_lists():
@@ -58,6 +64,8 @@ def tamper(g: SampleGroup, fn) -> bytes:
         (tamper(group(), lambda d: d.pop("version")), "missing field 'version'"),
         (tamper(group(), lambda d: d.update(version="3")), "version"),
         (tamper(group(), lambda d: d.update(completions=[])), "no completions"),
+        (tamper(group(), lambda d: d.update(published_at=-1.0)), "negative published_at"),
+        (tamper(group(), lambda d: d.update(published_at="x")), "published_at"),
         (tamper(group(), lambda d: d["completions"][0].update(ids=b"\x01\x00")), "whole number"),
         (tamper(group(), lambda d: d["completions"][0].update(logprobs=b"")), "3 ids but 0 logprobs"),
         (tamper(group(), lambda d: d["completions"][0].update(reward=math.nan)), "not finite"),

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import msgpack
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.checkpoints import verify_dir
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import Completion, SampleGroup, decode_weights, encode
-from common.progress import TrainerProgress, read_trainer
+from common.progress import TrainerProgress, read_gone_back, read_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "t"
@@ -189,6 +190,37 @@ def test_a_trainer_gone_back_to_an_older_state_drops_groups_sampled_with_the_wei
     assert [(m["step"], m["group_ids"]) for m in lines[2:]] == [(3, ["y0", "y1"]), (4, ["w0", "w1"])]
     progress = read_trainer(r, KEYS)
     assert (progress.groups_dropped_stale, progress.version, progress.version_max) == (2, 4, 4)
+    assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0
+
+
+def test_groups_of_abandoned_weights_are_dropped_after_the_trainer_passed_their_version_again(
+        tmp_path, redis_url, r, tiny_model):
+    """Version 3 was published, then the trainer went back to its state of step 2 and published a
+    new version 3, with other weights. Groups stamped 3 that reach it only at step 3 are told apart
+    by when their weights were published: those of the abandoned 3 are dropped as stale (counted),
+    those of the new 3 are trained. By number alone both are one step old."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(6)
+    for i in range(4):
+        xadd(r, encode(make_group(model, f"a{i}", version=0, rng=rng)))
+    run_trainer(tmp_path, redis_url, tiny_model, max_steps=2)
+    abandoned_at = time.time()  # when the stopped incarnation published versions 3 and 4
+    r.hset(KEYS.trainer, mapping={"step": 4, "version": 4})
+    for gid in ("y0", "y1"):
+        xadd(r, encode(make_group(model, gid, version=2, rng=rng)))
+    proc = run_trainer(tmp_path, redis_url, tiny_model, max_steps=3)
+    assert "resuming at step 2, below version 4 it had published" in proc.stdout
+    again = decode_weights(r.get(KEYS.weights_latest))
+    [gone] = read_gone_back(r, KEYS)
+    assert (again.version, gone.step, gone.upto) == (3, 2, 4)
+    assert again.created_at >= gone.at > abandoned_at and (again.gone_back_step, again.gone_back_at) == (2, gone.at)
+    for gid, published_at in (("x0", abandoned_at), ("x1", abandoned_at), ("n0", again.created_at),
+                              ("n1", again.created_at)):
+        xadd(r, encode(replace(make_group(model, gid, version=3, rng=rng), published_at=published_at)))
+    run_trainer(tmp_path, redis_url, tiny_model, max_steps=4)
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["group_ids"]) for m in lines[2:]] == [(3, ["y0", "y1"]), (4, ["n0", "n1"])]
+    assert read_trainer(r, KEYS).groups_dropped_stale == 2
     assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0
 
 

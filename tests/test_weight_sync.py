@@ -317,6 +317,56 @@ def test_a_lower_version_announced_later_is_loaded_once_nothing_is_in_flight(tin
     thread.shutdown()
 
 
+def test_a_higher_version_published_after_the_trainer_went_back_waits_for_abandoned_completions(
+        tiny_model, tmp_path, monkeypatch):
+    """The engine holds version 12, which the trainer abandoned when it went back to step 10; the
+    trainer's new version 13 is numbered higher, but the completions in flight under the old 12
+    must not go on under it (a group would span two runs of weights): it is loaded as one that goes
+    back, once they are done, and the versions loaded before are forgotten. A version 13 from a
+    trainer that went back to 12 or later (the weights held are not abandoned) loads at once."""
+    import concurrent.futures
+
+    from engines.choice import open_engine
+    from generators.engine_loop import load_weights
+    from generators.state import State
+
+    def version(seed: int, step: int, created_at: float, **gone_back: float) -> tuple[bytes, torch.nn.Module]:
+        model = trained(tiny_model, seed=seed)
+        path, sums = write_checkpoint(model, checkpoint_dir=tmp_path / str(seed), step=step, source_dir=tiny_model)
+        return encode(WeightVersion(version=step, step=step, path=str(path), format="safetensors", checksums=sums,
+                                    created_at=created_at, **gone_back)), model
+
+    thread = concurrent.futures.ThreadPoolExecutor(1)
+    engine = thread.submit(open_engine, "hf", tiny_model).result()
+    state = State()
+
+    def load(blob: bytes) -> None:
+        state.latest = blob
+        trio.run(partial(load_weights, state, engine, thread, name="g"))
+
+    def holds(model: torch.nn.Module) -> bool:
+        mine = engine.model.state_dict()
+        return all(torch.equal(mine[k], v) for k, v in model.state_dict().items())
+
+    load(version(6, step=11, created_at=100.0)[0])
+    old, old_model = version(7, step=12, created_at=110.0)
+    load(old)
+    assert engine.version == 12 and holds(old_model) and state.published == {11: 100.0, 12: 110.0}
+    new, new_model = version(8, step=13, created_at=300.0, gone_back_step=10, gone_back_at=200.0)
+    monkeypatch.setattr(engine, "has_unfinished", lambda: True)  # completions in flight under the old 12
+    load(new)
+    assert engine.version == 12 and holds(old_model) and state.went_back == new
+    monkeypatch.setattr(engine, "has_unfinished", lambda: False)  # drained
+    trio.run(partial(load_weights, state, engine, thread, name="g"))
+    assert engine.version == 13 and holds(new_model) and state.went_back is None
+    assert state.published == {13: 300.0}  # a group of version 12 from now on is of the new 12
+    monkeypatch.setattr(engine, "has_unfinished", lambda: True)
+    newer, newer_model = version(9, step=14, created_at=310.0, gone_back_step=10, gone_back_at=200.0)
+    load(newer)  # the weights held were published after the go-back: an ordinary update, in flight
+    assert engine.version == 14 and holds(newer_model) and state.published == {13: 300.0, 14: 310.0}
+    thread.shutdown()
+
+
 def test_a_checkpoint_queued_for_evaluation_outlives_its_pruning(tiny_model, tmp_path):
     """The evaluator may be slower than `keep_checkpoints` publishes: the checkpoint an evaluation
     is queued on is held (hard links, no second copy on disk) until two newer ones are held, so

@@ -30,7 +30,7 @@ from common.checkpoints import WEIGHTS_FILE, checksum_dir, prune_steps, verify_d
 from common.config import LoraConfig
 from common.keys import TRAINER_GROUP, Keys
 from common.messages import WeightVersion
-from common.progress import count_trained, read_trainer, settle, write_step
+from common.progress import GoneBack, add_gone_back, count_trained, read_trainer, settle, write_step
 from common.streams import announce_weights, latest_weights
 from common.trim import trim_acknowledged
 from trainer.devices import Placement
@@ -179,14 +179,15 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
             scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int, checkpoint_dir: Path,
             state_root: Path, source_dir: Path, keep: int, save_state_now: bool, entry_ids: list[bytes],
             group_ids: list[str], dedup_window: int, dtype: torch.dtype | None = None,
-            timing: dict[str, float] | None = None) -> WeightVersion | None:
+            timing: dict[str, float] | None = None, gone_back: GoneBack | None = None) -> WeightVersion | None:
     """Checkpoint and trainer state on disk, then in one transaction: announce it and
     acknowledge the groups it holds (every rank's: `entry_ids` and `group_ids` are global).
 
     Every rank takes part (gathering the weights, writing its state shards); rank 0 writes the
     checkpoint (its weights in `dtype`, None: the master weights') and talks to Redis, and alone
     returns the WeightVersion. `timing`, if given, gets the seconds of the weights' "write" and,
-    of them, the "checksum" (write_safetensors).
+    of them, the "checksum" (write_safetensors). `gone_back`: the trainer's last start below a
+    version it had published: the announcement says so, and is created no earlier than it.
     """
     weights = full_state_dict(model)
     if is_main():
@@ -202,8 +203,9 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
         save_state(model, optimizer, scheduler, step=step, state_root=state_root, keep=keep)
     if not is_main():
         return None
-    wv = WeightVersion(version=step, step=step, path=str(path), format="safetensors",
-                       checksums=sums, created_at=time.time())
+    gone = gone_back or GoneBack(step=0, upto=0, at=0.0)
+    wv = WeightVersion(version=step, step=step, path=str(path), format="safetensors", checksums=sums,
+                       created_at=max(time.time(), gone.at), gone_back_step=gone.step, gone_back_at=gone.at)
     pipe = r.pipeline(transaction=True)
     announce_weights(pipe, keys, wv)
     write_step(pipe, keys, step=step, version=step, state_step=step if save_state_now else None)
@@ -242,6 +244,14 @@ def resume_point(r: redis.Redis, keys: Keys, *, source_dir: Path, state_root: Pa
     return 0, source_dir
 
 
+def going_back(r: redis.Redis, keys: Keys, *, step: int, upto: int) -> GoneBack:
+    """A start at `step` below the published `upto`, timed after every announcement so far (their
+    created_at never go back, whatever this host's clock says), so that what it publishes from
+    now on is told from what it published before under the same numbers."""
+    newest = latest_weights(r, keys)
+    return GoneBack(step=step, upto=upto, at=max(time.time(), newest.created_at if newest else 0.0) + 1e-3)
+
+
 def resume(r: redis.Redis, keys: Keys, *, where: Placement, source_dir: Path, state_root: Path, lr: float,
            weight_decay: float, lr_schedule: str, warmup_steps: int, total_steps: int,
            lora: LoraConfig | None = None
@@ -259,7 +269,11 @@ def resume(r: redis.Redis, keys: Keys, *, where: Placement, source_dir: Path, st
     if is_main():  # the newest published weights (the initial ones are 0); going back, the highest published
         had = read_trainer(r, keys)
         above = max(had.version_max, had.version)
-        write_step(r, keys, step=step, version=step, version_max=above if above > step else None)
+        pipe = r.pipeline(transaction=True)
+        write_step(pipe, keys, step=step, version=step, version_max=above if above > step else None)
+        if above > step:  # the versions above `step` will mean other weights: from when on, recorded
+            add_gone_back(pipe, keys, going_back(r, keys, step=step, upto=above))
+        pipe.execute()
     model = place(model, where)  # on its device; FSDP2 under torchrun
     trained = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters
     optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)

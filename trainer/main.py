@@ -37,7 +37,7 @@ from common.config import Config, RolloutConfig, TrainerConfig
 from common.keys import TRAINER_GROUP, Keys
 from common.messages import SampleGroup
 from common.models import resolve_model_path
-from common.progress import Refused, count_refused, count_skipped, read_trainer
+from common.progress import Refused, count_refused, count_skipped, read_gone_back, read_trainer
 from common.streams import connect, ensure_group
 from trainer.checkpoints import load_model, place, remove_unfinished, resume
 from trainer.devices import Placement, placement
@@ -90,7 +90,7 @@ def start(config: Config) -> tuple[Run, Shutdown]:
         r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps,
         lora=cfg.lora)
-    record = Record.of(read_trainer(r, keys))  # what Redis holds of the run, as `resume` left it
+    record = Record.of(read_trainer(r, keys), read_gone_back(r, keys))  # what Redis holds, as `resume` left it
     run = Run(config=config, r=r, keys=keys, model=model, optimizer=optimizer, scheduler=scheduler,
               update=objective(cfg, rollout, source_dir=source_dir, where=where), source_dir=source_dir,
               state_root=state_root, step=step, version=step, rank=rank, world=world,
@@ -162,7 +162,7 @@ def collect_groups(run: Run, shutdown: Shutdown) -> Collected | None:
                               consumer=run.consumer, cursor=run.cursor, shutdown=shutdown,
                               objective=run.config.trainer.objective, limits=run.config.limits,
                               trained=run.record.trained, skip=set(run.unacked_entries),
-                              between=partial(between_reads, run), abandoned_upto=run.record.version_max)
+                              between=partial(between_reads, run), gone_back=run.record.gone_back)
     return got
 
 

@@ -39,7 +39,8 @@ def checkpoint(run: Run, *, save: bool) -> WeightVersion | None:
                      checkpoint_dir=config.checkpoint_dir, state_root=run.state_root, source_dir=run.source_dir,
                      keep=cfg.keep_checkpoints, save_state_now=save,
                      entry_ids=run.unacked_entries if save else [], group_ids=run.unacked_ids if save else [],
-                     dedup_window=cfg.dedup_window, dtype=DTYPES[config.model.dtype])
+                     dedup_window=cfg.dedup_window, dtype=DTYPES[config.model.dtype],
+                     gone_back=run.record.gone_back[-1] if run.record.gone_back else None)
     except OSError as err:  # a full disk, most often: nothing was announced
         raise publish_failed(run, err) from err
     run.record.published(wv, step=run.step, saved=save, group_ids=run.unacked_ids if save else [],

@@ -18,7 +18,7 @@ import redis
 
 from common.keys import Keys
 from common.messages import WeightVersion
-from common.progress import TrainerProgress, read_trainer, restore_trained, write_step
+from common.progress import GoneBack, TrainerProgress, read_trainer, restore_trained, write_gone_back, write_step
 from common.streams import announce_weights
 
 
@@ -31,11 +31,13 @@ class Record:
     latest: WeightVersion | None = None  # the newest published weights
     trained: dict[str, int] = field(default_factory=dict)  # group id -> step, the last dedup_window steps
     version_max: int = 0  # the highest version ever published in the run (TrainerProgress.version_max)
+    gone_back: list[GoneBack] = field(default_factory=list)  # every start below a published version, oldest first
 
     @classmethod
-    def of(cls, progress: TrainerProgress) -> Record:
+    def of(cls, progress: TrainerProgress, gone_back: list[GoneBack] | None = None) -> Record:
         return cls(step=progress.step, version=progress.version, state_step=progress.state_step,
-                   groups_trained=progress.groups_trained, version_max=max(progress.version_max, progress.version))
+                   groups_trained=progress.groups_trained, version_max=max(progress.version_max, progress.version),
+                   gone_back=list(gone_back or []))
 
     def published(self, wv: WeightVersion | None, *, step: int, saved: bool, group_ids: list[str],
                   dedup_window: int) -> None:
@@ -63,6 +65,8 @@ def put_right(r: redis.Redis, keys: Keys, record: Record) -> TrainerProgress:
     write_step(pipe, keys, step=record.step, version=record.version, state_step=record.state_step,
                version_max=record.version_max if record.version_max > record.version else None)
     restore_trained(pipe, keys, groups_trained=record.groups_trained, trained=record.trained)
+    if record.gone_back:
+        write_gone_back(pipe, keys, record.gone_back)
     if record.latest is not None:
         announce_weights(pipe, keys, record.latest)
     pipe.execute()

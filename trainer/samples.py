@@ -8,9 +8,12 @@ the reason (`groups_dead`), a group whose id is already trained or waiting to be
 duplicate (`groups_duplicate`), and one staler than `max_staleness` is dropped
 (`groups_dropped_stale`). So is one sampled with weights the trainer abandoned: a trainer restarted
 from a state older than its last publish (`state_every` above `sync_every`, a crash between the two)
-publishes those step numbers again with other weights, and a group whose version is above the
-trainer's step, up to the highest it had published, was sampled with the old ones. Versions above
-that highest one were never published in this run (a replayed recording): they are trained.
+publishes those step numbers again with other weights. A group says when the weights of its newest
+version were published (`published_at`), and each such start is recorded with the time after
+which the trainer published anew (common/progress.py:GoneBack): a group of a version above the
+step it went back to, up to the highest it had published, and published before then, was sampled
+with the old weights, even once the trainer has passed that version again. Versions above that
+highest one were never published in this run (a replayed recording): they are trained.
 
 The `trained` sorted set (group id -> step, written by trainer/checkpoints.py's `publish`) guards
 against a second group made from the same prompt (two generators racing on a reclaimed prompt); it
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -32,7 +35,7 @@ from common.config import LimitsConfig
 from common.deadletters import DeadLetter, dead_letter
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import MessageError, SampleGroup, decode_group, peek_id
-from common.progress import Refused, count_refused, settle
+from common.progress import GoneBack, Refused, count_refused, settle
 from trainer.shutdown import Shutdown
 
 BLOCK_MS = 1000  # longest wait on the samples stream before checking for a stop request
@@ -101,24 +104,19 @@ def reject(r: redis.Redis, keys: Keys, entry_id: bytes, *, why: Refused, group_i
     pipe.execute()
 
 
-def newest_version(group: SampleGroup) -> int:
-    """The newest weight version any of the group's tokens was sampled with."""
-    return max([group.version] + [c.versions[-1][1] for c in group.completions if c.versions])
-
-
 def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: int | None, vocab_size: int,
             unpublished: set[str], consumer: str, cursor: bytes | None, shutdown: Shutdown,
             objective: str = "grpo", limits: LimitsConfig | None = None, trained: dict[str, int] | None = None,
             skip: set[bytes] | None = None, between: Callable[[], None] | None = None,
-            abandoned_upto: int = 0) -> tuple[Collected | None, bytes | None]:
+            gone_back: Sequence[GoneBack] = ()) -> tuple[Collected | None, bytes | None]:
     """`want` trainable groups (None if a stop was requested first), and the next read cursor.
     `max_staleness` None: no group is too stale (sft). A group is a duplicate if its id is
     `unpublished` (trained since the last saved state), in `trained` (the trainer's own record of
     the ids it trained) or in Redis's `trained` set; entries in `skip` (trained, acknowledged with
     the next saved state) are passed over when this rank's pending entries are read again.
     `between` runs before every read (rank-local: no collectives), for what must not wait for
-    the step's groups to arrive. `abandoned_upto`: the highest version published before the trainer
-    went back to an older state (a group newer than `step` up to it is dropped as stale)."""
+    the step's groups to arrive. `gone_back`: the trainer's starts below a version it had published
+    (a group sampled with weights one of them abandoned is dropped as stale)."""
     trained = trained or {}
     skip = skip or set()
     got = Collected()
@@ -152,8 +150,9 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
                 reject(r, keys, entry_id, why=Refused.DUPLICATE, group_id=group.id)
                 got.duplicate += 1
                 continue
-            if (max_staleness is not None and step - group.version > max_staleness
-                    or step < newest_version(group) <= abandoned_upto):
+            if max_staleness is not None and (  # sft: no sampling, no weights to be stale
+                    step - group.version > max_staleness
+                    or any(g.abandoned(group.newest_version, group.published_at) for g in gone_back)):
                 reject(r, keys, entry_id, why=Refused.STALE, group_id=group.id)
                 got.stale += 1
                 continue
