@@ -29,6 +29,21 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_INTERRUPTED = 130
 
+# How long the launcher waits after its first signal before it SIGKILLs what still runs (seconds;
+# ops/honcho sets it, 60 by default); Redis, under ops/redis-last, stops 1 s before that. A process
+# gives up what it cannot finish STOP_MARGIN_S before the end, and exits 0 in time.
+ENV_STOP_GRACE = "STOP_GRACE_S"
+STOP_MARGIN_S = 2.0
+
+
+def stop_grace_s() -> float | None:
+    """How long the launcher waits after its first signal (ENV_STOP_GRACE); None when it is not set
+    or not a number (no known deadline: what is in hand is always finished)."""
+    try:
+        return float(os.environ[ENV_STOP_GRACE])
+    except (KeyError, ValueError):
+        return None
+
 
 class Stop(Exception):
     """What a process's main raises to exit with its one-line `message` and status `code` (a

@@ -22,6 +22,11 @@ def main(config: Config, args: argparse.Namespace) -> None:
         print(f"generator {generator_id}: {err}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_FAILED)
+    except SystemExit as stop:  # a second signal: exit now, not once the engine's call in hand returns
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(stop.code if isinstance(stop.code, int) else EXIT_FAILED)
     # Stopped cleanly, everything written. Run the exit handlers (vLLM's engine shutdown), then skip
     # the interpreter's teardown.
     atexit._run_exitfuncs()

@@ -36,8 +36,8 @@ async def score_and_publish(g: Generator, state: State, done: Finished, held: He
     """Score one finished prompt and write its group (or drop it: dynamic sampling); its place in
     `capacity` goes back to the intake."""
     try:
-        group, errors = await trio.to_thread.run_sync(partial(
-            make_group, g.engine, g.rewards, held, done, generator_id=g.id))
+        group, errors = await trio.to_thread.run_sync(partial(  # a stop that gives up leaves the scoring
+            make_group, g.engine, g.rewards, held, done, generator_id=g.id), abandon_on_cancel=True)
         drop = drops(g, group)
         await trio.to_thread.run_sync(partial(
             drop_group if drop else publish, g.r, keys=g.keys, entry_id=held.entry_id, group=group))

@@ -3,6 +3,7 @@ touched) and the signals (the first stops the intake, the second everything)."""
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import time
@@ -10,6 +11,7 @@ import time
 import trio
 
 from common.heartbeats import Heartbeat, write_heartbeat
+from common.process import ENV_STOP_GRACE, STOP_MARGIN_S, stop_grace_s
 from engines.base import Engine
 from engines.choice import engine_kind
 from generators import devices
@@ -50,15 +52,26 @@ def heartbeat(state: State, engine: Engine) -> Heartbeat:
 
 async def signals(g: Generator, state: State, everything: trio.CancelScope) -> None:
     """The first SIGTERM/SIGINT stops the intake (what is held is finished); the second cancels
-    `everything` and sets the exit code."""
+    `everything` and sets the exit code. Under a launcher that kills what still runs STOP_GRACE_S
+    after its signal, what is not finished STOP_MARGIN_S before then is given up: `everything` is
+    cancelled and the generator exits 0 in time, its unfinished prompts pending, unwritten, for a
+    generator to take over after claim_idle_s (nothing is lost: a prompt is acknowledged only in
+    the transaction that writes its group)."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
-        async for signum in received:
-            if state.stopping:
-                print(f"{g.name}: second signal, exiting now", file=sys.stderr, flush=True)
-                state.exit_code = 128 + signum
-                everything.cancel()
-                return
+        async for _ in received:
             state.stopping = True
             g.intake_scope.cancel()
+            grace = stop_grace_s()
             print(f"{g.name}: finishing the {len(state.held)} prompts it holds (signal again to exit now)",
                   file=sys.stderr, flush=True)
+            with trio.move_on_after(math.inf if grace is None else max(grace - STOP_MARGIN_S, 0.0)):
+                async for signum in received:
+                    print(f"{g.name}: second signal, exiting now", file=sys.stderr, flush=True)
+                    state.exit_code = 128 + signum
+                    everything.cancel()
+                    return
+            print(f"{g.name}: giving up the {len(state.held)} prompts it has not finished: the launcher kills what "
+                  f"still runs {grace:g} s after its signal ({ENV_STOP_GRACE}). They stay pending, unwritten, and are "
+                  f"taken over after claim_idle_s ({g.settings.claim_idle_s:g} s)", file=sys.stderr, flush=True)
+            everything.cancel()
+            return

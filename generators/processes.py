@@ -33,15 +33,17 @@ def kill(process: BaseProcess, conn: Connection) -> None:
     `join` alone is not enough when other threads start processes: `Process.start` reaps every
     finished child it knows of, so another thread may collect our exit status between our kill and
     our `join`, which then returns with the exit code still unknown and `close` raises. The exit
-    code is waited for instead (set by whichever thread reaped it), for at most REAP_TIMEOUT_S."""
+    code is waited for instead (set by whichever thread reaped it), for at most REAP_TIMEOUT_S.
+    Two threads may kill one worker (a pool closed while a scoring call it gave up on replaces
+    it): the process object the other closed meanwhile (ValueError) is killed and reaped already."""
     with contextlib.suppress(ProcessLookupError):  # gone already, or killed before it made its own group
         os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, ValueError):
         process.kill()
-    deadline = time.monotonic() + REAP_TIMEOUT_S
-    process.join(timeout=REAP_TIMEOUT_S)
-    while process.exitcode is None and time.monotonic() < deadline:
-        process.join(timeout=0.05)
+        deadline = time.monotonic() + REAP_TIMEOUT_S
+        process.join(timeout=REAP_TIMEOUT_S)
+        while process.exitcode is None and time.monotonic() < deadline:
+            process.join(timeout=0.05)
     with contextlib.suppress(ValueError):  # still unknown after the deadline: left to the interpreter's reaper
         process.close()
     conn.close()

@@ -12,6 +12,12 @@ def half(**_) -> float:
     return 0.5
 
 
+def slow(**_) -> float:
+    """A verifier that takes an hour (a sandbox that hangs)."""
+    time.sleep(3600)
+    return 1.0
+
+
 def parts(**_) -> dict[str, float]:
     return {"correct": 1.0, "format": 0.25}
 

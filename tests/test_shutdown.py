@@ -12,9 +12,10 @@ import time
 import pytest
 import redis
 
-from common.keys import PAYLOAD
-from common.messages import decode_prompt
+from common.keys import GENERATORS_GROUP, PAYLOAD
+from common.messages import decode_group, decode_prompt
 from common.progress import read_producer, read_trainer, write_step
+from common.tiny import tiny_run_config
 from tests.conftest import free_port, start_redis
 from tests.helpers import ROOT, accounting, assert_accounted, spawn, spawn_ops_honcho, stop, wait_for
 from tests.test_faults import KEYS, Pipeline, metrics, report, trained_once, write_config
@@ -150,6 +151,56 @@ def test_producer_first_sigterm_stops_cleanly_and_a_second_at_once(tmp_path, red
     assert consistent() == 24
     ids = [decode_prompt(fields[PAYLOAD]).id for _, fields in r.xrange(KEYS.prompts)]
     assert ids == [f"arithmetic:0:{i}" for i in range(24)], "a prompt admitted twice or skipped"
+
+
+def test_a_generator_gives_up_what_it_cannot_finish_within_the_grace_and_another_takes_it_over(
+        tmp_path, redis_url, r, tiny_model):
+    """Under a launcher that SIGKILLs what still runs STOP_GRACE_S after its signal, a generator
+    whose prompts cannot be finished in time (a reward that takes an hour) gives them up before
+    then and exits 0, writing nothing for them; they stay pending, and a generator started later
+    takes them over (claim_idle_s) and writes their groups: none lost, none written twice."""
+    def config(name: str, reward: str) -> dict[str, str]:
+        path = tmp_path / f"{name}.toml"
+        path.write_text(tiny_run_config(
+            run=KEYS.run, redis_url=redis_url, output_dir=tmp_path / "run", model=tiny_model,
+            generator={"claim_idle_s": 2.0, "reward_timeout_s": 3600.0}, trainer={"max_steps": 1})
+            + f'[[data.sources]]\nname = "arithmetic"\nkind = "arithmetic"\nreward = "{reward}"\n')
+        return {"ROLLOUTS_CONFIG": str(path)}
+
+    slow, quick = config("slow", "tests.reward_fixtures:slow"), config("quick", "tests.reward_fixtures:half")
+    producer = spawn("producers", cwd=tmp_path, env=quick, log=tmp_path / "producer.log")
+    g1 = spawn("generators", "--id", "g1", cwd=tmp_path, env={**slow, "STOP_GRACE_S": "4"}, log=tmp_path / "g1.log")
+    try:
+        wait_for(lambda: len(pending(r, "g1")) >= 2, timeout=120, what="g1 holding prompts", procs=[producer, g1])
+        g1.send_signal(signal.SIGTERM)
+        assert g1.wait(timeout=60) == 0, (tmp_path / "g1.log").read_text()[-3000:]
+        out, held = (tmp_path / "g1.log").read_text(), pending(r, "g1")
+        assert f"g1: giving up the {len(held)} prompts it has not finished" in out, out[-3000:]
+        assert r.xlen(KEYS.samples) == 0 and pending(r, "g1") == held
+        g2 = spawn("generators", "--id", "g2", cwd=tmp_path, env=quick, log=tmp_path / "g2.log")
+        try:
+            wait_for(lambda: held <= written(r), timeout=120, what="g2 writing the groups g1 gave up", procs=[g2])
+        finally:
+            assert stop(g2) == 0
+    finally:
+        stop(producer)
+        stop(g1)
+    ids = [decode_group(fields[PAYLOAD]).id for _, fields in r.xrange(KEYS.samples)]
+    assert len(ids) == len(set(ids)), ids
+
+
+def pending(r, consumer: str) -> set[str]:
+    """The ids of the prompts `consumer` holds (taken, not acknowledged)."""
+    try:
+        entries = r.xpending_range(KEYS.prompts, GENERATORS_GROUP, "-", "+", 100, consumername=consumer)
+    except redis.exceptions.ResponseError:  # no prompts stream yet
+        return set()
+    return {decode_prompt(r.xrange(KEYS.prompts, e["message_id"], e["message_id"])[0][1][PAYLOAD]).id
+            for e in entries}
+
+
+def written(r) -> set[str]:
+    return {decode_group(fields[PAYLOAD]).prompt_id for _, fields in r.xrange(KEYS.samples)}
 
 
 def test_ops_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_path, tiny_model):

@@ -37,6 +37,7 @@ from common.config import Config, RolloutConfig, TrainerConfig
 from common.keys import TRAINER_GROUP, Keys
 from common.messages import SampleGroup
 from common.models import resolve_model_path
+from common.process import stop_grace_s
 from common.progress import Refused, count_refused, count_skipped, read_gone_back, read_trainer
 from common.streams import connect, ensure_group
 from trainer.checkpoints import load_model, place, remove_unfinished, resume
@@ -49,7 +50,7 @@ from trainer.record import Record
 from trainer.repairs import between_reads, check_redis, note_going_back
 from trainer.run import Run, Update
 from trainer.samples import Collected, collect
-from trainer.shutdown import Shutdown, stop_grace_s
+from trainer.shutdown import Shutdown
 from trainer.stats import StepStats
 from trainer.step import GrpoOptions, sft_step, train_step
 from trainer.tracking import Tracker

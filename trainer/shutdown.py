@@ -19,17 +19,7 @@ import sys
 import threading
 import time
 
-# Seconds before the launcher's deadline by which the trainer has gone: Redis stops 1 s before it.
-MARGIN_S = 2.0
-
-
-def stop_grace_s() -> float | None:
-    """How long the launcher waits after its first signal (STOP_GRACE_S, as ops/honcho sets it);
-    None when it is not set or not a number (no known deadline: the step is always finished)."""
-    try:
-        return float(os.environ["STOP_GRACE_S"])
-    except (KeyError, ValueError):
-        return None
+from common.process import STOP_MARGIN_S
 
 
 class Shutdown:
@@ -65,7 +55,7 @@ class Shutdown:
               "(again to exit at once)", file=sys.stderr, flush=True)
         if self.grace_s is None:
             return
-        left = self.grace_s - MARGIN_S
+        left = self.grace_s - STOP_MARGIN_S
         if self.busy_since is not None and self.last_step_s is not None \
                 and self.busy_since + self.last_step_s > time.monotonic() + left:
             self._give_up(f"a step takes {self.last_step_s:.0f} s")
