@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -67,6 +68,15 @@ def exit_at_once() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_STOPPED)
+
+
+def exit_within(seconds: float) -> None:
+    """Exit 0 `seconds` from now, whatever the process is doing then (a daemon timer): a process that
+    gave up what it could not finish within the launcher's grace is gone before the launcher's
+    SIGKILL and before Redis stops, even where its clean-up waits (a blocked read, a worker)."""
+    timer = threading.Timer(seconds, exit_at_once)
+    timer.daemon = True
+    timer.start()
 
 
 def run_process(process: str, main: Callable[[Config, argparse.Namespace], None], *, prog: str, doc: str,

@@ -11,7 +11,7 @@ import time
 import trio
 
 from common.heartbeats import Heartbeat, write_heartbeat
-from common.process import ENV_STOP_GRACE, STOP_MARGIN_S, stop_grace_s
+from common.process import ENV_STOP_GRACE, STOP_MARGIN_S, exit_within, stop_grace_s
 from engines.base import Engine
 from engines.choice import engine_kind
 from generators import devices
@@ -73,5 +73,6 @@ async def signals(g: Generator, state: State, everything: trio.CancelScope) -> N
             print(f"{g.name}: giving up the {len(state.held)} prompts it has not finished: the launcher kills what "
                   f"still runs {grace:g} s after its signal ({ENV_STOP_GRACE}). They stay pending, unwritten, and are "
                   f"taken over after claim_idle_s ({g.settings.claim_idle_s:g} s)", file=sys.stderr, flush=True)
+            exit_within(STOP_MARGIN_S / 4)  # clean up meanwhile if it can (leases and heartbeats expire anyway)
             everything.cancel()
             return
