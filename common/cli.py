@@ -143,7 +143,11 @@ def parser() -> argparse.ArgumentParser:
 def check_command(argv: list[str], env: dict[str, str]) -> None:
     """`rollouts check`: run as its own process (`python -m checks`, the same arguments), which
     opens an engine and the trainer's model as the run's processes do; common imports neither."""
-    sys.exit(subprocess.run([sys.executable, "-m", "checks", *argv], env=env).returncode)
+    # The libraries' notices kept off its report, as ./ops/run keeps them off the console (a
+    # variable you set yourself wins).
+    quiet = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
+             "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning"}
+    sys.exit(subprocess.run([sys.executable, "-m", "checks", *argv], env={**quiet, **env}).returncode)
 
 
 def dotenv(path: Path) -> dict[str, str]:
