@@ -69,7 +69,7 @@ class Mismatch:
     def by_bucket(self) -> list[tuple[str, float | None, int]]:
         out = []
         for low, high in POSITION_BUCKETS:
-            inside = (self.position >= low) & (self.position <= (high if high is not None else self.position.max()))
+            inside = (self.position >= low) & (self.position <= (high if high is not None else math.inf))
             n = int(inside.sum())
             out.append((f"{low}-{high}" if high is not None else f"{low}+",
                         float(self.log_ratio[inside].abs().mean()) if n else None, n))
@@ -242,20 +242,19 @@ def figure_lines(config: Config, sampled: Sampled, mismatch: Mismatch) -> list[s
     n, steps = len(groups), config.rollout.prompts_per_step
     bound, max_ratio = BOUNDS[config.model.dtype]
     per_sample, per_forward = sampled.sample_s / n, mismatch.forward_s / n
+    buckets = "  ".join(f"{name} {'-' if v is None else f'{v:.2e}'} ({k})" for name, v, k in mismatch.by_bucket())
     lines = [f"mismatch   mean |log-ratio| {lr.abs().mean():.2e}  max {lr.abs().max():.2e}  "
-             f"KL (k3) {(lr.exp() - 1 - lr).mean():.2e}  over {lr.numel()} tokens (trainer minus behaviour)"
-             if lr.numel() else "mismatch   no tokens",
-             "           by position  " + "  ".join(f"{name} {'-' if v is None else f'{v:.2e}'} ({k})"
-                                                   for name, v, k in mismatch.by_bucket()),
+             f"KL (k3) {(lr.exp() - 1 - lr).mean():.2e}  over {lr.numel()} tokens (trainer minus behaviour)",
+             f"           by position  {buckets}",
              f"ratio      exp(logp_trainer - logp_behaviour) mean {lr.exp().mean():.4f}  max {lr.exp().max():.4f}  "
-             f"(bounds: mean |log-ratio| <= {bound}, ratio <= {max_ratio})" if lr.numel() else "",
-             f"rewards    {len(completions)} completions, {errors} errors, constant {'yes' if constant else 'no'}, "
-             f"zero-variance groups {zero}/{n} ({zero / n:.0%})",
-             f"time       sampling {per_sample:.2f} s/group, scoring {sampled.score_s / n:.2f} s/group, "
-             f"trainer forward {per_forward:.2f} s/group",
-             f"estimate   at prompts_per_step {steps}: sampling {per_sample * steps:.1f} s per step on one "
-             f"generator, trainer forward {per_forward * steps:.1f} s (a step's forward and backward: about 3x)"]
-    return [line for line in lines if line]
+             f"(bounds: mean |log-ratio| <= {bound}, ratio <= {max_ratio})"] if lr.numel() else ["mismatch   no tokens"]
+    lines += [f"rewards    {len(completions)} completions, {errors} errors, constant {'yes' if constant else 'no'}, "
+              f"zero-variance groups {zero}/{n} ({zero / n:.0%})",
+              f"time       sampling {per_sample:.3g} s/group, scoring {sampled.score_s / n:.3g} s/group, "
+              f"trainer forward {per_forward:.3g} s/group",
+              f"estimate   at prompts_per_step {steps}: sampling {per_sample * steps:.3g} s per step on one "
+              f"generator, trainer forward {per_forward * steps:.3g} s (a step's forward and backward: about 3x)"]
+    return lines
 
 
 def run(config: Config, *, prompts: int, engine_model: str | None = None,

@@ -147,7 +147,10 @@ def check_command(argv: list[str], env: dict[str, str]) -> None:
     # variable you set yourself wins).
     quiet = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
              "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning"}
-    sys.exit(subprocess.run([sys.executable, "-m", "checks", *argv], env={**quiet, **env}).returncode)
+    try:
+        sys.exit(subprocess.run([sys.executable, "-m", "checks", *argv], env={**quiet, **env}).returncode)
+    except KeyboardInterrupt:  # Ctrl-C reached the check too (one process group): it says so itself
+        sys.exit(130)
 
 
 def dotenv(path: Path) -> dict[str, str]:

@@ -6,6 +6,7 @@ model with the HF engine; its verdict's rules are checked by hand below."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,8 @@ def test_an_engine_sampling_at_another_temperature_fails_saying_which(tmp_path, 
     assert done.returncode == 1, done.stdout + done.stderr
     [reason] = failures(done.stdout)
     assert reason.startswith("mismatch: mean |log-ratio| "), done.stdout
-    assert "the engine samples at temperature 2.0" in reason  # fitted: 1.99 or 2.00 or 2.01
+    fitted = re.search(r"the engine samples at temperature (\d+\.\d+) ", reason)
+    assert fitted and abs(float(fitted[1]) - 2.0) <= 0.02, reason  # the fit's own tolerance: 0.3%
     assert "the trainer computes them at rollout.temperature = 1.0" in reason
 
 
