@@ -36,13 +36,14 @@ from trainer.step import log_probs, step_batches
 
 # Bounds, by model.dtype: (mean |logp_trainer - logp_behaviour| over the sampled tokens, the
 # largest exp(logp_trainer - logp_behaviour) of any one token). Measured on honest runs (engine and
-# trainer on the same weights and temperature), HF engine on a 2-core CPU, 4 prompts x 4
-# completions (2026-11-25): float32, the tiny test model mean 1.6e-7, max |log-ratio| 9.5e-7; the
-# built-in SmolLM2-135M mean 4.2e-6, max 2.9e-5. bfloat16 (the engine's bf16 weights against the
-# trainer's float32 master weights under bf16 autocast), SmolLM2-135M: mean 0.033, ratio max 1.25.
-# Each bound sits far above its honest figure (float32: 2000x; bf16: 3x) and below what a wrong
-# setting gives: on the tiny model, whose near-uniform distributions differ least, sampling at
-# temperature 1.6 instead of 1.0 gives mean 0.049; other weights 0.18.
+# trainer on the same weights and temperature) on a 2-core CPU, 4 prompts x 4 completions
+# (2026-11-25). float32, HF engine: the tiny test model mean 1.6e-7, max |log-ratio| 9.5e-7; the
+# built-in SmolLM2-135M mean 4.2e-6, max 2.9e-5; vLLM's CPU engine on it mean 6.7e-6, max 5.4e-5.
+# bfloat16 (the engine's bf16 weights against the trainer's float32 master weights under bf16
+# autocast), HF engine, SmolLM2-135M: mean 0.033, ratio max 1.25. Not measured on a GPU. Each bound
+# sits far above its honest figure (float32: 1000x; bf16: 3x) and below what a wrong setting
+# gives: on the tiny model, whose near-uniform distributions differ least, sampling at temperature
+# 1.6 instead of 1.0 gives mean 0.049; other weights 0.18.
 BOUNDS = {"float32": (0.01, 1.5), "bfloat16": (0.1, 3.0), "float16": (0.1, 3.0)}
 POSITION_BUCKETS = ((0, 15), (16, 63), (64, None))  # completion token positions, inclusive
 
@@ -111,15 +112,16 @@ def sample_groups(config: Config, engine: Engine, tasks: list[PromptTask], *, te
     prompt_ids = [engine.prompt_ids(t) for t in tasks]
     t0 = time.perf_counter()
     done = engine.sample(prompt_ids, sampling)
-    t1 = time.perf_counter()
+    sample_s = time.perf_counter() - t0
     with RewardRunner(reward_names(config), timeout_s=gen.reward_timeout_s, workers=gen.reward_workers,
                       conversational=conversational_sources(config)) as rewards:
+        t1 = time.perf_counter()  # the workers started: scoring from here
         groups = [make_group(engine, rewards, Held(entry_id=task.id.encode(), task=task, prompt_ids=ids,
                                                    taken_at=t0, added_at=t0, version=0),
                              Finished(request_id=task.id, samples=samples), generator_id="check")[0]
                   for task, ids, samples in zip(tasks, prompt_ids, done, strict=True)]
-    return Sampled(groups=groups, sample_s=t1 - t0, score_s=time.perf_counter() - t1, engine=engine.name,
-                   temperature=temperature)
+        score_s = time.perf_counter() - t1
+    return Sampled(groups=groups, sample_s=sample_s, score_s=score_s, engine=engine.name, temperature=temperature)
 
 
 # ---------------------------------------------------------------------- the trainer's side
