@@ -240,7 +240,8 @@ def figure_lines(config: Config, sampled: Sampled, mismatch: Mismatch) -> list[s
     zero = sum(zero_variance(g, overlong=config.trainer.overlong, overlong_penalty=config.trainer.overlong_penalty)
                for g in groups)
     errors = sum(c.reward_error is not None for c in completions)
-    constant = len({c.reward for c in completions if c.reward_error is None}) <= 1
+    scored = {c.reward for c in completions if c.reward_error is None}
+    constant = "-" if not scored else "yes" if len(scored) == 1 else "no"  # -: none scored
     n, steps = len(groups), config.rollout.prompts_per_step
     bound, max_ratio = BOUNDS[config.model.dtype]
     per_sample, per_forward = sampled.sample_s / n, mismatch.forward_s / n
@@ -250,7 +251,7 @@ def figure_lines(config: Config, sampled: Sampled, mismatch: Mismatch) -> list[s
              f"           by position  {buckets}",
              f"ratio      exp(logp_trainer - logp_behaviour) mean {lr.exp().mean():.4f}  max {lr.exp().max():.4f}  "
              f"(bounds: mean |log-ratio| <= {bound}, ratio <= {max_ratio})"] if lr.numel() else ["mismatch   no tokens"]
-    lines += [f"rewards    {len(completions)} completions, {errors} errors, constant {'yes' if constant else 'no'}, "
+    lines += [f"rewards    {len(completions)} completions, {errors} errors, constant {constant}, "
               f"zero-variance groups {zero}/{n} ({zero / n:.0%})",
               f"time       sampling {per_sample:.3g} s/group, scoring {sampled.score_s / n:.3g} s/group, "
               f"trainer forward {per_forward:.3g} s/group",
