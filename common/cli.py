@@ -1,10 +1,11 @@
 """`rollouts`: the operator's command: `prepare-model`, `status`, `plot`, `record`, `replay`,
-`serve-checkpoints`."""
+`serve-checkpoints`, `check`."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -133,7 +134,23 @@ def parser() -> argparse.ArgumentParser:
                     help="full speed, or spaced as recorded")
     rp.add_argument("--stream", action="append", choices=["samples", "prompts", "weights"],
                     help="replay only this stream of the file (repeat for several; default: all)")
+    # Its flags are the checks process's own (`rollouts check --help` prints them): main passes them on.
+    sub.add_parser("check", help="before a long run: sample a few groups as the generators do and say "
+                   "whether the trainer's log-probs and the rewards agree with them (exit 0 or 1)")
     return parser
+
+
+def check_command(argv: list[str], env: dict[str, str]) -> None:
+    """`rollouts check`: run as its own process (`python -m checks`, the same arguments), which
+    opens an engine and the trainer's model as the run's processes do; common imports neither."""
+    # The libraries' notices kept off its report, as ./ops/run keeps them off the console (a
+    # variable you set yourself wins).
+    quiet = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error",
+             "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning"}
+    try:
+        sys.exit(subprocess.run([sys.executable, "-m", "checks", *argv], env={**quiet, **env}).returncode)
+    except KeyboardInterrupt:  # Ctrl-C reached the check too (one process group): it says so itself
+        sys.exit(130)
 
 
 def dotenv(path: Path) -> dict[str, str]:
@@ -182,9 +199,13 @@ def serve_checkpoints(config, *, bind: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     # Run from the checkout without --config, the command sees the run the processes see: honcho
     # gives them `.env` (the Redis URL, the config file); the environment, where set, still wins.
+    if argv[:1] == ["check"]:
+        given = any(a == "--config" or a.startswith("--config=") for a in argv)
+        return check_command(argv[1:], dict(os.environ) if given else {**dotenv(Path(".env")), **os.environ})
+    args = parser().parse_args(argv)
     env = dict(os.environ) if getattr(args, "config", None) else {**dotenv(Path(".env")), **os.environ}
     if args.command == "prepare-model":
         from common.models import prepare_default_model

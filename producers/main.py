@@ -58,12 +58,16 @@ def load_positions(r: redis.Redis, keys: Keys, *, seed: int,
 
 def open_sources(r: redis.Redis, keys: Keys, config: Config) -> tuple[list[Source], int]:
     """The run's sources at their stored positions, and the prompts admitted so far."""
-    seed = config.task.seed
-    positions, admitted = load_positions(r, keys, seed=seed, names=[s.name for s in config.sources])
-    sources = [Source(s, seed=seed, field=f"data.sources.{i}" if config.data.sources else "task",
-                      epoch=positions[s.name][0], offset=positions[s.name][1], holdout=config.holdout)
-               for i, s in enumerate(config.sources)]
-    return sources, admitted
+    positions, admitted = load_positions(r, keys, seed=config.task.seed, names=[s.name for s in config.sources])
+    return sources_at(config, positions), admitted
+
+
+def sources_at(config: Config, positions: dict[str, tuple[int, int]]) -> list[Source]:
+    """The run's sources, each at its (epoch, offset) in `positions` (absent: the start)."""
+    return [Source(s, seed=config.task.seed, field=f"data.sources.{i}" if config.data.sources else "task",
+                   epoch=positions.get(s.name, (0, 0))[0], offset=positions.get(s.name, (0, 0))[1],
+                   holdout=config.holdout)
+            for i, s in enumerate(config.sources)]
 
 
 def sft_group(source: Source, made: Prompt, tokenizer) -> tuple[SampleGroup | Skipped, int]:

@@ -75,6 +75,8 @@ TRL = ("toml: # my_rewards.py, importable from where the generators run:\n"
        "#   import re")
 CALC = 'toml: [[data.sources]]\nname = "calc"'
 EVAL = 'toml: [[eval.sources]]\nname = "gsm8k"'
+CHECK_OUTPUT = ("text: check: 4 prompts from arithmetic, 4 completions each, vllm engine at temperature 0.8; "
+                "trainer float32 on cpu at rollout.temperature 0.8")
 # Each block (by its key) and the test that runs it as written.
 RUN = {
     "./ops/run": "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
@@ -84,6 +86,8 @@ RUN = {
     ".venv/bin/rollouts status": "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
     ".venv/bin/rollouts plot --config configs/demo.toml":
         "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
+    ".venv/bin/rollouts check": "test_rollouts_check_as_written_passes_on_the_demo_config",
+    CHECK_OUTPUT: "test_rollouts_check_as_written_passes_on_the_demo_config",
     "./ops/run -c generator=4":
         "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
     "ROLLOUTS_CONFIG=configs/gsm8k.toml ./ops/run": "test_the_one_gpu_command_runs_the_gsm8k_config",
@@ -186,6 +190,18 @@ def test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resu
     finally:
         again.kill()
     assert trainer_steps(again.text())[0] == stopped + 1, (stopped, trainer_steps(again.text())[:3])
+
+
+def test_rollouts_check_as_written_passes_on_the_demo_config(checkout, user_env):
+    """`rollouts check` as written (the demo config from `.env`, the tiny model standing in), its
+    report shaped as the README's example: the same lines, each starting as the example's does."""
+    done = run_once(block(".venv/bin/rollouts check").text, cwd=checkout, env=user_env, timeout=420)
+    assert done.returncode == 0, done.stdout + done.stderr
+    labels = [line[:11] for line in block(CHECK_OUTPUT).text.splitlines()]
+    report = [line for line in done.stdout.splitlines() if not line.startswith("check: warning: ")]
+    assert [line[:11] for line in report] == labels, done.stdout  # a warning: every reward 0 on the tiny model
+    assert report[0].startswith("check: 4 prompts from arithmetic, 4 completions each, ")
+    assert report[-1].startswith("check: ok (mean |log-ratio| "), done.stdout
 
 
 # ---------------------------------------------------------------------- GPUs, on CPU processes
