@@ -2,7 +2,7 @@
 
     .venv/bin/python ops/bench/generator_efficiency.py [--engine hf|vllm] [--model DIR] [--turns 6]
 
-Both sides open the same engine (`engines.choice.open_engine`) on the same model with the same
+Both sides open the same engine (`engines.choice.open_for_settings`) on the same model with the same
 settings: the demo's sampling (4 completions per prompt, temperature 0.8, at most 24 new tokens),
 the HF engine's `batch_prompts` prompts per `generate` call, vLLM's scheduler holding every request,
 one torch thread. The prompts are the arithmetic task's, the same on both sides.
@@ -63,13 +63,6 @@ def prompts(count: int, *, start: int):
     return out
 
 
-def engine_options(engine: str, max_in_flight: int) -> dict:
-    """What the generator process passes to `open_engine` for these settings (generators.main.open_engine_for)."""
-    if engine == "hf":
-        return {"max_batch": BATCH_PROMPTS}
-    return {"kv_cache_gib": 1.0, "gpu_memory_utilization": 0.5, "max_num_seqs": max_in_flight * N}
-
-
 def bare_turn(engine, tasks) -> tuple[float, int, float]:
     """(seconds, sampled tokens, CPU seconds) of the engine alone on `tasks`: add them all, step until done."""
     from engines.base import SamplingSettings
@@ -128,9 +121,10 @@ def main() -> None:
     import redis
     import torch
 
+    from common.config import load_config
     from common.keys import Keys
     from common.models import resolve_model_path
-    from engines.choice import open_engine
+    from engines.choice import open_for_settings
     from tests.conftest import free_port, start_redis
 
     model_dir = resolve_model_path(args.model)
@@ -164,8 +158,9 @@ threads = 1
         r = redis.Redis.from_url(url)
         keys = Keys("bench")
         torch.set_num_threads(1)
-        engine = open_engine(args.engine, model_dir, dtype="float32", seed=1,
-                             **engine_options(args.engine, args.max_in_flight))
+        # the engine as the generator process opens it from the same [generator] table (open_engine_for)
+        engine = open_for_settings(args.engine, model_dir, settings=load_config(str(config), env={}).generator,
+                                   dtype="float32", seed=1, max_running=args.max_in_flight * N)
         deadline = time.monotonic() + 600
         while " engine on " not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
