@@ -61,10 +61,13 @@ class GoneBack:
     step: int  # the step it resumed at
     upto: int  # the highest version it had published before
     at: float  # unix seconds, after the created_at of every version it had published
+    # versions it has published again with the very weights it had published under them (the same
+    # groups trained again in the same order: the update is bit-identical), so nothing of them was abandoned
+    same: list[int] = field(default_factory=list)
 
     def abandoned(self, version: int, published_at: float) -> bool:
         """Whether weights of `version` published at `published_at` (0: not said) are ones it abandoned."""
-        return self.step < version <= self.upto and published_at < self.at
+        return self.step < version <= self.upto and published_at < self.at and version not in self.same
 
 
 def read_gone_back(r: redis.Redis, keys: Keys) -> list[GoneBack]:
@@ -75,6 +78,11 @@ def read_gone_back(r: redis.Redis, keys: Keys) -> list[GoneBack]:
 def add_gone_back(r: Client, keys: Keys, gone: GoneBack) -> None:
     """Record one more go-back of the trainer."""
     r.rpush(keys.gone_back, json.dumps(asdict(gone)))
+
+
+def note_same(r: Client, keys: Keys, gone: GoneBack) -> None:
+    """Replace the newest go-back with `gone`, which says more versions were published again unchanged."""
+    r.lset(keys.gone_back, -1, json.dumps(asdict(gone)))
 
 
 def write_gone_back(r: Client, keys: Keys, gone: list[GoneBack]) -> None:

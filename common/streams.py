@@ -106,6 +106,16 @@ def latest_weights(r: redis.Redis, keys: Keys) -> WeightVersion | None:
     return None if blob is None else decode_weights(blob)
 
 
+def announced_before(r: redis.Redis, keys: Keys, version: int, *, before: float) -> WeightVersion | None:
+    """The newest announcement of `version` created before `before` that the capped weights stream
+    still holds; None if none."""
+    for _, fields in r.xrevrange(keys.weights, count=WEIGHTS_MAXLEN):
+        wv = decode_weights(fields[PAYLOAD])
+        if wv.version == version and wv.created_at < before:
+            return wv
+    return None
+
+
 def redacted(url: str) -> str:
     """`url` with any password replaced, fit for logs."""
     scheme, sep, rest = url.partition("://")

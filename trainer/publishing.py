@@ -5,12 +5,13 @@ writes the files and the transaction)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from common.evals import enqueue_eval
 from common.messages import WeightVersion
-from common.progress import Fault, count_fault, write_step
-from common.streams import latest_weights
+from common.progress import Fault, count_fault, note_same, write_step
+from common.streams import announced_before, latest_weights
 from trainer.checkpoints import hold_for_eval, publish, remove_unfinished
 from trainer.devices import DTYPES
 from trainer.parallel import any_rank, is_main, say
@@ -45,9 +46,31 @@ def checkpoint(run: Run, *, save: bool) -> WeightVersion | None:
         raise publish_failed(run, err) from err
     run.record.published(wv, step=run.step, saved=save, group_ids=run.unacked_ids if save else [],
                          dedup_window=cfg.dedup_window)
+    note_if_unchanged(run, wv)
     if save:
         run.unacked_entries, run.unacked_ids = [], []
     return wv
+
+
+def note_if_unchanged(run: Run, wv: WeightVersion | None) -> None:
+    """After a publish below the version the trainer had reached before it went back: when the
+    weights are those it had published under that number (it trained the same groups again in the
+    same order, so the update is bit-identical: the usual case after a kill between saved states),
+    the groups sampled with them were not sampled with abandoned weights, and are trained. Every
+    rank learns it (`collect` runs on each); rank 0 records it in Redis. A collective."""
+    gone = run.record.gone_back[-1] if run.record.gone_back else None
+    unchanged = False
+    if wv is not None and gone is not None and gone.step < wv.version <= gone.upto:
+        before = announced_before(run.r, run.keys, wv.version, before=gone.at)
+        unchanged = before is not None and before.checksums == wv.checksums
+    if not any_rank(unchanged):
+        return
+    assert gone is not None
+    run.record.gone_back[-1] = gone = replace(gone, same=[*gone.same, run.step])
+    if is_main():
+        note_same(run.r, run.keys, gone)
+        say(f"trainer: version {run.step} published again with the weights it had before: the groups sampled "
+            "with them are trained")
 
 
 def publish_failed(run: Run, err: OSError) -> PublishFailed:
