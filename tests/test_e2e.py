@@ -1,6 +1,5 @@
 """The whole loop as separate OS processes: redis, producer, two generators, trainer."""
 
-import json
 import re
 
 from common.cli import status_lines
@@ -9,7 +8,9 @@ from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import decode_group
 from common.progress import read_dropped, read_trainer
 from engines.choice import vllm_available
-from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
+from tests.harness.audit import accounting, assert_accounted
+from tests.harness.metrics import read_steps
+from tests.harness.processes import spawn, stop, wait_for
 
 STEPS = 3
 PROMPTS_PER_STEP = 4
@@ -109,7 +110,7 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
         n: (log / f"{n}.log").read_text()[-3000:] for n, c in codes.items() if c}
 
     # ---- every trained group came through the samples stream, once
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_steps(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     trained_per_step = [m["group_ids"] for m in metrics]
     trained = [gid for ids in trained_per_step for gid in ids]

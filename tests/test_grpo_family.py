@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from common.config import GrpoLoss, GspoLoss
 from common.messages import Completion, SampleGroup
-from tests.test_grpo import clip_case
-from tests.test_trainer import make_group
+from tests.harness.groups import make_group
+from tests.harness.losses import clip_case
 from trainer.batch import Row, group_rows, micro_batches, split_rows
 from trainer.grpo import group_advantages, token_entropy
 from trainer.losses import LossInputs

@@ -1,7 +1,6 @@
 """`rollouts record` and `rollouts replay`, and trainer runs fed by a checked-in recording made by
 the project's own pipeline (tests/data/make_recordings.py): no generator, no model download."""
 
-import json
 from pathlib import Path
 
 import msgpack
@@ -15,7 +14,8 @@ from common.cli import main as cli
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import decode_group, decode_prompt
 from common.recording import RecordingError, read_recording, record, replay
-from tests.helpers import spawn
+from tests.harness.metrics import read_steps
+from tests.harness.processes import spawn
 
 DATA = Path(__file__).resolve().parent / "data"
 PIPELINE = DATA / "tiny_pipeline.rec"  # 3 steps of producer + generator + trainer on the tiny model
@@ -155,7 +155,7 @@ def test_trainer_trains_on_a_replayed_pipeline_recording_deterministically(tmp_p
         r.flushdb()
         replay(r, Keys("t"), PIPELINE, only=["samples"])
         run_trainer(out, redis_url, tiny_model, steps=5)
-        lines = [json.loads(x) for x in (out / "out" / "metrics.jsonl").read_text().splitlines()]
+        lines = read_steps(out / "out" / "metrics.jsonl")
         assert [g for m in lines for g in m["group_ids"]] == recorded
         assert all(m["groups/dropped_stale"] == 0 and m["groups/dead"] == 0 for m in lines)
         assert r.xpending(Keys("t").samples, TRAINER_GROUP)["pending"] == 0

@@ -15,8 +15,8 @@ import redis
 
 from common.keys import Keys
 from common.tiny import tiny_run_config
-from tests.conftest import free_port, start_redis
-from tests.helpers import ROOT, spawn, stop, wait_for
+from tests.harness.processes import ROOT, spawn, stop, wait_for
+from tests.harness.servers import free_port, start_redis
 
 RUN = "sec"
 KEYS = Keys(RUN)

@@ -15,9 +15,9 @@ from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import decode_group, encode
 from common.progress import read_producer, read_trainer
 from producers.sft import conversation_group, truncate
-from tests.helpers import spawn, stop, wait_for
-from tests.test_plot import STEP
-from tests.test_trainer import make_group
+from tests.harness.groups import make_group
+from tests.harness.metrics import STEP, read_steps
+from tests.harness.processes import spawn, stop, wait_for
 from trainer.batch import micro_batches
 from trainer.grpo import token_logprobs
 from trainer.losses.sft import sft_loss
@@ -133,7 +133,7 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     assert r.xlen(keys.prompts) == 0
 
     # Six SFT steps, nothing stale or dead; the console shows the SFT loss.
-    metrics = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_steps(tmp_path / "sft" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert all(m["groups/dropped_stale"] == 0 and m["groups/dead"] == 0 for m in metrics)
     assert all(m["reward"] is None and "clip_ratio/low_mean" not in m for m in metrics)
@@ -169,7 +169,7 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     rl_log = (tmp_path / "rl.log").read_text()
     assert rl.returncode == 0, rl_log
     assert f"model {checkpoint}" in rl_log and "| loss " in rl_log
-    (m,) = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    (m,) = read_steps(tmp_path / "rl" / "metrics.jsonl")
     assert m["step"] == 1 and "clip_ratio/low_mean" in m and m["reward"] is not None
     rl_weights = AutoModelForCausalLM.from_pretrained(tmp_path / "rl" / "checkpoints" / "step_1").state_dict()
     sft_weights = after_model.state_dict()

@@ -17,8 +17,9 @@ from common.keys import Keys
 from common.messages import WeightVersion
 from common.progress import read_trainer
 from common.tiny import build_tiny_model, tiny_run_config
-from tests.conftest import free_port, start_redis
-from tests.helpers import ROOT, accounting, assert_accounted, spawn_ops_honcho, stop, wait_for
+from tests.harness.audit import accounting, assert_accounted
+from tests.harness.processes import ROOT, spawn_ops_honcho, stop, wait_for
+from tests.harness.servers import free_port, start_redis
 
 PROCFILE = ROOT / "Procfile"
 RUN = "sup"

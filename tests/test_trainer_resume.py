@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import encode
 from common.progress import read_trainer
-from tests.test_trainer import make_group
+from tests.harness.groups import make_group
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -32,7 +32,7 @@ PY = sys.executable
 def start(config_text: str, *, steps: int, prompts_per_step: int, micro_batch_size: int, tmp: Path
           ) -> subprocess.Popen:
     """A honcho run of `config_text` in `tmp`, started."""
-    from tests.conftest import free_port
+    from tests.harness.servers import free_port
 
     tmp.mkdir(parents=True)
     port = free_port()

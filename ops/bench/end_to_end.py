@@ -40,7 +40,7 @@ def run_pipeline(*, generators: int, steps: int, tmp: Path,
                  env: dict[str, str] | None = None) -> tuple[list[float], list[dict]]:
     """(arrival time of each trainer step line, the trainer's metrics) of one honcho run; `env`:
     more variables for every process (config overrides, ROLLOUTS_SECTION__FIELD)."""
-    from tests.conftest import free_port
+    from tests.harness.servers import free_port
 
     tmp.mkdir(parents=True)
     port = free_port()

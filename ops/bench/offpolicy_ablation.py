@@ -42,7 +42,7 @@ LAST = 10  # reward is averaged over the last this many steps
 
 def run_pipeline(*, staleness: int, correction: str, steps: int, tmp: Path, extra: list[str] = ()) -> list[dict]:
     """The trainer's metrics of one honcho run."""
-    from tests.conftest import free_port
+    from tests.harness.servers import free_port
 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

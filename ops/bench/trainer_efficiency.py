@@ -173,7 +173,7 @@ def run_world(blobs: list[bytes], groups_file: Path, *, model_dir: Path, world: 
     from proc_cpu import cpu_seconds
 
     from common.keys import PAYLOAD, Keys
-    from tests.conftest import free_port, start_redis
+    from tests.harness.servers import free_port, start_redis
 
     tmp.mkdir(parents=True)
     port = free_port()

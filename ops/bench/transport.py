@@ -182,7 +182,7 @@ def main() -> None:
     from common.keys import TRAINER_GROUP
     from common.messages import encode
     from common.streams import ensure_group
-    from tests.conftest import free_port, start_redis
+    from tests.harness.servers import free_port, start_redis
 
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
     port = free_port()
