@@ -16,6 +16,7 @@ from common.heartbeats import read_counters, read_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import WeightVersion, decode_group, encode
 from common.progress import add_outstanding, count_outstanding, read_dropped
+from tests.harness.configs import write_config
 from tests.harness.groups import ask, read_groups
 from tests.harness.models import perturbed_copy, publish_weights
 from tests.harness.needs import need
@@ -153,26 +154,11 @@ def test_a_late_generator_starts_from_the_latest_weights(engine, tiny_model, tmp
 # ---------------------------------------------------------------------- rewards that fail, dynamic sampling
 
 
-def source_config(tmp_path, redis_url, tiny_model, *, run: str, reward: str, extra: str = "") -> dict:
-    path = tmp_path / f"{run}.toml"
-    path.write_text(f"""
-run = "{run}"
-redis_url = "{redis_url}"
-[model]
-path = "{tiny_model}"
-[rollout]
-max_new_tokens = 4
-[generator]
-engine = "hf"
-threads = 1
-reward_timeout_s = 1.0
-{extra}
-[[data.sources]]
-name = "arithmetic"
-kind = "arithmetic"
-reward = "{reward}"
-""")
-    return {"ROLLOUTS_CONFIG": str(path)}
+def source_config(tmp_path, redis_url, tiny_model, *, run: str, reward: str, **generator) -> dict:
+    return write_config(tmp_path / f"{run}.toml", run=run, redis_url=redis_url, model=tiny_model, base={},
+                        rollout={"max_new_tokens": 4},
+                        generator={"engine": "hf", "threads": 1, "reward_timeout_s": 1.0, **generator},
+                        data={"sources": [{"name": "arithmetic", "kind": "arithmetic", "reward": reward}]})
 
 
 def test_rewards_that_raise_or_hang_are_recorded_errors_and_the_generator_goes_on(tiny_model, tmp_path, redis_url, r):
@@ -209,7 +195,7 @@ def test_dynamic_sampling_drops_groups_without_reward_variance_and_counts_them(t
     # tests.reward_fixtures:half scores every completion 0.5: no group has any variance
     keys = Keys("ds")
     env = source_config(tmp_path, redis_url, tiny_model, run="ds", reward="tests.reward_fixtures:half",
-                        extra="drop_zero_variance = true")
+                        drop_zero_variance=True)
     r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
     add_outstanding(r, keys, [ask(i, n=2).id for i in range(4)])  # as the producer admits them
     for i in range(4):

@@ -15,6 +15,7 @@ from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import decode_group, encode
 from common.progress import read_producer, read_trainer
 from producers.sft import conversation_group, truncate
+from tests.harness.configs import write_config
 from tests.harness.groups import make_group
 from tests.harness.metrics import STEP, read_steps
 from tests.harness.processes import spawn, stop, wait_for
@@ -84,13 +85,9 @@ def masked_nll(model, tokenizer, conversations) -> float:
     return total / count
 
 
-def write_config(path: Path, *, run: str, redis_url: str, out: Path, model: Path, trainer: dict,
-                 sources: str = "") -> Path:
-    lines = [f'run = "{run}"', f'redis_url = "{redis_url}"', f'output_dir = "{out}"',
-             "[model]", f'path = "{model}"',
-             "[rollout]", "prompts_per_step = 4", "max_staleness = 1",
-             "[trainer]", *(f"{k} = {v}" for k, v in trainer.items()), sources]
-    path.write_text("\n".join(lines) + "\n")
+def run_config(path: Path, *, run: str, redis_url: str, out: Path, model: Path, trainer: dict, **tables) -> Path:
+    write_config(path, run=run, redis_url=redis_url, output_dir=out, model=model, base={},
+                 rollout={"prompts_per_step": 4, "max_staleness": 1}, trainer=trainer, **tables)
     return path
 
 
@@ -98,12 +95,11 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS)
                     + json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n")
-    sources = "\n".join(["[[data.sources]]", 'name = "chat"', 'kind = "sft"', f'path = "{data}"',
-                         "max_length = 56"])
-    cfg = write_config(tmp_path / "sft.toml", run="sft", redis_url=redis_url, out=tmp_path / "sft",
-                       model=tiny_model, sources=sources,
-                       trainer={"objective": '"sft"', "lr": 1e-2, "max_steps": 6, "threads": 1,
-                                "micro_batch_size": 4, "sync_every": 3})  # admitted against step, not version
+    sources = [{"name": "chat", "kind": "sft", "path": str(data), "max_length": 56}]
+    cfg = run_config(tmp_path / "sft.toml", run="sft", redis_url=redis_url, out=tmp_path / "sft",
+                     model=tiny_model, data={"sources": sources},
+                     trainer={"objective": "sft", "lr": 1e-2, "max_steps": 6, "threads": 1,
+                              "micro_batch_size": 4, "sync_every": 3})  # admitted against step, not version
     assert load_config(cfg, env={}).trainer.objective == "sft"
     env = {"ROLLOUTS_CONFIG": str(cfg)}
     producer = spawn("producers", cwd=tmp_path, env=env, log=tmp_path / "producer.log")
@@ -158,8 +154,8 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     rl_keys = Keys("rl")
     for i in range(4):
         r.xadd(rl_keys.samples, {PAYLOAD: encode(make_group(after_model, f"rl{i}", version=0, rng=rng))})
-    rl_cfg = write_config(tmp_path / "rl.toml", run="rl", redis_url=redis_url, out=tmp_path / "rl",
-                          model=checkpoint, trainer={"lr": 1e-3, "max_steps": 1, "threads": 1})
+    rl_cfg = run_config(tmp_path / "rl.toml", run="rl", redis_url=redis_url, out=tmp_path / "rl",
+                        model=checkpoint, trainer={"lr": 1e-3, "max_steps": 1, "threads": 1})
     assert config_from_dict({"trainer": {}}).trainer.objective == "grpo"
     rl = spawn("trainer", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(rl_cfg)}, log=tmp_path / "rl.log")
     try:

@@ -35,6 +35,19 @@ def make_group(model, gid: str, *, version: int, rng: random.Random, n: int = 4)
                        engine="hf", completions=completions)
 
 
+def completion(ids: list[int], logprobs: list[float], reward: float, *, loss_mask: list[int] | None = None,
+               finish: str = "stop") -> Completion:
+    """A completion written out by hand."""
+    return Completion(ids=ids, logprobs=logprobs, reward=reward, rewards={}, finish=finish, text="",
+                      loss_mask=loss_mask)
+
+
+def hand_group(completions: list[Completion], *, prompt: tuple[int, ...] = (5, 6, 7)) -> SampleGroup:
+    """A group of completions written out by hand, sampled with version 0."""
+    return SampleGroup(id="g", prompt_id="p", prompt_ids=list(prompt), version=0, generator="t", engine="hf",
+                       completions=completions)
+
+
 def xadd(r, keys: Keys, blob: bytes) -> None:
     """Write an encoded entry to the run's samples stream, as a generator does."""
     r.xadd(keys.samples, {PAYLOAD: blob})

@@ -4,7 +4,6 @@ process restartable, waited on until the trainer's last step."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 from common.keys import Keys
 from tests.harness.configs import write_config
 from tests.harness.metrics import last_trained, read_steps
-from tests.harness.processes import ROOT, spawn, stop, wait_for
+from tests.harness.processes import process_env, spawn, stop, wait_for
 
 # ---------------------------------------------------------------------- the trainer alone
 
@@ -22,8 +21,7 @@ def run_trainer(config: dict[str, str], *, cwd: Path, nproc: int = 1, timeout: f
                 ) -> subprocess.CompletedProcess:
     """The trainer process on `config` (under torchrun with `nproc` ranks past one) until it exits,
     which must be with 0."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-    env.update(config, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = process_env({**config, "OMP_NUM_THREADS": "1"})
     launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     proc = subprocess.run([sys.executable, *launcher, "-m", "trainer"], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)

@@ -28,12 +28,18 @@ def spawn_ops_honcho(procfile: Path, *names: str, cwd: Path, env: dict[str, str]
                    *names], cwd=cwd, env=env, log=log)
 
 
-def _start(argv: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+def process_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment of a process of ours: this one's without its ROLLOUTS_ settings, this
+    checkout importable, no hub, then `env`."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
     full_env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                     HF_HUB_OFFLINE="1", **env)
+    return full_env
+
+
+def _start(argv: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     out = open(log, "ab")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(argv, cwd=cwd, env=process_env(env), stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait_for(cond: Callable[[], object], *, timeout: float, what: str, procs=(), poll: float = 0.2):
