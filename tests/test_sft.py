@@ -18,13 +18,11 @@ from producers.sft import conversation_group, truncate
 from tests.harness.configs import write_config
 from tests.harness.groups import make_group
 from tests.harness.metrics import STEP, read_steps
-from tests.harness.processes import spawn, stop, wait_for
+from tests.harness.processes import ROOT, spawn, stop, wait_for
 from trainer.batch import micro_batches
 from trainer.grpo import token_logprobs
 from trainer.losses.sft import sft_loss
 from trainer.metrics import step_metrics, summary_line
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_sft_loss_is_the_masked_mean_nll():
