@@ -43,7 +43,7 @@ ENV_CONFIG_FILE = "ROLLOUTS_CONFIG"  # names the TOML file; not a field
 ENV_DEFAULT_CONFIG_FILE = "ROLLOUTS_DEFAULT_CONFIG"  # the file when ROLLOUTS_CONFIG is unset (.env); not a field
 ENV_CACHE = "ROLLOUTS_CACHE"  # where `rollouts prepare-model` puts the built-in model (common.models); not a field
 ENV_NO_VLLM = "ROLLOUTS_NO_VLLM"  # ops/bootstrap and the tests leave vLLM out; not a field
-ENV_NO_ROOT = "ROLLOUTS_NO_ROOT"  # the tests that need root skip, in CI too (tests/helpers.py); not a field
+ENV_NO_ROOT = "ROLLOUTS_NO_ROOT"  # the tests that need root skip, in CI too (tests/harness/needs.py); not a field
 # The ROLLOUTS_ variables that name no field: every other one overrides the field it names.
 ENV_NOT_FIELDS = frozenset({ENV_CONFIG_FILE, ENV_DEFAULT_CONFIG_FILE, ENV_CACHE, ENV_NO_VLLM, ENV_NO_ROOT})
 

@@ -58,16 +58,23 @@ TINY_RUN: dict[str, dict[str, object]] = {
 }
 
 
-def tiny_run_config(*, run: str, output_dir: str | Path, model: str | Path, redis_url: str | None = None,
+def tiny_run_config(*, run: str, output_dir: str | Path | None = None,
+                    model: str | Path | dict[str, object] | None = None,
+                    redis_url: str | None = None, base: dict[str, dict[str, object]] | None = None,
                     **tables: dict[str, object]) -> str:
     """The TOML text of a TINY_RUN on `model`; each of `tables` adds to (or overrides) the table
-    of its name: `trainer={"max_steps": 30}`, `eval={"every": 2}`."""
-    top: dict[str, object] = {"run": run, "output_dir": str(output_dir)}
+    of its name: `trainer={"max_steps": 30}`, `eval={"every": 2}`. `model` is its path, or its
+    whole table; `base` stands in for TINY_RUN (`base={}`: only the fields given)."""
+    top: dict[str, object] = {"run": run}
+    if output_dir is not None:
+        top["output_dir"] = str(output_dir)
     if redis_url is not None:
         top["redis_url"] = redis_url
-    merged: dict[str, dict[str, object]] = {"model": {"path": str(model)}}
-    for name, base in TINY_RUN.items():
-        merged[name] = {**base, **tables.pop(name, {})}
+    merged: dict[str, dict[str, object]] = {}
+    if model is not None:
+        merged["model"] = model if isinstance(model, dict) else {"path": str(model)}
+    for name, table in (TINY_RUN if base is None else base).items():
+        merged[name] = {**table, **tables.pop(name, {})}
     merged.update(tables)
     lines = [f"{k} = {_toml(v)}" for k, v in top.items()]
     for name, table in merged.items():
@@ -76,7 +83,7 @@ def tiny_run_config(*, run: str, output_dir: str | Path, model: str | Path, redi
 
 
 def _toml(value: object) -> str:
-    """`value` (a string, number, bool or list of them) as a TOML literal."""
+    """`value` (a string, number, bool, or a list or dict of them) as a TOML literal."""
     import json
 
     if isinstance(value, bool):
@@ -87,4 +94,6 @@ def _toml(value: object) -> str:
         return repr(value)
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
     raise TypeError(f"no TOML literal for {type(value).__name__} {value!r}")

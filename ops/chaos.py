@@ -18,13 +18,11 @@ anything wrong.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,18 +38,14 @@ from common.audit import accounting, unaccounted  # noqa: E402
 from common.keys import Keys  # noqa: E402
 from common.progress import read_trainer  # noqa: E402
 from common.tiny import build_tiny_model, tiny_run_config  # noqa: E402
+from tests.harness.metrics import last_trained, trained_twice  # noqa: E402
+from tests.harness.servers import free_port, start_redis  # noqa: E402
 
 RUN = "chaos"
 KINDS = ("generator", "trainer", "producer", "evaluator", "redis")
 PROCESSES = ["evaluator.1", "generator.1", "generator.2", "producer.1", "redis.1", "trainer.1"]
 PROGRESS_TIMEOUT_S = 300.0
 SETTLE_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_run(work: Path, port: int, *, claim_idle_s: float) -> dict[str, str]:
@@ -127,17 +121,6 @@ def trial(i: int, n: int, rng: random.Random, *, log: Path, r: redis.Redis, keys
     return kind
 
 
-def trained_twice(metrics_file: Path) -> tuple[int, list[str]]:
-    """(steps, group ids trained in more than one step), from the trainer's metrics: a step
-    re-trained after a restart is written again, and its last record is the one that counts."""
-    last: dict[int, list[str]] = {}
-    for line in metrics_file.read_text().splitlines():
-        m = json.loads(line)
-        last[m["step"]] = m["group_ids"]
-    seen = Counter(g for ids in last.values() for g in ids)
-    return len(last), sorted(g for g, c in seen.items() if c > 1)
-
-
 def exit_codes(honcho_log: Path) -> dict[str, int]:
     """Each process's exit status as honcho reported it ("trainer.1 stopped (rc=0)")."""
     found = re.findall(r"\| (\S+) stopped \(rc=(-?\d+)\)", honcho_log.read_text())
@@ -146,18 +129,12 @@ def exit_codes(honcho_log: Path) -> dict[str, int]:
 
 def audit(work: Path, port: int, kinds: Counter) -> bool:
     """Start Redis on the run's append-only file, print the audit; True when it is clean."""
-    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
-                               "--dir", str(work / ".rollouts" / "redis"), "--save", ""], stdout=subprocess.DEVNULL)
+    server = start_redis(work / ".rollouts" / "redis", port)
     r = redis.Redis(port=port)
     try:
-        for _ in range(200):
-            try:
-                r.ping()
-                break
-            except redis.exceptions.ConnectionError:
-                time.sleep(0.05)
         acc = accounting(r, Keys(RUN))
-        steps, twice = trained_twice(work / "run" / "metrics.jsonl")
+        metrics = work / "run" / "metrics.jsonl"
+        steps, twice = len(last_trained(metrics)), trained_twice(metrics)
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -79,7 +79,7 @@ def test_a_version_announced_again_with_other_weights_is_fetched_again(tmp_path,
     """A trainer restarted from an older state rewrites step_4 and announces version 4 again: a
     generator that fetched the first version 4 gets the new files, not its copy of the old ones,
     and its copies of the versions the trainer went back on are removed."""
-    from tests.test_weight_sync import trained
+    from tests.harness.models import trained
     from trainer.checkpoints import write_checkpoint
 
     def publish(step: int, seed: int) -> WeightVersion:

@@ -75,7 +75,7 @@ def test_missing_file_and_bad_toml(tmp_path):
 
 
 def test_shipped_demo_config_is_what_the_readme_describes():
-    from tests.helpers import ROOT
+    from tests.harness.processes import ROOT
 
     cfg = load_config(ROOT / "configs" / "demo.toml", env={})
     assert cfg.model.path == ""  # the built-in default model
@@ -217,7 +217,7 @@ def test_every_process_exits_2_with_the_same_lines_on_the_same_bad_config(tmp_pa
 
 
 def test_shipped_gsm8k_config_trains_on_the_train_split_and_evaluates_on_the_test_split():
-    from tests.helpers import ROOT
+    from tests.harness.processes import ROOT
 
     cfg = load_config(ROOT / "configs" / "gsm8k.toml", env={})
     assert (cfg.model.path, cfg.model.dtype) == ("Qwen/Qwen2.5-0.5B-Instruct", "bfloat16")

@@ -16,7 +16,7 @@ from common.progress import read_producer, write_step
 from producers.data import DataError, Source, choose
 from producers.main import admit, load_positions
 from tasks import arithmetic, countdown
-from tests.helpers import spawn, stop, wait_for
+from tests.harness.processes import spawn, stop, wait_for
 
 QUESTIONS = Dataset.from_dict({"question": [f"What is {i} + {i}?" for i in range(6)],
                                "answer": [2 * i for i in range(6)]})
@@ -294,7 +294,7 @@ def test_builtin_tasks_ship_as_dataset_builders(tmp_path):
 
 
 def test_the_readme_own_data_example_works(tmp_path, monkeypatch):
-    from tests.helpers import ROOT
+    from tests.harness.processes import ROOT
 
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Train on your own data", 1)[1]

@@ -1,13 +1,13 @@
 """Slow: the pipeline on the built-in default model (SmolLM2-135M-Instruct). `pytest -m slow`."""
 
-import json
 import tomllib
 
 import pytest
 from safetensors.torch import load_file
 
 from common.models import prepare_default_model
-from tests.helpers import ROOT, spawn, stop
+from tests.harness.metrics import read_steps
+from tests.harness.processes import ROOT, spawn, stop
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def test_default_model_trains_two_steps(tmp_path, redis_url):
     finally:
         for p in procs:
             stop(p)
-    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_steps(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:  # the demo's reward is the arithmetic task's correctness alone: its mean is the accuracy
         assert m["accuracy"] == pytest.approx(m["reward"]) and m["completions/mean_length"] > 0, m

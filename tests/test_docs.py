@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.harness.processes import ROOT
 
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -101,7 +101,7 @@ def test_every_test_a_doc_names_exists():
 def test_a_missing_file_and_a_missing_test_are_caught(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("[there](README.md) [gone](gone.md) [web](https://example.com) `tests/test_nope.py`"
-                   " `tests/helpers.py::ROOT` `runs/demo/metrics.png`\n")
+                   " `tests/harness/processes.py::ROOT` `runs/demo/metrics.png`\n")
     (tmp_path / "README.md").write_text("")
     got = {shown for shown, path in references(doc) if not path.exists()}
     assert got == {"gone.md", "tests/test_nope.py"}, got

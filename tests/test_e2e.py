@@ -1,56 +1,31 @@
 """The whole loop as separate OS processes: redis, producer, two generators, trainer."""
 
-import json
 import re
 
 from common.cli import status_lines
 from common.heartbeats import read_heartbeat
-from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import decode_group
+from common.keys import GENERATORS_GROUP, Keys
 from common.progress import read_dropped, read_trainer
 from engines.choice import vllm_available
-from tests.helpers import accounting, assert_accounted, spawn, stop, wait_for
+from tests.harness.audit import accounting, assert_accounted
+from tests.harness.configs import write_config
+from tests.harness.groups import read_groups
+from tests.harness.metrics import read_steps
+from tests.harness.processes import spawn, stop, wait_for
 
 STEPS = 3
 PROMPTS_PER_STEP = 4
 
 
-def write_config(tmp_path, redis_url, model) -> str:
-    path = tmp_path / "run.toml"
-    path.write_text(f"""
-run = "e2e"
-redis_url = "{redis_url}"
-output_dir = "{tmp_path / 'run'}"
-[model]
-path = "{model}"
-[rollout]
-group_size = 4
-prompts_per_step = {PROMPTS_PER_STEP}
-max_staleness = 1
-max_new_tokens = 8
-[generator]
-batch_prompts = 2
-threads = 1
-[trainer]
-lr = 1e-3
-sync_every = 1
-max_steps = {STEPS}
-micro_batch_size = 8
-threads = 1
-[eval]
-every = 2
-prompts = 4
-""")
-    return str(path)
-
-
-def groups_in_stream(r, keys):
-    return [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
-
-
 def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_url, r, tiny_model):
     keys = Keys("e2e")
-    env = {"ROLLOUTS_CONFIG": write_config(tmp_path, redis_url, tiny_model)}
+    env = write_config(tmp_path / "run.toml", run="e2e", redis_url=redis_url, output_dir=tmp_path / "run",
+                       model=tiny_model, base={},
+                       rollout={"group_size": 4, "prompts_per_step": PROMPTS_PER_STEP, "max_staleness": 1,
+                                "max_new_tokens": 8},
+                       generator={"batch_prompts": 2, "threads": 1},
+                       trainer={"lr": 1e-3, "sync_every": 1, "max_steps": STEPS, "micro_batch_size": 8, "threads": 1},
+                       eval={"every": 2, "prompts": 4})
     log = tmp_path / "logs"
     log.mkdir()
     procs = {
@@ -74,7 +49,7 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
         seen = {}  # the groups as they come: publishing trims the stream (empty at the end on a fast machine)
 
         def both_on_v2():
-            seen.update((g.id, g) for g in groups_in_stream(r, keys))
+            seen.update((g.id, g) for g in read_groups(r, keys))
             beats = [read_heartbeat(r, keys, gid) for gid in ("g1", "g2")]
             return all(b is not None and b.version >= 2 and b.groups > 0 for b in beats) \
                 and any(g.version >= 2 for g in seen.values())
@@ -109,7 +84,7 @@ def test_pipeline_trains_with_two_generators_and_loses_nothing(tmp_path, redis_u
         n: (log / f"{n}.log").read_text()[-3000:] for n, c in codes.items() if c}
 
     # ---- every trained group came through the samples stream, once
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_steps(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     trained_per_step = [m["group_ids"] for m in metrics]
     trained = [gid for ids in trained_per_step for gid in ids]

@@ -5,7 +5,6 @@ and refused checkpoints. Run with -s to see the measured log-prob differences.""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,41 +13,12 @@ from common.checkpoints import CheckpointError
 from common.messages import PromptTask
 from engines.base import Engine, SamplingSettings
 from engines.choice import open_engine
-from tests.helpers import need_vllm
+from tests.harness.groups import ask
+from tests.harness.models import LOGPROB_TOL, perturbed_copy
+from tests.harness.needs import need
 from trainer.grpo import token_logprobs
 
-# fp32, one sequence: the engine's log-prob of each sampled token against the trainer's
-# log_softmax(logits / T) over a plain forward pass. Measured here (2026-11-23): at most 9.5e-7
-# (HF) and 4.8e-7 (vLLM), one or two float32 steps at these magnitudes; the README states this bound.
-LOGPROB_TOL = 5e-6
 ENGINES = ["hf", "vllm"]
-
-
-def ask(i: int, *, n: int = 3) -> PromptTask:
-    a, b = i, 2 * i + 1
-    return PromptTask(id=f"arithmetic:0:{i}", messages=[{"role": "user", "content": f"What is {a} + {b}?"}],
-                      text=None, meta={"answer": a + b}, n=n, admitted_at=0)
-
-
-def perturbed_copy(src: Path, dst: Path, *, seed: int) -> Path:
-    """An HF checkpoint like the trainer publishes: `src`'s weights plus noise, via save_pretrained."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(dst, safe_serialization=True)
-    for f in src.iterdir():
-        if "token" in f.name or f.name == "chat_template.jinja":
-            shutil.copy(f, dst / f.name)
-    return dst
-
-
-def need(name: str) -> None:
-    if name == "vllm":
-        need_vllm()
 
 
 @pytest.fixture(scope="module", params=ENGINES)

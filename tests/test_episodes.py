@@ -3,7 +3,6 @@ sampled by the engine among the other requests), and the whole pipeline training
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -15,8 +14,9 @@ from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import PromptTask, SampleGroup, decode_group, encode
 from common.progress import add_outstanding
 from envs import guess
-from tests.helpers import spawn, stop, wait_for
-from tests.test_engines import need
+from tests.harness.metrics import read_steps
+from tests.harness.needs import need
+from tests.harness.processes import spawn, stop, wait_for
 from trainer.batch import group_rows
 
 
@@ -231,7 +231,7 @@ max_episode_tokens = 64
     read()
     assert codes == {"generators": 0, "trainer": 0, "producers": 0}, {
         n: (logs / f"{n}.log").read_text()[-3000:] for n, c in codes.items() if c}
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_steps(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     groups = list(seen.values())
     by_source = {s: [g for g in groups if g.id.startswith(f"{s}:")] for s in ("calc", "guess")}

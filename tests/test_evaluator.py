@@ -16,7 +16,7 @@ from common.keys import Keys
 from common.messages import WeightVersion
 from common.metrics import read_metrics_stream
 from tasks.rows import eval_prompts
-from tests.helpers import spawn
+from tests.harness.processes import spawn
 
 RUN = "ev"
 

@@ -27,7 +27,7 @@ from common.messages import (
     decode_weights,
     encode,
 )
-from tests.helpers import spawn, stop, wait_for
+from tests.harness.processes import spawn, stop, wait_for
 
 DECODERS = {"prompt": decode_prompt, "group": decode_group, "weights": decode_weights}
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -238,7 +238,7 @@ def interleave(rng: random.Random, valid: list[dict], bad: list[dict]) -> list[d
 def test_running_trainer_dead_letters_garbage_and_trains_every_valid_group(tmp_path, redis_url, r, tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from tests.test_trainer import make_group
+    from tests.harness.groups import make_group
 
     rng = random.Random(11)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype="float32")
@@ -301,7 +301,7 @@ def test_foreign_entries_in_a_live_run_change_no_admission(tmp_path, redis_url, 
     from transformers import AutoModelForCausalLM
 
     from common.progress import count_outstanding, read_dropped, read_producer, read_trainer
-    from tests.test_trainer import make_group
+    from tests.harness.groups import make_group
 
     keys, steps, per_step = Keys("fa"), 8, 2
     config = tmp_path / "fa.toml"

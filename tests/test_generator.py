@@ -16,8 +16,11 @@ from common.heartbeats import read_counters, read_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import WeightVersion, decode_group, encode
 from common.progress import add_outstanding, count_outstanding, read_dropped
-from tests.helpers import spawn, stop, wait_for
-from tests.test_engines import ask, need, perturbed_copy
+from tests.harness.configs import write_config
+from tests.harness.groups import ask, read_groups
+from tests.harness.models import perturbed_copy, publish_weights
+from tests.harness.needs import need
+from tests.harness.processes import spawn, stop, wait_for
 
 
 def test_the_verifier_refuses_a_checkpoint_unlike_the_one_published(tiny_model, tmp_path):
@@ -50,18 +53,6 @@ def test_the_verifier_refuses_a_checkpoint_unlike_the_one_published(tiny_model, 
 # ---------------------------------------------------------------------- the process
 
 
-def publish_weights(r, keys: Keys, wv: WeightVersion) -> None:
-    """What the trainer does after renaming its checkpoint into place."""
-    with r.pipeline(transaction=True) as pipe:
-        pipe.xadd(keys.weights, {PAYLOAD: encode(wv)})
-        pipe.set(keys.weights_latest, encode(wv))
-        pipe.execute()
-
-
-def groups(r, keys: Keys):
-    return [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
-
-
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_generator_process_turns_prompts_into_groups_and_follows_weights(engine, tiny_model, tmp_path, redis_url, r):
     need(engine)
@@ -85,7 +76,7 @@ def test_generator_process_turns_prompts_into_groups_and_follows_weights(engine,
         garbage = r.xadd(keys.prompts, {PAYLOAD: b"\x93not a prompt"})
         r.xadd(keys.prompts, {PAYLOAD: encode(ask(3))})
         wait_for(lambda: r.xlen(keys.samples) >= 4, timeout=120, what="4 groups", procs=[proc])
-        first = groups(r, keys)
+        first = read_groups(r, keys)
         assert sorted(g.id for g in first) == [f"arithmetic:0:{i}" for i in range(4)]
         for g in first:
             assert g.version == 0 and g.generator == "g1" and g.engine == engine
@@ -110,7 +101,7 @@ def test_generator_process_turns_prompts_into_groups_and_follows_weights(engine,
         for i in range(4, 6):
             r.xadd(keys.prompts, {PAYLOAD: encode(ask(i))})
         wait_for(lambda: r.xlen(keys.samples) >= 6, timeout=60, what="6 groups", procs=[proc])
-        assert [g.version for g in groups(r, keys)[4:]] == [1, 1]
+        assert [g.version for g in read_groups(r, keys)[4:]] == [1, 1]
 
         # -- version 2 fails its checksum: refused, version 1 kept
         step_2 = perturbed_copy(tiny_model, ckpt / "step_2", seed=2)
@@ -122,7 +113,7 @@ def test_generator_process_turns_prompts_into_groups_and_follows_weights(engine,
         for i in range(6, 8):
             r.xadd(keys.prompts, {PAYLOAD: encode(ask(i))})
         wait_for(lambda: r.xlen(keys.samples) >= 8, timeout=60, what="8 groups", procs=[proc])
-        assert [g.version for g in groups(r, keys)[6:]] == [1, 1]
+        assert [g.version for g in read_groups(r, keys)[6:]] == [1, 1]
         beat = read_heartbeat(r, keys, "g1")
         assert beat.version == 1 and "checksum" in beat.last_refusal
         assert beat.weights_refused == 1, "a refused version is not re-checked every pass"
@@ -156,33 +147,18 @@ def test_a_late_generator_starts_from_the_latest_weights(engine, tiny_model, tmp
     finally:
         code = stop(proc)
     assert code == 0, log.read_text()
-    [group] = groups(r, keys)
+    [group] = read_groups(r, keys)
     assert group.version == 3 and len(group.completions) == 2
 
 
 # ---------------------------------------------------------------------- rewards that fail, dynamic sampling
 
 
-def source_config(tmp_path, redis_url, tiny_model, *, run: str, reward: str, extra: str = "") -> dict:
-    path = tmp_path / f"{run}.toml"
-    path.write_text(f"""
-run = "{run}"
-redis_url = "{redis_url}"
-[model]
-path = "{tiny_model}"
-[rollout]
-max_new_tokens = 4
-[generator]
-engine = "hf"
-threads = 1
-reward_timeout_s = 1.0
-{extra}
-[[data.sources]]
-name = "arithmetic"
-kind = "arithmetic"
-reward = "{reward}"
-""")
-    return {"ROLLOUTS_CONFIG": str(path)}
+def source_config(tmp_path, redis_url, tiny_model, *, run: str, reward: str, **generator) -> dict:
+    return write_config(tmp_path / f"{run}.toml", run=run, redis_url=redis_url, model=tiny_model, base={},
+                        rollout={"max_new_tokens": 4},
+                        generator={"engine": "hf", "threads": 1, "reward_timeout_s": 1.0, **generator},
+                        data={"sources": [{"name": "arithmetic", "kind": "arithmetic", "reward": reward}]})
 
 
 def test_rewards_that_raise_or_hang_are_recorded_errors_and_the_generator_goes_on(tiny_model, tmp_path, redis_url, r):
@@ -208,7 +184,7 @@ def test_rewards_that_raise_or_hang_are_recorded_errors_and_the_generator_goes_o
     finally:
         code = stop(proc)
     assert code == 0, log.read_text()
-    by_mood = {moods[int(g.id.split(":")[-1])]: g for g in groups(r, keys)}
+    by_mood = {moods[int(g.id.split(":")[-1])]: g for g in read_groups(r, keys)}
     assert all(c.reward == 0.0 and c.reward_error.startswith("ValueError") for c in by_mood["raise"].completions)
     assert all(c.reward == 0.0 and c.reward_error.startswith("timeout after 1") for c in by_mood["hang"].completions)
     assert all(c.reward_error is None for c in by_mood["ok"].completions)
@@ -219,7 +195,7 @@ def test_dynamic_sampling_drops_groups_without_reward_variance_and_counts_them(t
     # tests.reward_fixtures:half scores every completion 0.5: no group has any variance
     keys = Keys("ds")
     env = source_config(tmp_path, redis_url, tiny_model, run="ds", reward="tests.reward_fixtures:half",
-                        extra="drop_zero_variance = true")
+                        drop_zero_variance=True)
     r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
     add_outstanding(r, keys, [ask(i, n=2).id for i in range(4)])  # as the producer admits them
     for i in range(4):

@@ -4,7 +4,6 @@ Marked `gpu` and skipped, with the reason, where torch sees no CUDA device (`pyt
 collects them anywhere). They have not been run on a GPU yet: this project's CI machines have none.
 """
 
-import json
 import random
 
 import pytest
@@ -16,9 +15,10 @@ from common.heartbeats import read_heartbeat
 from common.keys import PAYLOAD, Keys
 from common.messages import encode
 from engines.choice import vllm_available
-from tests.helpers import spawn, stop, wait_for
-from tests.test_trainer import make_group
-from tests.test_trainer_fsdp import run
+from tests.harness.groups import make_group
+from tests.harness.metrics import read_steps
+from tests.harness.pipeline import run_ranks
+from tests.harness.processes import spawn, stop, wait_for
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; torch sees none here")]
@@ -60,7 +60,7 @@ max_steps = 3
         codes = {name: stop(p) for name, p in procs.items()}
     assert codes == {"g1": 0, "trainer": 0, "producer": 0}, codes
     assert "1 rank(s) on cuda, bfloat16 (float32 master weights)" in (logs / "trainer.log").read_text()
-    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_steps(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
     weights = load_file(tmp_path / "run" / "checkpoints" / "step_3" / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
@@ -74,8 +74,8 @@ def test_two_ranks_under_nccl_give_the_update_of_one(tmp_path, redis_url, r, tin
     for name in ("one", "two"):
         for blob in blobs:
             r.xadd(Keys(name).samples, {PAYLOAD: blob})
-    assert "1 rank(s) on cuda" in run(tmp_path, "one", redis_url, tiny_model, nproc=1)
-    assert "2 rank(s) on cuda" in run(tmp_path, "two", redis_url, tiny_model, nproc=2)
+    assert "1 rank(s) on cuda" in run_ranks(tmp_path, "one", redis_url, tiny_model, nproc=1)
+    assert "2 rank(s) on cuda" in run_ranks(tmp_path, "two", redis_url, tiny_model, nproc=2)
     a = load_file(tmp_path / "one" / "checkpoints" / "step_2" / "model.safetensors")
     b = load_file(tmp_path / "two" / "checkpoints" / "step_2" / "model.safetensors")
     # GPU kernels sum in other orders than the CPU's: a looser bound than the gloo test's 1e-5.

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from common.config import GrpoLoss
+from tests.harness.losses import clip_case
 from trainer.grpo import group_advantages, token_logprobs
 from trainer.losses import LossInputs
 from trainer.losses.grpo import loss as grpo_loss
@@ -49,15 +50,6 @@ def test_token_logprobs_matches_log_softmax():
     got = token_logprobs(logits, targets, 0.7)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want)
-
-
-def clip_case():
-    # Row 0 (A = +1) ratios 1.5, 0.9, [padding]; row 1 (A = -1) ratios 0.5, 1.1, 1.0.
-    ratios = torch.tensor([[1.5, 0.9, 1.0], [0.5, 1.1, 1.0]])
-    behaviour = torch.full((2, 3), -2.0)
-    logp = (behaviour + ratios.log()).requires_grad_()
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    return logp, behaviour, torch.tensor([1.0, -1.0]), mask
 
 
 def test_grpo_loss_by_hand():

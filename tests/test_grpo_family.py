@@ -11,9 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.config import GrpoLoss, GspoLoss
-from common.messages import Completion, SampleGroup
-from tests.test_grpo import clip_case
-from tests.test_trainer import make_group
+from tests.harness.groups import completion, hand_group, make_group
+from tests.harness.losses import clip_case
 from trainer.batch import Row, group_rows, micro_batches, split_rows
 from trainer.grpo import group_advantages, token_entropy
 from trainer.losses import LossInputs
@@ -150,10 +149,7 @@ def test_entropy_by_hand():
 
 
 def _group(finishes, rewards):
-    completions = [Completion(ids=[8, 9], logprobs=[-0.1, -0.2], reward=r, rewards={}, finish=f, text="")
-                   for f, r in zip(finishes, rewards, strict=True)]
-    return SampleGroup(id="g", prompt_id="p", prompt_ids=[5, 6, 7], version=0, generator="t", engine="hf",
-                       completions=completions)
+    return hand_group([completion([8, 9], [-0.1, -0.2], r, finish=f) for f, r in zip(finishes, rewards, strict=True)])
 
 
 def test_overlong_penalty_lowers_the_reward_before_advantages():

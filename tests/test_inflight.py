@@ -16,7 +16,8 @@ from common.messages import Completion, MessageError, SampleGroup, decode_group,
 from engines.base import Sampled, SamplingSettings
 from engines.choice import check_inflight, open_engine
 from generators.inflight import group_versions
-from tests.test_engines import LOGPROB_TOL, ask, perturbed_copy
+from tests.harness.groups import ask
+from tests.harness.models import LOGPROB_TOL, perturbed_copy
 from trainer.grpo import token_logprobs
 from trainer.losses.corrections import behaviour_weight
 
@@ -216,8 +217,9 @@ def test_a_generator_with_inflight_updates_loads_new_weights_mid_completion(tiny
     from common.heartbeats import read_heartbeat
     from common.keys import GENERATORS_GROUP
     from common.messages import WeightVersion
-    from tests.helpers import spawn, stop, wait_for
-    from tests.test_generator import groups, publish_weights
+    from tests.harness.groups import read_groups
+    from tests.harness.models import publish_weights
+    from tests.harness.processes import spawn, stop, wait_for
 
     keys = Keys("g")
     env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "g", "ROLLOUTS_MODEL__PATH": str(tiny_model),
@@ -237,7 +239,7 @@ def test_a_generator_with_inflight_updates_loads_new_weights_mid_completion(tiny
         publish_weights(r, keys, WeightVersion(version=1, step=1, path=str(step_1), format="safetensors",
                                                checksums=checksum_dir(step_1), created_at=time.time()))
         wait_for(lambda: r.xlen(keys.samples) >= 12, timeout=120, what="12 groups", procs=[proc])
-        written = groups(r, keys)
+        written = read_groups(r, keys)
         for g in written:  # a group is as stale as its oldest token
             assert g.version == min(c.versions[0][1] if c.versions else g.version for c in g.completions)
         mixed = [c.versions for g in written for c in g.completions if c.versions is not None]

@@ -1,12 +1,14 @@
 """The code's shape: process packages side by side, never importing one another, and no import
-cycle anywhere (a late import inside a function counts: it is a cycle all the same)."""
+cycle anywhere (a late import inside a function counts: it is a cycle all the same); test modules
+share the harness, never one another, and ops/ uses the harness, not the tests."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-from tests.helpers import ROOT
+from tests.harness.processes import ROOT
 
 PROCESSES = {"producers", "generators", "trainer", "evaluator"}
 # What each shared package may import of ours: common stands alone, tasks is plain Python (the
@@ -173,3 +175,51 @@ def test_the_check_may_import_any_package_and_nothing_may_import_it(tmp_path):
                                  "trainer/main.py": "from checks import check\n"})
     assert layout_violations(root) == ["common/cli.py:2: common imports checks.check",
                                        "trainer/main.py:1: trainer imports checks.check"]
+
+
+def imported_names(path: Path) -> list[tuple[str, int]]:
+    """(dotted name, line) of everything the file imports, at any depth: `from a import b` is a.b
+    (a module or a name in one)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names]
+    return out
+
+
+def harness_violations(root: Path) -> list[str]:
+    """A test module importing another test module, and anything under ops/ importing a test
+    module or the tests' conftest (both go through tests/harness)."""
+    def found(path: Path, pattern: str) -> list[str]:
+        hits = {(line, m.group()) for name, line in imported_names(path) if (m := re.match(pattern, name))}
+        return [f"{path.relative_to(root)}:{line}: imports {module}" for line, module in sorted(hits)]
+
+    problems = []
+    for path in sorted((root / "tests").glob("test_*.py")):
+        problems += found(path, r"tests\.test_\w+")
+    for path in sorted((root / "ops").rglob("*")):
+        if path.suffix == ".py" or path.is_file() and b"python" in path.read_bytes()[:100].split(b"\n")[0]:
+            problems += found(path, r"tests\.(test_\w+|conftest)")
+    return problems
+
+
+def test_tests_share_the_harness_and_never_import_one_another():
+    assert harness_violations(ROOT) == []
+
+
+def test_a_test_importing_another_and_ops_importing_the_tests_are_caught(tmp_path):
+    files = {"tests/test_a.py": "from tests.test_b import helper\nfrom tests.harness.groups import make_group\n",
+             "tests/test_b.py": "def f():\n    import tests.test_a\n",
+             "tests/test_c.py": "from tests import test_a\nfrom tests import reward_fixtures\n",
+             "ops/bench/x.py": "from tests.conftest import free_port\nfrom tests.harness.servers import start_redis\n",
+             "ops/tool": "#!/usr/bin/env python3\nfrom tests.test_a import helper\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert harness_violations(tmp_path) == ["tests/test_a.py:1: imports tests.test_b",
+                                            "tests/test_b.py:2: imports tests.test_a",
+                                            "tests/test_c.py:1: imports tests.test_a",
+                                            "ops/bench/x.py:1: imports tests.conftest",
+                                            "ops/tool:2: imports tests.test_a"]

@@ -7,10 +7,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.keys import PAYLOAD, Keys
 from common.messages import encode
-from tests.test_trainer import KEYS, make_group, run_trainer, xadd
+from tests.harness.configs import write_config
+from tests.harness.groups import make_group, xadd
+from tests.harness.pipeline import run_trainer, train_groups
 
-LORA = '{ rank = 4, alpha = 8.0, target_modules = ["q_proj", "v_proj"] }'
+RUN = "t"
+KEYS = Keys(RUN)
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 
 
 def test_lora_trains_the_adapters_only_and_publishes_merged_weights(tmp_path, redis_url, r, tiny_model):
@@ -21,8 +26,8 @@ def test_lora_trains_the_adapters_only_and_publishes_merged_weights(tmp_path, re
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rng = random.Random(0)
     for i in range(4):
-        xadd(r, encode(make_group(base, f"g{i}", version=0, rng=rng)))
-    run_trainer(tmp_path, redis_url, tiny_model, max_steps=2, lr=0.05, lora=LORA)
+        xadd(r, KEYS, encode(make_group(base, f"g{i}", version=0, rng=rng)))
+    train_groups(tmp_path, redis_url, tiny_model, run=RUN, max_steps=2, lr=0.05, lora=LORA)
 
     # The published checkpoint is a plain HF model under the base model's names: the adapted
     # weights (q_proj, v_proj) moved, every other weight is the initial one to the bit.
@@ -59,14 +64,7 @@ def test_lora_trains_the_adapters_only_and_publishes_merged_weights(tmp_path, re
 
 
 def test_lora_under_two_fsdp_ranks_publishes_what_one_rank_does(tmp_path, redis_url, r, tiny_model):
-    import os
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
-
-    from common.keys import PAYLOAD, Keys
-    from tests.helpers import ROOT
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rng = random.Random(5)
@@ -74,16 +72,10 @@ def test_lora_under_two_fsdp_ranks_publishes_what_one_rank_does(tmp_path, redis_
     for name in ("one", "two"):
         for blob in blobs:
             r.xadd(Keys(name).samples, {PAYLOAD: blob})
-        (tmp_path / f"{name}.toml").write_text("\n".join([
-            f'run = "{name}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / name}"',
-            "[model]", f'path = "{tiny_model}"', "[rollout]", "group_size = 4", "prompts_per_step = 2",
-            "[trainer]", "max_steps = 2", "lr = 0.05", "threads = 1", f"lora = {LORA}"]) + "\n")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-        env.update(ROLLOUTS_CONFIG=str(tmp_path / f"{name}.toml"), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        launcher = [] if name == "one" else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        done = subprocess.run([sys.executable, *launcher, "-m", "trainer"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"{name}: {done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        config = write_config(tmp_path / f"{name}.toml", run=name, redis_url=redis_url, output_dir=tmp_path / name,
+                              model=tiny_model, base={}, rollout={"group_size": 4, "prompts_per_step": 2},
+                              trainer={"max_steps": 2, "lr": 0.05, "threads": 1, "lora": LORA})
+        run_trainer(config, cwd=tmp_path, nproc=1 if name == "one" else 2)
     a = load_file(tmp_path / "one" / "checkpoints" / "step_2" / "model.safetensors")
     b = load_file(tmp_path / "two" / "checkpoints" / "step_2" / "model.safetensors")
     assert a.keys() == b.keys() and a.keys() == {k for k in base.state_dict() if k != "lm_head.weight"} | (

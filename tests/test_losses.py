@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.config import ConfigError, CustomLoss, GrpoLoss, config_from_dict
-from tests.test_grpo import clip_case
-from tests.test_trainer import make_group
+from tests.harness.groups import make_group
+from tests.harness.losses import clip_case
 from trainer.losses import LossInputs, LossOutputs, LossStats, loss_function
 from trainer.losses import grpo as grpo_module
 from trainer.step import GrpoOptions, train_step

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from tests.helpers import _start, skip_without_root, stop, wait_for
+from tests.harness.needs import skip_without_root
+from tests.harness.processes import _start, stop, wait_for
 
 RUN = "nn"
 PASSWORD, USER, USER_PASSWORD = "nn-default-pw", "rollouts-nn", "nn-acl-pw"
@@ -26,7 +27,7 @@ def sh(*argv: str) -> subprocess.CompletedProcess:
 @pytest.fixture
 def hosts():
     """Two namespaces joined by a veth pair on a private /30: (name A, address A, name B); root
-    only (skipped otherwise, failed in CI: tests.helpers.skip_without_root)."""
+    only (skipped otherwise, failed in CI: tests.harness.needs.skip_without_root)."""
     if os.geteuid() != 0 or not shutil.which("ip"):
         skip_without_root("network namespaces need root and iproute2's `ip`")
     tag = f"{os.getpid() % 10000}"

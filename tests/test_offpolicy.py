@@ -18,7 +18,7 @@ from common.shaping import zero_variance
 from engines.base import SamplingSettings
 from engines.hf_engine import HFEngine
 from producers.admission import admission_limit
-from tests.test_trainer import make_group
+from tests.harness.groups import make_group
 from trainer.batch import group_rows
 from trainer.devices import placement
 from trainer.grpo import token_logprobs
@@ -95,7 +95,7 @@ def test_dual_clip_bounds_negative_advantage_losses():
 
 def test_dr_grpo_constant_normaliser():
     # Per-token losses (tests/test_grpo clip_case, clip 0.2 / 0.3): -1.3, -0.9 | 0.8, 1.1, 1.0, sum 0.7.
-    from tests.test_grpo import clip_case
+    from tests.harness.losses import clip_case
 
     logp, behaviour, adv, mask = clip_case()
     inputs = LossInputs(logp, behaviour, adv, mask, total_tokens=5, norm_tokens=2 * 4)

@@ -5,17 +5,9 @@ import sys
 from dataclasses import replace
 
 from common.evals import EvalResult, read_evals_file
-from common.metrics import PolicyStats, StepMetrics, read_metrics
+from common.metrics import StepMetrics, read_metrics
 from common.plot import panel_series, smooth
-
-POLICY = PolicyStats(loss=0.1, kl=0.0, clip_low=0.0, clip_high=0.01, clip_region=0.01, ratio=1.0, tis=1.0)
-STEP = StepMetrics(step=1, version=1, reward_mean=0.1, reward_std=0.2, accuracy=0.1, frac_reward_zero_std=0.0,
-                   reward_errors=0, mean_length=11.0, max_length=20, clipped_ratio=0.25, staleness_mean=1.0,
-                   staleness_max=1,
-                   policy=POLICY, sft_loss=None, entropy=0.9, grad_norm=1.0, lr=1e-5, dropped_stale=0, dead=0,
-                   duplicate=0, tokens_trained=100.0, tokens_per_s=70.0, time_step=13.5, time_wait_data=0.5,
-                   time_train=12.0, time_publish=1.0, generators_alive=1.0, generators_tokens_per_s=40.0,
-                   group_ids=["a:0:0"], reward_components={"correct": (0.1, 0.3), "format": (0.5, 0.0)})
+from tests.harness.metrics import STEP
 
 
 def test_moving_average_by_hand():
@@ -114,7 +106,7 @@ def test_the_readmes_plot_command_writes_the_chart_where_it_says(tmp_path):
     import shutil
     from pathlib import Path
 
-    from tests.helpers import ROOT
+    from tests.harness.processes import ROOT
 
     rollouts = Path(sys.executable).parent / "rollouts"  # .venv/bin/rollouts
     assert rollouts.is_file(), f"{rollouts}: the project is not installed in this environment (pip install -e .)"

@@ -15,8 +15,9 @@ from common.keys import PAYLOAD, Keys
 from common.messages import encode
 from engines.base import SamplingSettings
 from engines.hf_engine import HFEngine
-from tests.test_trainer import make_group
-from tests.test_trainer_fsdp import run
+from tests.harness.groups import make_group
+from tests.harness.metrics import read_steps
+from tests.harness.pipeline import run_ranks
 from trainer.checkpoints import load_model, save_checkpoint
 from trainer.logprobs import sequence_logprobs
 from trainer.parallel import parallelize
@@ -26,10 +27,6 @@ from trainer.step import GrpoOptions, train_step
 # bf16 keeps 8 bits of mantissa, so log-probs move by about 1e-2 and so does the loss.
 LOSS_TOL = 0.005
 LOGP_MAX_TOL, LOGP_MEAN_TOL = 0.02, 0.005
-
-
-def metrics(path):
-    return [json.loads(x) for x in path.read_text().splitlines()]
 
 
 def test_a_bf16_step_tracks_float32_and_publishes_bf16(tmp_path, tiny_model):
@@ -84,12 +81,12 @@ def test_bf16_training_tracks_float32_at_world_sizes_1_and_2(tmp_path, redis_url
     for name, (nproc, dtype) in runs.items():
         for blob in blobs:
             r.xadd(Keys(name).samples, {PAYLOAD: blob})
-        out = run(tmp_path, name, redis_url, tiny_model, nproc=nproc, dtype=dtype, kl_coef=0.1)
+        out = run_ranks(tmp_path, name, redis_url, tiny_model, nproc=nproc, dtype=dtype, kl_coef=0.1)
         assert f"{nproc} rank(s) on cpu, {dtype}" in out
 
-    want = metrics(tmp_path / "fp32" / "metrics.jsonl")
+    want = read_steps(tmp_path / "fp32" / "metrics.jsonl")
     for name in ("bf16-1", "bf16-2"):
-        got = metrics(tmp_path / name / "metrics.jsonl")
+        got = read_steps(tmp_path / name / "metrics.jsonl")
         diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(want, got, strict=True)]  # metrics.jsonl: TRL's names
         print(f"{name}: loss fp32 {[round(m['loss'], 5) for m in want]}, "
               f"bf16 {[round(m['loss'], 5) for m in got]}, largest difference {max(diffs):.3g}")

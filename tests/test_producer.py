@@ -5,7 +5,7 @@ from common.messages import decode_prompt
 from common.progress import read_producer, start_producer, write_step
 from producers.admission import admission_limit
 from tasks.arithmetic import problem
-from tests.helpers import spawn, stop, wait_for
+from tests.harness.processes import spawn, stop, wait_for
 
 
 def test_admission_limit_follows_the_trainer_version():
@@ -73,7 +73,7 @@ def test_the_evaluators_problems_are_the_runs_held_out_split(r):
     from common.evals import enqueue_eval, read_request
     from common.messages import WeightVersion
     from tasks.rows import eval_prompts, held_out
-    from tests.helpers import ROOT
+    from tests.harness.processes import ROOT
 
     cfg = load_config(ROOT / "configs" / "demo.toml", env={})
     wv = WeightVersion(version=10, step=10, path="runs/demo/checkpoints/step_10", format="safetensors",

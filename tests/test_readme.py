@@ -28,8 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
-from tests.helpers import ROOT, Shell, run_once
+from tests.harness.metrics import read_steps
+from tests.harness.processes import ROOT, Shell, run_once
+from tests.harness.servers import free_port
 
 DOCS = ("README.md", "docs/operations.md")
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
@@ -250,7 +251,7 @@ def test_the_one_gpu_command_runs_the_gsm8k_config(checkout, user_env, tmp_path,
         run.kill()
     out = run.text()
     assert "trainer: run 'gsm8k'" in out and "run 'demo'" not in out, out[-4000:]
-    rows = [json.loads(x) for x in (checkout / "runs/gsm8k/metrics.jsonl").read_text().splitlines()]
+    rows = read_steps(checkout / "runs/gsm8k/metrics.jsonl")
     assert len(rows) >= 2 and not (checkout / "runs/demo").exists()
     (evaluated,) = [json.loads(x) for x in (checkout / "runs/gsm8k/evals.jsonl").read_text().splitlines()
                     if json.loads(x).get("version") == 2]
@@ -293,7 +294,7 @@ def test_the_eight_gpu_split_runs_on_cpu_processes(checkout, user_env, tmp_path,
         run.kill()
     assert "torchrun exited 0" in run.text(), run.text()[-6000:]
     assert "trainer: run 'gsm8k'" in run.text() and "2 rank(s) on cpu" in run.text(), run.text()[-6000:]
-    rows = [json.loads(x) for x in (checkout / "runs/gsm8k/metrics.jsonl").read_text().splitlines()]
+    rows = read_steps(checkout / "runs/gsm8k/metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2], rows
 
 
@@ -336,7 +337,7 @@ def test_your_own_data_a_trl_reward_and_an_evaluation_source(checkout, user_env,
         run.ctrl_c()
     finally:
         run.kill()
-    metrics = [json.loads(x) for x in (checkout / "runs/demo/metrics.jsonl").read_text().splitlines()]
+    metrics = read_steps(checkout / "runs/demo/metrics.jsonl")
     assert metrics and all(m["reward_errors"] == 0 for m in metrics), [m.get("reward_errors") for m in metrics]
     assert any("rewards/reward_func/mean" in m for m in metrics), sorted(metrics[0])  # steps of calc only lack it
     evaluated = [json.loads(x) for x in (checkout / "runs/demo/evals.jsonl").read_text().splitlines()]
@@ -378,7 +379,7 @@ def test_sft_then_rl_from_its_checkpoint(checkout, user_env, tmp_path):
 def test_the_acl_user_of_operations_md_is_confined_to_its_run(tmp_path):
     import redis
 
-    from tests.conftest import start_redis
+    from tests.harness.servers import start_redis
 
     port = free_port()
     server = start_redis(tmp_path, port)

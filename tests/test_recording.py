@@ -1,7 +1,6 @@
 """`rollouts record` and `rollouts replay`, and trainer runs fed by a checked-in recording made by
 the project's own pipeline (tests/data/make_recordings.py): no generator, no model download."""
 
-import json
 from pathlib import Path
 
 import msgpack
@@ -15,39 +14,25 @@ from common.cli import main as cli
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import decode_group, decode_prompt
 from common.recording import RecordingError, read_recording, record, replay
-from tests.helpers import spawn
+from tests.harness.configs import write_config
+from tests.harness.metrics import read_steps
+from tests.harness.pipeline import run_trainer
 
 DATA = Path(__file__).resolve().parent / "data"
 PIPELINE = DATA / "tiny_pipeline.rec"  # 3 steps of producer + generator + trainer on the tiny model
 
 
-def write_config(tmp_path: Path, redis_url: str, run: str) -> str:
+def config_of(tmp_path: Path, redis_url: str, run: str) -> str:
     path = tmp_path / f"{run}.toml"
-    path.write_text(f'run = "{run}"\nredis_url = "{redis_url}"\noutput_dir = "{tmp_path / run}"\n')
+    write_config(path, run=run, redis_url=redis_url, output_dir=tmp_path / run, base={})
     return str(path)
 
 
-def run_trainer(tmp_path: Path, redis_url: str, model: Path, *, steps: int) -> None:
-    """The trainer with the rollout settings the recording was made with, to the end."""
-    config = tmp_path / "trainer.toml"
-    config.write_text(f"""
-run = "t"
-redis_url = "{redis_url}"
-output_dir = "{tmp_path / 'out'}"
-[model]
-path = "{model}"
-[rollout]
-group_size = 4
-prompts_per_step = 4
-max_staleness = 1
-[trainer]
-lr = 1e-3
-max_steps = {steps}
-micro_batch_size = 8
-threads = 1
-""")
-    proc = spawn("trainer", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(config)}, log=tmp_path / "trainer.log")
-    assert proc.wait(timeout=300) == 0, (tmp_path / "trainer.log").read_text()
+def trainer_config(tmp_path: Path, redis_url: str, model: Path, *, steps: int) -> dict[str, str]:
+    """The trainer with the rollout settings the recording was made with."""
+    return write_config(tmp_path / "trainer.toml", run="t", redis_url=redis_url, output_dir=tmp_path / "out",
+                        model=model, base={}, rollout={"group_size": 4, "prompts_per_step": 4, "max_staleness": 1},
+                        trainer={"lr": 1e-3, "max_steps": steps, "micro_batch_size": 8, "threads": 1})
 
 
 def test_checked_in_recording_is_complete_and_names_the_tiny_model_it_needs(tiny_model):
@@ -72,7 +57,7 @@ def test_record_then_replay_gives_the_same_entries_in_order(tmp_path, redis_url,
     recorded = [(e.stream, e.payload) for e in read_recording(PIPELINE)[1]]
     assert r.xlen(src.samples) == 20 and r.xlen(src.prompts) == 20
     out = tmp_path / "again.rec"
-    cli(["record", "--config", write_config(tmp_path, redis_url, "src"), "--stream", "samples",
+    cli(["record", "--config", config_of(tmp_path, redis_url, "src"), "--stream", "samples",
          "--stream", "prompts", "--out", str(out), "--until-idle", "0.5"])
     header, entries = read_recording(out)
     assert header.run == "src" and header.streams == ["samples", "prompts"]
@@ -81,11 +66,11 @@ def test_record_then_replay_gives_the_same_entries_in_order(tmp_path, redis_url,
     # the recorder took its group away when it finished: it holds no trimming back
     assert [g["name"] for g in r.xinfo_groups(src.samples)] == []
 
-    cli(["replay", str(out), "--config", write_config(tmp_path, redis_url, "dst"), "--stream", "samples"])
+    cli(["replay", str(out), "--config", config_of(tmp_path, redis_url, "dst"), "--stream", "samples"])
     assert [f[PAYLOAD] for _, f in r.xrange(dst.samples)] == [p for s, p in recorded if s == "samples"]
     assert not r.exists(dst.prompts)
     with pytest.raises(SystemExit, match="already has 20 entries in its samples stream"):
-        cli(["replay", str(out), "--config", write_config(tmp_path, redis_url, "dst")])
+        cli(["replay", str(out), "--config", config_of(tmp_path, redis_url, "dst")])
 
 
 def test_replay_at_the_recorded_pace_waits_as_the_recording_did(redis_url, r):
@@ -154,8 +139,8 @@ def test_trainer_trains_on_a_replayed_pipeline_recording_deterministically(tmp_p
         out.mkdir()
         r.flushdb()
         replay(r, Keys("t"), PIPELINE, only=["samples"])
-        run_trainer(out, redis_url, tiny_model, steps=5)
-        lines = [json.loads(x) for x in (out / "out" / "metrics.jsonl").read_text().splitlines()]
+        run_trainer(trainer_config(out, redis_url, tiny_model, steps=5), cwd=out)
+        lines = read_steps(out / "out" / "metrics.jsonl")
         assert [g for m in lines for g in m["group_ids"]] == recorded
         assert all(m["groups/dropped_stale"] == 0 and m["groups/dead"] == 0 for m in lines)
         assert r.xpending(Keys("t").samples, TRAINER_GROUP)["pending"] == 0

@@ -14,9 +14,9 @@ import pytest
 import redis
 
 from common.keys import Keys
-from common.tiny import tiny_run_config
-from tests.conftest import free_port, start_redis
-from tests.helpers import ROOT, spawn, stop, wait_for
+from tests.harness.configs import write_config
+from tests.harness.processes import ROOT, spawn, stop, wait_for
+from tests.harness.servers import free_port, start_redis
 
 RUN = "sec"
 KEYS = Keys(RUN)
@@ -29,11 +29,10 @@ TLS_PASSWORD = "acl@pw:91/c2"
 ACL_RULE = f"on >{USER_PASSWORD} resetkeys ~rollouts:{RUN}:* ~rq:* resetchannels &rq:* +@all -@dangerous +info"
 
 
-def write_config(tmp_path, model, *, steps: int, eval_every: int) -> str:
+def tiny_config(tmp_path, model, *, steps: int, eval_every: int) -> str:
     path = tmp_path / "run.toml"
-    path.write_text(tiny_run_config(run=RUN, output_dir=tmp_path / "run", model=model, trainer={"max_steps": steps},
-                                    eval={"every": eval_every, "prompts": 4}))
-    return str(path)
+    return write_config(path, run=RUN, output_dir=tmp_path / "run", model=model, trainer={"max_steps": steps},
+                        eval={"every": eval_every, "prompts": 4})["ROLLOUTS_CONFIG"]
 
 
 def locked_redis(tmp_path, *extra: str):
@@ -75,7 +74,7 @@ def test_pipeline_runs_over_tls_as_an_acl_user_limited_to_its_run(tmp_path, tiny
         redis.Redis(port=port).ping()  # nobody gets in without a password
     with pytest.raises(redis.exceptions.ConnectionError):  # nor without TLS on the TLS port
         redis.Redis(port=tls_port, username=USER, password=TLS_PASSWORD, socket_timeout=5).ping()
-    config = write_config(tmp_path, tiny_model, steps=2, eval_every=1)
+    config = tiny_config(tmp_path, tiny_model, steps=2, eval_every=1)
     logs = tmp_path / "logs"
     logs.mkdir()
 
@@ -114,7 +113,7 @@ def test_pipeline_runs_over_tls_as_an_acl_user_limited_to_its_run(tmp_path, tiny
 
 def test_a_missing_or_wrong_password_stops_each_process_with_one_line(tmp_path, tiny_model):
     server, port = locked_redis(tmp_path)
-    config = write_config(tmp_path, tiny_model, steps=1, eval_every=0)
+    config = tiny_config(tmp_path, tiny_model, steps=1, eval_every=0)
     bad = {  # process: (module, URL, what Redis says)
         "producer": ("producers", f"redis://127.0.0.1:{port}/0", "Authentication required"),
         "generator": ("generators", f"redis://:wrong-{PASSWORD}@127.0.0.1:{port}/0", "invalid username-password"),
@@ -154,7 +153,7 @@ def test_an_acl_user_lacking_a_permission_stops_each_process_with_one_line(tmp_p
                           .replace(f"~rollouts:{RUN}:* ~rq:*", "~rollouts:other:*").split())
     no_xadd = f"redis://no-xadd:pw-1@127.0.0.1:{port}/0"
     other_run = f"redis://other-run:pw-2@127.0.0.1:{port}/0"
-    config = write_config(tmp_path, tiny_model, steps=1, eval_every=0)
+    config = tiny_config(tmp_path, tiny_model, steps=1, eval_every=0)
     cases = {  # process: (module, URL, what Redis says)
         "producer": ("producers", no_xadd, "no permissions to run the 'xadd' command"),
         "trainer": ("trainer", other_run, "no permissions to access one of the keys"),
@@ -188,7 +187,7 @@ def test_an_acl_user_lacking_a_permission_stops_each_process_with_one_line(tmp_p
 
 def test_rollouts_status_with_a_wrong_password_says_so_in_one_line(tmp_path, tiny_model):
     server, port = locked_redis(tmp_path)
-    config = write_config(tmp_path, tiny_model, steps=1, eval_every=0)
+    config = tiny_config(tmp_path, tiny_model, steps=1, eval_every=0)
     try:
         status = subprocess.run([sys.executable, "-m", "common.cli", "status", "--config", config],
                                 env=env(f"redis://{USER}:wrong-pw@127.0.0.1:{port}/0"),
@@ -213,7 +212,7 @@ def test_the_trainer_refuses_a_model_with_only_pickled_weights(tmp_path, tiny_mo
     [weights] = model.glob("*.safetensors")
     torch.save(load_file(weights), model / "pytorch_model.bin")  # what an old or untrusted checkpoint holds
     weights.unlink()
-    config = write_config(tmp_path, model, steps=1, eval_every=0)
+    config = tiny_config(tmp_path, model, steps=1, eval_every=0)
     proc = spawn("trainer", cwd=tmp_path, env={"ROLLOUTS_CONFIG": config, "ROLLOUTS_REDIS_URL": redis_url},
                  log=tmp_path / "trainer.log")
     code = proc.wait(timeout=120)

@@ -19,10 +19,11 @@ from common.checkpoints import checksum_dir
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import WeightVersion, decode_group, encode
 from engines.base import SamplingSettings
-from tests.conftest import free_port
-from tests.helpers import spawn, stop, wait_for
-from tests.test_engines import ask, need, perturbed_copy
-from tests.test_generator import publish_weights
+from tests.harness.groups import ask
+from tests.harness.models import perturbed_copy, publish_weights
+from tests.harness.needs import need
+from tests.harness.processes import spawn, stop, wait_for
+from tests.harness.servers import free_port
 
 pytestmark = pytest.mark.slow
 

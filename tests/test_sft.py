@@ -15,15 +15,14 @@ from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import decode_group, encode
 from common.progress import read_producer, read_trainer
 from producers.sft import conversation_group, truncate
-from tests.helpers import spawn, stop, wait_for
-from tests.test_plot import STEP
-from tests.test_trainer import make_group
+from tests.harness.configs import write_config
+from tests.harness.groups import make_group
+from tests.harness.metrics import STEP, read_steps
+from tests.harness.processes import ROOT, spawn, stop, wait_for
 from trainer.batch import micro_batches
 from trainer.grpo import token_logprobs
 from trainer.losses.sft import sft_loss
 from trainer.metrics import step_metrics, summary_line
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_sft_loss_is_the_masked_mean_nll():
@@ -84,13 +83,9 @@ def masked_nll(model, tokenizer, conversations) -> float:
     return total / count
 
 
-def write_config(path: Path, *, run: str, redis_url: str, out: Path, model: Path, trainer: dict,
-                 sources: str = "") -> Path:
-    lines = [f'run = "{run}"', f'redis_url = "{redis_url}"', f'output_dir = "{out}"',
-             "[model]", f'path = "{model}"',
-             "[rollout]", "prompts_per_step = 4", "max_staleness = 1",
-             "[trainer]", *(f"{k} = {v}" for k, v in trainer.items()), sources]
-    path.write_text("\n".join(lines) + "\n")
+def run_config(path: Path, *, run: str, redis_url: str, out: Path, model: Path, trainer: dict, **tables) -> Path:
+    write_config(path, run=run, redis_url=redis_url, output_dir=out, model=model, base={},
+                 rollout={"prompts_per_step": 4, "max_staleness": 1}, trainer=trainer, **tables)
     return path
 
 
@@ -98,12 +93,11 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS)
                     + json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n")
-    sources = "\n".join(["[[data.sources]]", 'name = "chat"', 'kind = "sft"', f'path = "{data}"',
-                         "max_length = 56"])
-    cfg = write_config(tmp_path / "sft.toml", run="sft", redis_url=redis_url, out=tmp_path / "sft",
-                       model=tiny_model, sources=sources,
-                       trainer={"objective": '"sft"', "lr": 1e-2, "max_steps": 6, "threads": 1,
-                                "micro_batch_size": 4, "sync_every": 3})  # admitted against step, not version
+    sources = [{"name": "chat", "kind": "sft", "path": str(data), "max_length": 56}]
+    cfg = run_config(tmp_path / "sft.toml", run="sft", redis_url=redis_url, out=tmp_path / "sft",
+                     model=tiny_model, data={"sources": sources},
+                     trainer={"objective": "sft", "lr": 1e-2, "max_steps": 6, "threads": 1,
+                              "micro_batch_size": 4, "sync_every": 3})  # admitted against step, not version
     assert load_config(cfg, env={}).trainer.objective == "sft"
     env = {"ROLLOUTS_CONFIG": str(cfg)}
     producer = spawn("producers", cwd=tmp_path, env=env, log=tmp_path / "producer.log")
@@ -133,7 +127,7 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     assert r.xlen(keys.prompts) == 0
 
     # Six SFT steps, nothing stale or dead; the console shows the SFT loss.
-    metrics = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_steps(tmp_path / "sft" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert all(m["groups/dropped_stale"] == 0 and m["groups/dead"] == 0 for m in metrics)
     assert all(m["reward"] is None and "clip_ratio/low_mean" not in m for m in metrics)
@@ -158,8 +152,8 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     rl_keys = Keys("rl")
     for i in range(4):
         r.xadd(rl_keys.samples, {PAYLOAD: encode(make_group(after_model, f"rl{i}", version=0, rng=rng))})
-    rl_cfg = write_config(tmp_path / "rl.toml", run="rl", redis_url=redis_url, out=tmp_path / "rl",
-                          model=checkpoint, trainer={"lr": 1e-3, "max_steps": 1, "threads": 1})
+    rl_cfg = run_config(tmp_path / "rl.toml", run="rl", redis_url=redis_url, out=tmp_path / "rl",
+                        model=checkpoint, trainer={"lr": 1e-3, "max_steps": 1, "threads": 1})
     assert config_from_dict({"trainer": {}}).trainer.objective == "grpo"
     rl = spawn("trainer", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(rl_cfg)}, log=tmp_path / "rl.log")
     try:
@@ -169,7 +163,7 @@ def test_sft_run_lowers_the_loss_and_its_checkpoint_starts_rl(tmp_path, redis_ur
     rl_log = (tmp_path / "rl.log").read_text()
     assert rl.returncode == 0, rl_log
     assert f"model {checkpoint}" in rl_log and "| loss " in rl_log
-    (m,) = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    (m,) = read_steps(tmp_path / "rl" / "metrics.jsonl")
     assert m["step"] == 1 and "clip_ratio/low_mean" in m and m["reward"] is not None
     rl_weights = AutoModelForCausalLM.from_pretrained(tmp_path / "rl" / "checkpoints" / "step_1").state_dict()
     sft_weights = after_model.state_dict()

@@ -16,9 +16,10 @@ from common.keys import GENERATORS_GROUP, PAYLOAD
 from common.messages import decode_group, decode_prompt
 from common.progress import read_producer, read_trainer, write_step
 from common.tiny import tiny_run_config
-from tests.conftest import free_port, start_redis
-from tests.helpers import ROOT, accounting, assert_accounted, spawn, spawn_ops_honcho, stop, wait_for
-from tests.test_faults import KEYS, Pipeline, metrics, report, trained_once, write_config
+from tests.harness.audit import accounting, assert_accounted, report
+from tests.harness.pipeline import KEYS, Pipeline, metrics, pipeline_config, trained_once
+from tests.harness.processes import ROOT, spawn, spawn_ops_honcho, stop, wait_for
+from tests.harness.servers import free_port, start_redis
 
 
 def two_signals(proc) -> float:
@@ -50,7 +51,7 @@ def saved_consistently(r, tmp_path) -> int:
 def test_trainer_first_sigterm_finishes_the_step_saves_and_a_restart_resumes(tmp_path, redis_url, r, tiny_model):
     steps = 8
     # state saved every 3 steps: at the signal it holds trained groups not yet acknowledged
-    pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=3))
+    pipe = Pipeline(tmp_path, pipeline_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=3))
     for name in ("producer", "generator", "trainer"):
         pipe.start(name)
     wait_for(lambda: any(m["step"] == 4 for m in metrics(tmp_path)), timeout=180, what="step 4",
@@ -82,7 +83,7 @@ def test_trainer_second_signal_exits_at_once_and_a_restart_retrains_what_was_not
         tmp_path, redis_url, r, tiny_model):
     steps = 6
     # no trainer state until the last step: every group it trains stays unacknowledged till then
-    pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=steps))
+    pipe = Pipeline(tmp_path, pipeline_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=steps))
     for name in ("producer", "generator", "trainer"):
         pipe.start(name)
     wait_for(lambda: any(m["step"] == 2 for m in metrics(tmp_path)), timeout=180, what="step 2",
@@ -107,7 +108,7 @@ def test_trainer_second_signal_exits_at_once_and_a_restart_retrains_what_was_not
 
 
 def test_producer_first_sigterm_stops_cleanly_and_a_second_at_once(tmp_path, redis_url, r, tiny_model):
-    env = write_config(tmp_path, redis_url, tiny_model, steps=1)
+    env = pipeline_config(tmp_path, redis_url, tiny_model, steps=1)
     log = tmp_path / "producer.log"
 
     def start():
@@ -209,7 +210,7 @@ def test_ops_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_pa
     data = tmp_path / "redis"
     data.mkdir()
     url = f"redis://127.0.0.1:{port}/0"
-    env = write_config(tmp_path, url, tiny_model, steps=steps)
+    env = pipeline_config(tmp_path, url, tiny_model, steps=steps)
     procfile = tmp_path / "Procfile"
     procfile.write_text(  # the project's Procfile, on a port and directory of this test's own
         f"redis: exec {sys.executable} {ROOT / 'ops' / 'redis-last'} redis-server --port {port} --bind 127.0.0.1 "

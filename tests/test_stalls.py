@@ -20,9 +20,11 @@ from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import decode_group, encode
 from common.progress import read_trainer
 from common.streams import connect, latest_weights
-from tests.helpers import accounting, assert_accounted, skip_without_root, spawn, stop, wait_for
-from tests.test_engines import ask
-from tests.test_faults import KEYS, Pipeline, metrics, trained_once, write_config
+from tests.harness.audit import accounting, assert_accounted
+from tests.harness.groups import ask
+from tests.harness.needs import skip_without_root
+from tests.harness.pipeline import KEYS, Pipeline, metrics, pipeline_config, trained_once
+from tests.harness.processes import spawn, stop, wait_for
 
 
 def groups_held_by_trainer(r) -> int:
@@ -32,7 +34,7 @@ def groups_held_by_trainer(r) -> int:
 @pytest.fixture
 def small_disk(tmp_path):
     """A 32 MiB tmpfs mounted at the run's checkpoint directory (root only: skipped otherwise,
-    failed in CI, tests.helpers.skip_without_root)."""
+    failed in CI, tests.harness.needs.skip_without_root)."""
     where = tmp_path / "run" / "checkpoints"
     where.mkdir(parents=True)
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(where)], capture_output=True,
@@ -65,7 +67,7 @@ def test_a_full_disk_at_publish_announces_nothing_and_the_trainer_stops_resumabl
     # Every checkpoint is kept (the tiny model's are 0.5 MB: 30 fit), so that nothing frees space on
     # the full disk: filled between a publish's writing and its pruning of the oldest checkpoint, the
     # disk would get back just what the next publish needs, and the run would go on to its end.
-    pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=2,
+    pipe = Pipeline(tmp_path, pipeline_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=2,
                                            keep_checkpoints=steps))
     for name in ("producer", "generator", "trainer"):
         pipe.start(name)
@@ -116,7 +118,7 @@ def test_the_trainers_output_directory_deleted_mid_run_is_written_again(tmp_path
     weights again at once, with its state (both counted), and the run goes on to its end."""
     r = connect(redis_url)  # retries a reply slow on a loaded machine, as the processes do
     steps = 8
-    pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=2))
+    pipe = Pipeline(tmp_path, pipeline_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=2))
     for name in ("producer", "generator", "trainer"):
         pipe.start(name)
     wait_for(lambda: any(m["step"] == 3 for m in metrics(tmp_path)), timeout=180, what="step 3",
@@ -246,7 +248,7 @@ def test_a_trainer_stopped_holding_unacknowledged_groups_resumes_with_nothing_tw
     let go on, trains every group once, acknowledges them all, and nothing is left pending."""
     r = connect(redis_url)  # retries a reply slow on a loaded machine, as the processes do
     steps = 12
-    pipe = Pipeline(tmp_path, write_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=4,
+    pipe = Pipeline(tmp_path, pipeline_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=4,
                                            claim_idle_s=2))
     for name in ("producer", "generator", "trainer"):
         pipe.start(name)

@@ -11,8 +11,8 @@ from common.config import config_from_dict
 from common.heartbeats import Heartbeat, write_heartbeat
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.progress import count_trained, write_step
-from tests.helpers import wait_for
-from tests.test_plot import STEP
+from tests.harness.metrics import STEP
+from tests.harness.processes import wait_for
 from trainer.tracking import Tracker
 
 

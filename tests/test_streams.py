@@ -5,7 +5,7 @@ from common.cli import status_lines
 from common.deadletters import DeadLetter, count_dead_letters, dead_letter, read_dead_letters
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
 from common.streams import connect, ensure_group, group_backlog, lost_redis, redacted
-from tests.conftest import free_port, start_redis
+from tests.harness.servers import free_port, start_redis
 
 
 def test_passwords_never_reach_the_logs():

@@ -16,9 +16,11 @@ from common.evals import enqueue_eval, eval_queue, read_evals
 from common.keys import Keys
 from common.messages import WeightVersion
 from common.progress import read_trainer
-from common.tiny import build_tiny_model, tiny_run_config
-from tests.conftest import free_port, start_redis
-from tests.helpers import ROOT, accounting, assert_accounted, spawn_ops_honcho, stop, wait_for
+from common.tiny import build_tiny_model
+from tests.harness.audit import accounting, assert_accounted
+from tests.harness.configs import write_config
+from tests.harness.processes import ROOT, spawn_ops_honcho, stop, wait_for
+from tests.harness.servers import free_port, start_redis
 
 PROCFILE = ROOT / "Procfile"
 RUN = "sup"
@@ -30,10 +32,9 @@ def shipped_run(tmp_path: Path, model: Path, port: int, **tables) -> dict[str, s
     tiny run of its own (Redis on `port`, data in .rollouts/redis); returns the environment."""
     (tmp_path / ".venv").symlink_to(ROOT / ".venv")
     (tmp_path / "ops").symlink_to(ROOT / "ops")
-    config = tmp_path / "run.toml"
-    config.write_text(tiny_run_config(run=RUN, redis_url=f"redis://127.0.0.1:{port}/0", output_dir=tmp_path / "run",
-                                      model=model, **tables))
-    return {"ROLLOUTS_CONFIG": str(config), "REDIS_PORT": str(port)}
+    env = write_config(tmp_path / "run.toml", run=RUN, redis_url=f"redis://127.0.0.1:{port}/0",
+                       output_dir=tmp_path / "run", model=model, **tables)
+    return {**env, "REDIS_PORT": str(port)}
 
 
 def step(r: redis.Redis) -> int:

@@ -1,6 +1,5 @@
 """The trainer process against a real Redis, fed with sample groups the test writes itself."""
 
-import json
 import os
 import random
 import signal
@@ -17,10 +16,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checkpoints import verify_dir
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
-from common.messages import Completion, SampleGroup, decode_weights, encode
+from common.messages import decode_weights, encode
 from common.progress import TrainerProgress, read_gone_back, read_trainer
+from tests.harness.configs import write_config
+from tests.harness.groups import make_group, xadd
+from tests.harness.metrics import read_steps
+from tests.harness.pipeline import train_groups
+from tests.harness.processes import ROOT, spawn, wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN = "t"
 KEYS = Keys(RUN)
 METRIC_FIELDS = [
@@ -30,45 +33,6 @@ METRIC_FIELDS = [
     "time/wait_data", "time/publish", "version", "group_ids", "entropy", "kl", "clip_ratio/low_mean",
     "clip_ratio/high_mean", "tis/mean",
 ]
-
-
-def make_group(model, gid: str, *, version: int, rng: random.Random, n: int = 4) -> SampleGroup:
-    """A group of random tokens whose behaviour log-probs are the model's own (temperature 1)."""
-    vocab = model.config.vocab_size
-    prompt = [rng.randrange(vocab) for _ in range(rng.randint(4, 8))]
-    completions = []
-    for i in range(n):
-        ids = [rng.randrange(vocab) for _ in range(rng.randint(3, 10))]
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
-        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-        correct = float(i % 2 == 0 if rng.random() < 0.8 else i == 0)
-        completions.append(Completion(ids=ids, logprobs=logprobs.tolist(), reward=correct,
-                                      rewards={"correct": correct}, finish="stop", text=""))
-    return SampleGroup(id=gid, prompt_id=gid, prompt_ids=prompt, version=version, generator="test",
-                       engine="hf", completions=completions)
-
-
-def xadd(r, blob: bytes) -> None:
-    r.xadd(KEYS.samples, {PAYLOAD: blob})
-
-
-def run_trainer(tmp_path: Path, redis_url: str, model_dir: Path, **trainer) -> subprocess.CompletedProcess:
-    settings = {"max_steps": 3, "micro_batch_size": 4, "lr": 1e-3, "threads": 1, "keep_checkpoints": 2,
-                **trainer}
-    toml = "\n".join([
-        f'run = "{RUN}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / "out"}"',
-        "[model]", f'path = "{model_dir}"',
-        "[rollout]", "group_size = 4", "prompts_per_step = 2", "max_staleness = 1",
-        "[trainer]", *(f"{k} = {v}" for k, v in settings.items()),
-    ])
-    (tmp_path / "rollouts.toml").write_text(toml + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-    env.update(ROLLOUTS_CONFIG=str(tmp_path / "rollouts.toml"), PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "trainer"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, f"trainer exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
 
 
 def test_trainer_trains_publishes_and_dead_letters(tmp_path, redis_url, r, tiny_model):
@@ -86,21 +50,21 @@ def test_trainer_trains_publishes_and_dead_letters(tmp_path, redis_url, r, tiny_
     # Read in this order, two trainable groups per step: step 0 takes g0 g1 (and dead-letters the
     # two entries between them), step 1 g2 g3 (three more dead, the duplicate of g2 skipped), step 2
     # drops `stale` (2 - 0 > max_staleness 1) and takes g4 g5.
-    xadd(r, encode(good[0]))
-    xadd(r, b"\xc1 not msgpack")
-    xadd(r, msgpack.packb(wrong_schema, use_bin_type=True))
-    xadd(r, encode(good[1]))
-    xadd(r, encode(out_of_vocab))
+    xadd(r, KEYS, encode(good[0]))
+    xadd(r, KEYS, b"\xc1 not msgpack")
+    xadd(r, KEYS, msgpack.packb(wrong_schema, use_bin_type=True))
+    xadd(r, KEYS, encode(good[1]))
+    xadd(r, KEYS, encode(out_of_vocab))
     r.xadd(KEYS.samples, {b"other": b"x"})
-    xadd(r, encode(good[2]))
-    xadd(r, encode(good[2]))
-    xadd(r, encode(lonely))
-    xadd(r, encode(good[3]))
-    xadd(r, encode(stale))
-    xadd(r, encode(good[4]))
-    xadd(r, encode(good[5]))
+    xadd(r, KEYS, encode(good[2]))
+    xadd(r, KEYS, encode(good[2]))
+    xadd(r, KEYS, encode(lonely))
+    xadd(r, KEYS, encode(good[3]))
+    xadd(r, KEYS, encode(stale))
+    xadd(r, KEYS, encode(good[4]))
+    xadd(r, KEYS, encode(good[5]))
 
-    proc = run_trainer(tmp_path, redis_url, tiny_model)
+    proc = train_groups(tmp_path, redis_url, tiny_model, run=RUN)
     assert len([line for line in proc.stdout.splitlines() if line.startswith("step ")]) == 3
 
     # Malformed entries are dead letters whose reason names the problem.
@@ -134,7 +98,7 @@ def test_trainer_trains_publishes_and_dead_letters(tmp_path, redis_url, r, tiny_
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
     # Metrics: one line per step; the first step's ratio is 1 (its behaviour log-probs are ours).
-    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    lines = read_steps(tmp_path / "out" / "metrics.jsonl")
     assert [m["step"] for m in lines] == [1, 2, 3]
     for m in lines:
         assert set(METRIC_FIELDS) <= m.keys(), set(METRIC_FIELDS) - m.keys()
@@ -152,17 +116,17 @@ def test_restarted_trainer_resumes_and_never_retrains_a_group(tmp_path, redis_ur
     rng = random.Random(1)
     first = [make_group(model, f"a{i}", version=0, rng=rng) for i in range(2)]
     for g in first:
-        xadd(r, encode(g))
-    run_trainer(tmp_path, redis_url, tiny_model, max_steps=1)
+        xadd(r, KEYS, encode(g))
+    train_groups(tmp_path, redis_url, tiny_model, run=RUN, max_steps=1)
     assert read_trainer(r, KEYS).step == 1
 
     # The same group again (a redelivery), then two new ones: only the new ones are trained.
-    xadd(r, encode(first[0]))
+    xadd(r, KEYS, encode(first[0]))
     for i in range(2):
-        xadd(r, encode(make_group(model, f"b{i}", version=1, rng=rng)))
-    proc = run_trainer(tmp_path, redis_url, tiny_model, max_steps=2)
+        xadd(r, KEYS, encode(make_group(model, f"b{i}", version=1, rng=rng)))
+    proc = train_groups(tmp_path, redis_url, tiny_model, run=RUN, max_steps=2)
     assert "resuming at step 1" in proc.stdout
-    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    lines = read_steps(tmp_path / "out" / "metrics.jsonl")
     assert [(m["step"], m["group_ids"]) for m in lines] == [(1, ["a0", "a1"]), (2, ["b0", "b1"])]
     assert read_trainer(r, KEYS).groups_duplicate == 1
     assert read_trainer(r, KEYS).groups_trained == 4
@@ -179,14 +143,14 @@ def test_a_trainer_gone_back_to_an_older_state_drops_groups_sampled_with_the_wei
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rng = random.Random(5)
     for i in range(4):
-        xadd(r, encode(make_group(model, f"a{i}", version=0, rng=rng)))
-    run_trainer(tmp_path, redis_url, tiny_model, max_steps=2)
+        xadd(r, KEYS, encode(make_group(model, f"a{i}", version=0, rng=rng)))
+    train_groups(tmp_path, redis_url, tiny_model, run=RUN, max_steps=2)
     r.hset(KEYS.trainer, mapping={"step": 4, "version": 4})  # what the stopped incarnation had published
     for gid, version in (("x0", 3), ("x1", 4), ("y0", 2), ("y1", 2), ("w0", 9), ("w1", 9)):
-        xadd(r, encode(make_group(model, gid, version=version, rng=rng)))
-    proc = run_trainer(tmp_path, redis_url, tiny_model, max_steps=4)
+        xadd(r, KEYS, encode(make_group(model, gid, version=version, rng=rng)))
+    proc = train_groups(tmp_path, redis_url, tiny_model, run=RUN, max_steps=4)
     assert "resuming at step 2, below version 4 it had published" in proc.stdout
-    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    lines = read_steps(tmp_path / "out" / "metrics.jsonl")
     assert [(m["step"], m["group_ids"]) for m in lines[2:]] == [(3, ["y0", "y1"]), (4, ["w0", "w1"])]
     progress = read_trainer(r, KEYS)
     assert (progress.groups_dropped_stale, progress.version, progress.version_max) == (2, 4, 4)
@@ -202,13 +166,13 @@ def test_groups_of_abandoned_weights_are_dropped_after_the_trainer_passed_their_
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rng = random.Random(6)
     for i in range(4):
-        xadd(r, encode(make_group(model, f"a{i}", version=0, rng=rng)))
-    run_trainer(tmp_path, redis_url, tiny_model, max_steps=2)
+        xadd(r, KEYS, encode(make_group(model, f"a{i}", version=0, rng=rng)))
+    train_groups(tmp_path, redis_url, tiny_model, run=RUN, max_steps=2)
     abandoned_at = time.time()  # when the stopped incarnation published versions 3 and 4
     r.hset(KEYS.trainer, mapping={"step": 4, "version": 4})
     for gid in ("y0", "y1"):
-        xadd(r, encode(make_group(model, gid, version=2, rng=rng)))
-    proc = run_trainer(tmp_path, redis_url, tiny_model, max_steps=3)
+        xadd(r, KEYS, encode(make_group(model, gid, version=2, rng=rng)))
+    proc = train_groups(tmp_path, redis_url, tiny_model, run=RUN, max_steps=3)
     assert "resuming at step 2, below version 4 it had published" in proc.stdout
     again = decode_weights(r.get(KEYS.weights_latest))
     [gone] = read_gone_back(r, KEYS)
@@ -216,9 +180,9 @@ def test_groups_of_abandoned_weights_are_dropped_after_the_trainer_passed_their_
     assert again.created_at >= gone.at > abandoned_at and (again.gone_back_step, again.gone_back_at) == (2, gone.at)
     for gid, published_at in (("x0", abandoned_at), ("x1", abandoned_at), ("n0", again.created_at),
                               ("n1", again.created_at)):
-        xadd(r, encode(replace(make_group(model, gid, version=3, rng=rng), published_at=published_at)))
-    run_trainer(tmp_path, redis_url, tiny_model, max_steps=4)
-    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+        xadd(r, KEYS, encode(replace(make_group(model, gid, version=3, rng=rng), published_at=published_at)))
+    train_groups(tmp_path, redis_url, tiny_model, run=RUN, max_steps=4)
+    lines = read_steps(tmp_path / "out" / "metrics.jsonl")
     assert [(m["step"], m["group_ids"]) for m in lines[2:]] == [(3, ["y0", "y1"]), (4, ["n0", "n1"])]
     assert read_trainer(r, KEYS).groups_dropped_stale == 2
     assert r.xpending(KEYS.samples, TRAINER_GROUP)["pending"] == 0
@@ -229,17 +193,13 @@ def test_sigterm_publishes_unpublished_steps_and_exits_0(tmp_path, redis_url, r,
     rng = random.Random(2)
     groups = [make_group(model, f"c{i}", version=0, rng=rng) for i in range(4)]
     for g in groups:
-        xadd(r, encode(g))
+        xadd(r, KEYS, encode(g))
     # sync_every 5 and no step limit: two steps are trained but not yet published when the
     # trainer waits for data; a stop then publishes them before exiting.
-    toml = "\n".join([
-        f'run = "{RUN}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / "out"}"',
-        "[model]", f'path = "{tiny_model}"', "[rollout]", "prompts_per_step = 2", "max_staleness = 4",
-        "[trainer]", "sync_every = 5", "threads = 1",
-    ])
-    (tmp_path / "rollouts.toml").write_text(toml + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-    env.update(ROLLOUTS_CONFIG=str(tmp_path / "rollouts.toml"), PYTHONPATH=str(ROOT))
+    env.update(write_config(tmp_path / "rollouts.toml", run=RUN, redis_url=redis_url, output_dir=tmp_path / "out",
+                            model=tiny_model, base={}, rollout={"prompts_per_step": 2, "max_staleness": 4},
+                            trainer={"sync_every": 5, "threads": 1}), PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "trainer"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -275,9 +235,9 @@ def test_kl_to_the_initial_model_and_reward_errors_reach_the_metrics(tmp_path, r
         bad = failed.get(g.id, [])
         completions = [replace(c, reward=0.0, rewards={}, reward_error="ValueError: no good") if j in bad else c
                        for j, c in enumerate(g.completions)]
-        xadd(r, encode(replace(g, version=min(i // 2, 1), completions=completions)))
-    run_trainer(tmp_path, redis_url, tiny_model, lr=1e-2, loss='{ kl_coef = 0.5, kl_estimator = "k3" }')
-    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+        xadd(r, KEYS, encode(replace(g, version=min(i // 2, 1), completions=completions)))
+    train_groups(tmp_path, redis_url, tiny_model, run=RUN, lr=1e-2, loss={"kl_coef": 0.5, "kl_estimator": "k3"})
+    lines = read_steps(tmp_path / "out" / "metrics.jsonl")
     assert [m["group_ids"] for m in lines] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"]]
     assert [m["reward_errors"] for m in lines] == [1, 2, 3]
     kl = [m["kl"] for m in lines]
@@ -289,13 +249,9 @@ def test_a_configuration_that_would_stall_is_refused_at_start(tmp_path, redis_ur
     # sync_every 3 > max_staleness 1 + 1: after two steps every group would be dropped as stale
     # before the next publish, and the run would wait for ever. The trainer (and every process
     # reading the same config) refuses it at start-up, naming both fields on one line.
-    toml = "\n".join([
-        f'run = "{RUN}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / "out"}"',
-        "[rollout]", "max_staleness = 1", "[trainer]", "sync_every = 3",
-    ])
-    (tmp_path / "rollouts.toml").write_text(toml + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-    env.update(ROLLOUTS_CONFIG=str(tmp_path / "rollouts.toml"), PYTHONPATH=str(ROOT))
+    env.update(write_config(tmp_path / "rollouts.toml", run=RUN, redis_url=redis_url, output_dir=tmp_path / "out",
+                            base={}, rollout={"max_staleness": 1}, trainer={"sync_every": 3}), PYTHONPATH=str(ROOT))
     for process in ("trainer", "producers"):
         try:
             proc = subprocess.run([sys.executable, "-m", process], cwd=tmp_path, env=env, capture_output=True,
@@ -312,20 +268,16 @@ def test_entries_delivered_to_the_trainer_in_a_lost_reply_are_read_again(tmp_pat
     """A read whose reply never reached the trainer (a socket timeout, retried by the client) leaves
     entries pending under its consumer name that it never saw: it finds and trains them, and
     nothing stays pending to hold back the trimming of the stream."""
-    from tests.helpers import spawn, wait_for
-
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rng = random.Random(5)
     groups = [make_group(model, f"s{i}", version=0, rng=rng) for i in range(8)]
     for g in groups[:4]:
-        xadd(r, encode(g))
-    settings = {"max_steps": 4, "micro_batch_size": 4, "lr": 1e-3, "threads": 1, "keep_checkpoints": 2}
-    (tmp_path / "rollouts.toml").write_text("\n".join([
-        f'run = "{RUN}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / "out"}"',
-        "[model]", f'path = "{tiny_model}"', "[rollout]", "group_size = 4", "prompts_per_step = 2",
-        "max_staleness = 8", "[trainer]", *(f"{k} = {v}" for k, v in settings.items())]) + "\n")
-    proc = spawn("trainer", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(tmp_path / "rollouts.toml")},
-                 log=tmp_path / "trainer.log")
+        xadd(r, KEYS, encode(g))
+    env = write_config(tmp_path / "rollouts.toml", run=RUN, redis_url=redis_url, output_dir=tmp_path / "out",
+                       model=tiny_model, base={}, rollout={"group_size": 4, "prompts_per_step": 2, "max_staleness": 8},
+                       trainer={"max_steps": 4, "micro_batch_size": 4, "lr": 1e-3, "threads": 1,
+                                "keep_checkpoints": 2})
+    proc = spawn("trainer", cwd=tmp_path, env=env, log=tmp_path / "trainer.log")
     try:
         wait_for(lambda: read_trainer(r, KEYS).step >= 2, timeout=180, what="step 2", procs=[proc])
         # two groups delivered to rank0 whose reply is lost: read under its name, in the same
@@ -336,7 +288,7 @@ def test_entries_delivered_to_the_trainer_in_a_lost_reply_are_read_again(tmp_pat
         pipe.xreadgroup(TRAINER_GROUP, "rank0", {KEYS.samples: ">"}, count=2)
         assert len(pipe.execute()[-1][0][1]) == 2
         for g in groups[6:]:
-            xadd(r, encode(g))
+            xadd(r, KEYS, encode(g))
         assert proc.wait(timeout=180) == 0, (tmp_path / "trainer.log").read_text()
     finally:
         if proc.poll() is None:

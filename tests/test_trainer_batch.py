@@ -3,22 +3,12 @@
 import pytest
 import torch
 
-from common.messages import Completion, SampleGroup
+from tests.harness.groups import completion, hand_group
 from trainer.batch import collate, group_rows, micro_batches
 
 
-def completion(ids, logprobs, reward, loss_mask=None):
-    return Completion(ids=ids, logprobs=logprobs, reward=reward, rewards={}, finish="stop", text="",
-                      loss_mask=loss_mask)
-
-
-def group(completions, prompt=(5, 6, 7)):
-    return SampleGroup(id="g", prompt_id="p", prompt_ids=list(prompt), version=0, generator="t",
-                       engine="hf", completions=completions)
-
-
 def test_rows_shift_by_one_and_mask_the_completion():
-    g = group([completion([8, 9], [-0.1, -0.2], 1.0), completion([10], [-0.3], 0.0)])
+    g = hand_group([completion([8, 9], [-0.1, -0.2], 1.0), completion([10], [-0.3], 0.0)])
     a, b = group_rows(g)
     # prompt 5 6 7, completion 8 9: inputs 5 6 7 8 predict 6 7 8 9; tokens 8 and 9 are trained.
     assert a.inputs == [5, 6, 7, 8] and a.targets == [6, 7, 8, 9]
@@ -31,13 +21,13 @@ def test_rows_shift_by_one_and_mask_the_completion():
 
 
 def test_loss_mask_is_applied():
-    g = group([completion([8, 9, 10], [-0.1, -0.2, -0.3], 1.0, loss_mask=[1, 0, 1]),
+    g = hand_group([completion([8, 9, 10], [-0.1, -0.2, -0.3], 1.0, loss_mask=[1, 0, 1]),
                completion([8], [-0.1], 0.0)])
     assert group_rows(g)[0].mask == [0, 0, 1, 0, 1]
 
 
 def test_collate_right_pads():
-    rows = group_rows(group([completion([8, 9], [-0.1, -0.2], 1.0), completion([10], [-0.3], 0.0)]))
+    rows = group_rows(hand_group([completion([8, 9], [-0.1, -0.2], 1.0), completion([10], [-0.3], 0.0)]))
     mb = collate(rows)
     assert mb.input_ids.tolist() == [[5, 6, 7, 8], [5, 6, 7, 0]]
     assert mb.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
@@ -46,7 +36,7 @@ def test_collate_right_pads():
 
 
 def test_micro_batches_split_rows_and_count_trained_tokens():
-    groups = [group([completion([8, 9], [-0.1, -0.2], r) for r in (0.0, 1.0, 1.0)]) for _ in range(2)]
+    groups = [hand_group([completion([8, 9], [-0.1, -0.2], r) for r in (0.0, 1.0, 1.0)]) for _ in range(2)]
     batches, total, seqs = micro_batches(groups, micro_batch_size=4)
     assert [mb.input_ids.shape[0] for mb in batches] == [4, 2]
     assert total == 6 * 2 and seqs == 6
@@ -56,8 +46,10 @@ def test_micro_batches_bucket_rows_by_length():
     """Rows of alternating lengths go into micro-batches of near-equal lengths: little padding,
     and every row (with its advantage) is still there once."""
     lengths = [1, 9, 2, 8, 1, 9, 2, 8]
-    groups = [group([completion(list(range(8, 8 + n)), [-0.1] * n, float(i % 2)) for i, n in enumerate(lengths[:4])]),
-              group([completion(list(range(8, 8 + n)), [-0.1] * n, float(i % 2)) for i, n in enumerate(lengths[4:])])]
+    groups = [hand_group([completion(list(range(8, 8 + n)), [-0.1] * n, float(i % 2))
+                          for i, n in enumerate(lengths[:4])]),
+              hand_group([completion(list(range(8, 8 + n)), [-0.1] * n, float(i % 2))
+                          for i, n in enumerate(lengths[4:])])]
     batches, total, _ = micro_batches(groups, micro_batch_size=4)
     padded = sum(mb.input_ids.numel() for mb in batches)
     real = sum(int(mb.attention_mask.sum()) for mb in batches)

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from common.config import GrpoLoss
-from tests.test_trainer import make_group
+from tests.harness.groups import make_group
 from trainer.devices import backend_device
 from trainer.parallel import all_max, all_sum, any_rank, collective_device
 from trainer.step import GrpoOptions, sft_step, train_step

@@ -1,11 +1,6 @@
 """FSDP2 under torchrun: two ranks, each its own consumer, give the update of one process."""
 
-import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -13,31 +8,11 @@ from transformers import AutoModelForCausalLM
 
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import encode
-from tests.test_trainer import make_group
+from tests.harness.groups import make_group
+from tests.harness.metrics import read_steps
+from tests.harness.pipeline import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 REL_GRAD_NORM = 1e-5  # largest relative difference of a step's gradient norm between world sizes
-
-
-def run(tmp_path: Path, run_name: str, redis_url: str, model_dir: Path, nproc: int, dtype: str = "float32",
-        kl_coef: float = 0.0, share_prompts: bool = True) -> str:
-    toml = "\n".join([
-        f'run = "{run_name}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / run_name}"',
-        "[model]", f'path = "{model_dir}"', f'dtype = "{dtype}"',
-        "[rollout]", "group_size = 4", "prompts_per_step = 4", "max_staleness = 2",
-        "[trainer]", "max_steps = 2", "lr = 1e-3", "micro_batch_size = 3", "micro_batch_tokens = 40",
-        "threads = 1", "keep_checkpoints = 2", f"loss.kl_coef = {kl_coef}",
-        f"share_prompts = {str(share_prompts).lower()}",
-    ])
-    config = tmp_path / f"{run_name}.toml"
-    config.write_text(toml + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-    env.update(ROLLOUTS_CONFIG=str(config), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    proc = subprocess.run([sys.executable, *launcher, "-m", "trainer"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"trainer exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
 
 
 def assert_same_grad_norms(one: list[dict], two: list[dict]) -> None:
@@ -60,17 +35,17 @@ def test_two_ranks_give_the_same_weights_as_one(tmp_path, redis_url, r, tiny_mod
     for name in ("one", "two"):
         for blob in blobs:
             r.xadd(Keys(name).samples, {PAYLOAD: blob})
-    run(tmp_path, "one", redis_url, tiny_model, nproc=1)
-    stdout = run(tmp_path, "two", redis_url, tiny_model, nproc=2)
+    run_ranks(tmp_path, "one", redis_url, tiny_model, nproc=1)
+    stdout = run_ranks(tmp_path, "two", redis_url, tiny_model, nproc=2)
     assert "2 rank(s)" in stdout
 
     # Each rank read as its own consumer; every group was trained once and acknowledged.
     consumers = {c["name"].decode() for c in r.xinfo_consumers(Keys("two").samples, TRAINER_GROUP)}
     assert consumers == {"rank0", "rank1"}
     assert r.xpending(Keys("two").samples, TRAINER_GROUP)["pending"] == 0
-    lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    lines = read_steps(tmp_path / "two" / "metrics.jsonl")
     assert [sorted(m["group_ids"]) for m in lines] == [[f"g{i}" for i in range(4)], [f"g{i}" for i in range(4, 8)]]
-    one_lines = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    one_lines = read_steps(tmp_path / "one" / "metrics.jsonl")
     for a, b in zip(one_lines, lines, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-6 and a["tokens/trained"] == b["tokens/trained"]
     assert_same_grad_norms(one_lines, lines)
@@ -96,9 +71,9 @@ def test_two_ranks_sharing_prompts_give_the_weights_of_one_with_padded_rows(tmp_
     for name in ("rows", "packed"):
         for blob in blobs:
             r.xadd(Keys(name).samples, {PAYLOAD: blob})
-    run(tmp_path, "rows", redis_url, tiny_model, nproc=1, share_prompts=False)
-    run(tmp_path, "packed", redis_url, tiny_model, nproc=2, share_prompts=True)
-    rows, packed = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+    run_ranks(tmp_path, "rows", redis_url, tiny_model, nproc=1, share_prompts=False)
+    run_ranks(tmp_path, "packed", redis_url, tiny_model, nproc=2, share_prompts=True)
+    rows, packed = (read_steps(tmp_path / n / "metrics.jsonl")
                     for n in ("rows", "packed"))
     for a, b in zip(rows, packed, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-6 and a["tokens/trained"] == b["tokens/trained"]

@@ -1,8 +1,6 @@
 """A trainer killed with SIGKILL between checkpoints resumes exactly: its final weights equal
 those of a run that was never interrupted, fed the same sample groups."""
 
-import json
-import os
 import random
 import signal
 import subprocess
@@ -18,34 +16,29 @@ from transformers import AutoModelForCausalLM
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import encode
 from common.progress import read_trainer
-from tests.test_trainer import make_group
+from tests.harness.configs import write_config
+from tests.harness.groups import make_group
+from tests.harness.metrics import read_steps
+from tests.harness.processes import process_env
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def write_config(tmp_path: Path, run: str, redis_url: str, model_dir: Path, *, sync_every: int = 2,
+def resume_config(tmp_path: Path, run: str, redis_url: str, model_dir: Path, *, sync_every: int = 2,
                  state_every: int = 2) -> Path:
     # state_every 2: the trainer state of steps 2 and 4 is saved, step 3's is not (with sync_every 1
     # step 3's weights are published all the same; with 2 they are not). A cosine schedule with warm-up and
     # two updates per batch make the resume depend on the scheduler and AdamW state, not only weights.
-    toml = "\n".join([
-        f'run = "{run}"', f'redis_url = "{redis_url}"', f'output_dir = "{tmp_path / run}"',
-        "[model]", f'path = "{model_dir}"',
-        "[rollout]", "group_size = 4", "prompts_per_step = 2", "max_staleness = 10",
-        "[trainer]", "max_steps = 4", f"sync_every = {sync_every}", f"state_every = {state_every}",
-        "lr = 1e-3", "lr_schedule = \"cosine\"",
-        "warmup_steps = 1", "updates_per_batch = 2", "micro_batch_size = 4", "threads = 1",
-        "keep_checkpoints = 2",
-    ])
     path = tmp_path / f"{run}.toml"
-    path.write_text(toml + "\n")
+    write_config(path, run=run, redis_url=redis_url, output_dir=tmp_path / run, model=model_dir, base={},
+                 rollout={"group_size": 4, "prompts_per_step": 2, "max_staleness": 10},
+                 trainer={"max_steps": 4, "sync_every": sync_every, "state_every": state_every, "lr": 1e-3,
+                          "lr_schedule": "cosine", "warmup_steps": 1, "updates_per_batch": 2, "micro_batch_size": 4,
+                          "threads": 1, "keep_checkpoints": 2})
     return path
 
 
 def trainer(config: Path, **kw) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-    env.update(ROLLOUTS_CONFIG=str(config), PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "trainer"], cwd=config.parent, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "trainer"], cwd=config.parent,
+                            env=process_env({"ROLLOUTS_CONFIG": str(config)}), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
@@ -53,11 +46,6 @@ def finish(proc: subprocess.Popen) -> str:
     stdout, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 0, f"trainer exited {proc.returncode}\n{stdout}\n{stderr}"
     return stdout
-
-
-def metrics(tmp_path: Path, run: str) -> list[dict]:
-    path = tmp_path / run / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.mark.parametrize("sync_every", [2, 1])
@@ -70,17 +58,17 @@ def test_sigkill_between_checkpoints_then_restart_matches_an_uninterrupted_run(t
     # ---- the uninterrupted run: all eight groups, four steps
     for blob in blobs:
         r.xadd(Keys("a").samples, {PAYLOAD: blob})
-    finish(trainer(write_config(tmp_path, "a", redis_url, tiny_model)))
+    finish(trainer(resume_config(tmp_path, "a", redis_url, tiny_model)))
 
     # ---- the interrupted run: killed after step 3, which was trained but never published
     keys = Keys("b")
     for blob in blobs[:6]:
         r.xadd(keys.samples, {PAYLOAD: blob})
-    config = write_config(tmp_path, "b", redis_url, tiny_model, sync_every=sync_every)
+    config = resume_config(tmp_path, "b", redis_url, tiny_model, sync_every=sync_every)
     proc = trainer(config)
     try:
         deadline = time.monotonic() + 180
-        while not any(m["step"] == 3 for m in metrics(tmp_path, "b")):
+        while not any(m["step"] == 3 for m in read_steps(tmp_path / "b" / "metrics.jsonl")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
@@ -99,10 +87,10 @@ def test_sigkill_between_checkpoints_then_restart_matches_an_uninterrupted_run(t
     assert "resuming at step 2" in stdout and "from its trainer state" in stdout
 
     # Step 3 was trained twice (before the kill and after), on the same groups in the same order.
-    got = [(m["step"], m["group_ids"]) for m in metrics(tmp_path, "b")]
+    got = [(m["step"], m["group_ids"]) for m in read_steps(tmp_path / "b" / "metrics.jsonl")]
     want = [(1, ["g0", "g1"]), (2, ["g2", "g3"]), (3, ["g4", "g5"]), (3, ["g4", "g5"]), (4, ["g6", "g7"])]
     assert got == want
-    a_metrics, b_metrics = metrics(tmp_path, "a"), metrics(tmp_path, "b")
+    a_metrics, b_metrics = read_steps(tmp_path / "a" / "metrics.jsonl"), read_steps(tmp_path / "b" / "metrics.jsonl")
     lrs = [m["learning_rate"] for m in b_metrics[3:]]
     assert lrs == [m["learning_rate"] for m in a_metrics[2:]]  # the schedule resumed
     assert r.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0

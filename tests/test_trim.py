@@ -13,8 +13,9 @@ from common.progress import read_trainer
 from common.streams import ensure_group
 from common.trim import trim_acknowledged
 from generators.prompts import publish
-from tests.helpers import accounting, assert_accounted, spawn, stop
-from tests.test_trainer import make_group
+from tests.harness.audit import accounting, assert_accounted
+from tests.harness.groups import make_group
+from tests.harness.processes import spawn, stop
 
 
 def test_trim_keeps_what_any_group_has_not_acknowledged(r):

@@ -20,7 +20,7 @@ from common.rewards import TrainerState, prompt_text
 from generators.scoring import RewardRunner, Scored, conversational_sources, reward_names
 from tasks import rows
 from tests import reward_fixtures
-from tests.helpers import spawn, stop, wait_for
+from tests.harness.processes import spawn, stop, wait_for
 from trainer.metrics import step_metrics
 
 FIX = "tests.reward_fixtures"

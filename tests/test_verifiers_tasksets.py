@@ -15,7 +15,7 @@ from common.messages import decode_group
 from generators.scoring import RewardRunner, Scored, reward_names
 from producers.data import Source
 from tasks.rows import DataError
-from tests.helpers import spawn, stop, wait_for
+from tests.harness.processes import spawn, stop, wait_for
 
 FIX = "tests.vf_fixtures"
 

@@ -21,19 +21,10 @@ from common.heartbeats import read_heartbeat
 from common.keys import PAYLOAD, Keys
 from common.messages import WeightVersion, encode
 from generators.weights import Checked, Watcher, check
-from tests.helpers import skip_without_root, spawn, stop, wait_for
-from tests.test_generator import publish_weights
+from tests.harness.models import publish_weights, trained
+from tests.harness.needs import skip_without_root
+from tests.harness.processes import spawn, stop, wait_for
 from trainer.checkpoints import load_model, write_checkpoint
-
-
-def trained(tiny_model, *, seed: int) -> torch.nn.Module:
-    """The tiny model with its weights moved, as a trainer step would."""
-    model = load_model(tiny_model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def announce(r, keys: Keys, path, sums: dict[str, str], version: int) -> None:

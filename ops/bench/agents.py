@@ -32,7 +32,7 @@ PY = sys.executable
 def start(config_text: str, *, steps: int, prompts_per_step: int, micro_batch_size: int, tmp: Path
           ) -> subprocess.Popen:
     """A honcho run of `config_text` in `tmp`, started."""
-    from tests.conftest import free_port
+    from tests.harness.servers import free_port
 
     tmp.mkdir(parents=True)
     port = free_port()
@@ -59,8 +59,9 @@ def start(config_text: str, *, steps: int, prompts_per_step: int, micro_batch_si
 
 
 def metrics_of(tmp: Path) -> list[dict]:
-    path = tmp / "run" / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    from tests.harness.metrics import read_steps
+
+    return read_steps(tmp / "run" / "metrics.jsonl")
 
 
 def main() -> None:

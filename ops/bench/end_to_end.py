@@ -19,7 +19,6 @@ step. Prints the steps per minute with the most generators on its last line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -40,7 +39,8 @@ def run_pipeline(*, generators: int, steps: int, tmp: Path,
                  env: dict[str, str] | None = None) -> tuple[list[float], list[dict]]:
     """(arrival time of each trainer step line, the trainer's metrics) of one honcho run; `env`:
     more variables for every process (config overrides, ROLLOUTS_SECTION__FIELD)."""
-    from tests.conftest import free_port
+    from tests.harness.metrics import read_steps
+    from tests.harness.servers import free_port
 
     tmp.mkdir(parents=True)
     port = free_port()
@@ -82,7 +82,7 @@ def run_pipeline(*, generators: int, steps: int, tmp: Path,
     metrics_file = tmp / "run" / "metrics.jsonl"
     assert len(arrivals) == steps and metrics_file.is_file(), (
         f"expected {steps} trainer steps, saw {len(arrivals)}:\n{(tmp / 'honcho.log').read_text()[-4000:]}")
-    return arrivals, [json.loads(x) for x in metrics_file.read_text().splitlines()]
+    return arrivals, read_steps(metrics_file)
 
 
 def plot(runs: dict[int, list[dict]], path: Path) -> None:

@@ -6,32 +6,22 @@ HINCRBY (2 KB payloads), from one client. Prints transactions per second for eac
 """
 
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import redis
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.harness.servers import free_port, start_redis  # noqa: E402
 
 
 def rate(mode: str, n: int) -> float:
     data, port = tempfile.mkdtemp(), free_port()
-    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes",
-                               "--appendfsync", mode, "--dir", data, "--save", ""], stdout=subprocess.DEVNULL)
+    server = start_redis(Path(data), port, "--appendfsync", mode)
     r = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            r.ping()
-            break
-        except redis.exceptions.ConnectionError:
-            time.sleep(0.05)
     r.xgroup_create("s", "g", id="0", mkstream=True)
     blob = b"x" * 2000
     t0 = time.perf_counter()

@@ -125,7 +125,7 @@ def main() -> None:
     from common.keys import Keys
     from common.models import resolve_model_path
     from engines.choice import open_for_settings
-    from tests.conftest import free_port, start_redis
+    from tests.harness.servers import free_port, start_redis
 
     model_dir = resolve_model_path(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))

@@ -42,7 +42,8 @@ LAST = 10  # reward is averaged over the last this many steps
 
 def run_pipeline(*, staleness: int, correction: str, steps: int, tmp: Path, extra: list[str] = ()) -> list[dict]:
     """The trainer's metrics of one honcho run."""
-    from tests.conftest import free_port
+    from tests.harness.metrics import read_steps
+    from tests.harness.servers import free_port
 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -74,8 +75,7 @@ def run_pipeline(*, staleness: int, correction: str, steps: int, tmp: Path, extr
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=60)
-    metrics_file = tmp / "run" / "metrics.jsonl"
-    rows = [json.loads(x) for x in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
+    rows = read_steps(tmp / "run" / "metrics.jsonl")
     assert len(rows) == steps, f"expected {steps} trainer steps, got {len(rows)}: see {tmp / 'honcho.log'}"
     return rows
 

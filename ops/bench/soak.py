@@ -13,7 +13,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,14 +26,9 @@ sys.path.insert(0, str(ROOT))
 from common.keys import Keys  # noqa: E402
 from common.progress import read_trainer  # noqa: E402
 from common.tiny import build_tiny_model, tiny_run_config  # noqa: E402
+from tests.harness.servers import free_port  # noqa: E402
 
 RUN = "soak"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> float:

@@ -173,7 +173,8 @@ def run_world(blobs: list[bytes], groups_file: Path, *, model_dir: Path, world: 
     from proc_cpu import cpu_seconds
 
     from common.keys import PAYLOAD, Keys
-    from tests.conftest import free_port, start_redis
+    from tests.harness.metrics import read_steps
+    from tests.harness.servers import free_port, start_redis
 
     tmp.mkdir(parents=True)
     port = free_port()
@@ -236,7 +237,7 @@ def run_world(blobs: list[bytes], groups_file: Path, *, model_dir: Path, world: 
                 stream_s.append(stream_step(k))
         assert trainer.wait(timeout=600) == 0, (tmp / "trainer.err").read_text()[-4000:]
         assert bare.wait(timeout=600) == 0, (tmp / "bare.log").read_text()[-4000:]
-        metrics = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
+        metrics = read_steps(tmp / "out" / "metrics.jsonl")
     finally:
         for p in (trainer, bare):
             if p.poll() is None:

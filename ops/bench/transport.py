@@ -172,6 +172,8 @@ def main() -> None:
                     help="what the group handed to encode holds: numpy arrays (as engines hand them) or lists")
     ap.add_argument("--code", type=Path, default=ROOT, help="checkout whose codec and trainer are measured")
     args = ap.parse_args()
+    from tests.harness.servers import free_port, start_redis  # this checkout's, whatever --code is
+
     sys.path.insert(0, str(args.code.resolve()))
     import torch
 
@@ -182,7 +184,6 @@ def main() -> None:
     from common.keys import TRAINER_GROUP
     from common.messages import encode
     from common.streams import ensure_group
-    from tests.conftest import free_port, start_redis
 
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
     port = free_port()

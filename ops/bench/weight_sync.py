@@ -124,7 +124,7 @@ def bench_model(name: str, model_dir: Path, *, engine: str, generators: int, ver
 
     from common.keys import GENERATORS_GROUP, Keys
     from common.streams import ensure_group
-    from tests.conftest import free_port, start_redis
+    from tests.harness.servers import free_port, start_redis
     from trainer.checkpoints import load_model, publish
 
     tmp.mkdir(parents=True)

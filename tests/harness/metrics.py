@@ -1,0 +1,37 @@
+"""The trainer's metrics.jsonl as the tests read it (one line a step, TRL's names), and a step's
+metrics to write where a test needs one."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from common.metrics import PolicyStats, StepMetrics
+
+
+def read_steps(path: Path) -> list[dict]:
+    """Each line of a trainer's metrics.jsonl as written, oldest first; [] before the first step."""
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def last_trained(path: Path) -> dict[int, list[str]]:
+    """{step: the group ids it trained}, as last trained: a step trained again after a restart is
+    written again, and its last record is the one that counts."""
+    return {m["step"]: m["group_ids"] for m in read_steps(path)}
+
+
+def trained_twice(path: Path) -> list[str]:
+    """Group ids trained in more than one step."""
+    seen = Counter(g for ids in last_trained(path).values() for g in ids)
+    return sorted(g for g, n in seen.items() if n > 1)
+
+
+POLICY = PolicyStats(loss=0.1, kl=0.0, clip_low=0.0, clip_high=0.01, clip_region=0.01, ratio=1.0, tis=1.0)
+STEP = StepMetrics(step=1, version=1, reward_mean=0.1, reward_std=0.2, accuracy=0.1, frac_reward_zero_std=0.0,
+                   reward_errors=0, mean_length=11.0, max_length=20, clipped_ratio=0.25, staleness_mean=1.0,
+                   staleness_max=1,
+                   policy=POLICY, sft_loss=None, entropy=0.9, grad_norm=1.0, lr=1e-5, dropped_stale=0, dead=0,
+                   duplicate=0, tokens_trained=100.0, tokens_per_s=70.0, time_step=13.5, time_wait_data=0.5,
+                   time_train=12.0, time_publish=1.0, generators_alive=1.0, generators_tokens_per_s=40.0,
+                   group_ids=["a:0:0"], reward_components={"correct": (0.1, 0.3), "format": (0.5, 0.0)})

@@ -1,0 +1,122 @@
+"""The real processes of a run: the trainer run to its end on what a test wrote to Redis (one
+process, or ranks under torchrun), and the whole pipeline (producer, generators, trainer), each
+process restartable, waited on until the trainer's last step."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from common.keys import Keys
+from tests.harness.configs import write_config
+from tests.harness.metrics import last_trained, read_steps
+from tests.harness.processes import process_env, spawn, stop, wait_for
+
+# ---------------------------------------------------------------------- the trainer alone
+
+
+def run_trainer(config: dict[str, str], *, cwd: Path, nproc: int = 1, timeout: float = 300
+                ) -> subprocess.CompletedProcess:
+    """The trainer process on `config` (under torchrun with `nproc` ranks past one) until it exits,
+    which must be with 0."""
+    env = process_env({**config, "OMP_NUM_THREADS": "1"})
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    proc = subprocess.run([sys.executable, *launcher, "-m", "trainer"], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"trainer exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def train_groups(tmp_path: Path, redis_url: str, model_dir: Path, *, run: str, **trainer: object
+                 ) -> subprocess.CompletedProcess:
+    """The trainer on the groups a test wrote to run `run`'s samples stream, two a step, three steps
+    unless `trainer` says otherwise; its output under tmp_path/out."""
+    config = write_config(tmp_path / "rollouts.toml", run=run, redis_url=redis_url, output_dir=tmp_path / "out",
+                          model=model_dir, base={},
+                          rollout={"group_size": 4, "prompts_per_step": 2, "max_staleness": 1},
+                          trainer={"max_steps": 3, "micro_batch_size": 4, "lr": 1e-3, "threads": 1,
+                                   "keep_checkpoints": 2, **trainer})
+    return run_trainer(config, cwd=tmp_path, timeout=240)
+
+
+def run_ranks(tmp_path: Path, run_name: str, redis_url: str, model_dir: Path, nproc: int, dtype: str = "float32",
+              kl_coef: float = 0.0, share_prompts: bool = True) -> str:
+    """The trainer as `nproc` FSDP ranks on the groups a test wrote to run `run_name`, four a step,
+    two steps; its output under tmp_path/run_name. Returns what it printed."""
+    config = write_config(tmp_path / f"{run_name}.toml", run=run_name, redis_url=redis_url,
+                          output_dir=tmp_path / run_name, model={"path": str(model_dir), "dtype": dtype}, base={},
+                          rollout={"group_size": 4, "prompts_per_step": 4, "max_staleness": 2},
+                          trainer={"max_steps": 2, "lr": 1e-3, "micro_batch_size": 3, "micro_batch_tokens": 40,
+                                   "threads": 1, "keep_checkpoints": 2, "loss": {"kl_coef": kl_coef},
+                                   "share_prompts": share_prompts})
+    return run_trainer(config, cwd=tmp_path, nproc=nproc).stdout
+
+
+# ---------------------------------------------------------------------- the whole pipeline
+
+RUN = "faults"
+KEYS = Keys(RUN)
+
+
+def pipeline_config(tmp_path: Path, redis_url: str, model: Path, *, steps: int, state_every: int = 0,
+                    claim_idle_s: float = 120.0, engine: str = "hf", keep_checkpoints: int = 3) -> dict:
+    """The run's config on the tiny model (the HF engine by default: it starts in seconds, vLLM in a
+    minute on a CPU; delivery does not depend on the engine)."""
+    return write_config(tmp_path / "run.toml", run=RUN, redis_url=redis_url, output_dir=tmp_path / "run",
+                        model=model, generator={"engine": engine, "claim_idle_s": claim_idle_s},
+                        trainer={"max_steps": steps, "state_every": state_every,
+                                 "keep_checkpoints": keep_checkpoints})
+
+
+class Pipeline:
+    """producer, generator and trainer as OS processes, each restartable."""
+
+    def __init__(self, tmp_path: Path, env: dict) -> None:
+        self.tmp, self.env, self.procs = tmp_path, env, {}
+        (tmp_path / "logs").mkdir(exist_ok=True)
+
+    def start(self, name: str) -> None:
+        module, args = {"producer": ("producers", ()), "generator": ("generators", ("--id", "g1")),
+                        "g1": ("generators", ("--id", "g1")), "g2": ("generators", ("--id", "g2")),
+                        "trainer": ("trainer", ())}[name]
+        self.procs[name] = spawn(module, *args, cwd=self.tmp, env=self.env, log=self.log(name))
+
+    def log(self, name: str) -> Path:
+        return self.tmp / "logs" / f"{name}.log"
+
+    def kill(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait(timeout=30)
+
+    def forget(self, name: str) -> None:
+        """Leave a killed process out of `finish` (it is not started again)."""
+        assert self.procs.pop(name).returncode == -signal.SIGKILL
+
+    def finish(self, timeout: float = 300) -> None:
+        """Wait for the trainer to reach max_steps, then stop the producer and the generator
+        (which writes the batch in hand first); all must exit cleanly."""
+        trainer = self.procs["trainer"]
+        try:
+            wait_for(lambda: trainer.poll() is not None, timeout=timeout, what="the trainer to finish",
+                     procs=list(self.procs.values()))
+        finally:
+            codes = {name: stop(p) for name, p in self.procs.items()}
+        assert codes == dict.fromkeys(self.procs, 0), {n: self.log(n).read_text()[-3000:] for n in self.procs}
+
+
+def metrics(tmp_path: Path) -> list[dict]:
+    """The run's steps so far, from its metrics.jsonl."""
+    return read_steps(tmp_path / "run" / "metrics.jsonl")
+
+
+def trained_once(r, tmp_path: Path, steps: int) -> list[str]:
+    """The groups of each step, as last trained (a step re-trained after a restart counts once):
+    no group in two steps, and exactly the trainer's `trained` set."""
+    last = last_trained(tmp_path / "run" / "metrics.jsonl")
+    assert sorted(last) == list(range(1, steps + 1))
+    ids = [g for s in sorted(last) for g in last[s]]
+    assert len(ids) == len(set(ids)), f"a group trained in two steps: {ids}"
+    assert {m.decode() for m in r.zrange(KEYS.trained, 0, -1)} == set(ids)
+    return ids
