@@ -15,26 +15,16 @@ import torch
 
 from checks.check import BOUNDS, Mismatch, mismatch_problems, reward_problems
 from common.messages import Completion, SampleGroup
-from tests.helpers import ROOT
+from tests.harness.configs import write_config
+from tests.harness.processes import ROOT
 
 
-def write_config(tmp_path: Path, model: Path, *, reward: str = "tests.reward_fixtures:length") -> Path:
+def check_config(tmp_path: Path, model: Path, *, reward: str = "tests.reward_fixtures:length") -> Path:
+    """The run's config for the check: the HF engine, 4 completions of 16 tokens at temperature 1."""
     path = tmp_path / "run.toml"
-    path.write_text(f"""run = "check"
-output_dir = "{tmp_path / 'out'}"
-[model]
-path = "{model}"
-[generator]
-engine = "hf"
-[rollout]
-group_size = 4
-max_new_tokens = 16
-temperature = 1.0
-[[data.sources]]
-name = "arith"
-kind = "arithmetic"
-reward = "{reward}"
-""")
+    write_config(path, run="check", output_dir=tmp_path / "out", model=model, base={}, generator={"engine": "hf"},
+                 rollout={"group_size": 4, "max_new_tokens": 16, "temperature": 1.0},
+                 data={"sources": [{"name": "arith", "kind": "arithmetic", "reward": reward}]})
     return path
 
 
@@ -50,7 +40,7 @@ def failures(out: str) -> list[str]:
 
 
 def test_a_right_config_passes_with_its_figures(tmp_path, tiny_model):
-    done = check(tmp_path, write_config(tmp_path, tiny_model), "--prompts", "3")
+    done = check(tmp_path, check_config(tmp_path, tiny_model), "--prompts", "3")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("check: 3 prompts from arith, 4 completions each, hf engine at temperature 1")
@@ -63,7 +53,7 @@ def test_a_right_config_passes_with_its_figures(tmp_path, tiny_model):
 
 
 def test_an_engine_sampling_at_another_temperature_fails_saying_which(tmp_path, tiny_model):
-    done = check(tmp_path, write_config(tmp_path, tiny_model), "--prompts", "3", "--engine-temperature", "2.0")
+    done = check(tmp_path, check_config(tmp_path, tiny_model), "--prompts", "3", "--engine-temperature", "2.0")
     assert done.returncode == 1, done.stdout + done.stderr
     [reason] = failures(done.stdout)
     assert reason.startswith("mismatch: mean |log-ratio| "), done.stdout
@@ -76,7 +66,7 @@ def test_an_engine_on_other_weights_fails_saying_so(tmp_path, tiny_model):
     from common.tiny import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", seed=1)
-    done = check(tmp_path, write_config(tmp_path, tiny_model), "--prompts", "3", "--engine-model", str(other))
+    done = check(tmp_path, check_config(tmp_path, tiny_model), "--prompts", "3", "--engine-model", str(other))
     assert done.returncode == 1, done.stdout + done.stderr
     reason, *ratio = failures(done.stdout)  # some tokens may also be far likelier under the trainer
     assert reason.startswith("mismatch: mean |log-ratio| "), done.stdout
@@ -87,7 +77,7 @@ def test_an_engine_on_other_weights_fails_saying_so(tmp_path, tiny_model):
 def test_a_reward_that_always_raises_fails_with_its_error(tmp_path, tiny_model):
     (tmp_path / "broken_rewards.py").write_text(
         "def score(**_):\n    raise RuntimeError('the grader is down')\n")
-    done = check(tmp_path, write_config(tmp_path, tiny_model, reward="broken_rewards:score"), "--prompts", "2")
+    done = check(tmp_path, check_config(tmp_path, tiny_model, reward="broken_rewards:score"), "--prompts", "2")
     assert done.returncode == 1, done.stdout + done.stderr
     [reason] = failures(done.stdout)  # the log-probs agree: only the rewards fail
     assert reason.startswith("rewards: every completion's reward raised: ")
