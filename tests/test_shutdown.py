@@ -316,12 +316,15 @@ def _ops_honcho(tmp_path, seconds: float):
     script = tmp_path / "slow.py"
     script.write_text(SLOW_TO_STOP.format(seconds=seconds))
     procfile = tmp_path / "Procfile"
-    quick = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); time.sleep(600)"
+    quick = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+             "print(\"quick and ready\", flush=True); time.sleep(600)")
     # a process that stops at once (as the producer does) must not count as a second signal
     procfile.write_text(f"slow: exec {sys.executable} {script}\nquick: exec {sys.executable} -c '{quick}'\n")
     log = tmp_path / "honcho.log"
     proc = spawn_ops_honcho(procfile, cwd=tmp_path, env={"STOP_GRACE_S": "20"}, log=log)
-    wait_for(lambda: "ready" in log.read_text(), timeout=30, what="the process under ops/honcho", procs=[proc])
+    # both with their handlers in place (a signal before that kills a process: rc -15)
+    wait_for(lambda: "| ready" in log.read_text() and "quick and ready" in log.read_text(), timeout=60,
+             what="the processes under ops/honcho", procs=[proc])
     return proc, log
 
 
