@@ -151,19 +151,20 @@ def encode(msg: PromptTask | SampleGroup | WeightVersion) -> bytes:
                       "text": msg.text, "meta": msg.meta, "n": msg.n,
                       "admitted_at": msg.admitted_at})
     if isinstance(msg, SampleGroup):
-        return _dump({
-            "v": SCHEMA, "t": "group", "id": msg.id, "prompt_id": msg.prompt_id,
-            "prompt_ids": pack_ids(msg.prompt_ids, f"group {msg.id}.prompt_ids"), "version": msg.version,
-            "generator": msg.generator, "engine": msg.engine, "timings": msg.timings,
-            "published_at": msg.published_at,
-            "completions": [_completion_map(c, f"group {msg.id}.completions[{i}]")
-                            for i, c in enumerate(msg.completions)],
-        })
+        d = {"v": SCHEMA, "t": "group", "id": msg.id, "prompt_id": msg.prompt_id,
+             "prompt_ids": pack_ids(msg.prompt_ids, f"group {msg.id}.prompt_ids"), "version": msg.version,
+             "generator": msg.generator, "engine": msg.engine, "timings": msg.timings}
+        if msg.published_at:  # unsaid (0) is absent: a recording's bytes stay what they were
+            d["published_at"] = msg.published_at
+        d["completions"] = [_completion_map(c, f"group {msg.id}.completions[{i}]")
+                            for i, c in enumerate(msg.completions)]
+        return _dump(d)
     if isinstance(msg, WeightVersion):
-        return _dump({"v": SCHEMA, "t": "weights", "version": msg.version, "step": msg.step,
-                      "path": msg.path, "format": msg.format, "checksums": msg.checksums,
-                      "created_at": msg.created_at, "gone_back_step": msg.gone_back_step,
-                      "gone_back_at": msg.gone_back_at})
+        d = {"v": SCHEMA, "t": "weights", "version": msg.version, "step": msg.step, "path": msg.path,
+             "format": msg.format, "checksums": msg.checksums, "created_at": msg.created_at}
+        if msg.gone_back_at:  # never went back: absent
+            d.update(gone_back_step=msg.gone_back_step, gone_back_at=msg.gone_back_at)
+        return _dump(d)
     raise TypeError(f"not a wire message: {type(msg).__name__}")
 
 
