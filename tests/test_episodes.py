@@ -14,6 +14,7 @@ from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
 from common.messages import PromptTask, SampleGroup, decode_group, encode
 from common.progress import add_outstanding
 from envs import guess
+from tests.harness.configs import write_config
 from tests.harness.metrics import read_steps
 from tests.harness.needs import need
 from tests.harness.processes import spawn, stop, wait_for
@@ -74,27 +75,11 @@ def test_generator_plays_episodes_and_lives_through_tools_that_hang_or_raise(eng
                                                                             redis_url, r):
     need(engine)
     keys = Keys("ep")
-    (tmp_path / "run.toml").write_text(f"""
-run = "ep"
-redis_url = "{redis_url}"
-[model]
-path = "{tiny_model}"
-[rollout]
-max_new_tokens = 6
-[generator]
-engine = "{engine}"
-threads = 1
-env_workers = 2
-[[data.sources]]
-name = "faulty"
-kind = "arithmetic"
-environment = "tests.env_fixtures:Faulty"
-max_turns = 3
-turn_timeout_s = 1.0
-[[data.sources]]
-name = "arithmetic"
-kind = "arithmetic"
-""")
+    write_config(tmp_path / "run.toml", run="ep", redis_url=redis_url, model=tiny_model, base={},
+                 rollout={"max_new_tokens": 6}, generator={"engine": engine, "threads": 1, "env_workers": 2},
+                 data={"sources": [{"name": "faulty", "kind": "arithmetic", "environment": "tests.env_fixtures:Faulty",
+                                    "max_turns": 3, "turn_timeout_s": 1.0},
+                                   {"name": "arithmetic", "kind": "arithmetic"}]})
     r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
     for task in [prompt("faulty:0:0", {"source": "faulty", "tool": "hang"}),
                  prompt("faulty:0:1", {"source": "faulty", "tool": "boom"}),
@@ -134,22 +119,10 @@ def test_dynamic_sampling_judges_episodes_by_the_rewards_the_trainer_learns_from
     # In each group one episode finds no environment (a reward error: the trainer leaves it out of the
     # group's statistics) and the other scores 1.0: one scored reward, nothing to learn; dropped.
     keys = Keys("epds")
-    (tmp_path / "run.toml").write_text(f"""
-run = "epds"
-redis_url = "{redis_url}"
-[model]
-path = "{tiny_model}"
-[rollout]
-max_new_tokens = 4
-[generator]
-engine = "hf"
-threads = 1
-drop_zero_variance = true
-[[data.sources]]
-name = "flaky"
-kind = "arithmetic"
-environment = "tests.env_fixtures:FirstStartFails"
-""")
+    write_config(tmp_path / "run.toml", run="epds", redis_url=redis_url, model=tiny_model, base={},
+                 rollout={"max_new_tokens": 4}, generator={"engine": "hf", "threads": 1, "drop_zero_variance": True},
+                 data={"sources": [{"name": "flaky", "kind": "arithmetic",
+                                    "environment": "tests.env_fixtures:FirstStartFails"}]})
     r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
     tasks = [prompt(f"flaky:0:{i}", {"source": "flaky", "flag": str(tmp_path / f"flag{i}")}) for i in range(2)]
     add_outstanding(r, keys, [t.id for t in tasks])  # as the producer admits them
@@ -171,39 +144,14 @@ def test_pipeline_trains_on_calculator_and_guessing_episodes(tmp_path, redis_url
     keys = Keys("agents")
     guess.dataset(size=16, seed=0, high=20).to_json(tmp_path / "guess.jsonl")
     config = tmp_path / "run.toml"
-    config.write_text(f"""
-run = "agents"
-redis_url = "{redis_url}"
-output_dir = "{tmp_path / 'run'}"
-[model]
-path = "{tiny_model}"
-[rollout]
-group_size = 2
-prompts_per_step = 2
-max_staleness = 1
-max_new_tokens = 6
-[generator]
-engine = "hf"
-threads = 1
-[trainer]
-lr = 1e-3
-max_steps = 2
-threads = 1
-[[data.sources]]
-name = "calc"
-kind = "arithmetic"
-max_operand = 100000
-environment = "envs.calculator"
-max_turns = 3
-[[data.sources]]
-name = "guess"
-path = "{tmp_path / 'guess.jsonl'}"
-prompt_column = "question"
-meta_columns = ["secret", "high"]
-environment = "envs.guess"
-max_turns = 3
-max_episode_tokens = 64
-""")
+    write_config(config, run="agents", redis_url=redis_url, output_dir=tmp_path / "run", model=tiny_model, base={},
+                 rollout={"group_size": 2, "prompts_per_step": 2, "max_staleness": 1, "max_new_tokens": 6},
+                 generator={"engine": "hf", "threads": 1}, trainer={"lr": 1e-3, "max_steps": 2, "threads": 1},
+                 data={"sources": [{"name": "calc", "kind": "arithmetic", "max_operand": 100000,
+                                    "environment": "envs.calculator", "max_turns": 3},
+                                   {"name": "guess", "path": str(tmp_path / "guess.jsonl"), "prompt_column": "question",
+                                    "meta_columns": ["secret", "high"], "environment": "envs.guess", "max_turns": 3,
+                                    "max_episode_tokens": 64}]})
     env = {"ROLLOUTS_CONFIG": str(config)}
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -255,23 +203,10 @@ max_episode_tokens = 64
 def test_an_episode_in_flight_when_its_generator_dies_is_restarted_from_its_prompt(tiny_model, tmp_path,
                                                                                   redis_url, r):
     keys = Keys("re")
-    (tmp_path / "run.toml").write_text(f"""
-run = "re"
-redis_url = "{redis_url}"
-[model]
-path = "{tiny_model}"
-[rollout]
-max_new_tokens = 4
-[generator]
-engine = "hf"
-threads = 1
-claim_idle_s = 1.0
-[[data.sources]]
-name = "once"
-kind = "arithmetic"
-environment = "tests.env_fixtures:HangOnce"
-turn_timeout_s = 600
-""")
+    write_config(tmp_path / "run.toml", run="re", redis_url=redis_url, model=tiny_model, base={},
+                 rollout={"max_new_tokens": 4}, generator={"engine": "hf", "threads": 1, "claim_idle_s": 1.0},
+                 data={"sources": [{"name": "once", "kind": "arithmetic", "environment": "tests.env_fixtures:HangOnce",
+                                    "turn_timeout_s": 600}]})
     marker = tmp_path / "hung"
     r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
     r.xadd(keys.prompts, {PAYLOAD: encode(prompt("once:0:0", {"source": "once", "marker": str(marker)}))})

@@ -264,33 +264,54 @@ def test_a_trainer_restarted_from_an_older_state_keeps_what_it_publishes_again(t
         assert kept == list(range(max(4, step - keep + 1), step + 1))
 
 
-def test_a_lower_version_announced_later_is_loaded_once_nothing_is_in_flight(tiny_model, tmp_path, monkeypatch):
-    """A trainer restarted from an older state announces versions the generator has passed, with
-    other weights: the generator loads them (they were announced later), after its completions in
-    flight, not never; a lower version published *before* its weights (a stale read) stays passed over."""
+def hf_engine(model_dir: Path):
+    """An HF engine in its own thread, as a generator runs it, and a generator's State."""
     import concurrent.futures
 
     from engines.choice import open_engine
-    from generators.engine_loop import load_weights
     from generators.state import State
 
-    def version(seed: int, step: int, created_at: float) -> tuple[bytes, torch.nn.Module]:
-        model = trained(tiny_model, seed=seed)
-        path, sums = write_checkpoint(model, checkpoint_dir=tmp_path / str(seed), step=step, source_dir=tiny_model)
-        return encode(WeightVersion(version=step, step=step, path=str(path), format="safetensors", checksums=sums,
-                                    created_at=created_at)), model
-
     thread = concurrent.futures.ThreadPoolExecutor(1)
-    engine = thread.submit(open_engine, "hf", tiny_model).result()
-    state = State()
+    return thread.submit(open_engine, "hf", model_dir).result(), thread, State()
+
+
+def announcer(model_dir: Path, tmp_path: Path):
+    """version(seed, step, created_at, **gone_back): an announcement of weights trained with `seed`
+    (written as a checkpoint of `step`), and the model it holds."""
+    def version(seed: int, step: int, created_at: float, **gone_back: float) -> tuple[bytes, torch.nn.Module]:
+        model = trained(model_dir, seed=seed)
+        path, sums = write_checkpoint(model, checkpoint_dir=tmp_path / str(seed), step=step, source_dir=model_dir)
+        return encode(WeightVersion(version=step, step=step, path=str(path), format="safetensors", checksums=sums,
+                                    created_at=created_at, **gone_back)), model
+    return version
+
+
+def loader(engine, thread, state):
+    """load(blob): the generator's load_weights on `blob` as the newest announcement."""
+    from generators.engine_loop import load_weights
 
     def load(blob: bytes) -> None:
         state.latest = blob
         trio.run(partial(load_weights, state, engine, thread, name="g"))
+    return load
 
+
+def holder(engine):
+    """holds(model): whether the engine holds `model`'s weights."""
     def holds(model: torch.nn.Module) -> bool:
         mine = engine.model.state_dict()
         return all(torch.equal(mine[k], v) for k, v in model.state_dict().items())
+    return holds
+
+
+def test_a_lower_version_announced_later_is_loaded_once_nothing_is_in_flight(tiny_model, tmp_path, monkeypatch):
+    """A trainer restarted from an older state announces versions the generator has passed, with
+    other weights: the generator loads them (they were announced later), after its completions in
+    flight, not never; a lower version published *before* its weights (a stale read) stays passed over."""
+    from generators.engine_loop import load_weights
+
+    engine, thread, state = hf_engine(tiny_model)
+    version, load, holds = announcer(tiny_model, tmp_path), loader(engine, thread, state), holder(engine)
 
     before_restart, old = version(6, step=9, created_at=100.0)
     load(before_restart)
@@ -315,29 +336,11 @@ def test_a_higher_version_published_after_the_trainer_went_back_waits_for_abando
     must not go on under it (a group would span two runs of weights): it is loaded as one that goes
     back, once they are done, and the versions loaded before are forgotten. A version 13 from a
     trainer that went back to 12 or later (the weights held are not abandoned) loads at once."""
-    import concurrent.futures
 
-    from engines.choice import open_engine
     from generators.engine_loop import load_weights
-    from generators.state import State
 
-    def version(seed: int, step: int, created_at: float, **gone_back: float) -> tuple[bytes, torch.nn.Module]:
-        model = trained(tiny_model, seed=seed)
-        path, sums = write_checkpoint(model, checkpoint_dir=tmp_path / str(seed), step=step, source_dir=tiny_model)
-        return encode(WeightVersion(version=step, step=step, path=str(path), format="safetensors", checksums=sums,
-                                    created_at=created_at, **gone_back)), model
-
-    thread = concurrent.futures.ThreadPoolExecutor(1)
-    engine = thread.submit(open_engine, "hf", tiny_model).result()
-    state = State()
-
-    def load(blob: bytes) -> None:
-        state.latest = blob
-        trio.run(partial(load_weights, state, engine, thread, name="g"))
-
-    def holds(model: torch.nn.Module) -> bool:
-        mine = engine.model.state_dict()
-        return all(torch.equal(mine[k], v) for k, v in model.state_dict().items())
+    engine, thread, state = hf_engine(tiny_model)
+    version, load, holds = announcer(tiny_model, tmp_path), loader(engine, thread, state), holder(engine)
 
     load(version(6, step=11, created_at=100.0)[0])
     old, old_model = version(7, step=12, created_at=110.0)
