@@ -238,12 +238,11 @@ def test_a_held_prompt_reclaimed_by_its_own_generator_is_not_sampled_twice(tiny_
     claim of idle prompts, a prompt it still holds: it must not sample it a second time."""
     keys = Keys("self")
     config = tmp_path / "self.toml"
-    config.write_text(f'run = "self"\nredis_url = "{redis_url}"\n[model]\npath = "{tiny_model}"\n'
-                      "[rollout]\nmax_new_tokens = 4\n"
-                      "[generator]\nengine = \"hf\"\nthreads = 1\nbatch_prompts = 1\nclaim_idle_s = 30\n"
-                      "reward_timeout_s = 600\n"
-                      '[[data.sources]]\nname = "arithmetic"\nkind = "arithmetic"\n'
-                      'reward = "tests.reward_fixtures:gated"\n')
+    write_config(config, run="self", redis_url=redis_url, model=tiny_model, base={}, rollout={"max_new_tokens": 4},
+                 generator={"engine": "hf", "threads": 1, "batch_prompts": 1, "claim_idle_s": 30,
+                            "reward_timeout_s": 600},
+                 data={"sources": [{"name": "arithmetic", "kind": "arithmetic",
+                                    "reward": "tests.reward_fixtures:gated"}]})
     r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
     gate = tmp_path / "gate"  # its rewards wait until the test opens it: the prompt stays held until then
     task = ask(0, n=2)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests.harness.configs import write_config
 from tests.harness.needs import skip_without_root
 from tests.harness.processes import _start, stop, wait_for
 
@@ -71,23 +72,9 @@ def test_a_generator_on_another_host_trains_the_run_over_its_address(tmp_path, t
 
     wait_for(lambda: cli("PING") == "PONG", timeout=30, what="redis on host A", procs=[redis_server])
     assert cli("ACL", "SETUSER", USER, *ACL_RULE.split()) == "OK"
-    (tmp_path / "run.toml").write_text(f"""
-run = "{RUN}"
-output_dir = "{tmp_path / 'host_a'}"
-[model]
-path = "{tiny_model}"
-[rollout]
-group_size = 4
-prompts_per_step = 2
-max_new_tokens = 6
-[generator]
-engine = "hf"
-threads = 1
-[trainer]
-lr = 1e-3
-max_steps = 2
-threads = 1
-""")
+    write_config(tmp_path / "run.toml", run=RUN, output_dir=tmp_path / "host_a", model=tiny_model, base={},
+                 rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6},
+                 generator={"engine": "hf", "threads": 1}, trainer={"lr": 1e-3, "max_steps": 2, "threads": 1})
     acl_url = f"redis://{USER}:{USER_PASSWORD}@{address}:{port}/0"
     config = ["--config", str(tmp_path / "run.toml")]
     py = [sys.executable, "-m"]

@@ -15,6 +15,7 @@ from common.messages import decode_group
 from generators.scoring import RewardRunner, Scored, reward_names
 from producers.data import Source
 from tasks.rows import DataError
+from tests.harness.configs import write_config
 from tests.harness.processes import spawn, stop, wait_for
 
 FIX = "tests.vf_fixtures"
@@ -121,23 +122,10 @@ def test_a_verifiers_source_config_names_what_is_wrong():
 
 def test_producer_and_generator_train_a_taskset_end_to_end(tiny_model, tmp_path, redis_url, r):
     config = tmp_path / "run.toml"
-    config.write_text(f"""
-run = "vf"
-redis_url = "{redis_url}"
-[model]
-path = "{tiny_model}"
-[rollout]
-max_new_tokens = 6
-group_size = 2
-prompts_per_step = 2
-[generator]
-engine = "hf"
-threads = 1
-[[data.sources]]
-name = "echo"
-kind = "verifiers"
-taskset = "{FIX}:EchoTaskset"
-""")
+    write_config(config, run="vf", redis_url=redis_url, model=tiny_model, base={},
+                 rollout={"max_new_tokens": 6, "group_size": 2, "prompts_per_step": 2},
+                 generator={"engine": "hf", "threads": 1},
+                 data={"sources": [{"name": "echo", "kind": "verifiers", "taskset": f"{FIX}:EchoTaskset"}]})
     keys, env = Keys("vf"), {"ROLLOUTS_CONFIG": str(config)}
     procs = {"generator": spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=tmp_path / "generator.log"),
              "producer": spawn("producers", cwd=tmp_path, env=env, log=tmp_path / "producer.log")}
