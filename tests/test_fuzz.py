@@ -27,6 +27,7 @@ from common.messages import (
     decode_weights,
     encode,
 )
+from tests.harness.configs import write_config
 from tests.harness.processes import spawn, stop, wait_for
 
 DECODERS = {"prompt": decode_prompt, "group": decode_group, "weights": decode_weights}
@@ -248,9 +249,9 @@ def test_running_trainer_dead_letters_garbage_and_trains_every_valid_group(tmp_p
     for fields in interleave(rng, valid, bad):
         r.xadd(keys.samples, fields)
     config = tmp_path / "fz.toml"
-    config.write_text(f'run = "fz"\nredis_url = "{redis_url}"\noutput_dir = "{tmp_path / "out"}"\n'
-                      f'[model]\npath = "{tiny_model}"\n[rollout]\nprompts_per_step = 2\nmax_staleness = 5\n'
-                      "[trainer]\nmax_steps = 3\nthreads = 1\nlr = 1e-3\n")
+    write_config(config, run="fz", redis_url=redis_url, output_dir=tmp_path / "out", model=tiny_model, base={},
+                 rollout={"prompts_per_step": 2, "max_staleness": 5},
+                 trainer={"max_steps": 3, "threads": 1, "lr": 1e-3})
     proc = spawn("trainer", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(config)}, log=tmp_path / "trainer.log")
     assert proc.wait(timeout=240) == 0, (tmp_path / "trainer.log").read_text()
     assert_dead_lettered(r, keys.samples_dead, len(bad))
@@ -274,9 +275,8 @@ def test_running_generator_dead_letters_garbage_and_serves_every_valid_prompt(tm
     bad = garbage(rng, "prompt")
     r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
     config = tmp_path / "fzg.toml"
-    config.write_text(f'run = "fzg"\nredis_url = "{redis_url}"\noutput_dir = "{tmp_path / "out"}"\n'
-                      f'[model]\npath = "{tiny_model}"\n[rollout]\nmax_new_tokens = 4\n'
-                      "[generator]\nbatch_prompts = 3\nthreads = 1\n")
+    write_config(config, run="fzg", redis_url=redis_url, output_dir=tmp_path / "out", model=tiny_model, base={},
+                 rollout={"max_new_tokens": 4}, generator={"batch_prompts": 3, "threads": 1})
     proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(config)},
                  log=tmp_path / "generator.log")
     try:
@@ -305,11 +305,9 @@ def test_foreign_entries_in_a_live_run_change_no_admission(tmp_path, redis_url, 
 
     keys, steps, per_step = Keys("fa"), 8, 2
     config = tmp_path / "fa.toml"
-    config.write_text(f'run = "fa"\nredis_url = "{redis_url}"\noutput_dir = "{tmp_path / "out"}"\n'
-                      f'[model]\npath = "{tiny_model}"\n'
-                      f"[rollout]\ngroup_size = 2\nprompts_per_step = {per_step}\nmax_staleness = 1\n"
-                      "max_new_tokens = 6\n[generator]\nbatch_prompts = 2\nthreads = 1\n"
-                      f"[trainer]\nmax_steps = {steps}\nthreads = 1\nlr = 1e-3\n")
+    write_config(config, run="fa", redis_url=redis_url, output_dir=tmp_path / "out", model=tiny_model, base={},
+                 rollout={"group_size": 2, "prompts_per_step": per_step, "max_staleness": 1, "max_new_tokens": 6},
+                 generator={"batch_prompts": 2, "threads": 1}, trainer={"max_steps": steps, "threads": 1, "lr": 1e-3})
     env = {"ROLLOUTS_CONFIG": str(config)}
     procs = {name: spawn(module, *args, cwd=tmp_path, env=env, log=tmp_path / f"{name}.log")
              for name, module, args in [("generator", "generators", ("--id", "g1")), ("trainer", "trainer", ()),
