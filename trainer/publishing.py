@@ -57,15 +57,17 @@ def note_if_unchanged(run: Run, wv: WeightVersion | None) -> None:
     weights are those it had published under that number (it trained the same groups again in the
     same order, so the update is bit-identical: the usual case after a kill between saved states),
     the groups sampled with them were not sampled with abandoned weights, and are trained. Every
-    rank learns it (`collect` runs on each); rank 0 records it in Redis. A collective."""
+    rank learns it (`collect` runs on each); rank 0 records it in Redis. A collective, only for a
+    step within the go-back (the same on every rank)."""
     gone = run.record.gone_back[-1] if run.record.gone_back else None
+    if gone is None or not gone.step < run.step <= gone.upto:  # every rank alike: no collective
+        return
     unchanged = False
-    if wv is not None and gone is not None and gone.step < wv.version <= gone.upto:
+    if wv is not None:
         before = announced_before(run.r, run.keys, wv.version, before=gone.at)
         unchanged = before is not None and before.checksums == wv.checksums
     if not any_rank(unchanged):
         return
-    assert gone is not None
     run.record.gone_back[-1] = gone = replace(gone, same=[*gone.same, run.step])
     if is_main():
         note_same(run.r, run.keys, gone)
