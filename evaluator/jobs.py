@@ -81,6 +81,10 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
         stop_if_asked(req)
         source = source_config(spec_source)
         problems = eval_prompts(source, count=req.prompts, seed=req.seed, holdout=req.holdout or None)
+        if len(problems) < req.prompts:
+            split = "held-out " if req.holdout else ""
+            print(f"evaluator: {source.name} has {len(problems)} distinct {split}problems; eval.prompts asks "
+                  f"{req.prompts}", flush=True)
         if problems:
             by_source[source.name] = score_source(engine, source, problems, req)
     everything = {k: [hit for hits in by_source.values() for hit in hits[k]] for k in (1, req.pass_k) if k}

@@ -238,24 +238,39 @@ def held_out(prompt: Prompt, fraction: float) -> bool:
     return zlib.crc32(shown.encode()) / 2**32 < fraction
 
 
+# Draws in a row without a new problem, per unit of the held-out fraction, after which a synthetic
+# task counts as exhausted: a task with problems left unseen (a share u of its held-out ones) goes
+# that long without a new one with probability about exp(-SATURATED_AFTER * u).
+SATURATED_AFTER = 200
+
+
 def eval_prompts(source: Any, *, count: int, seed: int, holdout: float | None) -> list[Prompt]:
     """Up to `count` distinct problems of `source` to evaluate on. holdout None: an evaluation
     source (a test split), its first rows (synthetic: drawn from `seed`); a fraction: only problems
     in the held-out split the producer never trains on."""
     out: dict[str, Prompt] = {}  # distinct by what the model is shown
+    # A synthetic task has only so many distinct problems (arithmetic's default: 882, 5% of them
+    # held out): drawing stops once `patience` draws in a row bring no new one, not after millions.
+    patience = None
     if source.synthetic:
         tries = count if holdout is None else int(count * 200 / max(holdout, 1e-3))
+        patience = int(SATURATED_AFTER / max(holdout or 1.0, 1e-3))
         candidates = (synthetic_prompt(source, seed=seed, index=i, prompt_id=f"eval:{source.name}:{i}")
                       for i in range(tries))
     else:
         ds = load(source, field=f"eval source {source.name!r}")
         check_columns(source, columns(ds), field=f"eval source {source.name!r}")
         candidates = (_row_or_none(row, source, i) for i, row in enumerate(ds))
+    since_new = 0
     for p in candidates:
+        since_new += 1
         if p is not None and (holdout is None or held_out(p, holdout)):
-            out.setdefault(repr((p.messages, p.text)), p)
+            if out.setdefault(repr((p.messages, p.text)), p) is p:
+                since_new = 0
             if len(out) == count:
                 break
+        if patience is not None and since_new > patience:
+            break
     return list(out.values())
 
 

@@ -233,3 +233,27 @@ def test_the_evaluators_reward_is_shown_the_last_user_message_as_the_generators_
     assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
     [result] = read_metrics_stream(r, Keys(RUN))
     assert result["eval/prompts"] == 1 and result["eval/pass@1"] == 1.0, result
+
+
+def test_asking_more_problems_than_a_synthetic_task_holds_gives_every_held_out_one_without_drawing_millions(
+        monkeypatch):
+    import tasks.rows
+    from tasks.arithmetic import INSTRUCTION
+
+    cfg = config_from_dict({"eval": {"every": 1, "prompts": 2000}})
+    [source] = cfg.sources
+    # every problem arithmetic's defaults can draw (operands 0..20, + and -), and the held-out share
+    everything = {f"What is {a} {op} {b}? {INSTRUCTION}" for a in range(21) for b in range(21) for op in "+-"}
+    expected = {q for q in everything if zlib.crc32(q.encode()) / 2**32 < cfg.holdout}
+    draws = Counter()
+    draw = tasks.rows.synthetic_prompt
+
+    def counted(*args, **kwargs):
+        draws["n"] += 1
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(tasks.rows, "synthetic_prompt", counted)
+    held = eval_prompts(source, count=cfg.eval.prompts, seed=cfg.eval.seed, holdout=cfg.holdout)
+    assert {p.messages[-1]["content"] for p in held} == expected, (len(held), len(expected))
+    # the task is exhausted well before count * 200 / holdout (8 million) draws
+    assert draws["n"] < 100_000, draws

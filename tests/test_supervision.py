@@ -187,9 +187,12 @@ def test_ctrl_c_stops_the_evaluator_between_problems_and_its_job_goes_back_on_th
     try:
         wait_for(lambda: "evaluator: waiting for jobs" in log.read_text(), timeout=120, what="the evaluator",
                  procs=[run])
-        # an evaluation far longer than the grace: 2000 problems of 32 tokens
+        # an evaluation far longer than the grace: 2000 problems of 32 tokens (arithmetic's default
+        # operands hold only 48 held-out problems; up to 1000 they hold 100,000)
         config = config_from_dict({"run": RUN, "redis_url": f"redis://127.0.0.1:{port}/0",
-                                   "rollout": {"max_new_tokens": 32}, "eval": {"every": 1, "prompts": 2000}})
+                                   "rollout": {"max_new_tokens": 32}, "eval": {"every": 1, "prompts": 2000},
+                                   "data": {"sources": [{"kind": "arithmetic", "name": "arithmetic",
+                                                              "max_operand": 1000}]}})
         wv = WeightVersion(version=1, step=1, path=str(tiny_model), format="safetensors",
                            checksums=checksum_dir(tiny_model), created_at=0.0)
         job = enqueue_eval(r, config, wv)
