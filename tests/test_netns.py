@@ -107,3 +107,42 @@ def test_a_generator_on_another_host_trains_the_run_over_its_address(tmp_path, t
     # host B cannot reach anything of A but its address: no route to A's loopback
     assert sh("ip", "netns", "exec", b, "redis-cli", "-h", "127.0.0.1", "-p", str(port), "PING").stdout.strip() != \
         "PONG"
+
+
+def veth(host: str) -> str:
+    """The name of `host`'s end of the veth pair (its one interface besides lo)."""
+    links = sh("ip", "-n", host, "-o", "link").stdout.splitlines()
+    names = [line.split(":")[1].strip().split("@")[0] for line in links]
+    [name] = [n for n in names if n != "lo"]
+    return name
+
+
+def test_two_trainer_hosts_that_do_not_share_the_output_directory_are_refused_at_start_up(tmp_path, tiny_model,
+                                                                                        hosts):
+    # Each rank writes its shards of the trainer state into output_dir and rank 0 renames them:
+    # a second host with a directory of its own would leave its shards where resume never looks.
+    a, address, b = hosts
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    write_config(tmp_path / "run.toml", run=RUN, redis_url=f"redis://{address}:6391/0", model=tiny_model, base={},
+                 rollout={"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6},
+                 trainer={"max_steps": 2, "threads": 1})
+    ranks = {}
+    for node, (host, out) in enumerate([(a, "host_a"), (b, "host_b")]):
+        argv = ["ip", "netns", "exec", host, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", address, "--master-port", "29511",
+                "-m", "trainer", "--config", str(tmp_path / "run.toml"), "--output_dir", str(tmp_path / out)]
+        ranks[host] = _start(argv, cwd=tmp_path, env={"GLOO_SOCKET_IFNAME": veth(host)}, log=logs / f"{out}.log")
+    try:
+        codes = [p.wait(timeout=300) for p in ranks.values()]
+    finally:
+        for p in ranks.values():
+            stop(p)
+    out = (logs / "host_a.log").read_text()
+    assert all(code != 0 for code in codes), out
+    host = os.uname().nodename
+    assert (f"rank 1 on {host} does not see in {tmp_path / 'host_b'} what rank 0 on {host} wrote in "
+            f"{tmp_path / 'host_a'}") in out, out
+    assert "needs the same output_dir" in out, out
+    # refused before anything was trained or saved
+    assert not (tmp_path / "host_a" / "trainer_state").exists() and "step    1" not in out

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from common.config import Config, RolloutConfig, TrainerConfig
+from common.config import Config, ConfigError, RolloutConfig, TrainerConfig
 from common.keys import TRAINER_GROUP, Keys
 from common.messages import SampleGroup
 from common.models import resolve_model_path
@@ -44,7 +44,7 @@ from trainer.checkpoints import load_model, place, remove_unfinished, resume
 from trainer.devices import Placement, placement
 from trainer.losses import kl_coef_of
 from trainer.metrics import step_record, summary_line
-from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say
+from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say, unshared
 from trainer.publishing import checkpoint, publish_if_due, republish_if_gone
 from trainer.record import Record
 from trainer.repairs import between_reads, check_redis, note_going_back
@@ -80,6 +80,9 @@ def start(config: Config) -> tuple[Run, Shutdown]:
     torch.set_num_threads(cfg.threads or torch.get_num_threads())  # 0: torch's default
     keys, source_dir = Keys(config.run), resolve_model_path(config.model.path)
     state_root = Path(config.output_dir) / "trainer_state"  # DCP trainer state beside each checkpoint
+    refused = unshared([state_root.parent, config.checkpoint_dir])
+    if refused:
+        raise ConfigError(refused)
     if rank == 0:
         remove_unfinished(config.checkpoint_dir)
     shutdown = Shutdown(grace_s=stop_grace_s())

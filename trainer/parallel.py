@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
+import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -133,6 +136,36 @@ def gather(obj: object) -> list:
     out: list = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def unshared(directories: list[Path]) -> str | None:
+    """None when every rank sees each of `directories` as one and the same directory; else why not,
+    in one line, the same on every rank (every rank must call it). Each rank writes its own shards
+    of the trainer state into the output directory and rank 0 renames and prunes them; a rank
+    that cannot see rank 0's files would leave its shards where resume never looks."""
+    if not distributed():
+        return None
+    token = gather(secrets.token_hex(8))[0]  # rank 0's
+    probes = [d / f".shared-{token}" for d in directories]
+    if is_main():
+        for probe in probes:
+            probe.parent.mkdir(parents=True, exist_ok=True)
+            probe.write_text(token)
+    barrier()
+    blind = [i for i, p in enumerate(probes) if not (p.is_file() and p.read_text() == token)]
+    everyone = gather((socket.gethostname(), [str(d) for d in directories], blind))
+    barrier()
+    if is_main():
+        for probe in probes:
+            probe.unlink(missing_ok=True)
+    host0, dirs0, _ = everyone[0]
+    missing = [f"rank {rank} on {host} does not see in {dirs[i]} what rank 0 on {host0} wrote in {dirs0[i]}"
+               for rank, (host, dirs, unseen) in enumerate(everyone) for i in unseen]
+    if not missing:
+        return None
+    return (f"the trainer's ranks do not share one output directory: {'; '.join(missing)}. Every trainer "
+            "rank needs the same output_dir (and checkpoint_dir) on storage all trainer hosts mount (NFS, "
+            "Lustre, ...): each rank saves its shards of the trainer state there and resume reads them back")
 
 
 def barrier() -> None:
