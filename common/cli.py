@@ -35,6 +35,7 @@ def _generator_lines(r, keys, now: float) -> list[str]:
     the prompts stream, with the prompts they still hold until another generator reclaims them."""
     from common.heartbeats import read_heartbeats
     from common.keys import GENERATORS_GROUP
+    from common.quarantine import read_quarantines
 
     lines = []
     beats = read_heartbeats(r, keys)
@@ -45,6 +46,8 @@ def _generator_lines(r, keys, now: float) -> list[str]:
         lines.append(f"generator  {name}  {g.engine}  v{g.version}  {g.tokens_per_s:.1f} tok/s  "
                      f"in flight {g.in_flight}  heartbeat {now - g.last_seen:.0f}s ago"
                      + "".join(f"  {t}" for t in troubles))
+    for name, q in sorted(read_quarantines(r, keys).items()):
+        lines.append(f"generator  {name}  QUARANTINED: {q.line()}")
     consumers = r.xinfo_consumers(keys.prompts, GENERATORS_GROUP) if r.exists(keys.prompts) else []
     for c in consumers:
         name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]

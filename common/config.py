@@ -507,6 +507,19 @@ class GeneratorConfig(_Section):
         return self
 
 
+class QuarantineConfig(_Section):
+    # Groups in a row whose mismatch departs before a generator is quarantined (common/quarantine.py);
+    # as many in a row that agree readmit it after its first quarantine. 0: no quarantine.
+    after: int = Field(3, ge=0)
+    # A group departs when its mean |log pi_trainer - log pi_behaviour| is above this bound; 0: the
+    # bound measured for model.dtype (common/mismatch.py: float32 0.01, bfloat16 0.1).
+    max_mismatch: float = Field(0.0, ge=0.0)
+    # ... and, sampled with weights older than the trainer's (staleness above 0, where honest groups
+    # depart too as the weights move on), above this many times the median of the other
+    # generators' groups at the same staleness in the step; with no such group it is not judged.
+    peer_factor: float = Field(4.0, gt=1.0)
+
+
 class LoraConfig(_Section):
     # LoRA adapter rank; 0 trains every weight (no LoRA). With LoRA the trainer trains the adapters
     # only and publishes merged full weights (needs `pip install peft`).
@@ -753,6 +766,8 @@ class TrainerConfig(_Section):
     loss: LossConfig = Field(default_factory=lambda: GrpoLoss())
     # [trainer.lora]: train low-rank adapters instead of every weight.
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    # [trainer.quarantine]: generators whose log-probs depart from the trainer's.
+    quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)
 
     @model_validator(mode="after")
     def _check_state_every(self) -> TrainerConfig:

@@ -88,6 +88,12 @@ class Keys:
         return self._k("trainer:gone_back")
 
     @property
+    def quarantine(self) -> str:
+        """Hash: generator id -> its Quarantine (common/quarantine.py), written by the trainer; a
+        generator removes its own at start-up."""
+        return self._k("quarantine")
+
+    @property
     def trainer_status(self) -> str:
         """Hash: the last step's `last_step_s`, `last_wait_s`, `staleness_mean`, `staleness_max`,
         `tokens_per_s` and `updated_at` (what `rollouts status` shows of the trainer)."""

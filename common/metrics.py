@@ -81,6 +81,10 @@ class StepMetrics:
     # see each token's version (absent from older entries, read as their defaults).
     staleness_token_mean: float = 0.0  # versions between the weights that sampled a completion token and the trainer
     mixed_versions: float = 0.0  # share of completions whose tokens span two or more weight versions
+    # Since the quarantine (common/quarantine.py): each generator's mean |log pi_prox - log pi_behav|
+    # over its groups trained this step, and the generators quarantined when the step ended.
+    mismatch_by_generator: dict[str, float] = field(default_factory=dict)
+    generators_quarantined: float = 0.0
 
     def entry(self) -> dict[str, Any]:
         """The flat dict the sinks write: TRL's names, policy fields only for GRPO, the sft loss only for sft."""
@@ -128,7 +132,8 @@ NAMES = {  # StepMetrics field -> the name it is written under (TRL's where TRL 
     "time_wait_data": "time/wait_data", "time_train": "time/train", "time_publish": "time/publish",
     "generators_alive": "generators/alive", "generators_tokens_per_s": "generators/tokens_per_s",
     "group_ids": "group_ids", "staleness_token_mean": "staleness/token_mean",
-    "mixed_versions": "completions/mixed_versions",
+    "mixed_versions": "completions/mixed_versions", "mismatch_by_generator": "mismatch/by_generator",
+    "generators_quarantined": "generators/quarantined",
     "reward_components": "rewards/<component>/mean, rewards/<component>/std",
 }
 POLICY_NAMES = {  # PolicyStats field -> the name it is written under

@@ -12,6 +12,7 @@ import trio
 
 from common.heartbeats import Heartbeat, write_heartbeat
 from common.process import ENV_STOP_GRACE, STOP_MARGIN_S, exit_within, stop_grace_s
+from common.quarantine import Quarantine, read_quarantine
 from engines.base import Engine
 from engines.choice import engine_kind
 from generators import devices
@@ -28,6 +29,7 @@ async def heartbeats(g: Generator, state: State) -> None:
             touched = time.monotonic()
             await trio.to_thread.run_sync(lambda held=list(state.held): touch_held(
                 g.r, stream=g.keys.prompts, consumer=g.id, held=held))
+        await trio.to_thread.run_sync(lambda: note_quarantine(g, state, read_quarantine(g.r, g.keys, g.id)))
         beat = heartbeat(state, g.engine)
         await trio.to_thread.run_sync(lambda b=beat: write_heartbeat(
             g.r, g.keys, g.id, b, ttl_s=g.settings.heartbeat_ttl_s))
@@ -40,6 +42,19 @@ async def heartbeats(g: Generator, state: State) -> None:
         with trio.move_on_after(min(5.0, g.settings.heartbeat_ttl_s / 3, g.settings.claim_idle_s / 3)):
             await state.news.wait()
         state.news = trio.Event()
+
+
+def note_quarantine(g: Generator, state: State, q: Quarantine | None) -> None:
+    """Keep the trainer's quarantine of this generator, saying so when it changes."""
+    if q == state.quarantine:
+        return
+    if q is not None:
+        then = ("it stops sampling (fix its config or host and start it again)" if q.final else
+                "it takes no prompt until it has loaded weights the trainer publishes next")
+        print(f"{g.name}: {q.line()}; {then}", file=sys.stderr, flush=True)
+    else:
+        print(f"{g.name}: readmitted by the trainer", flush=True)
+    state.quarantine = q
 
 
 def heartbeat(state: State, engine: Engine) -> Heartbeat:

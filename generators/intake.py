@@ -21,6 +21,8 @@ async def intake(g: Generator, state: State) -> None:
         print(f"{g.name}: {len(backlog)} pending prompts of its own", flush=True)
     with g.intake_scope:
         while True:
+            while state.benched():  # quarantined by the trainer: what it sampled would be turned away
+                await trio.sleep(1.0)
             await g.capacity.acquire()  # where a stop signal finds it waiting
             count = 1
             while count < g.settings.batch_prompts:

@@ -62,6 +62,7 @@ from common import streams
 from common.config import Config
 from common.heartbeats import clear_heartbeat, count_engine_stall
 from common.keys import GENERATORS_GROUP, Keys
+from common.quarantine import lift_quarantine
 from engines.base import Engine, Finished, SamplingSettings, turn_ids
 from engines.choice import engine_kind, open_for_settings
 from envs.base import Spec
@@ -196,6 +197,8 @@ async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, eng
         fetch_dir=Path(config.output_dir) / "fetched", envs=envs, specs=specs, episode_limits=limits,
         episodes_send=episodes_send, episodes_in=episodes_in,
         weights=Watcher(r, keys))
+    # A generator started again (its config or host fixed) is judged afresh (common/quarantine.py).
+    await trio.to_thread.run_sync(lambda: lift_quarantine(r, keys, generator_id))
     # A late starter loads the newest weights (weights:latest, read as the watcher starts) first.
     await trio.to_thread.run_sync(g.weights.start)
     if g.weights.latest is not None:

@@ -19,6 +19,7 @@ import trio
 from common.config import GeneratorConfig, LimitsConfig, TrainerConfig
 from common.keys import Keys
 from common.messages import PromptTask
+from common.quarantine import Quarantine
 from engines.base import Engine, Finished, Sampled, SamplingSettings
 from envs.base import Spec
 from generators.environments import EnvRunner
@@ -101,6 +102,14 @@ class State:
     wake: trio.Event = field(default_factory=trio.Event)  # set when a turn is queued or an episode ends
     env_errors: int = 0  # environment steps that failed (answered with an error message)
     engine_errors: int = 0  # engine requests that failed (never answered, refused); their prompts let go
+    # The trainer's quarantine of this generator (common/quarantine.py), as the heartbeat last read it:
+    # the intake takes no prompt while its groups would be turned away.
+    quarantine: Quarantine | None = None
+
+    def benched(self) -> bool:
+        """Whether the trainer would turn away what it samples now: quarantined, and not yet on
+        weights published since (or for good)."""
+        return self.quarantine is not None and self.quarantine.turns_away(self.published_at)
 
     def tokens_per_s(self) -> float:
         now = time.monotonic()

@@ -78,6 +78,10 @@ CALC = 'toml: [[data.sources]]\nname = "calc"'
 EVAL = 'toml: [[eval.sources]]\nname = "gsm8k"'
 CHECK_OUTPUT = ("text: check: 4 prompts from arithmetic, 4 completions each, vllm engine at temperature 0.8; "
                 "trainer float32 on cpu at rollout.temperature 0.8")
+QUARANTINED = ("text: generator  hot  QUARANTINED: quarantined at step 13 (strike 2, stopped sampling): mean "
+               "|log pi_trainer - log pi_behaviour| 0.0894 over its last 2 groups (hf engine, staleness 1/2), above "
+               "0.01 and 4x the other generators at that staleness: it samples with other weights or other settings "
+               "(temperature, top_p, top_k) than the trainer's, or its engine is broken")
 # Each block (by its key) and the test that runs it as written.
 RUN = {
     "./ops/run": "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
@@ -111,6 +115,7 @@ RUN = {
 NOT_RUN = {
     "./ops/test": "the test suite itself: .ci/run runs it on a fresh clone",
     "text: producer ──prompts stream──▶ generator × N ──samples stream──▶ trainer": "a picture, not a command",
+    QUARANTINED: "output, not a command: tests/test_quarantine.py's live run reads such a line from rollouts status",
 }
 
 

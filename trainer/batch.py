@@ -31,6 +31,7 @@ class Row:
     advantage: float  # group-relative advantage of the completion
     versions: np.ndarray | None = None  # (len(ids),) the weight version that sampled each completion
     # token; None: version 0 everywhere
+    group: int = -1  # the index of its group among the step's (this rank's) groups
 
     @property
     def length(self) -> int:
@@ -70,10 +71,12 @@ class MicroBatch:
     trained_at: Tensor
     # The same rows with each shared prompt computed once (trainer.share_prompts), or None.
     packed: Packed | None = None
+    # (B,) host array: each row's group, its index among the step's groups (Row.group; -1: none)
+    group_of: np.ndarray | None = None
 
 
 def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: str = "none",
-               overlong_penalty: float = 0.0, objective: str = "grpo") -> list[Row]:
+               overlong_penalty: float = 0.0, objective: str = "grpo", index: int = -1) -> list[Row]:
     """A group's completions as rows; advantages from the group's scalar rewards (0 for the sft
     objective, which has none and takes groups of any size).
 
@@ -82,7 +85,7 @@ def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: s
     a group with fewer than 2 scored completions left trains on nothing.
     Overlong completions (finish == "length"): "mask" keeps them in the advantage baseline but
     trains on none of their tokens; "penalty" subtracts `overlong_penalty` from their reward
-    before the advantages are computed.
+    before the advantages are computed. `index`: the group's among the step's (Row.group).
     """
     assert objective == "sft" or len(group.completions) >= 2, \
         f"group {group.id}: {len(group.completions)} completions, need >= 2"
@@ -108,7 +111,7 @@ def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: s
             trained = np.asarray(c.loss_mask, dtype=bool)
         rows.append(Row(prompt=prompt, ids=ids, trained=trained, logprobs=np.asarray(c.logprobs, dtype=np.float32),
                         advantage=float(adv),
-                        versions=token_versions(c, group_version=group.version)))
+                        versions=token_versions(c, group_version=group.version), group=index))
     return rows
 
 
@@ -138,6 +141,7 @@ def collate(rows: list[Row]) -> MicroBatch:
         targets=torch.from_numpy(targets), mask=torch.from_numpy(mask), behaviour_logp=torch.from_numpy(logp),
         advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
         versions=torch.from_numpy(versions), trained_at=torch.from_numpy(np.flatnonzero(mask)),
+        group_of=np.array([row.group for row in rows], dtype=np.int64),
     )
 
 
@@ -295,9 +299,9 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
     shapes (16 rows of 35-70 tokens, 8 a micro-batch) that drops the padding from about a fifth
     of the positions to a few percent. The mini-batch's update is a sum over its rows, whichever
     micro-batch each lands in."""
-    rows = [row for group in groups for row in group_rows(group, estimator=estimator, overlong=overlong,
-                                                           overlong_penalty=overlong_penalty,
-                                                           objective=objective)]
+    rows = [row for i, group in enumerate(groups) for row in group_rows(
+        group, estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty, objective=objective,
+        index=i)]
     assert 1 <= parts <= len(rows), f"{len(rows)} completions cannot make {parts} mini-batches"
     bounds = [len(rows) * i // parts for i in range(parts + 1)]
     out = []

@@ -25,6 +25,8 @@ admit against `version`.
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from dataclasses import replace
 from functools import partial
@@ -39,6 +41,7 @@ from common.messages import SampleGroup
 from common.models import resolve_model_path
 from common.process import stop_grace_s
 from common.progress import Refused, count_refused, count_skipped, read_gone_back, read_trainer
+from common.quarantine import lift_quarantine, read_quarantines, write_quarantine
 from common.streams import connect, ensure_group
 from trainer.checkpoints import load_model, place, remove_unfinished, resume
 from trainer.devices import Placement, placement
@@ -46,6 +49,7 @@ from trainer.losses import kl_coef_of
 from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say, unshared
 from trainer.publishing import checkpoint, publish_if_due, republish_if_gone
+from trainer.quarantine import Figure, Judge, bound_of
 from trainer.record import Record
 from trainer.repairs import between_reads, check_redis, note_going_back
 from trainer.run import Run, Update
@@ -99,7 +103,9 @@ def start(config: Config) -> tuple[Run, Shutdown]:
               update=objective(cfg, rollout, source_dir=source_dir, where=where), source_dir=source_dir,
               state_root=state_root, step=step, version=step, rank=rank, world=world,
               updates=1 if cfg.objective == "sft" else cfg.updates_per_batch,
-              tracker=Tracker(r, config) if rank == 0 else None, record=record)
+              tracker=Tracker(r, config) if rank == 0 else None, record=record,
+              judge=Judge(cfg.quarantine, bound_of(cfg.quarantine, config.model.dtype))
+              if rank == 0 and cfg.quarantine.after and cfg.objective != "sft" else None)
     note_going_back(run)
     say(f"trainer: run {config.run!r}, model {source_dir}, step {run.step}, "
         f"{rollout.prompts_per_step} groups per step, {world} rank(s) on {where.device.type}, "
@@ -137,8 +143,10 @@ def take_step(run: Run, shutdown: Shutdown) -> bool:
 
     t_train = time.monotonic()
     shutdown.step_started(run.step + 1)
+    step_before = run.step
     stats, lr = train(run, mine)
     train_s = time.monotonic() - t_train
+    by_generator, quarantined = judge_generators(run, mine, stats, step=step_before)
     run.unacked_entries += [e for c in everyone for e in c.entry_ids]
     run.unacked_ids += [g.id for g in all_groups]
     if stats.skipped >= run.updates:  # nothing applied: nothing to publish or record
@@ -151,7 +159,8 @@ def take_step(run: Run, shutdown: Shutdown) -> bool:
     shutdown.step_ended()
     if run.tracker is not None:
         metrics = step_record(run.r, run.keys, everyone, stats, step=run.step, version=run.version, lr=lr,
-                              staleness=staleness, sft=run.sft, t_step=t_step, train_s=train_s, publish_s=publish_s)
+                              staleness=staleness, sft=run.sft, t_step=t_step, train_s=train_s, publish_s=publish_s,
+                              by_generator=by_generator, quarantined=quarantined)
         run.tracker.log(metrics)
         print(summary_line(metrics), flush=True)
     return True
@@ -166,8 +175,46 @@ def collect_groups(run: Run, shutdown: Shutdown) -> Collected | None:
                               consumer=run.consumer, cursor=run.cursor, shutdown=shutdown,
                               objective=run.config.trainer.objective, limits=run.config.limits,
                               trained=run.record.trained, skip=set(run.unacked_entries),
-                              between=partial(between_reads, run), gone_back=run.record.gone_back)
+                              between=partial(between_reads, run), gone_back=run.record.gone_back,
+                              quarantined=read_quarantines(run.r, run.keys) if quarantining(run) else None)
     return got
+
+
+def quarantining(run: Run) -> bool:
+    """Whether generators are judged by their groups' mismatch (known alike on every rank)."""
+    return bool(run.config.trainer.quarantine.after) and not run.sft
+
+
+def judge_generators(run: Run, groups: list[SampleGroup], stats: StepStats, *, step: int
+                     ) -> tuple[dict[str, float], int]:
+    """Each generator's mean mismatch over the step's groups (every rank's), and how many are in
+    quarantine once rank 0 has judged them (trainer/quarantine.py): a generator quarantined, or
+    readmitted, is written to Redis and said on the console. Every rank takes part."""
+    if not quarantining(run):
+        return {}, 0
+    gaps = stats.group_mismatch or (math.nan,) * len(groups)  # none: a step with no token to train on
+    mine = [Figure(generator=g.generator, engine=g.engine, staleness=step - g.version, gap=gap)
+            for g, gap in zip(groups, gaps, strict=True)]
+    figures = [f for rank in gather(mine) for f in rank]
+    if run.judge is None:
+        return {}, 0
+    by_generator = {}
+    for name in sorted({f.generator for f in figures}):
+        gaps = [f.gap for f in figures if f.generator == name and not math.isnan(f.gap)]
+        if gaps:
+            by_generator[name] = sum(gaps) / len(gaps)
+    held = read_quarantines(run.r, run.keys)
+    new, readmitted = run.judge.observe(figures, step=run.step, now=time.time(), quarantined=held)
+    for q in new:
+        write_quarantine(run.r, run.keys, q)
+        held[q.generator] = q
+        print(f"trainer: generator {q.generator} {q.line()}", file=sys.stderr, flush=True)
+    for name in readmitted:
+        lift_quarantine(run.r, run.keys, name)
+        held.pop(name, None)
+        print(f"trainer: generator {name} readmitted: its last {run.judge.cfg.after} groups agree with the "
+              "trainer again", flush=True)
+    return by_generator, len(held)
 
 
 def train(run: Run, groups: list[SampleGroup]) -> tuple[StepStats, float]:

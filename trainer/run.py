@@ -12,6 +12,7 @@ import torch
 
 from common.config import Config
 from common.keys import Keys
+from trainer.quarantine import Judge
 from trainer.record import Record
 from trainer.stats import StepStats
 from trainer.tracking import Tracker
@@ -46,6 +47,7 @@ class Run:
     unacked_entries: list[bytes] = field(default_factory=list)
     unacked_ids: list[str] = field(default_factory=list)
     record: Record = field(default_factory=lambda: Record(step=0, version=0, state_step=0, groups_trained=0))
+    judge: Judge | None = None  # rank 0's judgement of the generators (None: other ranks, or no quarantine)
 
     @property
     def sft(self) -> bool:

@@ -36,6 +36,7 @@ from common.deadletters import DeadLetter, dead_letter
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import MessageError, SampleGroup, decode_group, peek_id
 from common.progress import GoneBack, Refused, count_refused, settle
+from common.quarantine import Quarantine
 from trainer.shutdown import Shutdown
 
 BLOCK_MS = 1000  # longest wait on the samples stream before checking for a stop request
@@ -108,7 +109,8 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
             unpublished: set[str], consumer: str, cursor: bytes | None, shutdown: Shutdown,
             objective: str = "grpo", limits: LimitsConfig | None = None, trained: dict[str, int] | None = None,
             skip: set[bytes] | None = None, between: Callable[[], None] | None = None,
-            gone_back: Sequence[GoneBack] = ()) -> tuple[Collected | None, bytes | None]:
+            gone_back: Sequence[GoneBack] = (), quarantined: dict[str, Quarantine] | None = None
+            ) -> tuple[Collected | None, bytes | None]:
     """`want` trainable groups (None if a stop was requested first), and the next read cursor.
     `max_staleness` None: no group is too stale (sft). A group is a duplicate if its id is
     `unpublished` (trained since the last saved state), in `trained` (the trainer's own record of
@@ -116,7 +118,9 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
     the next saved state) are passed over when this rank's pending entries are read again.
     `between` runs before every read (rank-local: no collectives), for what must not wait for
     the step's groups to arrive. `gone_back`: the trainer's starts below a version it had published
-    (a group sampled with weights one of them abandoned is dropped as stale)."""
+    (a group sampled with weights one of them abandoned is dropped as stale). `quarantined`: the
+    generators in quarantine (common/quarantine.py), whose groups are dead-lettered with the
+    figures, unless sampled with weights published since (on probation)."""
     trained = trained or {}
     skip = skip or set()
     got = Collected()
@@ -155,6 +159,13 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
                     or any(g.abandoned(group.newest_version, group.published_at) for g in gone_back)):
                 reject(r, keys, entry_id, why=Refused.STALE, group_id=group.id)
                 got.stale += 1
+                continue
+            held = (quarantined or {}).get(group.generator)
+            if held is not None and held.turns_away(group.published_at):
+                reason = f"generator {group.generator} {held.line()}"
+                reject(r, keys, entry_id, why=Refused.DEAD, group_id=group.id, fields=fields, reason=reason)
+                print(f"trainer: dead-lettered group {group.id}: {reason}", file=sys.stderr, flush=True)
+                got.dead += 1
                 continue
             seen.add(group.id)
             got.groups.append(group)

@@ -46,3 +46,6 @@ class StepStats:
     masked: float = 0.0  # share of the trained tokens the correction's weight dropped
     # staleness -> mean |log pi_prox - log pi_behav| of the tokens sampled that many steps before
     mismatch_by_staleness: dict[int, float] = field(default_factory=dict)
+    # mean |log pi_prox - log pi_behav| of each of this rank's groups, in the order they were given
+    # (nan: a group with no trained token): what the quarantine judges generators by
+    group_mismatch: tuple[float, ...] = ()

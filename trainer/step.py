@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from functools import partial
 
+import numpy as np
 import torch
 
 from common.config import CorrectionConfig, LossConfig, RolloutConfig, TrainerConfig
@@ -100,6 +101,9 @@ class Sums:
     loss: float = 0.0  # this rank's part of the applied updates' losses
     grad_norm: float = 0.0  # the applied updates' norms, each divided by the world size
     skipped: float = 0.0  # updates skipped, each 1 / world size
+    # (groups, 2): |log pi_prox - log pi_behav| summed over each of this rank's groups' trained
+    # tokens, and their count (rank-local: never summed over ranks)
+    by_group: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))
 
     def add(self, stats: LossStats, mismatch: Mismatch, *, share: float) -> None:
         """A micro-batch's loss and mismatch stats, shares of its mini-batch's tokens, weighted by
@@ -121,8 +125,9 @@ class Sums:
         by_staleness = {s: (rest[2 * s], rest[2 * s + 1]) for s in range(oldest + 1)}
         entropy, loss, grad_norm, skipped = rest[2 * (oldest + 1):]
         return Sums(loss_stats=LossStats(*total[:n]), entropy=entropy, loss=loss, grad_norm=grad_norm,
-                    skipped=skipped, mismatch=Mismatch(gap=gap, gap_max=max(gather(self.mismatch.gap_max)),
-                                                       masked=masked, by_staleness=by_staleness))
+                    skipped=skipped, by_group=self.by_group,
+                    mismatch=Mismatch(gap=gap, gap_max=max(gather(self.mismatch.gap_max)), masked=masked,
+                                      by_staleness=by_staleness))
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +194,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                for m in minis]
     model.train()
     oldest = all_max(max([0] + [step - g.version for g in groups]))
-    sums, applied = Sums(), 0
+    sums, applied = Sums(by_group=np.zeros((len(groups), 2))), 0
     for mini, mini_prox, mini_ref in zip(minis, prox, ref, strict=True):
         if mini.tokens == 0:
             continue
@@ -211,7 +216,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                      tokens_forward=sum(m.tokens_in for m in minis), policy=out.loss_stats,
                      mismatch_mean=out.mismatch.gap, mismatch_max=out.mismatch.gap_max, masked=out.mismatch.masked,
                      mismatch_by_staleness={s: gap / tokens for s, (gap, tokens) in out.mismatch.by_staleness.items()
-                                            if tokens > 0})
+                                            if tokens > 0},
+                     group_mismatch=tuple(float(gap / tokens) if tokens > 0 else math.nan
+                                          for gap, tokens in out.by_group))
 
 
 def log_probs(forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], model: torch.nn.Module,
@@ -236,10 +243,23 @@ def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Te
                                  norm_tokens=mini.rows * max_new_tokens, prox_logp=prox_logp, ref_logp=ref_logp))
         (out.loss * world).backward()
         mini_loss += out.loss.item()
-        sums.add(out.stats, mismatch(logp.detach() if prox_logp is None else prox_logp, mb, correction, step=step,
-                                     total_tokens=mini.tokens), share=share)
+        measured = logp.detach() if prox_logp is None else prox_logp
+        sums.add(out.stats, mismatch(measured, mb, correction, step=step, total_tokens=mini.tokens), share=share)
+        add_by_group(sums.by_group, measured, mb)
         sums.entropy += (entropy * mb.mask).sum().item() / total_tokens
     return mini_loss
+
+
+def add_by_group(by_group: np.ndarray, measured: torch.Tensor, mb: MicroBatch) -> None:
+    """Add micro-batch `mb`'s |log pi_measured - log pi_behav| over each row's trained tokens, and
+    their count, to its group's row of `by_group`."""
+    if mb.group_of is None or not len(by_group):
+        return
+    gap = ((measured.float() - mb.behaviour_logp.float()).abs() * mb.mask).sum(1).cpu().numpy()
+    tokens = mb.mask.sum(1).cpu().numpy()
+    rows = mb.group_of >= 0
+    np.add.at(by_group, (mb.group_of[rows], 0), gap[rows])
+    np.add.at(by_group, (mb.group_of[rows], 1), tokens[rows])
 
 
 def mismatch(measured: torch.Tensor, mb: MicroBatch, correction: CorrectionConfig, *, step: int,

@@ -17,6 +17,11 @@ from tests.harness.processes import process_env, spawn, stop, wait_for
 # ---------------------------------------------------------------------- the trainer alone
 
 
+# The groups a test writes carry behaviour log-probs of its own making, not a sampler's: the
+# trainer's quarantine (common/quarantine.py) would rightly turn their "generator" away.
+QUARANTINE_OFF = {"quarantine": {"after": 0}}
+
+
 def run_trainer(config: dict[str, str], *, cwd: Path, nproc: int = 1, timeout: float = 300
                 ) -> subprocess.CompletedProcess:
     """The trainer process on `config` (under torchrun with `nproc` ranks past one) until it exits,
@@ -37,7 +42,7 @@ def train_groups(tmp_path: Path, redis_url: str, model_dir: Path, *, run: str, *
                           model=model_dir, base={},
                           rollout={"group_size": 4, "prompts_per_step": 2, "max_staleness": 1},
                           trainer={"max_steps": 3, "micro_batch_size": 4, "lr": 1e-3, "threads": 1,
-                                   "keep_checkpoints": 2, **trainer})
+                                   "keep_checkpoints": 2, **QUARANTINE_OFF, **trainer})
     return run_trainer(config, cwd=tmp_path, timeout=240)
 
 
@@ -50,7 +55,7 @@ def run_ranks(tmp_path: Path, run_name: str, redis_url: str, model_dir: Path, np
                           rollout={"group_size": 4, "prompts_per_step": 4, "max_staleness": 2},
                           trainer={"max_steps": 2, "lr": 1e-3, "micro_batch_size": 3, "micro_batch_tokens": 40,
                                    "threads": 1, "keep_checkpoints": 2, "loss": {"kl_coef": kl_coef},
-                                   "share_prompts": share_prompts})
+                                   "share_prompts": share_prompts, **QUARANTINE_OFF})
     return run_trainer(config, cwd=tmp_path, nproc=nproc).stdout
 
 
