@@ -1,0 +1,90 @@
+"""`rollouts view [--config FILE ...] [--port N] [--recording FILE] [--metrics FILE]`: serve a local
+page over the run's sample groups (its samples stream, or a recording), each completion's tokens
+coloured by advantage or behaviour log-prob, until Ctrl-C."""
+
+import argparse
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from common.config import Config
+from common.process import Stop, run_process
+
+
+def flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=8200, help="port to serve on (default: 8200)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: 127.0.0.1, this machine only; the page has no login)")
+    parser.add_argument("--recording", metavar="FILE",
+                        help="show the groups of a recording (`rollouts record`) instead of the samples stream")
+    parser.add_argument("--metrics", metavar="FILE",
+                        help="the trainer's metrics.jsonl, for the steps (default: the config's output_dir's)")
+    parser.add_argument("--newest", type=int, default=1000, metavar="N",
+                        help="entries of the samples stream read, newest first (default: 1000)")
+
+
+def tokenizer_of(config: Config, recorded: dict | None):
+    """The run's tokenizer (model.path; for a recording, the model it names where model.path has
+    none); None, said once, where neither loads: tokens are then shown by id."""
+    from transformers import AutoTokenizer
+
+    from common.models import ModelError, resolve_model_path
+
+    tried = []
+    for path in [config.model.path, *([recorded["path"]] if recorded and recorded.get("path") else [])]:
+        try:
+            return AutoTokenizer.from_pretrained(resolve_model_path(path))
+        except (ModelError, OSError, ValueError) as err:
+            tried.append(f"{path or 'the default model'}: {str(err).splitlines()[0]}")
+    print(f"rollouts view: no tokenizer ({'; '.join(tried)}): tokens are shown by id", file=sys.stderr, flush=True)
+    return None
+
+
+def main(config: Config, args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from common.keys import Keys
+    from common.recording import RecordingError, read_recording
+    from common.streams import connect
+    from viewer.app import make_app
+    from viewer.groups import Advantages, from_recording, from_stream
+
+    how = Advantages(estimator=config.trainer.advantage, overlong=config.trainer.overlong,
+                     overlong_penalty=config.trainer.overlong_penalty, objective=config.trainer.objective)
+    if args.recording:
+        try:
+            header, _ = read_recording(args.recording)
+            loaded = from_recording(Path(args.recording))
+        except RecordingError as err:
+            raise Stop(str(err)) from None
+        load, run, recorded = (lambda: loaded), header.run, header.model
+    else:
+        r = connect(config.redis_url, wait_s=2.0)
+        keys = Keys(config.run)
+        load, run, recorded = (lambda: from_stream(r, keys, newest=args.newest)), config.run, None
+        load()  # Redis reachable, the run's stream readable: said now, not on the first request
+    metrics = Path(args.metrics) if args.metrics else config.metrics_path
+    app = make_app(load=load, tokenizer=tokenizer_of(config, recorded), how=how, metrics=metrics, run=run)
+
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as err:
+        raise Stop(f"cannot listen on {args.host}:{args.port} ({err.strerror}): pick another --port") from None
+    sock.listen(128)  # bound before the address is printed: a request sent at once waits for the server
+
+    def stopped(signum: int, frame: object) -> None:  # uvicorn hands the signal back once it has stopped
+        print("rollouts view: stopped", file=sys.stderr, flush=True)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGINT, stopped)
+    signal.signal(signal.SIGTERM, stopped)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"rollouts view: run {run!r} at http://{host}:{args.port}/ (Ctrl-C stops)", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    run_process("rollouts view", main, prog="rollouts view", doc=__doc__, extra=flags)
