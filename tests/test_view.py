@@ -218,3 +218,17 @@ def test_a_browser_shows_the_right_answers_tokens_green_and_the_wrong_ones_red(t
     assert pixels_of(shots["advantage"], green) > 2000 and pixels_of(shots["advantage"], red) > 2000
     # coloured by behaviour log-prob, neither
     assert pixels_of(shots["logprob"], green) == 0 and pixels_of(shots["logprob"], red) == 0
+
+
+def test_a_character_split_over_tokens_is_shown_whole_and_turns_split_where_the_mask_changes(tiny_model):
+    from viewer.groups import Token, texts, turns
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ids = tok("é 17", add_special_tokens=False)["input_ids"]  # é: two byte tokens, each alone U+FFFD
+    assert tok.batch_decode([[i] for i in ids[:2]]) == ["\ufffd", "\ufffd"]
+    assert texts(tok, ids) == ["é", "", *tok.batch_decode([[i] for i in ids[2:]])]
+    assert texts(None, [5, 6]) == ["⟨5⟩", "⟨6⟩"]
+    tokens = [Token(text=str(i), id=i, logprob=0.0, version=0, colour="", logprob_colour="") for i in range(5)]
+    split = turns(tokens, [True, True, False, False, True])
+    assert [(t.model, [x.id for x in t.tokens]) for t in split] == [(True, [0, 1]), (False, [2, 3]), (True, [4])]
+    assert [(t.model, len(t.tokens)) for t in turns(tokens, None)] == [(True, 5)]

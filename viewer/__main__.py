@@ -11,9 +11,12 @@ from pathlib import Path
 from common.config import Config
 from common.process import Stop, run_process
 
+PORT = 8200  # the first port tried without --port; the next ones while it is taken
+PORTS_TRIED = 50
+
 
 def flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=8200, help="port to serve on (default: 8200)")
+    parser.add_argument("--port", type=int, help=f"port to serve on (default: the first free one from {PORT})")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default: 127.0.0.1, this machine only; the page has no login)")
     parser.add_argument("--recording", metavar="FILE",
@@ -39,6 +42,25 @@ def tokenizer_of(config: Config, recorded: dict | None):
             tried.append(f"{path or 'the default model'}: {str(err).splitlines()[0]}")
     print(f"rollouts view: no tokenizer ({'; '.join(tried)}): tokens are shown by id", file=sys.stderr, flush=True)
     return None
+
+
+def listening(host: str, port: int | None) -> socket.socket:
+    """A socket listening on `host`:`port`; without a port, on the first free one from PORT (as
+    Jupyter does: a second viewer, or another run's, takes the next)."""
+    tried = [port] if port is not None else range(PORT, PORT + PORTS_TRIED)
+    for p in tried:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port just let go is free
+        try:
+            sock.bind((host, p))
+        except OSError as err:
+            sock.close()
+            why = err.strerror
+            continue
+        sock.listen(128)
+        return sock
+    ports = f"{tried[0]}" if len(tried) == 1 else f"{tried[0]}-{tried[-1]}"
+    raise Stop(f"cannot listen on {host}:{ports} ({why}): pick another --port")
 
 
 def main(config: Config, args: argparse.Namespace) -> None:
@@ -67,13 +89,7 @@ def main(config: Config, args: argparse.Namespace) -> None:
     metrics = Path(args.metrics) if args.metrics else config.metrics_path
     app = make_app(load=load, tokenizer=tokenizer_of(config, recorded), how=how, metrics=metrics, run=run)
 
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as err:
-        raise Stop(f"cannot listen on {args.host}:{args.port} ({err.strerror}): pick another --port") from None
-    sock.listen(128)  # bound before the address is printed: a request sent at once waits for the server
+    sock = listening(args.host, args.port)  # before the address is printed: a request sent at once waits
 
     def stopped(signum: int, frame: object) -> None:  # uvicorn hands the signal back once it has stopped
         print("rollouts view: stopped", file=sys.stderr, flush=True)
@@ -82,7 +98,7 @@ def main(config: Config, args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, stopped)
     signal.signal(signal.SIGTERM, stopped)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"rollouts view: run {run!r} at http://{host}:{args.port}/ (Ctrl-C stops)", flush=True)
+    print(f"rollouts view: run {run!r} at http://{host}:{sock.getsockname()[1]}/ (Ctrl-C stops)", flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 
 
