@@ -159,9 +159,13 @@ def test_the_page_shows_the_runs_groups_token_by_token_and_its_filters_hide_grou
         with pytest.raises(urllib.error.HTTPError, match="400"):
             get(url + "?min_reward=lots")
 
-        # each load reads the stream afresh: emptied, it shows no group
+        # each load reads the stream afresh: emptied, it shows no group; Redis gone, it says so
         r.delete(Keys("viewed").samples)
         assert sections(get(url)) == {}
+        r.shutdown(nosave=True)
+        with pytest.raises(urllib.error.HTTPError, match="503") as gone:
+            get(url)
+        assert "rollouts view: cannot read the samples stream" in gone.value.read().decode()
 
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(timeout=60) == 0

@@ -64,11 +64,12 @@ def listening(host: str, port: int | None) -> socket.socket:
 
 
 def main(config: Config, args: argparse.Namespace) -> None:
+    import redis
     import uvicorn
 
     from common.keys import Keys
     from common.recording import RecordingError, read_recording
-    from common.streams import connect
+    from common.streams import connect, redacted
     from viewer.app import make_app
     from viewer.groups import Advantages, from_recording, from_stream
 
@@ -82,7 +83,13 @@ def main(config: Config, args: argparse.Namespace) -> None:
             raise Stop(str(err)) from None
         load, run, recorded = (lambda: loaded), header.run, header.model
     else:
-        r = connect(config.redis_url, wait_s=2.0)
+        try:
+            r = connect(config.redis_url, wait_s=2.0, retry_s=5.0)
+        except redis.exceptions.AuthenticationError:
+            raise  # run_process says what to put in redis_url
+        except redis.exceptions.ConnectionError as err:
+            raise Stop(f"cannot reach Redis at {redacted(config.redis_url)} ({err}); "
+                       "--recording FILE shows a recording without it") from None
         keys = Keys(config.run)
         load, run, recorded = (lambda: from_stream(r, keys, newest=args.newest)), config.run, None
         load()  # Redis reachable, the run's stream readable: said now, not on the first request

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -90,7 +91,10 @@ def make_app(*, load: Callable[[], Loaded], tokenizer: Any, how: Advantages, met
         except BadQuery as err:
             return PlainTextResponse(f"rollouts view: {err}\n", status_code=400)
         colour = query.get("colour") if query.get("colour") in COLOURS else "advantage"
-        loaded = load()
+        try:
+            loaded = load()
+        except redis.exceptions.ConnectionError as err:  # Redis went away while the page is up
+            return PlainTextResponse(f"rollouts view: cannot read the samples stream: {err}\n", status_code=503)
         steps, no_steps = metrics_of(metrics)
         trained = trained_steps(steps)
         shown = [(views.of(eid, g, tokenizer=tokenizer, how=how), trained.get(g.id))
