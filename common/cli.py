@@ -1,5 +1,5 @@
 """`rollouts`: the operator's command: `prepare-model`, `status`, `plot`, `record`, `replay`,
-`serve-checkpoints`, `check`."""
+`serve-checkpoints`, `check`, `view`."""
 
 from __future__ import annotations
 
@@ -140,6 +140,9 @@ def parser() -> argparse.ArgumentParser:
     # Its flags are the checks process's own (`rollouts check --help` prints them): main passes them on.
     sub.add_parser("check", help="before a long run: sample a few groups as the generators do and say "
                    "whether the trainer's log-probs and the rewards agree with them (exit 0 or 1)")
+    # Its flags too are its own process's (`rollouts view --help`): main passes them on.
+    sub.add_parser("view", help="a local web page over the run's sample groups, token by token, coloured by "
+                   "advantage or behaviour log-prob (the samples stream, or a recording), until Ctrl-C")
     return parser
 
 
@@ -154,6 +157,12 @@ def check_command(argv: list[str], env: dict[str, str]) -> None:
         sys.exit(subprocess.run([sys.executable, "-m", "checks", *argv], env={**quiet, **env}).returncode)
     except KeyboardInterrupt:  # Ctrl-C reached the check too (one process group): it says so itself
         sys.exit(130)
+
+
+def view_command(argv: list[str], env: dict[str, str]) -> None:
+    """`rollouts view`: becomes the viewer's process (`python -m viewer`, the same arguments), which
+    serves its page until Ctrl-C; common imports no package above it."""
+    os.execve(sys.executable, [sys.executable, "-m", "viewer", *argv], env)
 
 
 def dotenv(path: Path) -> dict[str, str]:
@@ -205,9 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     # Run from the checkout without --config, the command sees the run the processes see: honcho
     # gives them `.env` (the Redis URL, the config file); the environment, where set, still wins.
-    if argv[:1] == ["check"]:
+    if argv[:1] in (["check"], ["view"]):
         given = any(a == "--config" or a.startswith("--config=") for a in argv)
-        return check_command(argv[1:], dict(os.environ) if given else {**dotenv(Path(".env")), **os.environ})
+        env = dict(os.environ) if given else {**dotenv(Path(".env")), **os.environ}
+        return check_command(argv[1:], env) if argv[0] == "check" else view_command(argv[1:], env)
     args = parser().parse_args(argv)
     env = dict(os.environ) if getattr(args, "config", None) else {**dotenv(Path(".env")), **os.environ}
     if args.command == "prepare-model":

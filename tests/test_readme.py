@@ -21,16 +21,22 @@ that session's process group, as a terminal sends it.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import tomllib
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
 
+from common.keys import Keys
+from common.recording import replay
 from tests.harness.metrics import read_steps
 from tests.harness.processes import ROOT, Shell, run_once
-from tests.harness.servers import free_port
+from tests.harness.servers import free_port, start_redis
 
 DOCS = ("README.md", "docs/operations.md")
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
@@ -93,6 +99,7 @@ RUN = {
         "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
     ".venv/bin/rollouts check": "test_rollouts_check_as_written_passes_on_the_demo_config",
     CHECK_OUTPUT: "test_rollouts_check_as_written_passes_on_the_demo_config",
+    ".venv/bin/rollouts view": "test_rollouts_view_as_written_serves_the_runs_groups_until_ctrl_c",
     "./ops/run -c generator=4":
         "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
     "ROLLOUTS_CONFIG=configs/gsm8k.toml ./ops/run": "test_the_one_gpu_command_runs_the_gsm8k_config",
@@ -208,6 +215,32 @@ def test_rollouts_check_as_written_passes_on_the_demo_config(checkout, user_env)
     assert [line[:11] for line in report] == labels, done.stdout  # a warning: every reward 0 on the tiny model
     assert report[0].startswith("check: 4 prompts from arithmetic, 4 completions each, ")
     assert report[-1].startswith("check: ok (mean |log-ratio| "), done.stdout
+
+
+def test_rollouts_view_as_written_serves_the_runs_groups_until_ctrl_c(checkout, user_env, tmp_path):
+    """`rollouts view` as written (the demo config from `.env`, the tiny model standing in) over the
+    demo run's samples stream, here the checked-in recording's groups (sampled with the tiny model)
+    replayed into it; Ctrl-C stops it."""
+    port = int(user_env["REDIS_PORT"])
+    server = start_redis(tmp_path / "redis", port)
+    view = None
+    try:
+        replay(redis.Redis(port=port), Keys("demo"), ROOT / "tests" / "data" / "tiny_pipeline.rec", only=["samples"])
+        view = Shell(block(".venv/bin/rollouts view").text, cwd=checkout, env=user_env, log=tmp_path / "view.log")
+        url = view.wait_for(r"rollouts view: run 'demo' at (http://127\.0\.0\.1:\d+/) \(Ctrl-C stops\)",
+                            timeout=180, what="the page's address")[1]
+        with urllib.request.urlopen(url, timeout=60) as reply:
+            page = reply.read().decode()
+        assert "20 groups read from the samples stream of run &#39;demo&#39;" in page, page[:3000]
+        assert page.count('<section class="group"') == 20 and "What is 16 + 0? Answer with just the number." in page
+        os.killpg(view.proc.pid, signal.SIGINT)
+        assert view.wait(60) == 0, view.text()[-3000:]
+        assert "rollouts view: stopped" in view.text()
+    finally:
+        if view is not None:
+            view.kill()
+        server.terminate()
+        server.wait(timeout=30)
 
 
 # ---------------------------------------------------------------------- GPUs, on CPU processes

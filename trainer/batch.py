@@ -13,8 +13,7 @@ import torch
 from torch import Tensor
 
 from common.messages import SampleGroup, token_versions
-from common.shaping import shaped_rewards
-from trainer.grpo import Estimator, group_advantages
+from common.shaping import Estimator, completion_advantages
 from trainer.logprobs import Packed
 
 
@@ -90,15 +89,12 @@ def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: s
     assert objective == "sft" or len(group.completions) >= 2, \
         f"group {group.id}: {len(group.completions)} completions, need >= 2"
     assert overlong in ("none", "mask", "penalty"), f"overlong must be none, mask or penalty, got {overlong!r}"
-    rewards = shaped_rewards(group, overlong=overlong, overlong_penalty=overlong_penalty)
-    scored = [objective == "sft" or x is not None for x in rewards]
-    advantages = [0.0] * len(group.completions)
-    if objective != "sft" and sum(scored) >= 2:
-        kept = group_advantages(torch.tensor([[r for r, ok in zip(rewards, scored, strict=True) if ok]],
-                                             dtype=torch.float32), estimator)[0].tolist()  # (n_scored,)
-        advantages = [kept.pop(0) if ok else 0.0 for ok in scored]
+    if objective == "sft":
+        found: list[float | None] = [0.0] * len(group.completions)
     else:
-        scored = [objective == "sft"] * len(group.completions)
+        found = completion_advantages(group, estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty)
+    scored = [a is not None for a in found]
+    advantages = [a or 0.0 for a in found]
     prompt = np.asarray(group.prompt_ids)
     rows = []
     for c, adv, ok in zip(group.completions, advantages, scored, strict=True):

@@ -4,40 +4,15 @@ policy losses are in trainer/losses/, one file each."""
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor
 
+# The advantages are common's (the trainer's, and `rollouts view`'s colours): named here for the trainer.
+from common.shaping import Estimator as Estimator
+from common.shaping import group_advantages as group_advantages
 from trainer.stats import Mismatch
 
-Estimator = Literal["grpo", "dr_grpo", "rloo"]
-
 TRUNCATED_LOGP = -1e4  # log-prob of a token the sampler's truncation cut (probability 0)
-
-
-def group_advantages(rewards: Tensor, estimator: Estimator = "grpo", eps: float = 1e-6) -> Tensor:
-    """Advantages of rewards shaped (G, n): G groups of n completions.
-
-    - grpo: (r - group mean) / (group std + eps), the std unbiased (divides by n - 1) as TRL's
-      GRPOTrainer computes it; a group whose rewards are all equal gets 0 everywhere.
-    - dr_grpo: r - group mean (Dr. GRPO drops the std, which over-weights easy/hard groups).
-    - rloo: r - mean of the other n - 1 rewards (leave-one-out baseline) = n / (n - 1) * (r - mean).
-    """
-    assert rewards.dim() == 2, f"rewards must be (groups, completions), got shape {tuple(rewards.shape)}"
-    n = rewards.shape[1]
-    assert n >= 2, f"a group needs at least 2 completions, got {n}"
-    rewards = rewards.float()
-    mean = rewards.mean(dim=1, keepdim=True)  # (G, 1)
-    if estimator == "grpo":
-        std = rewards.std(dim=1, keepdim=True, unbiased=True)  # (G, 1)
-        return (rewards - mean) / (std + eps)  # (G, n)
-    if estimator == "dr_grpo":
-        return rewards - mean  # (G, n)
-    if estimator == "rloo":
-        others = (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)  # (G, n)
-        return rewards - others
-    raise ValueError(f"unknown advantage estimator {estimator!r}; expected grpo, dr_grpo or rloo")
 
 
 def token_logprobs(logits: Tensor, targets: Tensor, temperature: float, *, top_k: int = 0,

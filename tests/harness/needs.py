@@ -1,4 +1,4 @@
-"""What a test needs of this machine (vLLM, root): fail where it is missing by accident, skip
+"""What a test needs of this machine (vLLM, root, Chromium): fail where it is missing by accident, skip
 where the environment says it has none on purpose."""
 
 from __future__ import annotations
@@ -37,3 +37,21 @@ def need(engine: str) -> None:
     """What the engine `engine` ("hf" or "vllm") needs: vLLM installed, for "vllm"."""
     if engine == "vllm":
         need_vllm()
+
+
+def need_chromium() -> str:
+    """The Chromium that tests drive headless (Debian's `chromium`, which ./ops/test installs where
+    it can: root and apt). Where there is none, skip saying so; in CI (CI set) fail instead, so a
+    runner that lost it does not quietly stop looking at the page in a browser, unless
+    ROLLOUTS_NO_ROOT=1 says the environment has no root to install it with."""
+    import shutil
+
+    import pytest
+
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    reason = "no chromium on PATH (Debian: apt-get install chromium; ./ops/test installs it as root)"
+    if os.environ.get("CI") and not os.environ.get(ENV_NO_ROOT):
+        pytest.fail(f"{reason}: CI is set, so this fails instead of skipping ({ENV_NO_ROOT}=1 skips it)")
+    pytest.skip(reason)
