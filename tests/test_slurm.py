@@ -88,7 +88,7 @@ def test_a_slurm_job_trains_stops_on_scancel_with_its_step_saved_and_resumes_whe
         print(f"\n--- job {first}: submitted, cancelled ---\n{text}")
         saved = int(re.search(r"^trainer: stopped at step (\d+)$", text, re.M)[1])
         assert (run_dir / "trainer_state" / f"step_{saved}").is_dir(), text
-        assert "giving up" not in text and "second signal" not in text, text
+        assert "giving up" not in text and "second signal" not in text and "worker died" not in text, text
         assert re.search(r"^slurm: redis stopped \(0\)$", text, re.M), text
         exits = dict(re.findall(r"^slurm: (\w+) step exited (-?\d+)", text, re.M))
         assert exits == {"producer": "0", "trainer": "0", "generators": "0", "evaluator": "0"}, text
@@ -104,7 +104,7 @@ def test_a_slurm_job_trains_stops_on_scancel_with_its_step_saved_and_resumes_whe
         cancel_and_wait(second, env, config, out2)
         text = output(out2)
         print(f"\n--- job {second}: the same script submitted again, cancelled ---\n{text}")
-        assert "giving up" not in text and "second signal" not in text, text
+        assert "giving up" not in text and "second signal" not in text and "worker died" not in text, text
     acc = audit(run_dir, port)
     report("scancel twice", acc, acc)
     assert_accounted(acc)

@@ -19,12 +19,13 @@ pending, and this launcher shuts it down (SHUTDOWN: the append-only file flushed
 has ended, or 1 s before KillWait runs out. torchrun is started deaf to SIGTERM (ops/slurm/torchrun.py):
 its ranks get Slurm's signal themselves, and a second one from torchrun would make them exit at once.
 
-Slurm does not signal the batch step on `scancel --signal=TERM JOBID`, nor when `--signal=TERM@N`
-(without B:) warns of the time limit; the steps get it and stop, and so does everything here
-once they have. SIGUSR1 to this launcher (`#SBATCH --signal=B:USR1@N`, or `scancel --batch
---signal=USR1 JOBID`) stops the run the same way, its steps signalled once through scancel. A
-step that ends by itself (the trainer at `max_steps`, or a process that failed) stops the others,
-as honcho does under ./ops/run; there is no restart here: submit the job again to resume.
+SIGUSR1 to this launcher (`#SBATCH --signal=B:USR1@N` before the time limit, or `scancel --batch
+--signal=USR1 JOBID`) stops the run the same way, with the same deadline: every step gets SIGTERM
+once, through `scancel --signal=TERM` (which spares the batch step, so Redis). A step that ends by
+itself (the trainer at `max_steps`, or a process that failed) stops the others so, as honcho does
+under ./ops/run; nothing is restarted here: submit the job again to resume. Not for this launcher:
+`scancel --signal=TERM JOBID` or `--signal=TERM@N` without B:, which reach the steps and not this
+launcher; it would signal the others again when the first ends, and a second SIGTERM is "exit now".
 
 Settings, from the environment: TRAINER_NODES (1), TRAINER_PROCS_PER_NODE (1, or "gpu": one rank
 per GPU of the first node), GENERATORS_PER_NODE (1, or "gpu"), RDZV_PORT (29500: the trainer's
@@ -53,6 +54,7 @@ from common.config import ConfigError, load_config
 HERE = Path(__file__).resolve().parent
 REDIS_MARGIN_S = 1.0  # Redis is shut down this long before Slurm's SIGKILL
 POLL_S = 0.2
+SCANCEL = "SIGTERM from Slurm (scancel, or the time limit)"
 
 
 def say(line: str) -> None:
@@ -217,35 +219,28 @@ def main() -> int:  # noqa: C901, PLR0912 - one loop: start, watch, stop in orde
     if len(nodes) > 1 and not spec.password:
         say("warning: Redis listens on the cluster's network without a password (put one in redis_url)")
 
-    stops: list[tuple[str, float]] = []  # why and when the stop began (monotonic)
-    signal.signal(signal.SIGTERM, lambda s, f: stops.append(("SIGTERM (scancel): every step has it", time.monotonic())))
+    stops: list[tuple[str, float]] = []  # why the run stops, and since when (monotonic)
+    signal.signal(signal.SIGTERM, lambda s, f: stops.append((SCANCEL, time.monotonic())))
     signal.signal(signal.SIGUSR1, lambda s, f: stops.append(("SIGUSR1", time.monotonic())))
     server = start_redis(spec, lay.head)
     say(f"redis up on {lay.head}:{spec.port}, append-only files in {spec.dir}")
     steps = {} if stops else start_steps(lay, sys.executable)
-    status: dict[str, int] = {}
-    signalled = bool(stops) and stops[0][0].startswith("SIGTERM")
-    while True:
-        for name, step in steps.items():
-            if name not in status and step.poll() is not None:
-                status[name] = step.returncode
-                say(f"{name} step exited {step.returncode}")
-                if not stops:
-                    stops.append((f"the {name} step ended", time.monotonic()))
-        if server.poll() is not None and "redis" not in status:
-            status["redis"] = server.returncode
-            say(f"redis-server exited {server.returncode}")
-            stops.append(("redis-server ended", time.monotonic()))
+    status: dict[str, int] = {}  # the exit status of each step (and Redis) that ended
+    signalled = False  # the steps have their SIGTERM (from Slurm itself, or from here)
+    while not stops or not (set(steps) <= set(status) or time.monotonic() > stops[0][1] + grace - REDIS_MARGIN_S):
+        for name, ended in [*steps.items(), ("redis", server)]:
+            if name not in status and ended.poll() is not None:
+                status[name] = ended.returncode
+                say(f"{name} {'step ' if name in steps else ''}exited {ended.returncode}")
+                stops.append((f"the {name} {'step' if name in steps else 'server'} ended", time.monotonic()))
         if stops and not signalled:
-            say(f"stopping ({stops[0][0]}): SIGTERM to every step")
-            signal_steps()
             signalled = True
-        if stops and (len(status) >= len(steps) + ("redis" in status)
-                      or time.monotonic() > stops[0][1] + grace - REDIS_MARGIN_S):
-            break
+            if stops[0][0] == SCANCEL:
+                say(f"stopping: {SCANCEL}, every step has it; Redis stops once they end")
+            else:
+                say(f"stopping: {stops[0][0]}; SIGTERM to every step")
+                signal_steps()
         time.sleep(POLL_S)
-    if stops[0][0].startswith("SIGTERM"):
-        say(f"stopping ({stops[0][0]})")
     running = [name for name in steps if name not in status]
     code = shutdown_redis(server, spec)
     say(f"redis stopped ({code})" + (f"; still running: {', '.join(running)}" if running else ""))
