@@ -109,3 +109,51 @@ def test_a_slurm_job_trains_stops_on_scancel_with_its_step_saved_and_resumes_whe
     report("scancel twice", acc, acc)
     assert_accounted(acc)
     assert acc["duplicate"] == 0 and acc["trained"] >= 4 * (saved + 2), acc
+
+
+@pytest.mark.slow
+def test_sigusr1_to_the_batch_step_stops_the_job_and_a_job_that_reaches_max_steps_completes(tmp_path, tiny_model):
+    """The launcher's own stop (what `--signal=B:USR1@N` does before the time limit): every step
+    signalled once through scancel, Redis spared until they end; then, submitted again, the trainer
+    reaching max_steps ends the job by itself, COMPLETED with every step's status 0."""
+    port = free_port()
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    write_config(config, run=RUN, redis_url=f"redis://127.0.0.1:{port}/0", output_dir=run_dir, model=tiny_model,
+                 trainer={"max_steps": 1000})
+    r = redis.Redis(port=port)
+    with one_host_cluster(tmp_path / "slurm", kill_wait_s=KILL_WAIT_S) as slurm:
+        env = process_env({**slurm, "ROLLOUTS_CONFIG": str(config), "RDZV_PORT": str(free_port())})
+        first = sbatch(SCRIPT, f"--output={tmp_path}/job-%j.out", cwd=ROOT, env=env)
+        out1 = tmp_path / f"job-{first}.out"
+        wait_for(lambda: step(r) >= 2, timeout=600, what=f"step 2 of job {first} ({out1})")
+        r.close()
+        assert run_once(f"scancel --batch --signal=USR1 {first}", cwd=ROOT, env=env).returncode == 0
+        wait_for(lambda: job_state(first, env) == "COMPLETED", timeout=KILL_WAIT_S + 120,
+                 what=f"job {first} completed after SIGUSR1 ({out1})")
+        text = out1.read_text(errors="replace")
+        print(f"\n--- job {first}: SIGUSR1 to its batch step ---\n{text}")
+        assert "slurm: stopping: SIGUSR1; SIGTERM to every step" in text, text
+        saved = int(re.search(r"^trainer: stopped at step (\d+)$", text, re.M)[1])
+        exits = dict(re.findall(r"^slurm: (\w+) step exited (-?\d+)", text, re.M))
+        assert exits == {"producer": "0", "trainer": "0", "generators": "0", "evaluator": "0"}, text
+        assert re.search(r"^slurm: redis stopped \(0\)$", text, re.M), text
+        assert "giving up" not in text and "second signal" not in text and "worker died" not in text, text
+        wait_for(lambda: not running_under(config), timeout=60, what="every process of the run gone")
+
+        env["ROLLOUTS_TRAINER__MAX_STEPS"] = str(saved + 2)
+        second = sbatch(SCRIPT, f"--output={tmp_path}/job-%j.out", cwd=ROOT, env=env)
+        out2 = tmp_path / f"job-{second}.out"
+        wait_for(lambda: job_state(second, env) == "COMPLETED", timeout=600,
+                 what=f"job {second} completed at max_steps {saved + 2} ({out2})")
+        text = out2.read_text(errors="replace")
+        print(f"\n--- job {second}: submitted again with max_steps {saved + 2} ---\n{text}")
+        assert f"trainer: resuming at step {saved} from its trainer state" in text, text
+        assert f"trainer: stopped at step {saved + 2}" in text, text
+        assert "slurm: stopping: the trainer step ended; SIGTERM to every step" in text, text
+        exits = dict(re.findall(r"^slurm: (\w+) step exited (-?\d+)", text, re.M))
+        assert exits == {"producer": "0", "trainer": "0", "generators": "0", "evaluator": "0"}, text
+        wait_for(lambda: not running_under(config), timeout=60, what="every process of the run gone")
+    acc = audit(run_dir, port)
+    assert_accounted(acc)
+    assert acc["duplicate"] == 0 and acc["trained"] >= 4 * (saved + 2), acc
