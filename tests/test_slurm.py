@@ -86,7 +86,9 @@ def test_a_slurm_job_trains_stops_on_scancel_with_its_step_saved_and_resumes_whe
         cancel_and_wait(first, env, config, out1)
         text = output(out1)
         print(f"\n--- job {first}: submitted, cancelled ---\n{text}")
-        saved = int(re.search(r"^trainer: stopped at step (\d+)$", text, re.M)[1])
+        stopped = re.search(r"^trainer: stopped at step (\d+)$", text, re.M)
+        assert stopped, f"the trainer did not save its step:\n{text}"
+        saved = int(stopped[1])
         assert (run_dir / "trainer_state" / f"step_{saved}").is_dir(), text
         assert "giving up" not in text and "second signal" not in text and "worker died" not in text, text
         assert re.search(r"^slurm: redis stopped \(0\)$", text, re.M), text
@@ -134,7 +136,9 @@ def test_sigusr1_to_the_batch_step_stops_the_job_and_a_job_that_reaches_max_step
         text = out1.read_text(errors="replace")
         print(f"\n--- job {first}: SIGUSR1 to its batch step ---\n{text}")
         assert "slurm: stopping: SIGUSR1; SIGTERM to every step" in text, text
-        saved = int(re.search(r"^trainer: stopped at step (\d+)$", text, re.M)[1])
+        stopped = re.search(r"^trainer: stopped at step (\d+)$", text, re.M)
+        assert stopped, f"the trainer did not save its step:\n{text}"
+        saved = int(stopped[1])
         exits = dict(re.findall(r"^slurm: (\w+) step exited (-?\d+)", text, re.M))
         assert exits == {"producer": "0", "trainer": "0", "generators": "0", "evaluator": "0"}, text
         assert re.search(r"^slurm: redis stopped \(0\)$", text, re.M), text
