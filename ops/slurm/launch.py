@@ -29,8 +29,9 @@ launcher; it would signal the others again when the first ends, and a second SIG
 
 Settings, from the environment: TRAINER_NODES (1), TRAINER_PROCS_PER_NODE (1, or "gpu": one rank
 per GPU of the first node), GENERATORS_PER_NODE (1, or "gpu"), RDZV_PORT (29500: the trainer's
-rendezvous). Redis listens on the port of the config's redis_url, with its password; every process
-is pointed at it on the first node (ROLLOUTS_REDIS_URL).
+rendezvous). Redis listens on the port of the config's redis_url, with its password, on the
+loopback interface of a one-node allocation, on every interface of the first node otherwise (put a
+password in redis_url: README "Across machines"); every process is pointed at it (ROLLOUTS_REDIS_URL).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -116,18 +116,18 @@ def layout(nodes: list[str]) -> Layout:
 class RedisSpec:
     port: int
     password: str | None
-    url: str  # the config's redis_url with the first node as its host
+    url: str  # the config's redis_url on the first node (127.0.0.1 when it is the only one)
     dir: Path  # its append-only files: <output_dir>/redis
 
 
-def redis_spec(config_url: str, head: str, output_dir: str) -> RedisSpec:
+def redis_spec(config_url: str, host: str, output_dir: str) -> RedisSpec:
     parts = urlsplit(config_url)
     if parts.scheme != "redis":
         sys.exit(f"slurm: this launcher starts a plain Redis; the config's redis_url must be redis://..., "
                  f"got {parts.scheme}://")
     port = parts.port or 6379
     auth = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
-    return RedisSpec(port=port, password=parts.password, url=urlunsplit(parts._replace(netloc=f"{auth}{head}:{port}")),
+    return RedisSpec(port=port, password=parts.password, url=urlunsplit(parts._replace(netloc=f"{auth}{host}:{port}")),
                      dir=Path(output_dir) / "redis")
 
 
@@ -135,13 +135,13 @@ def block_sigterm() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
-def start_redis(spec: RedisSpec, head: str) -> subprocess.Popen:
-    """redis-server on every address the other nodes reach the first one by, SIGTERM blocked
-    (Slurm's stays pending: `shutdown_redis` stops it once its clients are gone)."""
+def start_redis(spec: RedisSpec, *, alone: bool) -> subprocess.Popen:
+    """redis-server, SIGTERM blocked (Slurm's stays pending: `shutdown_redis` stops it once its
+    clients are gone); on the loopback interface when the allocation is one node (`alone`), else
+    on every interface, for the other nodes."""
     spec.dir.mkdir(parents=True, exist_ok=True)
-    binds = sorted({"127.0.0.1", socket.gethostbyname(head)})
-    argv = ["redis-server", "--port", str(spec.port), "--bind", *binds, "--appendonly", "yes",
-            "--dir", str(spec.dir.resolve()), "--save", ""]
+    argv = ["redis-server", "--port", str(spec.port), "--bind", "127.0.0.1" if alone else "0.0.0.0",
+            "--appendonly", "yes", "--dir", str(spec.dir.resolve()), "--save", ""]
     if spec.password:
         argv += ["--requirepass", spec.password]
     server = subprocess.Popen(argv, preexec_fn=block_sigterm)  # noqa: PLW1509 - only a signal mask
@@ -203,13 +203,15 @@ def signal_steps() -> None:
 # ---------------------------------------------------------------------- the run
 
 def main() -> int:  # noqa: C901, PLR0912 - one loop: start, watch, stop in order
+    if "SLURM_JOB_NODELIST" not in os.environ:
+        sys.exit("slurm: no Slurm allocation here: submit ops/slurm/rollouts.sbatch with sbatch")
     try:
         config = load_config()
     except ConfigError as err:
         sys.exit(f"slurm: {err}")
     nodes = scontrol("show", "hostnames", os.environ["SLURM_JOB_NODELIST"]).split()
     lay = layout(nodes)
-    spec = redis_spec(config.redis_url, lay.head, config.output_dir)
+    spec = redis_spec(config.redis_url, "127.0.0.1" if len(nodes) == 1 else lay.head, config.output_dir)
     grace = kill_wait_s()
     os.environ.update(ROLLOUTS_REDIS_URL=spec.url, STOP_GRACE_S=f"{grace:g}", PYTHONUNBUFFERED="1")
     say(f"job {os.environ.get('SLURM_JOB_ID')} run {config.run!r}: redis, producer, evaluator on {lay.head}; "
@@ -217,12 +219,12 @@ def main() -> int:  # noqa: C901, PLR0912 - one loop: start, watch, stop in orde
         f"{lay.generators_per_node} generator(s) on each of {','.join(lay.generator_nodes)}; "
         f"KillWait {grace:g} s (STOP_GRACE_S)")
     if len(nodes) > 1 and not spec.password:
-        say("warning: Redis listens on the cluster's network without a password (put one in redis_url)")
+        say("warning: Redis listens on the cluster's network without a password: put one in redis_url")
 
     stops: list[tuple[str, float]] = []  # why the run stops, and since when (monotonic)
     signal.signal(signal.SIGTERM, lambda s, f: stops.append((SCANCEL, time.monotonic())))
     signal.signal(signal.SIGUSR1, lambda s, f: stops.append(("SIGUSR1", time.monotonic())))
-    server = start_redis(spec, lay.head)
+    server = start_redis(spec, alone=len(nodes) == 1)
     say(f"redis up on {lay.head}:{spec.port}, append-only files in {spec.dir}")
     steps = {} if stops else start_steps(lay, sys.executable)
     status: dict[str, int] = {}  # the exit status of each step (and Redis) that ended
