@@ -12,7 +12,7 @@ import redis
 
 from common.keys import Keys
 from common.progress import read_trainer
-from tests.harness.audit import accounting, assert_accounted, report
+from tests.harness.audit import accounting, assert_accounted
 from tests.harness.configs import write_config
 from tests.harness.processes import ROOT, process_env, run_once, wait_for
 from tests.harness.servers import free_port, start_redis
@@ -94,9 +94,9 @@ def test_a_slurm_job_trains_stops_on_scancel_with_its_step_saved_and_resumes_whe
         assert re.search(r"^slurm: redis stopped \(0\)$", text, re.M), text
         exits = dict(re.findall(r"^slurm: (\w+) step exited (-?\d+)", text, re.M))
         assert exits == {"producer": "0", "trainer": "0", "generators": "0", "evaluator": "0"}, text
-        acc = audit(run_dir, port)
-        report("scancel", acc, acc)
-        assert_accounted(acc)
+        before = audit(run_dir, port)
+        print(f"accounting after job {first}: {before}")
+        assert_accounted(before)
 
         second, out2 = submit()
         wait_for(lambda: re.search(rf"^trainer: resuming at step {saved} from its trainer state", output(out2), re.M)
@@ -108,9 +108,9 @@ def test_a_slurm_job_trains_stops_on_scancel_with_its_step_saved_and_resumes_whe
         print(f"\n--- job {second}: the same script submitted again, cancelled ---\n{text}")
         assert "giving up" not in text and "second signal" not in text and "worker died" not in text, text
     acc = audit(run_dir, port)
-    report("scancel twice", acc, acc)
+    print(f"accounting after job {second}: {acc}")
     assert_accounted(acc)
-    assert acc["duplicate"] == 0 and acc["trained"] >= 4 * (saved + 2), acc
+    assert acc["duplicate"] == 0 and acc["trained"] > before["trained"], (before, acc)
 
 
 @pytest.mark.slow
@@ -144,6 +144,8 @@ def test_sigusr1_to_the_batch_step_stops_the_job_and_a_job_that_reaches_max_step
         assert re.search(r"^slurm: redis stopped \(0\)$", text, re.M), text
         assert "giving up" not in text and "second signal" not in text and "worker died" not in text, text
         wait_for(lambda: not running_under(config), timeout=60, what="every process of the run gone")
+        before = audit(run_dir, port)
+        assert_accounted(before)
 
         env["ROLLOUTS_TRAINER__MAX_STEPS"] = str(saved + 2)
         second = sbatch(SCRIPT, f"--output={tmp_path}/job-%j.out", cwd=ROOT, env=env)
@@ -160,4 +162,4 @@ def test_sigusr1_to_the_batch_step_stops_the_job_and_a_job_that_reaches_max_step
         wait_for(lambda: not running_under(config), timeout=60, what="every process of the run gone")
     acc = audit(run_dir, port)
     assert_accounted(acc)
-    assert acc["duplicate"] == 0 and acc["trained"] >= 4 * (saved + 2), acc
+    assert acc["duplicate"] == 0 and acc["trained"] > before["trained"], (before, acc)
