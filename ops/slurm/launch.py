@@ -6,8 +6,10 @@ On the allocation's first node: Redis (append-only, its files in `<output_dir>/r
 submitted again resumes from them), the producer and the evaluator. The trainer under torchrun
 on the first TRAINER_NODES nodes (one `srun` step, one torchrun per node, rendezvous on the first
 of them), generators on every node after those (GENERATORS_PER_NODE each), or on the first node
-when the allocation has no other. Every process but Redis is an `srun` step of its own, so a
-signal Slurm sends the job's steps reaches each of them exactly once.
+when the allocation has no other. Every process but Redis runs in an `srun` step of its own.
+Slurm signals every process of a step, children included, so each gets a signal of Slurm's
+exactly once provided nothing passes it on: torchrun does not (below), nor ops/respawn (not used
+here), and a generator's reward and environment workers ignore it (generators/processes.py).
 
 How it stops. `scancel` makes Slurm send SIGTERM to every process of the job at once, steps and
 batch step alike, then SIGKILL KillWait seconds later (a setting of the cluster: `scontrol show
