@@ -2,7 +2,11 @@
 crash): starting them with "spawn", their start-up handshake, replacing one, killing and reaping.
 
 A worker runs `serve_worker(load, serve, ...)`: its own process group (a kill takes whatever the
-user code started along), a thread that ends it once the generator is gone, then `load()` (the
+user code started along), deaf to SIGTERM and SIGINT (they are the generator's to handle: a
+launcher that signals every process, as Slurm does a step's, would otherwise end the workers that
+the generator still needs to finish the prompts it holds; a handler that does nothing, not
+SIG_IGN, so that what the user code starts gets the default back), a thread that ends it once the
+generator is gone, then `load()` (the
 user's modules) answered on the pipe by ("ready", None) or ("failed", why), then `serve(loaded,
 conn)` until the pipe closes. Scoring and environment requests each have their own protocol on
 top (generators/scoring.py, generators/environments.py).
@@ -54,8 +58,10 @@ def kill(process: BaseProcess, conn: Connection) -> None:
 
 def serve_worker(load: Callable[[], Any], serve: Callable[[Any, Connection], None], conn: Connection,
                  parent: int) -> None:
-    """A worker's life: its own process group, `load()` (a ValueError is answered as "failed"),
-    then `serve` until the pipe closes."""
+    """A worker's life: its own process group, deaf to the stop signals, `load()` (a ValueError is
+    answered as "failed"), then `serve` until the pipe closes."""
+    signal.signal(signal.SIGTERM, _deaf)
+    signal.signal(signal.SIGINT, _deaf)
     os.setpgrp()
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     try:
@@ -65,6 +71,10 @@ def serve_worker(load: Callable[[], Any], serve: Callable[[Any, Connection], Non
         return
     conn.send(("ready", None))
     serve(loaded, conn)
+
+
+def _deaf(signum: int, frame: object) -> None:
+    """A stop signal, in a worker: the generator decides when its workers end."""
 
 
 def _exit_with_parent(parent: int) -> None:

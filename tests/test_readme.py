@@ -121,6 +121,10 @@ RUN = {
 # Each block that does not run here, and why.
 NOT_RUN = {
     "./ops/test": "the test suite itself: .ci/run runs it on a fresh clone",
+    "ROLLOUTS_CONFIG=configs/gsm8k.toml TRAINER_NODES=2 TRAINER_PROCS_PER_NODE=gpu GENERATORS_PER_NODE=gpu sbatch "
+    "--nodes 4 ops/slurm/rollouts.sbatch":
+        "four GPU nodes of a Slurm cluster: tests/test_slurm.py submits this script to a one-host Slurm of its own, "
+        "on the tiny model",
     "text: producer ──prompts stream──▶ generator × N ──samples stream──▶ trainer": "a picture, not a command",
     QUARANTINED: "output, not a command: tests/test_quarantine.py's live run reads such a line from rollouts status",
 }

@@ -1,6 +1,7 @@
 """RewardRunner: rewards in spawned worker processes, each completion within a time budget."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -249,3 +250,13 @@ def test_a_worker_reaped_by_another_thread_is_still_killed_and_closed():
     with pytest.raises(ValueError, match="closed"):
         _ = worker.exitcode  # closed: its resources are released
     assert ours.closed
+
+
+def test_a_worker_outlives_the_stop_signals_its_generator_handles():
+    # Slurm signals every process of a step: the generator finishing its held prompts needs its workers
+    with RewardRunner({"h": f"{FIX}:half"}, timeout_s=5, workers=1) as runner:
+        [pid] = runner.pids()
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGINT)
+        assert runner.score("h", prompt="p", completions=group("a"), meta={}) == [Scored(0.5, {"reward": 0.5}, None)]
+        assert runner.pids() == [pid]
