@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
+import os
 import re
 import shutil
 import struct
@@ -174,6 +175,34 @@ def verify_dir(path: str | Path, checksums: dict[str, str]) -> None:
             raise CheckpointError(f"checkpoint {root}: {name} has checksum {got[:21]}…, published {want[:21]}…")
     if not any(n.endswith(".safetensors") for n in checksums):
         raise CheckpointError(f"checkpoint {root}: no .safetensors file among {sorted(checksums)}")
+
+
+def pin_checkpoint(path: str | Path, checksums: dict[str, str], root: Path, name: str,
+                   keep: Path | None = None) -> Path | None:
+    """Hard links to checkpoint `path`'s listed files in `root`/`name` (every other pin under `root`
+    removed but `keep`, the one an engine is loading): the trainer may prune `path` while a
+    generator that verified it still waits to load it, and the links keep the files. Verify the
+    pin, not `path`: a file replaced before it was linked fails its checksum. None where links
+    cannot be made (`root` on another file system): `path` is loaded as it is; CheckpointError if a
+    file is gone already."""
+    pin = root / name
+    if root.is_dir():
+        for old in root.iterdir():
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+    pin.mkdir(parents=True)
+    for file in checksums:
+        if "/" in file or file in ("", ".", ".."):
+            raise CheckpointError(f"checkpoint {path}: file name {file!r} is not a plain name")
+        try:
+            os.link(Path(path) / file, pin / file)
+        except FileNotFoundError:
+            shutil.rmtree(pin, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {path}: {file} is missing (pruned before it was loaded?)") from None
+        except OSError:  # another file system, or one without hard links
+            shutil.rmtree(pin, ignore_errors=True)
+            return None
+    return pin
 
 
 def prune_steps(root: Path, *, keep: int, newest: int | None = None, spare: Path | None = None) -> None:

@@ -173,7 +173,12 @@ class VLLMEngine:
         # (repacked just below). Only those warnings are silenced.
         expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if self._tied else set())
         with _without_reload_warnings(expected):
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            except Exception as err:  # vLLM's layer-wise reload has let go of the old tensors by then
+                raise RuntimeError(f"vLLM could not reload {path} ({type(err).__name__}: {err}); the engine's "
+                                   "weights are no longer whole, so the generator stops (a launcher starts it "
+                                   "again on the newest weights)") from err
         if self._tied:
             self.llm.collective_rpc(_refresh_tied_lm_head)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import shutil
 import sys
 import time
 from collections import deque
@@ -43,7 +44,7 @@ async def engine_loop(g: Generator, state: State) -> None:
         newer = state.latest is not None and state.latest != state.acted_on or state.went_back is not None
         if newer and (g.settings.inflight_updates or not g.engine.has_unfinished()) and not state.episodes:
             await load_weights(state, g.engine, g.engine_thread, name=g.name, weights_url=g.settings.weights_url,
-                               fetch_dir=g.fetch_dir)
+                               fetch_dir=g.fetch_dir, pin_root=pin_root(g))
             newer = state.went_back is not None  # an older version waits for the engine to drain
         if state.turns and running < g.engine.max_running:  # episodes in flight go on, newer weights or not
             running += await add_turns(g, state, room=g.engine.max_running - running)
@@ -159,8 +160,14 @@ def weights_pending(state: State) -> bool:
     return state.latest is not None and state.latest != state.acted_on and not state.episodes
 
 
+def pin_root(g: Generator) -> Path:
+    """Where this generator pins the checkpoint it is about to load (beside the fetched ones)."""
+    return g.fetch_dir / f"pinned-{g.id}"
+
+
 async def load_weights(state: State, engine: Engine, engine_thread: concurrent.futures.Executor, *,
-                       name: str, weights_url: str = "", fetch_dir: Path | None = None) -> None:
+                       name: str, weights_url: str = "", fetch_dir: Path | None = None,
+                       pin_root: Path | None = None) -> None:
     """Load the WeightVersion in `state.latest` if it is newer than the engine's, once its files
     are verified (the check begun when it was announced, else one begun now); a refusal (the
     payload does not decode, the files fail their checksums or do not fit the model) is counted
@@ -177,7 +184,8 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
     t0, loading_at = time.perf_counter(), time.time()
     checked = state.checked
     if checked is None or checked.blob != blob:
-        checked = state.checked = await check(Checked(blob), weights_url=weights_url, fetch_dir=fetch_dir)
+        checked = state.checked = await check(Checked(blob), weights_url=weights_url, fetch_dir=fetch_dir,
+                                              pin_root=pin_root)
     await checked.done.wait()
     t1 = time.perf_counter()
     wv = checked.wv
@@ -195,11 +203,18 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
             state.went_back = blob
             return
         before = engine.version
+        state.loading = checked.pinned
         try:
             await run_on_engine(engine_thread, lambda: engine.load_weights(checked.path, version=wv.version))
         except OSError as err:  # a file gone between the check and the load: nothing was copied yet
             raise CheckpointError(f"checkpoint {checked.path} could not be read ({err}): removed or replaced "
                                   "after it was checked") from None
+        finally:
+            state.loading = None
+            if checked.pinned is not None:  # loaded (or not): the links have done their work
+                shutil.rmtree(checked.pinned, ignore_errors=True)
+                if state.checked is checked:
+                    state.checked = None
     except CheckpointError as err:
         state.weights_refused += 1
         state.last_refusal = str(err)
@@ -250,7 +265,8 @@ async def watch_weights(g: Generator, state: State) -> None:
         state.wake.set()  # an idle engine loop loads it now
         if state.checked is None or state.checked.blob != got.blob:
             state.checked = Checked(got.blob)
-            await check(state.checked, weights_url=g.settings.weights_url, fetch_dir=g.fetch_dir)
+            await check(state.checked, weights_url=g.settings.weights_url, fetch_dir=g.fetch_dir,
+                        pin_root=pin_root(g), loading=state.loading)
 
 
 def timeline(state: State, wv: WeightVersion, *, loading_at: float) -> tuple[float, float]:

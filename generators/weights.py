@@ -28,7 +28,7 @@ import redis
 import trio
 
 from common.checkpoint_server import fetch_checkpoint
-from common.checkpoints import CheckpointError, verify_dir
+from common.checkpoints import CheckpointError, pin_checkpoint, verify_dir
 from common.keys import PAYLOAD, Keys
 from common.messages import MessageError, WeightVersion, decode_weights
 
@@ -140,14 +140,18 @@ class Checked:
     done: trio.Event = field(default_factory=trio.Event)
     wv: WeightVersion | None = None
     path: str = ""  # where the verified files are
+    pinned: Path | None = None  # hard links to them, which the trainer's pruning leaves (`path`)
     error: str = ""  # why it is refused; "" when it may be loaded
     seconds: float = 0.0  # spent verifying (or fetching)
 
 
-async def check(checked: Checked, *, weights_url: str = "", fetch_dir: Path | None = None) -> Checked:
+async def check(checked: Checked, *, weights_url: str = "", fetch_dir: Path | None = None,
+                pin_root: Path | None = None, loading: Path | None = None) -> Checked:
     """Decode `checked.blob` and verify its files (in a worker thread), filling `checked` in and
     setting `checked.done`; a payload that does not decode or files that fail their checksums
-    leave the reason in `checked.error`."""
+    leave the reason in `checked.error`. With `pin_root`, the files of a checkpoint on a shared
+    disk are pinned there first (common/checkpoints.py:pin_checkpoint) and loaded from the pin; the
+    pin in `loading` (being read by the engine) is left alone."""
     t0 = time.perf_counter()
     try:
         wv = checked.wv = decode_weights(checked.blob)
@@ -155,8 +159,12 @@ async def check(checked: Checked, *, weights_url: str = "", fetch_dir: Path | No
             path = await trio.to_thread.run_sync(partial(fetch_checkpoint, weights_url, wv, dest_root=fetch_dir))
             checked.path = str(path)
         else:
-            await trio.to_thread.run_sync(verify_dir, wv.path, wv.checksums)
-            checked.path = wv.path
+            if pin_root is not None:
+                checked.pinned = await trio.to_thread.run_sync(partial(
+                    pin_checkpoint, wv.path, wv.checksums, pin_root, f"v{wv.version}", keep=loading))
+            path = str(checked.pinned or wv.path)
+            await trio.to_thread.run_sync(verify_dir, path, wv.checksums)
+            checked.path = path
     except (MessageError, CheckpointError) as err:
         checked.error = str(err)
     except BaseException as err:  # not a refusal: it ends the generator, as it did before

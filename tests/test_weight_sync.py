@@ -199,6 +199,44 @@ def test_a_checkpoint_removed_between_its_check_and_its_load_is_refused_and_the_
     thread.shutdown()
 
 
+def test_a_checkpoint_pruned_after_its_check_is_loaded_from_the_generators_pin(tiny_model, tmp_path):
+    # The trainer prunes checkpoints past keep_checkpoints while a slow generator (vLLM on a busy
+    # CPU) still waits to load one it verified: vLLM's reload then failed part-way, its old
+    # weights already let go, and the generator died. Pinned (hard links), the files stay.
+    import concurrent.futures
+    import shutil
+
+    from engines.choice import open_engine
+    from generators.engine_loop import load_weights
+    from generators.state import State
+
+    path, sums = write_checkpoint(trained(tiny_model, seed=6), checkpoint_dir=tmp_path / "checkpoints", step=2,
+                                  source_dir=tiny_model)
+    wv = WeightVersion(version=2, step=2, path=str(path), format="safetensors", checksums=sums, created_at=1.0)
+    pins = tmp_path / "fetched" / "pinned-g1"
+    (pins / "v1").mkdir(parents=True)  # an older pin: cleared by the next
+    checked = trio.run(partial(check, Checked(encode(wv)), pin_root=pins))
+    assert checked.error == "" and checked.pinned == pins / "v2" and checked.path == str(pins / "v2")
+    assert sorted(p.name for p in pins.iterdir()) == ["v2"]
+    # a newer version pinned while the engine reads v2 leaves v2's links alone
+    from common.checkpoints import pin_checkpoint
+    newer = pin_checkpoint(path, sums, pins, "v3", keep=pins / "v2")
+    assert sorted(p.name for p in pins.iterdir()) == ["v2", "v3"]
+    shutil.rmtree(newer)
+    shutil.rmtree(path)  # pruned by the trainer before the engine was free to load it
+    thread = concurrent.futures.ThreadPoolExecutor(1)
+    engine = thread.submit(open_engine, "hf", tiny_model).result()
+    state = State()
+    state.latest, state.checked = checked.blob, checked
+    trio.run(partial(load_weights, state, engine, thread, name="g1", pin_root=pins))
+    thread.shutdown()
+    assert state.weights_refused == 0 and engine.version == 2, state.last_refusal
+    assert not (pins / "v2").exists() and state.checked is None  # the pin goes once loaded
+    # a checkpoint already gone when it is announced is refused, naming the file
+    gone = trio.run(partial(check, Checked(encode(wv)), pin_root=pins))
+    assert "is missing" in gone.error or "does not exist" in gone.error, gone.error
+
+
 def test_a_disk_with_room_for_keep_checkpoints_takes_every_publish(tiny_model, tmp_path, r):
     """The oldest checkpoint is removed before the next one is written, not after: a disk that holds
     `keep` checkpoints (and not one more) takes publish after publish, and every announced version
