@@ -28,11 +28,13 @@ these and is listed too.
 and the HF engine, skipping what needs CUDA (tests/test_gpu_check.py runs it in the default suite).
 
 The report (report.md, report.json under `--out`) holds the host (devices, torch and CUDA, vLLM or
-not) and each step's status, and from each run: the generators' and the trainer's tokens/s, the
-trainer's MFU against the GPU's dense bf16 peak, the time a weight version takes to reach the
-generators by each path, the peak memory of each process, and steps per minute. Every figure is read
-from the run (its metrics.jsonl, resolved config.json, logs, and samples of each process's memory
-taken here once a second); none is written in here.
+not, what does not import) and each step's status, and from each run: the generators' and the
+trainer's tokens/s, the trainer's MFU against the GPU's dense bf16 peak, the time a weight version
+takes to reach the generators by each path, the peak memory of each process, and steps per minute.
+Every figure is read from the run (its metrics.jsonl, resolved config.json, logs, and samples of
+each process's memory taken here once a second); none is written in here. `--out` also keeps each
+run's logs, metrics.jsonl and config.json; the model, checkpoints and Redis's files (gigabytes on a
+GPU) go to `--work` (default OUT/work).
 """
 
 from __future__ import annotations
@@ -91,11 +93,15 @@ class Step:
 # ---------------------------------------------------------------------- the host
 
 PROBE = """
-import importlib.util, json, sys
-out = {"python": sys.executable, "python_version": sys.version.split()[0],
-       "missing": [m for m in json.loads(sys.argv[1]) if importlib.util.find_spec(m) is None],
+import importlib, importlib.util, json, sys
+out = {"python": sys.executable, "python_version": sys.version.split()[0], "missing": {},
        # as engines.choice.vllm_available decides engine "auto": the distribution is there
        "vllm": importlib.util.find_spec("vllm") is not None}
+for name in json.loads(sys.argv[1]):
+    try:
+        importlib.import_module(name)  # imported, not looked up: a package whose own dependency is missing fails
+    except Exception as err:  # whatever stops it importing is what the probe reports
+        out["missing"][name] = f"{type(err).__name__}: {err}"
 try:
     import torch
     out.update(torch=torch.__version__, cuda=torch.version.cuda, cuda_available=torch.cuda.is_available(),
@@ -118,13 +124,16 @@ def probe_host() -> dict:
     return host
 
 
-def missing_line(missing: list[str]) -> str:
-    """What to do about missing packages: the kit's one line where the kit is here."""
+def missing_line(missing: dict[str, str]) -> str:
+    """What does not import ({module: the error}) and what to do about it: the kit's one line where
+    the kit is here."""
+    listed = "; ".join(f"{name} ({why})" for name, why in missing.items())
     wheels = KIT / "whl"
     if wheels.is_dir():
-        return (f"missing python packages: {', '.join(missing)}; install the kit's wheels first: "
-                f"pip install --target /tmp/site {wheels.relative_to(ROOT)}/*.whl && export PYTHONPATH=/tmp/site")
-    return f"missing python packages: {', '.join(missing)} (no {wheels.relative_to(ROOT)} here: see docs/gpu.md)"
+        return (f"python packages that do not import: {listed}; install the kit's wheels first: "
+                f"pip install --no-index --no-deps --target /tmp/site {wheels.relative_to(ROOT)}/*.whl && "
+                f"export PYTHONPATH=/tmp/site")
+    return f"python packages that do not import: {listed} (no {wheels.relative_to(ROOT)} here: see docs/gpu.md)"
 
 
 def peak_flops(device: str) -> float | None:
@@ -206,7 +215,7 @@ def gpu_tests(host: dict, *, bin_dir: Path | None, out: Path, time_limit: float,
     """`pytest -m gpu` over GPU_TESTS, the check's redis-server first on PATH (tests/conftest.py
     starts the one PATH gives it), CUDA hidden unless `cuda`. Ran where a test passed and none
     failed; skipped where every test skipped (no CUDA), saying why."""
-    missing = [m for m in TEST_NEEDS if m in host["missing"]]
+    missing = {m: why for m, why in host["missing"].items() if m in TEST_NEEDS}
     if missing:
         return Step("gpu-tests", "failed", missing_line(missing))
     if bin_dir is None:
@@ -249,7 +258,7 @@ class Proc:
 
     name: str  # "trainer", "generator g1", ...; its log is logs/<name with - for spaces>.log
     argv: tuple[str, ...]  # after the python executable
-    gpus: str | None  # its CUDA_VISIBLE_DEVICES ("": none, the CPU); None: left as it is (the producer)
+    gpus: str | None  # its CUDA_VISIBLE_DEVICES ("": none, the CPU); None: the caller's (producer, evaluator)
 
 
 def plan(*, gpus: int, ranks: int) -> list[Proc]:
@@ -400,16 +409,11 @@ def build_model(path: Path, *, dry_run: bool) -> Path:
     return build_tiny_model(path, max_positions=1024) if dry_run else build_tiny_model(path, **QWEN_05B)
 
 
-def gsm8k_run(name: str, host: dict, *, ranks: int, wrapper: Path | None, model: Path, dirs: Dirs, steps: int,
+def gsm8k_run(name: str, host: dict, *, ranks: int, wrapper: Path, model: Path, dirs: Dirs, steps: int,
               time_limit: float, dry_run: bool) -> Step:
     """One short run of configs/gsm8k.toml (`ranks` trainer ranks), measured."""
     from common.tiny import write_gsm8k
 
-    missing = [m for m in RUN_NEEDS if m in host["missing"]]
-    if missing:
-        return Step(name, "failed", missing_line(missing))
-    if wrapper is None:
-        return Step(name, "failed", "no usable redis-server (--redis-server PATH)")
     (dirs.kept / "logs").mkdir(parents=True)
     dirs.scratch.mkdir(parents=True)
     write_gsm8k(dirs.scratch)  # the data set configs/gsm8k.toml names by hub id, as a local directory of that name
@@ -649,7 +653,8 @@ def markdown(data: dict, steps: list[Step]) -> str:
              f"- torch {host['torch'] or 'not importable: ' + host.get('torch_error', '')}, CUDA {host.get('cuda')}",
              f"- devices: {len(host['devices'])} x {devices}",
              f"- vLLM: {'installed' if host['vllm'] else 'not installed (the runs sample with the HF engine)'}",
-             f"- missing python packages: {', '.join(host['missing']) or 'none'}", "",
+             f"- python packages that do not import: "
+             f"{'; '.join(f'{m} ({why})' for m, why in host['missing'].items()) or 'none'}", "",
              "| step | status | |", "|---|---|---|"]
     lines += [f"| {s.name} | {s.status} | {s.reason.replace('|', '/')} |" for s in steps]
     for s in steps:
@@ -759,6 +764,11 @@ def take_step(name: str, host: dict, *, args: argparse.Namespace, out: Path, wor
                     + (" (dry run)" if args.dry_run else ""))
     if ranks == 1 and not cuda and not args.dry_run:
         return Step(name, "skipped", "no CUDA device (--dry-run runs it on the CPU)")
+    missing = {m: why for m, why in host["missing"].items() if m in RUN_NEEDS}
+    if missing:
+        return Step(name, "failed", missing_line(missing))
+    if wrapper is None:
+        return Step(name, "failed", "no usable redis-server (--redis-server PATH)")
     try:
         model = build_model(work / "model", dry_run=args.dry_run)
         return gsm8k_run(name, host, ranks=ranks, wrapper=wrapper, model=model, dirs=Dirs(out / name, work / name),
@@ -768,7 +778,7 @@ def take_step(name: str, host: dict, *, args: argparse.Namespace, out: Path, wor
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="ops/gpu-check", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="ops/gpu-check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true",
                    help="the same steps on the CPU with the tiny model, skipping what needs CUDA")

@@ -87,6 +87,24 @@ def test_a_step_that_fails_fails_the_check_with_its_log(tmp_path):
     assert "| one-gpu | failed |" in report and "## one-gpu: failed, the end of its log" in report
 
 
+def test_a_package_that_does_not_import_is_named_and_the_steps_that_need_it_fail(tmp_path):
+    """A host without one of our dependencies (here rq, shadowed by a module that will not import):
+    the check names it and what stopped it, fails the steps that need it and takes the others."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "rq.py").write_text('raise ImportError("no rq on this host")\n')
+    done, report, data = gpu_check(tmp_path, "--dry-run", PYTHONPATH=str(shadow))
+    assert done.returncode == 1
+    steps = {s["name"]: s for s in data["steps"]}
+    for name in ("gpu-tests", "one-gpu"):
+        assert steps[name]["status"] == "failed", steps[name]
+        assert steps[name]["reason"].startswith("python packages that do not import: rq (ImportError: no rq on this "
+                                                "host)"), steps[name]["reason"]
+    assert steps["two-gpus"]["status"] == "skipped"
+    assert "python packages that do not import: rq (ImportError: no rq on this host)" in report
+    assert "python packages that do not import: rq" in done.stdout
+
+
 def test_each_run_places_its_processes_on_the_gpus_it_has():
     def layout(gpus: int, ranks: int) -> list[tuple[str, str | None, bool]]:
         return [(p.name, p.gpus, "torch.distributed.run" in p.argv) for p in plan(gpus=gpus, ranks=ranks)]
