@@ -1,7 +1,9 @@
-"""On CUDA: the pipeline with vLLM in bf16, and the trainer at world size 2 under NCCL.
+"""On CUDA: the pipeline in bf16 with each engine (HF always, vLLM where it is installed), and the
+trainer at world size 2 under NCCL.
 
 Marked `gpu` and skipped, with the reason, where torch sees no CUDA device (`pytest -m gpu`
-collects them anywhere). They have not been run on a GPU yet: this project's CI machines have none.
+collects them anywhere; `ops/gpu-check` runs them first). They have not been run on a GPU yet: this
+project's CI machines have none.
 """
 
 import random
@@ -24,9 +26,11 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; torch sees none here")]
 
 
-def test_pipeline_on_a_shared_gpu_with_vllm_in_bf16(tmp_path, redis_url, r, tiny_model):
-    """Producer, one vLLM generator and the trainer on one GPU (the generator takes 30% of it)."""
-    if not vllm_available():
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_pipeline_on_a_shared_gpu_in_bf16(tmp_path, redis_url, r, tiny_model, engine):
+    """Producer, one generator and the trainer on one GPU (a vLLM generator takes 30% of it): the HF
+    engine runs on any GPU host, so a host without vLLM still runs the pipeline on CUDA."""
+    if engine == "vllm" and not vllm_available():
         pytest.skip("needs vLLM for CUDA (pip install vllm)")
     config = tmp_path / "run.toml"
     config.write_text(f"""
@@ -41,7 +45,7 @@ group_size = 4
 prompts_per_step = 4
 max_new_tokens = 16
 [generator]
-engine = "vllm"
+engine = "{engine}"
 gpu_memory_utilization = 0.3
 max_model_len = 256
 [trainer]

@@ -34,6 +34,7 @@ import redis
 
 from common.keys import Keys
 from common.recording import replay
+from common.tiny import GSM8K_TEMPLATE, write_gsm8k
 from tests.harness.metrics import read_steps
 from tests.harness.processes import ROOT, Shell, run_once
 from tests.harness.servers import free_port, start_redis
@@ -127,6 +128,8 @@ NOT_RUN = {
         "on the tiny model",
     "text: producer ──prompts stream──▶ generator × N ──samples stream──▶ trainer": "a picture, not a command",
     QUARANTINED: "output, not a command: tests/test_quarantine.py's live run reads such a line from rollouts status",
+    "./ops/gpu-check": "a GPU host's check: tests/test_gpu_check.py runs it with --dry-run, the same steps on this CPU "
+    "with the tiny model",
 }
 
 
@@ -248,22 +251,6 @@ def test_rollouts_view_as_written_serves_the_runs_groups_until_ctrl_c(checkout, 
 
 
 # ---------------------------------------------------------------------- GPUs, on CPU processes
-
-
-GSM8K_TEMPLATE = "Tom has {a} apples and buys {b} more. How many apples does he have?"
-
-
-def write_gsm8k(root: Path, n: int = 300) -> None:
-    """`openai/gsm8k` as a local directory with the hub data set's layout: subset main, train and test."""
-    rows = [{"question": GSM8K_TEMPLATE.format(a=a, b=b),
-             "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"}
-            for a in range(1, 61) for b in range(1, 6)][:n]
-    base = root / "openai/gsm8k"
-    (base / "main").mkdir(parents=True)
-    for split, part in (("train", rows[: n * 4 // 5]), ("test", rows[n * 4 // 5:])):
-        (base / f"main/{split}-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
-    (base / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n"
-                                    "    path: main/train-*\n  - split: test\n    path: main/test-*\n---\n")
 
 
 @pytest.fixture

@@ -30,9 +30,11 @@ def spawn_ops_honcho(procfile: Path, *names: str, cwd: Path, env: dict[str, str]
 
 def process_env(env: dict[str, str]) -> dict[str, str]:
     """The environment of a process of ours: this one's without its ROLLOUTS_ settings, this
-    checkout importable, no hub, then `env`."""
+    checkout importable (before what PYTHONPATH held: packages installed with `pip install --target`,
+    as ops/gpu-check's kit is), no hub, then `env`."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-    full_env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    full_env.update(PYTHONPATH=path, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
                     HF_HUB_OFFLINE="1", **env)
     return full_env
 
