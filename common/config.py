@@ -416,8 +416,7 @@ class EngineKind:
 
 # The engines by the name generator.engine gives them: the one place an engine is declared.
 ENGINES = {
-    "vllm": EngineKind("engines.vllm_engine:VLLMEngine", inflight=False, server=False,
-                       why_not_inflight="it does not stop a request mid-sequence and continue it under new weights"),
+    "vllm": EngineKind("engines.vllm_engine:VLLMEngine", inflight=True, server=False),
     "hf": EngineKind("engines.hf_engine:HFEngine", inflight=True, server=False),
     "openai": EngineKind("engines.openai_engine:OpenAIEngine", inflight=False, server=True,
                          why_not_inflight="its server samples each request to its end"),
@@ -503,7 +502,7 @@ class GeneratorConfig(_Section):
             raise ValueError(f"server_url: engine \"{self.engine}\" needs the server's URL")
         if self.inflight_updates and kind is not None and not kind.inflight:
             raise ValueError(f"inflight_updates: the {self.engine} engine cannot load weights with completions in "
-                             "flight; use engine = \"hf\" or set inflight_updates = false")
+                             "flight; use engine = \"vllm\" or \"hf\", or set inflight_updates = false")
         return self
 
 

@@ -14,7 +14,7 @@ the behaviour log-probs the trainer's off-policy correction divides by.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +28,27 @@ class Sampled:
     # newer weights were loaded while it was being sampled (generator.inflight_updates). None: the
     # engine does not say (every token was sampled with the version it had when the request was added).
     versions: list[tuple[int, int]] | None = None
+
+
+@dataclass(eq=False)
+class Row:
+    """One completion being sampled: its tokens so far and where each weight version began."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[tuple[int, int]] = field(default_factory=list)  # (token index, version)
+    finish: str | None = None  # None: unfinished
+
+    def extend(self, ids: list[int], logprobs: list[float], *, version: int, finish: str | None) -> None:
+        if ids and (not self.versions or self.versions[-1][1] != version):
+            self.versions.append((len(self.ids), version))
+        self.ids += ids
+        self.logprobs += logprobs
+        self.finish = finish
+
+    def sampled(self) -> Sampled:
+        assert self.finish is not None, "an unfinished completion"
+        return Sampled(ids=self.ids, logprobs=self.logprobs, finish=self.finish, versions=self.versions)
 
 
 @dataclass(frozen=True, slots=True)

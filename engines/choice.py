@@ -42,7 +42,7 @@ def check_inflight(name: str) -> None:
     kind = ENGINES[name]
     if not kind.inflight:
         raise ConfigError(f"generator.inflight_updates: the {name} engine cannot load weights with completions "
-                          f"in flight ({kind.why_not_inflight}); use generator.engine = 'hf' or set "
+                          f"in flight ({kind.why_not_inflight}); use generator.engine = 'vllm' or 'hf', or set "
                           "inflight_updates = false")
 
 

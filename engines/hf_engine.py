@@ -22,30 +22,9 @@ from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteri
 from common.checkpoints import CheckpointError, check_fits, copy_into
 from common.config import GeneratorConfig
 from common.messages import PromptTask
-from engines.base import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
+from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(eq=False)
-class Row:
-    """One completion being sampled: its tokens so far and where each weight version began."""
-
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[tuple[int, int]] = field(default_factory=list)  # (token index, version)
-    finish: str | None = None  # None: unfinished
-
-    def extend(self, ids: list[int], logprobs: list[float], *, version: int, finish: str | None) -> None:
-        if ids and (not self.versions or self.versions[-1][1] != version):
-            self.versions.append((len(self.ids), version))
-        self.ids += ids
-        self.logprobs += logprobs
-        self.finish = finish
-
-    def sampled(self) -> Sampled:
-        assert self.finish is not None, "an unfinished completion"
-        return Sampled(ids=self.ids, logprobs=self.logprobs, finish=self.finish, versions=self.versions)
 
 
 @dataclass(eq=False)

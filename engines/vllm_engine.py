@@ -4,6 +4,16 @@ vLLM runs in the generator's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): `
 request to the V1 engine's scheduler and each `step` runs one scheduler iteration, so requests
 added between steps join the running batch and a finished completion leaves it at once.
 
+In-flight weight updates (generator.inflight_updates): each `step` is one decode iteration, so
+the engine loop loads newer weights between two of them with completions in flight. The reload
+is followed by a prefix-cache reset that preempts every running request (vLLM's
+`reset_prefix_cache(reset_running_requests=True)`, the scheduler's recompute path): each goes on
+from its prompt + tokens so far, prefilled again under the new weights, as the HF engine continues
+a completion it cut short. Tokens come back as deltas, each tagged with the version loaded when
+it was sampled (`Sampled.versions`, as the HF engine records them). No KV computed under the old
+weights is used after the switch, so every behaviour log-prob is that of the weights it names.
+Scheduling is synchronous (no async scheduling: a step's tokens are those of the weights it ran).
+
 Log-probs are vLLM's `processed_logprobs`: `log_softmax` of the logits after temperature and
 top-k/top-p, at the sampled token, in float32; the same quantity the HF engine and the trainer
 compute. Prompts are tokenized and completions decoded with the model's HF tokenizer, as in the
@@ -26,7 +36,7 @@ from pathlib import Path
 from common.checkpoints import check_fits, tensor_shapes
 from common.config import GeneratorConfig
 from common.messages import PromptTask
-from engines.base import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
+from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -79,12 +89,13 @@ class VLLMEngine:
                        generation_config="vllm",  # the model's generation_config must not change sampling
                        gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                        load_format="safetensors",  # never a pickled .bin
+                       async_scheduling=False,  # a step's tokens are sampled with the weights it ran
                        use_tqdm_on_load=False)
         self._engine = self.llm.llm_engine
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
         self._tied = ({"lm_head.weight"} if self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
                       else set())
-        self._in_flight: set[str] = set()
+        self._rows: dict[str, list[Row]] = {}  # requests in flight: their n completions so far
         self.max_running = max_num_seqs  # requests (of n sequences each): the scheduler queues the rest
         self._next = 0
 
@@ -99,49 +110,55 @@ class VLLMEngine:
             n=sampling.n, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
             top_p=sampling.top_p, top_k=sampling.top_k, min_p=0.0, repetition_penalty=1.0,
             presence_penalty=0.0, frequency_penalty=0.0, stop_token_ids=self.eos_ids, logprobs=0,
-            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+            detokenize=False, output_kind=RequestOutputKind.DELTA)  # tokens as sampled: each tagged with its version
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings) -> None:
         assert prompt_ids, f"request {request_id}: empty prompt"
-        assert request_id not in self._in_flight, f"request {request_id} is already in flight"
+        assert request_id not in self._rows, f"request {request_id} is already in flight"
         self._engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, self._params(sampling))
-        self._in_flight.add(request_id)
+        self._rows[request_id] = [Row() for _ in range(sampling.n)]
 
     def has_unfinished(self) -> bool:
-        return bool(self._in_flight)
+        return bool(self._rows)
 
     def step(self, *, yield_when: Callable[[], bool] | None = None) -> list[Finished]:
         """One scheduler iteration: a decode step of every running sequence (and prefill of new
-        ones); the requests whose n completions are all done. No in-flight weight updates:
-        `yield_when` must be None (generator.inflight_updates is refused at start-up)."""
-        assert yield_when is None, "in-flight weight updates need the hf engine (common.config.ENGINES, inflight)"
-        if not self._in_flight:
+        ones); the requests whose n completions are all done. `yield_when` is not asked: a step
+        is one token of each sequence, so newer weights are loaded at the next step's boundary."""
+        if not self._rows:
             return []
         done = []
         for out in self._engine.step():
-            if not out.finished or out.request_id not in self._in_flight:
+            rows = self._rows.get(out.request_id)
+            if rows is None:
                 continue
-            self._in_flight.discard(out.request_id)
-            done.append(Finished(request_id=out.request_id,
-                                 samples=[self._sampled(c) for c in sorted(out.outputs, key=lambda c: c.index)]))
+            for c in out.outputs:  # this step's new tokens of each completion that has any
+                self._extend(rows[c.index], c)
+            if out.finished:
+                del self._rows[out.request_id]
+                done.append(Finished(request_id=out.request_id, samples=[row.sampled() for row in rows]))
         return done
 
-    def _sampled(self, c) -> Sampled:
+    def _extend(self, row: Row, c) -> None:
+        """Append a completion's new tokens, sampled with the weights loaded now."""
         ids = list(c.token_ids)
         assert c.logprobs is not None and len(c.logprobs) == len(ids), "vLLM returned no log-prob per token"
         logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
-        stopped = c.finish_reason == "stop" and bool(ids) and ids[-1] in self.eos_ids
-        return Sampled(ids=ids, logprobs=logprobs, finish="stop" if stopped else "length")
+        finish = None
+        if c.finish_reason is not None:
+            last = ids[-1] if ids else (row.ids[-1] if row.ids else None)
+            finish = "stop" if c.finish_reason == "stop" and last in self.eos_ids else "length"
+        row.extend(ids, logprobs, version=self.version, finish=finish)
 
     def sample(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Sampled]]:
         """`sampling.n` completions of each prompt: result[i][j] is prompt i's j-th (add + step)."""
         assert prompts and all(prompts), "sample() needs non-empty prompts"
-        assert not self._in_flight, "sample() runs alone: requests are already in flight"
+        assert not self._rows, "sample() runs alone: requests are already in flight"
         ids = [self._request_id() for _ in prompts]
         for rid, prompt in zip(ids, prompts, strict=True):
             self.add(rid, prompt, sampling)
         got: dict[str, list[Sampled]] = {}
-        while self._in_flight:
+        while self._rows:
             got.update((f.request_id, f.samples) for f in self.step())
         return [got[rid] for rid in ids]
 
@@ -164,9 +181,9 @@ class VLLMEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def load_weights(self, path: str | Path, *, version: int) -> None:
-        """Reload an HF-format safetensors checkpoint in place (vLLM `reload_weights`); raise
-        CheckpointError, weights unchanged, when its tensors do not fit the model."""
-        assert not self._in_flight, "reload weights only between requests, with none in flight"
+        """Reload an HF-format safetensors checkpoint in place (vLLM `reload_weights`), between
+        steps; raise CheckpointError, weights unchanged, when its tensors do not fit the model.
+        Requests in flight go on under the new weights from their tokens so far (see the module)."""
         check_fits(path, self._shapes, tied=self._tied)
         # Layers with no tensor of their own in a checkpoint keep what they had, and vLLM warns
         # "Failed to load weights" for each on every reload: the rotary cache, and a tied lm_head
@@ -181,7 +198,9 @@ class VLLMEngine:
                                    "again on the newest weights)") from err
         if self._tied:
             self.llm.collective_rpc(_refresh_tied_lm_head)
-        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        # Cached KV was computed with the old weights: all of it goes, the running requests'
+        # too (preempted, to be prefilled again from prompt + tokens so far).
+        self._engine.reset_prefix_cache(reset_running_requests=True)  # raises where it cannot
         self.version = version
 
 

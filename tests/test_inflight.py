@@ -18,6 +18,7 @@ from engines.choice import check_inflight, open_engine
 from generators.inflight import group_versions
 from tests.harness.groups import ask
 from tests.harness.models import LOGPROB_TOL, perturbed_copy
+from tests.harness.needs import need
 from trainer.grpo import token_logprobs
 from trainer.losses.corrections import behaviour_weight
 
@@ -35,14 +36,16 @@ def logprobs_under(model, prompt: list[int], ids: list[int], *, temperature: flo
     return token_logprobs(logits, torch.tensor([ids]), temperature)[0]
 
 
-@pytest.fixture(scope="module")
-def switched(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def switched(request, tiny_model, tmp_path_factory):
     """Completions of 3 prompts x 2 whose first SWITCH tokens were sampled with version 0 and the
-    rest with version 1 (a perturbed copy, loaded after the engine yielded to it): the engine's
-    results, the prompts, both models."""
+    rest with version 1 (a perturbed copy, loaded after the engine yielded to it; vLLM's steps are
+    one token of each sequence, so it loads after SWITCH of them): the engine's results, the
+    prompts, both models."""
     from transformers import AutoModelForCausalLM
 
-    engine = open_engine("hf", tiny_model, seed=0)
+    need(request.param)
+    engine = open_engine(request.param, tiny_model, seed=0)
     new = perturbed_copy(tiny_model, tmp_path_factory.mktemp("v1") / "step_1", seed=1)
     sampling = SamplingSettings(n=2, max_new_tokens=24, temperature=1.0)
     prompts = {f"p{i}": engine.prompt_ids(ask(i)) for i in range(3)}
@@ -55,10 +58,13 @@ def switched(tiny_model, tmp_path_factory):
         tokens += 1
         return tokens >= SWITCH
 
-    assert engine.step(yield_when=announced) == [], "every completion was cut short at the announcement"
+    if request.param == "hf":
+        assert engine.step(yield_when=announced) == [], "every completion was cut short at the announcement"
+        finished = []
+    else:
+        finished = [done for _ in range(SWITCH) for done in engine.step(yield_when=announced)]
     assert engine.has_unfinished()
     engine.load_weights(new, version=1)
-    finished = []
     while engine.has_unfinished():
         finished += engine.step(yield_when=lambda: False)
     old_model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
@@ -201,18 +207,20 @@ def test_the_trainer_sees_each_tokens_version(switched):
 
 
 def test_inflight_updates_is_refused_for_engines_that_cannot_continue_a_sequence():
-    for engine in ("vllm", "openai"):
-        with pytest.raises(ConfigError, match=f"inflight_updates.*{engine}"):
-            config_from_dict({"generator": {"engine": engine, "inflight_updates": True,
-                                            "server_url": "http://127.0.0.1:1"}})
-        with pytest.raises(ConfigError, match=f"inflight_updates: the {engine} engine"):
-            check_inflight(engine)  # "auto" resolved to it at start-up
-    check_inflight("hf")
-    assert config_from_dict({"generator": {"engine": "hf", "inflight_updates": True}}).generator.inflight_updates
+    with pytest.raises(ConfigError, match="inflight_updates.*openai"):
+        config_from_dict({"generator": {"engine": "openai", "inflight_updates": True,
+                                        "server_url": "http://127.0.0.1:1"}})
+    with pytest.raises(ConfigError, match="inflight_updates: the openai engine"):
+        check_inflight("openai")  # "auto" resolved to it at start-up
+    for engine in ("hf", "vllm"):
+        check_inflight(engine)
+        assert config_from_dict({"generator": {"engine": engine, "inflight_updates": True}}).generator.inflight_updates
     assert not config_from_dict({}).generator.inflight_updates, "off by default"
 
 
-def test_a_generator_with_inflight_updates_loads_new_weights_mid_completion(tiny_model, tmp_path, redis_url, r):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_generator_with_inflight_updates_loads_new_weights_mid_completion(engine, tiny_model, tmp_path, redis_url,
+                                                                           r):
     from common.checkpoints import checksum_dir
     from common.heartbeats import read_heartbeat
     from common.keys import GENERATORS_GROUP
@@ -221,12 +229,15 @@ def test_a_generator_with_inflight_updates_loads_new_weights_mid_completion(tiny
     from tests.harness.models import publish_weights
     from tests.harness.processes import spawn, stop, wait_for
 
+    need(engine)
     keys = Keys("g")
     env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "g", "ROLLOUTS_MODEL__PATH": str(tiny_model),
-           "ROLLOUTS_GENERATOR__ENGINE": "hf", "ROLLOUTS_GENERATOR__INFLIGHT_UPDATES": "true",
+           "ROLLOUTS_GENERATOR__ENGINE": engine, "ROLLOUTS_GENERATOR__INFLIGHT_UPDATES": "true",
            "ROLLOUTS_GENERATOR__WEIGHTS_POLL_S": "0.05", "ROLLOUTS_ROLLOUT__GROUP_SIZE": "4",
            "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": "400", "ROLLOUTS_GENERATOR__BATCH_PROMPTS": "2",
-           "ROLLOUTS_GENERATOR__THREADS": "1"}
+           "ROLLOUTS_GENERATOR__THREADS": "1",
+           # vLLM: 1 prompt of 4 a step's room (8 in the engine), so that the last prompts start under version 1
+           "ROLLOUTS_GENERATOR__MAX_IN_FLIGHT": "1"}
     step_1 = perturbed_copy(tiny_model, tmp_path / "checkpoints" / "step_1", seed=1)
     r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
     log = tmp_path / "generator.log"
@@ -235,10 +246,10 @@ def test_a_generator_with_inflight_updates_loads_new_weights_mid_completion(tiny
         for i in range(12):  # 6 generate calls of 2 prompts x 4 completions, each up to 400 tokens
             r.xadd(keys.prompts, {PAYLOAD: encode(ask(i, n=4))})
         # the first group written: the engine is already sampling the next two prompts
-        wait_for(lambda: r.xlen(keys.samples) >= 1, timeout=120, what="a group", procs=[proc], poll=0.01)
+        wait_for(lambda: r.xlen(keys.samples) >= 1, timeout=240, what="a group", procs=[proc], poll=0.01)
         publish_weights(r, keys, WeightVersion(version=1, step=1, path=str(step_1), format="safetensors",
                                                checksums=checksum_dir(step_1), created_at=time.time()))
-        wait_for(lambda: r.xlen(keys.samples) >= 12, timeout=120, what="12 groups", procs=[proc])
+        wait_for(lambda: r.xlen(keys.samples) >= 12, timeout=240, what="12 groups", procs=[proc])
         written = read_groups(r, keys)
         for g in written:  # a group is as stale as its oldest token
             assert g.version == min(c.versions[0][1] if c.versions else g.version for c in g.completions)

@@ -1,20 +1,21 @@
-"""Seconds from a new weight version's announcement until the HF engine samples with it: drain vs
+"""Seconds from a new weight version's announcement until the engine samples with it: drain vs
 in-flight weight updates (generator.inflight_updates), with completions of mixed lengths.
 
-    .venv/bin/python ops/bench/inflight.py [--model default|tiny|PATH] [--versions 6] [--median 16]
+    .venv/bin/python ops/bench/inflight.py [--engine hf|vllm] [--model default|tiny|PATH] [--versions 6] [--median 16]
 
 The engine is driven as the generator's engine loop drives it (generators/main.py): as many
-prompts of 4 completions each in the engine as one step advances (`engine.max_running`, the HF
-engine's `batch_prompts` 4; the generator holds the rest back, where new weights reach them before
-they start), a new prompt added as one finishes, one thread. One prompt in four asks for 8 x
-`--median` new tokens, the others for `--median` (the eos is switched off: every completion runs to
-its budget, so lengths are exactly 1x and 8x the median). A thread announces a new version at a
-random moment (1-4 s after the last was loaded); the checkpoint is the model's own directory
-(reloading it costs what reloading a new one does). Then:
+prompts of 4 completions each in the engine as one step advances (`engine.max_running`: the HF
+engine's `batch_prompts` 4, vLLM's 4 requests of 4 sequences; the generator holds the rest back,
+where new weights reach them before they start), a new prompt added as one finishes, one thread.
+One prompt in four asks for 8 x `--median` new tokens, the others for `--median` (the eos is
+switched off: every completion runs to its budget, so lengths are exactly 1x and 8x the median).
+A thread announces a new version at a random moment (1-4 s after the last was loaded); the
+checkpoint is the model's own directory (reloading it costs what reloading a new one does). Then:
 
     drain     no prompt joins; the engine steps until nothing is in flight; then it loads
-    inflight  the running step yields at the next token (Engine.step's `yield_when`); it loads at
-              once, and the unfinished completions go on under the new weights
+    inflight  the running step yields at the next token (Engine.step's `yield_when`; a vLLM step
+              is one token of each sequence); it loads at once, and the unfinished completions go
+              on under the new weights (vLLM: preempted, prefilled again from their tokens so far)
 
 and the figures, medians over versions, are: wait (announcement -> load starts), reload, and total
 (announcement -> the first token sampled with the new version), plus the completion tokens per
@@ -80,6 +81,8 @@ def run_mode(engine, *, inflight: bool, versions: int, median: int, seed: int) -
         for done in engine.step(yield_when=yield_when):
             running -= 1
             tokens += sum(len(s.ids) for s in done.samples)
+        if engine.name == "vllm" and "loaded" in marks and "first" not in marks:
+            marks["first"] = time.perf_counter()  # a vLLM step samples a token of each running sequence
         if "first" in marks:
             totals.append(marks["first"] - marks.pop("announced"))
             marks.clear()
@@ -91,6 +94,7 @@ def run_mode(engine, *, inflight: bool, versions: int, median: int, seed: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     ap.add_argument("--model", default="default", help="default (SmolLM2-135M-Instruct), tiny, or a model directory")
     ap.add_argument("--versions", type=int, default=6)
     ap.add_argument("--median", type=int, default=16, help="new tokens of most completions; 1 in 4 prompts gets 8x")
@@ -115,10 +119,21 @@ def main() -> None:
         path = resolve_model_path(ModelConfig().path)
     else:
         path = Path(args.model)
-    engine = open_engine("hf", path, seed=0, max_batch=4)
-    vocab = engine.model.config.vocab_size
-    engine.eos_ids = [vocab + 1]  # never sampled: every completion runs to its budget
-    print(f"model {path}, median {args.median} tokens (1 prompt in 4: {8 * args.median}), "
+    if args.engine == "hf":
+        engine = open_engine("hf", path, seed=0, max_batch=4)
+        engine.eos_ids = [engine.model.config.vocab_size + 1]  # never sampled: every completion runs to its budget
+    else:
+        engine = open_engine("vllm", path, seed=0, max_num_seqs=16, threads=args.threads)
+        engine.max_running = 4  # requests of 4 sequences: the engine's 16
+        params = engine._params
+
+        def to_budget(sampling):  # every completion runs to its budget
+            p = params(sampling)
+            p.ignore_eos = True
+            return p
+
+        engine._params = to_budget
+    print(f"{args.engine} engine, model {path}, median {args.median} tokens (1 prompt in 4: {8 * args.median}), "
           f"{engine.max_running} prompts x 4 in the engine, {args.threads} thread(s)", flush=True)
     rows = {}
     for mode in ("drain", "inflight"):
