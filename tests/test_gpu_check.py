@@ -167,3 +167,50 @@ def test_gpu_memory_is_read_by_gpu_and_by_process_from_nvidia_smi(tmp_path):
     assert peaks["gpu_mib_by_device"] == {"GPU 0": 6500}
     other = "not started by the check (or of another PID namespace)"
     assert peaks["gpu_mib_by_process"] == {"trainer (pid 111, GPU 0)": 3000, f"{other} (pid 999, GPU 1)": 500}
+
+
+# What the GPU hosts this project is lent hold of rollouts' dependencies (docs/gpu.md): the kit
+# brings the rest.
+HOST_HAS = {"torch", "transformers", "safetensors", "accelerate", "peft", "numpy", "matplotlib", "xxhash", "msgpack",
+            "jinja2"}
+
+
+def test_ops_gpu_kit_brings_every_dependency_such_a_host_lacks_and_a_redis_server_that_serves(tmp_path):
+    import re
+    import time
+    import tomllib
+
+    import redis
+
+    from tests.harness.servers import free_port
+
+    checkout = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(checkout)], check=True, timeout=120)
+    shutil.copy(ROOT / "ops" / "gpu-kit", checkout / "ops" / "gpu-kit")  # as in this working tree
+    done = subprocess.run([str(checkout / "ops" / "gpu-kit")], cwd=checkout, env={**os.environ, "PY": sys.executable},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    kit = checkout / ".gpu-kit"
+    wheels = {re.sub(r"[-_.]+", "-", w.name.split("-")[0]).lower() for w in (kit / "whl").glob("*.whl")}
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    needed = {re.sub(r"[-_.]+", "-", re.split(r"[<>=!~ \[;]", d)[0]).lower() for d in deps}
+    assert needed - HOST_HAS <= wheels, f"not in the kit: {sorted(needed - HOST_HAS - wheels)}"
+    assert all(w.name.endswith(("-none-any.whl", "-py312-none-any.whl")) or "cp312" in w.name
+               for w in (kit / "whl").glob("*.whl")), "wheels for CPython 3.12"
+    assert "/.gpu-kit/" in subprocess.run(["git", "check-ignore", "-v", ".gpu-kit/whl"], cwd=checkout,
+                                          capture_output=True, text=True).stdout, "the kit is never committed"
+    # the kit's redis-server, through its wrapper, serves
+    port = free_port()
+    server = subprocess.Popen([str(kit / "bin" / "redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        r = redis.Redis(port=port)
+        for _ in range(100):
+            try:
+                assert r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        assert r.info("server")["redis_version"].startswith("7.")
+    finally:
+        server.kill()
