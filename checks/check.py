@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from checks.episodes import Played, Template, departures, play_groups, template_line, template_problems
+from checks.episodes import Template, departures, play_groups, template_line, template_problems
 from checks.memory import Memory, memory_line, trainer_memory
 from common.config import Config, ConfigError
 from common.messages import PromptTask, SampleGroup
@@ -54,7 +54,6 @@ class Sampled:
     score_s: float  # scoring them
     engine: str
     temperature: float
-    played: list[Played] = dataclasses.field(default_factory=list)  # the groups that are episodes, as played
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,7 +305,7 @@ def generate(config: Config, engine: Engine, engine_thread: concurrent.futures.E
                                                    eos_ids=engine.eos_ids)]
     by_id = {g.id: g for g in single.groups} | {p.group.id: p.group for p in played}
     sampled = dataclasses.replace(single, groups=[by_id[t.id] for t in tasks if t.id in by_id],
-                                  sample_s=single.sample_s + play_s, played=played)
+                                  sample_s=single.sample_s + play_s)
     return sampled, Template(refused=refused[0] if refused else None, departures=found,
                              turns=sum(e.turns for p in played for e in p.episodes))
 
@@ -337,6 +336,10 @@ def run(config: Config, *, prompts: int, engine_model: str | None = None, engine
         del engine
     finally:
         engine_thread.shutdown()
+    if not sampled.groups:  # every prompt's episodes stopped by the template: nothing for the trainer
+        for line in template_problems(template)[0]:
+            print(f"check: FAILED: {line}")
+        return 1
     model = open_trainer_model(config)
     mismatch = trainer_mismatch(config, model, sampled.groups, temperature=config.rollout.temperature)
     fitted = None

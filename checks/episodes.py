@@ -77,8 +77,9 @@ class Turns:
     """Model turns waiting for the engine: each episode queues its own and waits for it."""
 
     queued: deque[Turn] = field(default_factory=deque)
-    wake: trio.Event = field(default_factory=trio.Event)  # set when a turn is queued
+    wake: trio.Event = field(default_factory=trio.Event)  # set when a turn is queued, or on closing
     count: int = 0
+    closed: bool = False  # every episode has ended: the engine loop ends once the engine is idle
 
 
 async def sample_turn(turns: Turns, sampling: SamplingSettings, ids: list[int], max_new_tokens: int) -> Sampled:
@@ -97,7 +98,8 @@ async def sample_turn(turns: Turns, sampling: SamplingSettings, ids: list[int], 
 
 async def engine_loop(engine: Engine, engine_thread: concurrent.futures.Executor, turns: Turns) -> None:
     """Add queued turns to the engine and step it, each finished turn back to its episode, until
-    cancelled: the generator's engine loop for turns alone (continuous batching)."""
+    `turns` is closed and the engine idle (no call left running in its thread): the generator's
+    engine loop for turns alone (continuous batching)."""
     running: dict[str, Turn] = {}
     while True:
         turns.wake = trio.Event()  # a turn queued from here on wakes the wait below
@@ -107,6 +109,8 @@ async def engine_loop(engine: Engine, engine_thread: concurrent.futures.Executor
             running.update((t.request_id, t) for t in batch)
             await run_on_engine(engine_thread, add_all, engine, [(t.request_id, t.ids, t.sampling) for t in batch])
         if not engine.has_unfinished():
+            if turns.closed:
+                return
             await turns.wake.wait()
             continue
         for done in await run_on_engine(engine_thread, engine.step):
@@ -145,7 +149,8 @@ async def play_all(engine: Engine, engine_thread: concurrent.futures.Executor, e
         async with trio.open_nursery() as playing:
             for i, task in enumerate(tasks):
                 playing.start_soon(one, i, task)
-        background.cancel_scope.cancel()
+        turns.closed = True  # turns of episodes a failed one cut short are drained first
+        turns.wake.set()
     return [p for p in out if p is not None], refused
 
 

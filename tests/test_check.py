@@ -30,14 +30,14 @@ def check_config(tmp_path: Path, model: Path, *, reward: str = "tests.reward_fix
     return path
 
 
-def episode_config(tmp_path: Path, model: Path) -> Path:
-    """check_config with a second source that plays episodes: a tool answers each model turn
-    (tests.env_fixtures:Echo) until the model has taken 3."""
+def episode_config(tmp_path: Path, model: Path, *, environment: str = "tests.env_fixtures:Echo") -> Path:
+    """check_config with a second source that plays episodes: the environment (a tool, by default)
+    answers each model turn until the model has taken 3."""
     path = tmp_path / "run.toml"
     write_config(path, run="check", output_dir=tmp_path / "out", model=model, base={}, generator={"engine": "hf"},
                  rollout={"group_size": 4, "max_new_tokens": 16, "temperature": 1.0},
                  data={"sources": [{"name": "arith", "kind": "arithmetic", "reward": "tests.reward_fixtures:length"},
-                                   {"name": "tool", "kind": "arithmetic", "environment": "tests.env_fixtures:Echo",
+                                   {"name": "tool", "kind": "arithmetic", "environment": environment,
                                     "max_turns": 3}]})
     return path
 
@@ -51,6 +51,20 @@ DROPS_EARLIER_TURNS = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['role'] != 'assistant' or loop.index0 == ns.last %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# Qwen3's way with history itself (its template keeps an assistant turn's reasoning only after the
+# last user message), taken to the whole turn: an assistant turn before the last user message is
+# rendered empty. Followed by a tool's message it keeps its content, so the generator's start-up
+# test with the error role "tool" lets it through; an environment that answers as the user stops
+# the generator at its first answer (engines.base.turn_ids refuses the turn).
+DROPS_TURNS_BEFORE_THE_USER = (
+    "{% set ns = namespace(last=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] != 'assistant' or loop.index0 > ns.last %}{{ m['content'] }}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -152,6 +166,17 @@ def test_a_template_that_drops_earlier_turns_fails_saying_where(tmp_path, tiny_m
     # where: an earlier model turn (the first, unless it was empty), left out once a later one follows
     assert re.search(r"differ at token \d+ \(model turn [12] of 3\)", reason), reason
     assert "a trainer that re-applies the template to the conversation trains on other tokens" in reason
+
+
+def test_a_template_that_stops_the_generator_mid_episode_fails_saying_so(tmp_path, tiny_model):
+    model = with_template(tiny_model, tmp_path / "dropping", DROPS_TURNS_BEFORE_THE_USER)
+    done = check(tmp_path, episode_config(tmp_path, model, environment="tests.env_fixtures:Chat"), "--prompts", "2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    [reason] = failures(done.stdout)
+    assert reason == ("template: source 'tool': environment 'tests.env_fixtures:Chat' with the model's chat "
+                      "template: the chat template renders an assistant turn differently once other turns follow "
+                      "it; an episode cannot be extended token by token with it (a generator stops there)")
+    assert "template   refused: " in done.stdout and "Traceback" not in done.stderr
 
 
 # ---------------------------------------------------------------------- the verdict's rules
