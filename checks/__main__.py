@@ -1,6 +1,8 @@
 """`rollouts check [--config FILE ...] [--section.field VALUE ...] [--prompts N]`: draw a few
-prompts from the run's sources, sample and score their groups as a generator does, recompute each
-token's log-prob as the trainer does, and say whether they agree (exit 0) or what is wrong (exit 1)."""
+prompts from the run's sources, sample and score their groups (or play their episodes) as a
+generator does, recompute each token's log-prob as the trainer does, compare each episode with the
+chat template applied to its whole conversation, measure the trainer's memory, and say whether
+they agree (exit 0) or what is wrong (exit 1)."""
 
 import argparse
 import sys
@@ -17,13 +19,16 @@ def flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-temperature", type=float, metavar="T",
                         help="sample at temperature T (e.g. what an engine outside the config forces) "
                              "instead of rollout.temperature; the trainer's side stays at rollout.temperature")
+    parser.add_argument("--trainer-ranks", type=int, default=1, metavar="N",
+                        help="the trainer's ranks (torchrun --nproc-per-node): its memory per rank counts 1/N of "
+                             "the weights and optimizer state, which FSDP2 shards (default: 1)")
 
 
 def main(config: Config, args: argparse.Namespace) -> None:
     from checks.check import run  # imports torch and transformers
 
     sys.exit(run(config, prompts=args.prompts, engine_model=args.engine_model,
-                 engine_temperature=args.engine_temperature))
+                 engine_temperature=args.engine_temperature, ranks=args.trainer_ranks))
 
 
 if __name__ == "__main__":

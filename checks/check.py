@@ -1,13 +1,14 @@
 """The check, top to bottom: prompts drawn as the producer draws them, groups sampled and scored
-as a generator makes them, every sampled token's log-prob recomputed as the trainer computes it,
-and one verdict with the figures behind it.
-
-Sources with an environment (multi-turn episodes) are left out, and said so: their turns are
-sampled by the episodes stage, not checked here.
+as a generator makes them (a source with an environment: its episodes played, checks/episodes.py),
+every sampled token's log-prob recomputed as the trainer computes it, each episode's tokens
+against the chat template applied to its whole conversation, one micro-batch's forward and
+backward measured for the trainer's memory (checks/memory.py), and one verdict with the figures
+behind it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import time
@@ -17,22 +18,28 @@ from pathlib import Path
 
 import torch
 
-from common.config import Config
+from checks.episodes import Template, departures, play_groups, template_line, template_problems
+from checks.memory import Memory, memory_line, trainer_memory
+from common.config import Config, ConfigError
 from common.messages import PromptTask, SampleGroup
 from common.mismatch import BOUNDS
 from common.models import resolve_model_path
 from common.process import Stop
 from common.shaping import zero_variance
 from engines.base import Engine, Finished, SamplingSettings
+from envs.base import Spec
+from generators.environments import environment_specs
 from generators.groups import make_group
-from generators.main import open_engine_for
+from generators.main import check_templates, open_engine_for
 from generators.scoring import RewardRunner, conversational_sources, reward_names
 from generators.state import Held
 from producers.data import Skipped, choose
 from producers.main import sources_at
+from trainer.batch import MicroBatch
 from trainer.checkpoints import load_model, place
 from trainer.devices import placement
 from trainer.logprobs import sequence_logprobs
+from trainer.lora import apply_lora
 from trainer.step import log_probs, step_batches
 
 POSITION_BUCKETS = ((0, 15), (16, 63), (64, None))  # completion token positions, inclusive
@@ -43,7 +50,7 @@ class Sampled:
     """What the generator side made: the groups, and the seconds it took."""
 
     groups: list[SampleGroup]
-    sample_s: float  # sampling every group, all at once
+    sample_s: float  # sampling every group, all at once (then playing the episodes, all at once)
     score_s: float  # scoring them
     engine: str
     temperature: float
@@ -70,18 +77,16 @@ class Mismatch:
 # ---------------------------------------------------------------------- the generator's side
 
 
-def draw_prompts(config: Config, *, count: int) -> tuple[list[PromptTask], list[str]]:
+def draw_prompts(config: Config, *, count: int) -> list[PromptTask]:
     """The first `count` prompts the producer would admit from the run's sources (the mixture's
-    draws, each source's order, held-out problems passed over), and the sources left out."""
-    played = [s.name for s in config.sources if s.environment]
-    if len(played) == len(config.sources):
-        raise Stop(f"every source ({', '.join(played)}) plays multi-turn episodes; the check samples "
-                   "single-turn groups only")
-    kept = [s for s in sources_at(config, {}) if s.name not in played]
-    weights = [s.config.weight for s in kept]
+    draws, each source's order, held-out problems passed over), then the next of each source the
+    draws passed over: every source is checked."""
+    sources = sources_at(config, {})
+    weights = [s.config.weight for s in sources]
+    drawn = [sources[choose(seed=config.task.seed, index=index, weights=weights)] for index in range(count)]
+    drawn += [s for s in sources if s.name not in {d.name for d in drawn}]
     tasks = []
-    for index in range(count):
-        source = kept[choose(seed=config.task.seed, index=index, weights=weights)]
+    for source in drawn:
         for _ in range(1000):
             made = source.take()
             if not isinstance(made, Skipped):
@@ -90,18 +95,21 @@ def draw_prompts(config: Config, *, count: int) -> tuple[list[PromptTask], list[
             raise Stop(f"source {source.name!r}: 1000 rows in a row make no prompt (last: {made.reason})")
         tasks.append(PromptTask(id=made.id, messages=made.messages, text=made.text, meta=made.meta,
                                 n=config.rollout.group_size, admitted_at=0, source=source.name))
-    return tasks, played
+    return tasks
 
 
-def sample_groups(config: Config, engine: Engine, tasks: list[PromptTask], *, temperature: float) -> Sampled:
-    """Each task's group, sampled by `engine` and scored in the run's reward workers
-    (generators.groups.make_group: what a generator writes)."""
+def sample_groups(config: Config, engine: Engine, engine_thread: concurrent.futures.Executor,
+                  tasks: list[PromptTask], *, temperature: float) -> Sampled:
+    """Each task's group, sampled by `engine` (in its own thread, as a generator runs it) and scored
+    in the run's reward workers (generators.groups.make_group: what a generator writes)."""
     ro, gen = config.rollout, config.generator
+    if not tasks:
+        return Sampled(groups=[], sample_s=0.0, score_s=0.0, engine=engine.name, temperature=temperature)
     sampling = SamplingSettings(n=ro.group_size, max_new_tokens=ro.max_new_tokens, temperature=temperature,
                                 top_p=ro.top_p, top_k=ro.top_k)
     prompt_ids = [engine.prompt_ids(t) for t in tasks]
     t0 = time.perf_counter()
-    done = engine.sample(prompt_ids, sampling)
+    done = engine_thread.submit(engine.sample, prompt_ids, sampling).result()
     sample_s = time.perf_counter() - t0
     with RewardRunner(reward_names(config), timeout_s=gen.reward_timeout_s, workers=gen.reward_workers,
                       conversational=conversational_sources(config)) as rewards:
@@ -118,10 +126,16 @@ def sample_groups(config: Config, engine: Engine, tasks: list[PromptTask], *, te
 
 
 def open_trainer_model(config: Config) -> torch.nn.Module:
-    """model.path as the trainer loads and places it (model.dtype, master weights), for no-grad passes."""
+    """model.path as the trainer loads and places it (model.dtype, master weights, LoRA's adapters,
+    activation checkpointing), in eval mode."""
     cfg = config.trainer
-    where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32, activation_checkpointing=False)
-    return place(load_model(resolve_model_path(config.model.path), where.weights_dtype), where).eval()
+    where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32,
+                      activation_checkpointing=cfg.activation_checkpointing)
+    model = load_model(resolve_model_path(config.model.path), where.weights_dtype)
+    if cfg.lora.rank:
+        model = apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                           target_modules=cfg.lora.target_modules)
+    return place(model, where).eval()
 
 
 def every_token(group: SampleGroup) -> SampleGroup:
@@ -136,22 +150,27 @@ def trainer_mismatch(config: Config, model: torch.nn.Module, groups: list[Sample
     """Every sampled token's log-prob as the trainer's step computes it (its micro-batches, packing,
     chunked head, truncation at rollout.top_k/top_p), at `temperature`, against the behaviour's."""
     cfg, ro = config.trainer, config.rollout
-    device = next(model.parameters()).device
     forward = partial(sequence_logprobs, temperature=temperature, top_k=ro.top_k, top_p=ro.top_p,
                       chunk_tokens=cfg.logits_chunk_tokens)
     t0 = time.perf_counter()
-    minis = step_batches([every_token(g) for g in groups], micro_batch_size=cfg.micro_batch_size,
-                         micro_batch_tokens=cfg.micro_batch_tokens, estimator=cfg.advantage, parts=1,
-                         device=device, share_prompts=cfg.share_prompts,
-                         hidden_size=int(getattr(model.config, "hidden_size", 0) or 0))
     ratios, positions = [], []
     with torch.no_grad():
-        for mb in minis[0].batches:
+        for mb in micro_batches(config, model, groups):
             logp, _ = log_probs(forward, model, mb)  # (B, T), 0 off the mask
             mask = mb.mask.bool()
             ratios.append((logp.double() - mb.behaviour_logp.double())[mask].cpu())
             positions.append((mask.long().cumsum(dim=1) - 1)[mask].cpu())
     return Mismatch(log_ratio=torch.cat(ratios), position=torch.cat(positions), forward_s=time.perf_counter() - t0)
+
+
+def micro_batches(config: Config, model: torch.nn.Module, groups: list[SampleGroup]) -> list[MicroBatch]:
+    """`groups` as the trainer's step batches them (trainer.step.step_batches), every token in."""
+    cfg = config.trainer
+    minis = step_batches([every_token(g) for g in groups], micro_batch_size=cfg.micro_batch_size,
+                         micro_batch_tokens=cfg.micro_batch_tokens, estimator=cfg.advantage, parts=1,
+                         device=next(model.parameters()).device, share_prompts=cfg.share_prompts,
+                         hidden_size=int(getattr(model.config, "hidden_size", 0) or 0))
+    return minis[0].batches
 
 
 def fitted_temperature(config: Config, model: torch.nn.Module, groups: list[SampleGroup]) -> tuple[float, float]:
@@ -223,7 +242,18 @@ def reward_problems(groups: list[SampleGroup]) -> tuple[list[str], list[str]]:
     return problems, warnings
 
 
-def figure_lines(config: Config, sampled: Sampled, mismatch: Mismatch) -> list[str]:
+def measure_memory(config: Config, model: torch.nn.Module, groups: list[SampleGroup]) -> Memory:
+    """The trainer's memory per rank (checks/memory.py) at the longest row the config allows: the
+    longest prompt sampled, then max_new_tokens (a source with an environment: its
+    max_episode_tokens)."""
+    ro = config.rollout
+    longest = max(s.max_episode_tokens if s.environment else ro.max_new_tokens for s in config.sources)
+    return trainer_memory(config, model, micro_batches(config, model, groups),
+                          prompt_tokens=max(len(g.prompt_ids) for g in groups), completion_tokens=longest)
+
+
+def figure_lines(config: Config, sampled: Sampled, mismatch: Mismatch, *, template: Template | None,
+                 memory: Memory | None, ranks: int) -> list[str]:
     """The figures behind the verdict."""
     lr, groups = mismatch.log_ratio, sampled.groups
     completions = [c for g in groups for c in g.completions]
@@ -241,59 +271,101 @@ def figure_lines(config: Config, sampled: Sampled, mismatch: Mismatch) -> list[s
              f"           by position  {buckets}",
              f"ratio      exp(logp_trainer - logp_behaviour) mean {lr.exp().mean():.4f}  max {lr.exp().max():.4f}  "
              f"(bounds: mean |log-ratio| <= {bound}, ratio <= {max_ratio})"] if lr.numel() else ["mismatch   no tokens"]
-    lines += [f"rewards    {len(completions)} completions, {errors} errors, constant {constant}, "
-              f"zero-variance groups {zero}/{n} ({zero / n:.0%})",
-              f"time       sampling {per_sample:.3g} s/group, scoring {sampled.score_s / n:.3g} s/group, "
+    lines.append(f"rewards    {len(completions)} completions, {errors} errors, constant {constant}, "
+                 f"zero-variance groups {zero}/{n} ({zero / n:.0%})")
+    if template is not None:
+        lines.append(template_line(template))
+    lines += [f"time       sampling {per_sample:.3g} s/group, scoring {sampled.score_s / n:.3g} s/group, "
               f"trainer forward {per_forward:.3g} s/group",
               f"estimate   at prompts_per_step {steps}: sampling {per_sample * steps:.3g} s per step on one "
-              f"generator, trainer forward {per_forward * steps:.3g} s (a step's forward and backward: about 3x)"]
+              f"generator, trainer forward {per_forward * steps:.3g} s (a step's forward and backward: about 3x)",
+              memory_line(memory, ranks=ranks) if memory is not None else "memory     not measured: no group to pass"]
     return lines
 
 
-def run(config: Config, *, prompts: int, engine_model: str | None = None,
-        engine_temperature: float | None = None) -> int:
-    """The check; prints its lines and returns the exit status (0: ok, 1: a problem)."""
+def generate(config: Config, engine: Engine, engine_thread: concurrent.futures.Executor, tasks: list[PromptTask],
+             *, specs: dict[str, Spec], temperature: float) -> tuple[Sampled, Template | None]:
+    """The groups a generator would write for `tasks`, in their order: sampled and scored, or, for a
+    source with an environment (`specs`), played; and what the episodes show of the chat template
+    (None: no source has an environment). A template the generator refuses at start-up
+    (generators.main.check_templates) leaves those prompts unplayed."""
+    single = sample_groups(config, engine, engine_thread, [t for t in tasks if t.source not in specs],
+                           temperature=temperature)
+    episodic = [t for t in tasks if t.source in specs]
+    if not episodic:
+        return single, None
+    try:
+        check_templates(engine, specs)
+    except ConfigError as err:
+        return single, Template(refused=str(err), departures=[], turns=0)
+    t0 = time.perf_counter()
+    played, refused = play_groups(config, engine, engine_thread, episodic, specs=specs, temperature=temperature)
+    play_s = time.perf_counter() - t0
+    found = [d for p in played for d in departures(engine.tokenizer, p, spec=specs[p.task.source],
+                                                   eos_ids=engine.eos_ids)]
+    by_id = {g.id: g for g in single.groups} | {p.group.id: p.group for p in played}
+    sampled = dataclasses.replace(single, groups=[by_id[t.id] for t in tasks if t.id in by_id],
+                                  sample_s=single.sample_s + play_s)
+    return sampled, Template(refused=refused[0] if refused else None, departures=found,
+                             turns=sum(e.turns for p in played for e in p.episodes))
+
+
+def run(config: Config, *, prompts: int, engine_model: str | None = None, engine_temperature: float | None = None,
+        ranks: int = 1) -> int:
+    """The check; prints its lines and returns the exit status (0: ok, 1: a problem). `ranks`: the
+    trainer's, over which FSDP2 shards its weights and optimizer state."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the check's lines, not loading bars
-    if prompts < 1:
-        raise Stop("--prompts must be at least 1", code=2)
+    if prompts < 1 or ranks < 1:
+        raise Stop("--prompts and --trainer-ranks must be at least 1", code=2)
     if config.trainer.objective != "grpo":
         raise Stop(f"trainer.objective = {config.trainer.objective!r}: nothing is sampled to check", code=2)
-    tasks, played = draw_prompts(config, count=prompts)
+    tasks = draw_prompts(config, count=prompts)
+    specs = environment_specs(config)
     if engine_model is not None:  # the engine on other weights; the trainer's side stays on model.path
         config_for_engine = config.model_copy(update={"model": config.model.model_copy(update={"path": engine_model})})
     else:
         config_for_engine = config
     temperature = config.rollout.temperature if engine_temperature is None else engine_temperature
-    engine = open_engine_for(config_for_engine, seed=config.generator.seed)
-    sampled = sample_groups(config, engine, tasks, temperature=temperature)
-    del engine
+    # The engine lives in one thread, as in a generator: created there, every call made there.
+    engine_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    try:
+        engine = engine_thread.submit(open_engine_for, config_for_engine, seed=config.generator.seed).result()
+        sampled, template = generate(config, engine, engine_thread, tasks, specs=specs, temperature=temperature)
+        del engine
+    finally:
+        engine_thread.shutdown()
+    if not sampled.groups:  # every prompt's episodes stopped by the template: nothing for the trainer
+        for line in template_problems(template)[0]:
+            print(f"check: FAILED: {line}")
+        return 1
     model = open_trainer_model(config)
     mismatch = trainer_mismatch(config, model, sampled.groups, temperature=config.rollout.temperature)
     fitted = None
     bound, max_ratio = BOUNDS[config.model.dtype]
     if mismatch.log_ratio.numel() and float(mismatch.log_ratio.abs().mean()) > bound:
         fitted = fitted_temperature(config, model, sampled.groups)
+    memory = measure_memory(config, model, sampled.groups) if sampled.groups else None
     sources = sorted({t.source for t in tasks if t.source})
     print(f"check: {len(tasks)} prompts from {', '.join(sources)}, {config.rollout.group_size} completions each, "
           f"{sampled.engine} engine at temperature {temperature:g}"
           f"{f' on {Path(engine_model)}' if engine_model else ''}; trainer {config.model.dtype} on "
           f"{next(model.parameters()).device.type} at rollout.temperature {config.rollout.temperature:g}", flush=True)
-    if played:
-        print(f"check: left out: {', '.join(played)} (multi-turn episodes are not checked)")
-    for line in figure_lines(config, sampled, mismatch):
+    for line in figure_lines(config, sampled, mismatch, template=template, memory=memory, ranks=ranks):
         print(line)
     problems = mismatch_problems(mismatch, fitted=fitted, temperature=config.rollout.temperature,
                                  dtype=config.model.dtype)
     reward_issues, warnings = reward_problems(sampled.groups)
-    for line in warnings:
+    template_issues, template_warnings = template_problems(template)
+    for line in warnings + template_warnings:
         print(f"check: warning: {line}")
-    for line in problems + reward_issues:
+    for line in problems + reward_issues + template_issues:
         print(f"check: FAILED: {line}")
-    if problems or reward_issues:
+    if problems or reward_issues or template_issues:
         return 1
     lr = mismatch.log_ratio
     print(f"check: ok (mean |log-ratio| {lr.abs().mean():.1e} <= {bound}, "
-          f"ratio max {lr.exp().max():.3f} <= {max_ratio}, rewards scored without errors)")
+          f"ratio max {lr.exp().max():.3f} <= {max_ratio}, rewards scored without errors"
+          f"{', episodes as the chat template renders them' if template is not None else ''})")
     return 0

@@ -138,8 +138,9 @@ def parser() -> argparse.ArgumentParser:
     rp.add_argument("--stream", action="append", choices=["samples", "prompts", "weights"],
                     help="replay only this stream of the file (repeat for several; default: all)")
     # Its flags are the checks process's own (`rollouts check --help` prints them): main passes them on.
-    sub.add_parser("check", help="before a long run: sample a few groups as the generators do and say "
-                   "whether the trainer's log-probs and the rewards agree with them (exit 0 or 1)")
+    sub.add_parser("check", help="before a long run: sample a few groups (and play episodes) as the generators "
+                   "do and say whether the trainer's log-probs, the rewards and the chat template agree with them, "
+                   "and the trainer's memory per rank (exit 0 or 1)")
     # Its flags too are its own process's (`rollouts view --help`): main passes them on.
     sub.add_parser("view", help="a local web page over the run's sample groups, token by token, coloured by "
                    "advantage or behaviour log-prob (the samples stream, or a recording), until Ctrl-C")

@@ -134,17 +134,23 @@ def chat_prompt_ids(tokenizer, task) -> list[int]:
     return tokenizer.encode(task.text)
 
 
-def episode_prompt_ids(tokenizer, task, *, system: str | None, tools: list[dict] | None) -> list[int]:
-    """An episode's prompt ids: the environment's system message (before the prompt's own, if it
-    has one), the prompt's messages (a plain-text prompt as one user message), the tools' schemas
-    for templates that render them, and the generation prompt."""
+def episode_messages(task, *, system: str | None) -> list[dict[str, str]]:
+    """An episode's opening messages: the environment's system message (before the prompt's own,
+    if it has one), then the prompt's messages (a plain-text prompt as one user message)."""
     messages = list(task.messages) if task.messages is not None else [{"role": "user", "content": task.text}]
     if system is not None:
         if messages[0]["role"] == "system":
             messages[0] = {"role": "system", "content": f"{system}\n\n{messages[0]['content']}"}
         else:
             messages.insert(0, {"role": "system", "content": system})
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    return messages
+
+
+def episode_prompt_ids(tokenizer, task, *, system: str | None, tools: list[dict] | None) -> list[int]:
+    """An episode's prompt ids: its opening messages (episode_messages), the tools' schemas for
+    templates that render them, and the generation prompt."""
+    text = tokenizer.apply_chat_template(episode_messages(task, system=system), tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -27,9 +27,10 @@ generator's engine loop, which batches it with everything else running).
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -37,6 +38,9 @@ from common.messages import Completion
 from engines.base import Sampled, turn_ids
 from envs.base import Spec
 from generators.environments import EnvRunner
+
+if TYPE_CHECKING:
+    from common.config import Config
 
 # (running ids, max new tokens) -> the model's sampled turn
 Sample = Callable[[list[int], int], Awaitable[Sampled]]
@@ -49,6 +53,14 @@ class EpisodeLimits:
     max_new_tokens: int  # tokens of one model turn
     turn_timeout_s: float  # one environment call (start or step)
     episode_timeout_s: float  # the whole episode, checked between turns
+
+
+def episode_limits(config: Config, names: Collection[str]) -> dict[str, EpisodeLimits]:
+    """{source name: its episodes' limits} of the sources in `names` (those with an environment)."""
+    return {s.name: EpisodeLimits(max_turns=s.max_turns, max_tokens=s.max_episode_tokens,
+                                  max_new_tokens=config.rollout.max_new_tokens, turn_timeout_s=s.turn_timeout_s,
+                                  episode_timeout_s=s.episode_timeout_s)
+            for s in config.sources if s.name in names}
 
 
 @dataclass
@@ -64,6 +76,9 @@ class Episode:
     errors: list[str] = field(default_factory=list)  # environment steps that failed (answered with an error)
     finish: str = ""
     reward_error: str | None = None  # the environment could not start: no reward
+    # The messages of each environment turn appended, in order (not written with the group: what
+    # `rollouts check` renders with the chat template to compare with `ids`)
+    env_turns: list[list[dict[str, str]]] = field(default_factory=list)
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         """Append the model's turn (with its log-probs) or the environment's (logprobs None)."""
@@ -121,6 +136,7 @@ async def run_episode(*, sample: Sample, envs: EnvRunner, spec: Spec, tokenizer,
             ep.finish = "length"
             return ep
         ep.add(env_ids, None)
+        ep.env_turns.append(messages)
 
 
 async def run_episodes(n: int, **kwargs) -> list[Episode]:

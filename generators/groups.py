@@ -16,7 +16,9 @@ from common.messages import Completion, SampleGroup
 from common.rewards import prompt_text
 from common.shaping import zero_variance
 from engines.base import Engine, Finished, Sampled, episode_prompt_ids
-from generators.episodes import run_episodes
+from envs.base import Spec
+from generators.environments import EnvRunner
+from generators.episodes import Episode, EpisodeLimits, Sample, run_episodes
 from generators.inflight import group_versions
 from generators.prompts import drop_group, publish
 from generators.scoring import RewardRunner
@@ -107,21 +109,10 @@ async def play_and_publish(g: Generator, state: State, held: Held) -> None:
     assert g.envs is not None, "a prompt to play, but no environment runner"
     task = held.task
     assert task.source is not None, f"prompt {task.id}: played, but it names no source"
-    spec, limits = g.specs[task.source], g.episode_limits[task.source]
     try:
-        prompt_ids = episode_prompt_ids(g.engine.tokenizer, task, system=spec.system, tools=spec.tools)
-        room = g.engine.context_length - len(prompt_ids)  # the episode must fit the model's positions
-        assert room > 0, f"prompt {task.id}: {len(prompt_ids)} tokens fill the model's context"
-        limits = dataclasses.replace(limits, max_tokens=min(limits.max_tokens, room))
-        played = await run_episodes(task.n, sample=partial(sample_turn, g, state), envs=g.envs, spec=spec,
-                                    tokenizer=g.engine.tokenizer, prompt_ids=prompt_ids, meta=task.meta,
-                                    limits=limits)
-        t0 = time.perf_counter()
-        completions = [ep.completion(g.engine.decode(ep.ids)) for ep in played]
-        group = SampleGroup(
-            id=task.id, prompt_id=task.id, prompt_ids=prompt_ids, version=held.version, generator=g.id,
-            engine=g.engine.name, completions=completions,
-            timings={"queue": held.added_at - held.taken_at, "generate": t0 - held.added_at, "reward": 0.0})
+        group, played = await play(g.engine, g.envs, held, spec=g.specs[task.source],
+                                   limits=g.episode_limits[task.source], sample=partial(sample_turn, g, state),
+                                   generator_id=g.id)
         # weights are not loaded while episodes play: what the state says of its version holds
         group = dataclasses.replace(group, published_at=state.published.get(group.newest_version, 0.0))
         drop = drops(g, group)
@@ -140,8 +131,28 @@ async def play_and_publish(g: Generator, state: State, held: Held) -> None:
     for err in step_errors[:1]:
         print(f"{g.name}: environment error ({len(step_errors)} in group {group.id}): {err}",
               file=sys.stderr, flush=True)
-    written(g, state, held, group, [f"prompt {task.id}: {c.reward_error}" for c in completions
+    written(g, state, held, group, [f"prompt {task.id}: {c.reward_error}" for c in group.completions
                                     if c.reward_error is not None], drop=drop)
+
+
+async def play(engine: Engine, envs: EnvRunner, held: Held, *, spec: Spec, limits: EpisodeLimits, sample: Sample,
+               generator_id: str) -> tuple[SampleGroup, list[Episode]]:
+    """A prompt's n episodes, played within the model's context with `sample` taking each model
+    turn, as its group (version: the held prompt's) and the episodes themselves."""
+    task = held.task
+    prompt_ids = episode_prompt_ids(engine.tokenizer, task, system=spec.system, tools=spec.tools)
+    room = engine.context_length - len(prompt_ids)  # the episode must fit the model's positions
+    assert room > 0, f"prompt {task.id}: {len(prompt_ids)} tokens fill the model's context"
+    limits = dataclasses.replace(limits, max_tokens=min(limits.max_tokens, room))
+    played = await run_episodes(task.n, sample=sample, envs=envs, spec=spec, tokenizer=engine.tokenizer,
+                                prompt_ids=prompt_ids, meta=task.meta, limits=limits)
+    t0 = time.perf_counter()
+    completions = [ep.completion(engine.decode(ep.ids)) for ep in played]
+    group = SampleGroup(
+        id=task.id, prompt_id=task.id, prompt_ids=prompt_ids, version=held.version, generator=generator_id,
+        engine=engine.name, completions=completions,
+        timings={"queue": held.added_at - held.taken_at, "generate": t0 - held.added_at, "reward": 0.0})
+    return group, played
 
 
 async def sample_turn(g: Generator, state: State, ids: list[int], max_new_tokens: int) -> Sampled:

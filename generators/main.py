@@ -69,7 +69,7 @@ from envs.base import Spec
 from generators import devices
 from generators.engine_loop import engine_loop, watch_weights
 from generators.environments import EnvRunner, environment_specs
-from generators.episodes import EpisodeLimits
+from generators.episodes import episode_limits
 from generators.groups import episodes, scoring
 from generators.heartbeat import heartbeats, signals
 from generators.intake import intake
@@ -183,10 +183,7 @@ async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, eng
     finished_send, finished = trio.open_memory_channel[tuple[Finished, Held]](math.inf)
     episodes_send, episodes_in = trio.open_memory_channel[Held](math.inf)
     specs = specs or {}
-    limits = {s.name: EpisodeLimits(max_turns=s.max_turns, max_tokens=s.max_episode_tokens,
-                                    max_new_tokens=rollout.max_new_tokens, turn_timeout_s=s.turn_timeout_s,
-                                    episode_timeout_s=s.episode_timeout_s)
-              for s in config.sources if s.name in specs}
+    limits = episode_limits(config, specs)
     g = Generator(
         id=generator_id, r=r, keys=keys, settings=gen, trainer=config.trainer, limits=config.limits,
         sampling=SamplingSettings(n=1, max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,

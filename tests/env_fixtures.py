@@ -107,3 +107,18 @@ class FirstStartFails:
     @staticmethod
     def step(state: int, text: str) -> Step:
         return Step(state=state, done=True, reward=1.0, rewards={"done": 1.0})
+
+
+class Chat:
+    """Answers every model turn as the user ("Go on."), its failures as a tool (the default
+    error_role), and never ends the episode (limits end it): a chat partner, as a game is."""
+
+    system = None
+
+    @staticmethod
+    def start(meta: dict[str, Any]) -> int:
+        return 0
+
+    @staticmethod
+    def step(state: int, text: str) -> Step:
+        return Step(state=state + 1, messages=[{"role": "user", "content": "Go on."}])

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,6 +28,56 @@ def check_config(tmp_path: Path, model: Path, *, reward: str = "tests.reward_fix
                  rollout={"group_size": 4, "max_new_tokens": 16, "temperature": 1.0},
                  data={"sources": [{"name": "arith", "kind": "arithmetic", "reward": reward}]})
     return path
+
+
+def episode_config(tmp_path: Path, model: Path, *, environment: str = "tests.env_fixtures:Echo") -> Path:
+    """check_config with a second source that plays episodes: the environment (a tool, by default)
+    answers each model turn until the model has taken 3."""
+    path = tmp_path / "run.toml"
+    write_config(path, run="check", output_dir=tmp_path / "out", model=model, base={}, generator={"engine": "hf"},
+                 rollout={"group_size": 4, "max_new_tokens": 16, "temperature": 1.0},
+                 data={"sources": [{"name": "arith", "kind": "arithmetic", "reward": "tests.reward_fixtures:length"},
+                                   {"name": "tool", "kind": "arithmetic", "environment": environment,
+                                    "max_turns": 3}]})
+    return path
+
+
+# A template that keeps the content of the last assistant turn only, as Qwen3's keeps the reasoning
+# of the turns after the last user message only: each turn is sampled after the whole history, the
+# conversation re-templated at the end has the earlier turns empty. The generator's test of the
+# template (engines.base.turn_ids: one assistant turn, then the environment's) lets it through.
+DROPS_EARLIER_TURNS = (
+    "{% set ns = namespace(last=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] != 'assistant' or loop.index0 == ns.last %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# Qwen3's way with history itself (its template keeps an assistant turn's reasoning only after the
+# last user message), taken to the whole turn: an assistant turn before the last user message is
+# rendered empty. Followed by a tool's message it keeps its content, so the generator's start-up
+# test with the error role "tool" lets it through; an environment that answers as the user stops
+# the generator at its first answer (engines.base.turn_ids refuses the turn).
+DROPS_TURNS_BEFORE_THE_USER = (
+    "{% set ns = namespace(last=-1) %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] != 'assistant' or loop.index0 > ns.last %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def with_template(model: Path, dest: Path, template: str) -> Path:
+    """A copy of `model` whose tokenizer has chat template `template`."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(model, dest)
+    tok = AutoTokenizer.from_pretrained(dest)
+    tok.chat_template = template
+    tok.save_pretrained(dest)
+    return dest
 
 
 def check(tmp_path: Path, config: Path, *args: str) -> subprocess.CompletedProcess:
@@ -48,6 +100,16 @@ def test_a_right_config_passes_with_its_figures(tmp_path, tiny_model):
                   "rewards    12 completions, 0 errors, constant no, zero-variance groups ", "time       sampling ",
                   "estimate   at prompts_per_step 8: "):
         assert any(line.startswith(label) for line in lines), (label, done.stdout)
+    assert not any(line.startswith("template ") for line in lines)  # no source plays episodes
+    # the trainer's memory per rank: its parts, each positive and said measured or arithmetic
+    [memory] = [line for line in lines if line.startswith("memory     ")]
+    found = re.fullmatch(r"memory     trainer about ([\d.]+) (\w+) per rank at micro-batches of 8 x (\d+) tokens: "
+                         r"weights, gradients and AdamW ([\d.]+) (\w+) \(16 B/param x [\d.]+M, arithmetic\) \+ "
+                         r"activations ([\d.]+) (\w+) \(measured ([\d.]+) (\w+) over one forward and backward of "
+                         r"(\d+) positions on cpu, scaled to (\d+)\)", memory)
+    assert found, memory
+    assert all(float(found[i]) > 0 for i in (1, 3, 4, 6, 8, 10, 11)), memory
+    assert int(found[11]) == 8 * int(found[3])  # 8 rows of the longest prompt and max_new_tokens
     assert lines[-1].startswith("check: ok (mean |log-ratio| ")
     assert failures(done.stdout) == []
 
@@ -82,6 +144,39 @@ def test_a_reward_that_always_raises_fails_with_its_error(tmp_path, tiny_model):
     [reason] = failures(done.stdout)  # the log-probs agree: only the rewards fail
     assert reason.startswith("rewards: every completion's reward raised: ")
     assert "the grader is down" in reason
+
+
+def test_episodes_through_a_template_that_keeps_earlier_turns_pass(tmp_path, tiny_model):
+    done = check(tmp_path, episode_config(tmp_path, tiny_model), "--prompts", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert re.match(r"check: \d+ prompts from arith, tool, 4 completions each, ", lines[0]), lines[0]
+    [template] = [line for line in lines if line.startswith("template   ")]
+    found = re.fullmatch(r"template   preserves earlier turns: yes \((\d+) episodes, (\d+) turns\)", template)
+    assert found and int(found[1]) >= 4 and int(found[2]) == 3 * int(found[1]), template  # 3 model turns each
+    assert failures(done.stdout) == []
+
+
+def test_a_template_that_drops_earlier_turns_fails_saying_where(tmp_path, tiny_model):
+    model = with_template(tiny_model, tmp_path / "dropping", DROPS_EARLIER_TURNS)
+    done = check(tmp_path, episode_config(tmp_path, model), "--prompts", "2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    [reason] = failures(done.stdout)  # the log-probs and rewards agree: only the template fails
+    assert reason.startswith("template: episode tool:"), reason
+    # where: an earlier model turn (the first, unless it was empty), left out once a later one follows
+    assert re.search(r"differ at token \d+ \(model turn [12] of 3\)", reason), reason
+    assert "a trainer that re-applies the template to the conversation trains on other tokens" in reason
+
+
+def test_a_template_that_stops_the_generator_mid_episode_fails_saying_so(tmp_path, tiny_model):
+    model = with_template(tiny_model, tmp_path / "dropping", DROPS_TURNS_BEFORE_THE_USER)
+    done = check(tmp_path, episode_config(tmp_path, model, environment="tests.env_fixtures:Chat"), "--prompts", "2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    [reason] = failures(done.stdout)
+    assert reason == ("template: source 'tool': environment 'tests.env_fixtures:Chat' with the model's chat "
+                      "template: the chat template renders an assistant turn differently once other turns follow "
+                      "it; an episode cannot be extended token by token with it (a generator stops there)")
+    assert "template   refused: " in done.stdout and "Traceback" not in done.stderr
 
 
 # ---------------------------------------------------------------------- the verdict's rules
@@ -124,3 +219,62 @@ def test_reward_problems_by_hand():
         "rewards: 1 of 4 completions' rewards failed: timeout"]
     assert reward_problems([group_of(0.0, 0.0), group_of(0.0, 0.0)]) == (
         [], ["rewards: every completion scored 0: no group teaches anything yet"])
+
+
+def episode_row(tok, turns: list[list[int]], env: list[dict[str, str]]) -> tuple[list[int], int, list[int]]:
+    """(row, prompt length, loss mask) of an episode built as the generator builds it: the prompt,
+    then each model turn's ids as given, `env`'s message (engines.base.turn_ids) between them."""
+    from engines.base import turn_ids
+
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Go."}], tokenize=False,
+                                                add_generation_prompt=True), add_special_tokens=False)
+    ids, mask = [], []
+    for i, turn in enumerate(turns):
+        ids, mask = ids + turn, mask + [1] * len(turn)
+        if i < len(turns) - 1:
+            glue = turn_ids(tok, env, eos_id=turn[-1] if turn[-1] == tok.eos_token_id else None)
+            ids, mask = ids + glue, mask + [0] * len(glue)
+    return prompt + ids, len(prompt), mask
+
+
+def test_an_episode_against_its_template_by_hand(tiny_model):
+    from transformers import AutoTokenizer
+
+    from checks.episodes import departure
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    eos, end_of_text = tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")
+    one, two = tok.encode("1", add_special_tokens=False), tok.encode("2", add_special_tokens=False)
+    twelve = one + two  # "12" as "1" then "2": encoding the text again gives one token, the text is the same
+    assert tok.encode("12", add_special_tokens=False) != twelve
+    turns = [tok.encode("What is", add_special_tokens=False) + twelve + [eos],  # stopped at its eos
+             tok.encode(" 3 + 4", add_special_tokens=False),  # cut at max_new_tokens: no eos
+             tok.encode("The answer is 7.", add_special_tokens=False) + [end_of_text]]  # another stop token
+    env = [{"role": "tool", "content": "turn 0: 12 + 34"}]
+    row, prompt, mask = episode_row(tok, turns, env)
+    same = partial(departure, tok, opening=[{"role": "user", "content": "Go."}], tools=None, row=row,
+                   prompt=prompt, mask=mask, env_turns=[env, env], eos_ids=[eos, end_of_text], name="g #1")
+    assert same() is None  # the tiny model's template renders the conversation as the ids were sampled
+
+    tok.chat_template = DROPS_EARLIER_TURNS
+    row, prompt, mask = episode_row(tok, turns, env)  # its turn ids are the same: it keeps the last turn
+    d = departure(tok, opening=[{"role": "user", "content": "Go."}], tools=None, row=row, prompt=prompt, mask=mask,
+                  env_turns=[env, env], eos_ids=[eos, end_of_text], name="g #1")
+    assert (d.episode, d.token, d.where) == ("g #1", prompt, "model turn 1 of 3")  # the first turn's first token
+    assert d.before.endswith("<|im_start|>assistant\n") and d.sampled.startswith("What is12<|im_end|>")
+    assert d.templated.startswith("<|im_end|>\n<|im_start|>tool\nturn 0")
+
+
+def test_the_memory_line_by_hand():
+    from checks.memory import Memory, memory_line, state_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 10).to(torch.bfloat16))
+    model[1].requires_grad_(False)  # frozen, as a LoRA's base: its weights only
+    assert state_bytes(model) == (110 * 4 * 4 + 110 * 2, 220)
+    memory = Memory(state=16_000_000_000, params=1_000_000_000, reference=0, measured=50_000_000, positions=500,
+                    target=4000, rows=8, row_tokens=500, device="cuda")
+    assert memory.activations() == 400_000_000
+    assert memory_line(memory, ranks=4) == (
+        "memory     trainer about 4.4 GB per rank at micro-batches of 8 x 500 tokens: weights, gradients and "
+        "AdamW 4 GB (16 B/param x 1e+03M / 4 ranks, arithmetic) + activations 400 MB (measured 50 MB over one "
+        "forward and backward of 500 positions on cuda, scaled to 4000)")
