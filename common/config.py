@@ -805,6 +805,9 @@ class EvalConfig(_Section):
     retries: int = Field(2, ge=0)
     # Seconds one evaluation job may run.
     timeout_s: int = Field(900, ge=1)
+    # The engine it samples with: "generator" (the generators' generator.engine, with their memory
+    # and parallelism settings; a server engine's runs evaluate on "hf"), or "hf" / "vllm" / "auto".
+    engine: Literal["generator", "auto", "hf", "vllm"] = "generator"
 
 
 class LimitsConfig(_Section):

@@ -51,9 +51,12 @@ class EvalRequest:
     pass_reward: float  # a completion passes when its reward is at least this
     dtype: str  # the engine's dtype (model.dtype)
     evals_path: str  # JSONL file the result is appended to; "" for none
+    engine: str  # the engine to sample with ("auto", "hf", "vllm": eval.engine, or generator.engine)
+    engine_settings: dict  # the [generator] table the engine is opened with (memory, parallelism, threads)
 
 
-_KINDS = {"int": int, "str": str, "float": (int, float), "list[dict]": list, "dict[str, str]": dict}  # JSON's types
+_KINDS = {"int": int, "str": str, "float": (int, float), "list[dict]": list, "dict[str, str]": dict,
+          "dict": dict}  # JSON's types
 assert {f.type for f in fields(EvalRequest)} <= set(_KINDS), "an EvalRequest field type has no JSON check"
 
 
@@ -64,15 +67,30 @@ def eval_queue(r: redis.Redis, keys: Keys) -> Queue:
 def enqueue_eval(r: redis.Redis, config: Config, wv: WeightVersion) -> Job:
     """Queue the evaluation of the checkpoint `wv` names on the held-out problems."""
     keys, ev = Keys(config.run), config.eval
-    request = EvalRequest(
+    request = eval_request(config, wv)
+    return eval_queue(r, keys).enqueue_call(
+        JOB_FUNCTION, kwargs={"spec": asdict(request)}, timeout=ev.timeout_s, job_id=f"{config.run}-eval-v{wv.version}",
+        retry=Retry(max=ev.retries) if ev.retries else None, description=f"evaluate {wv.path}")
+
+
+def eval_request(config: Config, wv: WeightVersion) -> EvalRequest:
+    """The evaluation of the checkpoint `wv` names, as the run's config asks for it."""
+    ev = config.eval
+    return EvalRequest(
         run=config.run, version=wv.version, step=wv.step, path=wv.path, checksums=wv.checksums,
         prompts=ev.prompts, seed=ev.seed, pass_k=ev.pass_k, temperature=config.rollout.temperature,
         max_new_tokens=config.rollout.max_new_tokens, sources=[s.model_dump() for s in config.eval_sources],
         holdout=0.0 if config.eval.sources else config.eval.holdout, pass_reward=config.eval.pass_reward,
-        dtype=config.model.dtype, evals_path=str(config.evals_path))
-    return eval_queue(r, keys).enqueue_call(
-        JOB_FUNCTION, kwargs={"spec": asdict(request)}, timeout=ev.timeout_s, job_id=f"{config.run}-eval-v{wv.version}",
-        retry=Retry(max=ev.retries) if ev.retries else None, description=f"evaluate {wv.path}")
+        dtype=config.model.dtype, evals_path=str(config.evals_path), engine=eval_engine(config),
+        engine_settings=config.generator.model_dump(mode="json"))
+
+
+def eval_engine(config: Config) -> str:
+    """The engine the evaluator samples with (eval.engine; "generator": the generators' own, HF for a
+    server engine, which samples on a server the evaluator does not lease)."""
+    if config.eval.engine != "generator":
+        return config.eval.engine
+    return "hf" if config.generator.engine == "openai" else config.generator.engine
 
 
 def read_request(spec: dict[str, Any]) -> EvalRequest:

@@ -23,17 +23,17 @@ from rq import get_current_job
 
 from common import rewards
 from common.checkpoints import verify_dir
-from common.config import SourceConfig, source_config
+from common.config import GeneratorConfig, SourceConfig, source_config
 from common.evals import EvalRequest, EvalResult, read_request, record_eval
 from common.keys import Keys
 from common.messages import PromptTask
-from engines.base import SamplingSettings
-from engines.hf_engine import HFEngine
+from engines.base import Engine, SamplingSettings
+from engines.choice import engine_name, open_for_settings
 from tasks.rows import Prompt, eval_prompts
 
 # The worker process's one loaded engine. A job function is all RQ can call, so the state an
 # RQ worker keeps between jobs lives here; nothing else reads it.
-_ENGINE: dict[str, HFEngine] = {}
+_ENGINE: dict[str, Engine] = {}
 # Set by the worker on a stop request: the job in hand ends before its next CHUNK of problems.
 STOP = threading.Event()
 CHUNK = 8  # problems generated in one batch, between two looks at STOP
@@ -48,14 +48,20 @@ def stop_if_asked(req: EvalRequest) -> None:
         raise Interrupted(f"stopped in the middle of evaluating version {req.version}")
 
 
-def engine_for(path: str, *, version: int, dtype: str) -> HFEngine:
-    """The loaded engine with the weights of checkpoint `path` in it."""
-    engine = _ENGINE.get("engine")
+def engine_for(req: EvalRequest) -> Engine:
+    """The loaded engine (the request's, opened as a generator opens it from the same [generator]
+    table) with the weights of the checkpoint it names in it."""
+    name = engine_name(req.engine)
+    engine = _ENGINE.get(name)
     if engine is None:
-        engine = _ENGINE["engine"] = HFEngine(path, dtype=dtype)
-        engine.version = version
-    elif engine.version != version:
-        engine.load_weights(path, version=version)
+        _ENGINE.clear()  # one engine in memory: a run whose engine changed gets the new one alone
+        settings = GeneratorConfig.model_validate({**req.engine_settings, "inflight_updates": False})
+        engine = _ENGINE[name] = open_for_settings(name, req.path, settings=settings, dtype=req.dtype, seed=0,
+                                                   max_running=CHUNK * max(req.pass_k, 1))
+        engine.version = req.version
+        print(f"evaluator: the {name} engine ({req.dtype}) on {req.path}", flush=True)
+    elif engine.version != req.version:
+        engine.load_weights(req.path, version=req.version)
     return engine
 
 
@@ -63,7 +69,6 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
     """Greedy pass@1 (and sampled pass@k if asked) of a checkpoint on each evaluation source's
     problems, scored by the source's own reward functions; the result (as written to the metrics
     stream) is also the job's return value."""
-    t0 = time.monotonic()
     req = read_request(spec)
     keys = Keys(req.run)
     r = get_current_job().connection
@@ -73,9 +78,15 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
         # (retrying cannot bring them back).
         return report(r, keys, EvalResult(step=req.step, version=req.version,
                                           skipped="checkpoint pruned before its evaluation ran"), req)
+    return report(r, keys, evaluate(req), req)
+
+
+def evaluate(req: EvalRequest) -> EvalResult:
+    """Score the checkpoint `req` names on each of its sources (Interrupted if asked to stop)."""
+    t0 = time.monotonic()
     verify_dir(req.path, req.checksums)  # a bad checkpoint fails the job (and is retried)
     stop_if_asked(req)
-    engine = engine_for(req.path, version=req.version, dtype=req.dtype)
+    engine = engine_for(req)
     by_source: dict[str, dict[int, list[bool]]] = {}
     for spec_source in req.sources:
         stop_if_asked(req)
@@ -88,15 +99,14 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
         if problems:
             by_source[source.name] = score_source(engine, source, problems, req)
     everything = {k: [hit for hits in by_source.values() for hit in hits[k]] for k in (1, req.pass_k) if k}
-    result = EvalResult(step=req.step, version=req.version, prompts=len(everything[1]),
-                        pass_at={k: sum(hits) / max(len(hits), 1) for k, hits in everything.items()},
-                        by_source={name: {k: sum(h) / len(h) for k, h in hits.items()}
-                                   for name, hits in by_source.items()},
-                        seconds=time.monotonic() - t0)
-    return report(r, keys, result, req)
+    return EvalResult(step=req.step, version=req.version, prompts=len(everything[1]),
+                      pass_at={k: sum(hits) / max(len(hits), 1) for k, hits in everything.items()},
+                      by_source={name: {k: sum(h) / len(h) for k, h in hits.items()}
+                                 for name, hits in by_source.items()},
+                      seconds=time.monotonic() - t0)
 
 
-def score_source(engine: HFEngine, source: SourceConfig, problems: list[Prompt],
+def score_source(engine: Engine, source: SourceConfig, problems: list[Prompt],
                  req: EvalRequest) -> dict[int, list[bool]]:
     """{1: greedy hit per problem, k: whether any of k samples hit}; a hit is a reward of at least
     req.pass_reward from the source's reward functions (an error is a miss)."""

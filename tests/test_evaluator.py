@@ -5,6 +5,7 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from rq.registry import FailedJobRegistry
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -16,13 +17,17 @@ from common.keys import Keys
 from common.messages import WeightVersion
 from common.metrics import read_metrics_stream
 from tasks.rows import eval_prompts
+from tests.harness.needs import need
 from tests.harness.processes import spawn
 
 RUN = "ev"
 
 
-def config(redis_url, **eval_fields):
+def config(redis_url, engine="hf", **eval_fields):
+    """The run's config; the evaluator samples with the generators' engine (HF unless a test asks:
+    it loads in a second, vLLM in tens on a CPU)."""
     return config_from_dict({"run": RUN, "redis_url": redis_url, "rollout": {"max_new_tokens": 6},
+                             "generator": {"engine": engine},
                              "eval": {"every": 1, "prompts": 4, "retries": 1, **eval_fields}})
 
 
@@ -62,8 +67,10 @@ def burst_worker(tmp_path, redis_url) -> int:
     return proc.wait(timeout=180)
 
 
-def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(tmp_path, redis_url, r, tiny_model):
-    cfg = config(redis_url, pass_k=2)
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(engine, tmp_path, redis_url, r, tiny_model):
+    need(engine)
+    cfg = config(redis_url, engine, pass_k=2)
     # the held-out problems of the run's own task (built-in arithmetic), and a checkpoint that
     # answers each of them with the answer most of them share: it gets those right, the others wrong
     [source] = cfg.sources
@@ -79,6 +86,8 @@ def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(tmp_path, redis_ur
     assert json.loads(zlib.decompress(r.hget(f"rq:job:{job.id}", "data")))
 
     assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
+    # on the generators' engine, opened from their [generator] table
+    assert f"evaluator: the {engine} engine (float32)" in (tmp_path / "evaluator.log").read_text()
     [result] = read_metrics_stream(r, Keys(RUN))
     assert result["kind"] == "eval" and result["version"] == 3 and result["eval/prompts"] == 4
     req = read_request(job.kwargs["spec"])
@@ -202,6 +211,7 @@ def test_gsm8k_test_split_and_a_trl_reward_per_source_from_local_files(tmp_path,
     gsm8k = {"name": "gsm8k", "path": str(test_split), "split": "test", "template": "{question}",
              "answer_column": "answer", "answer_extractor": "gsm8k"}
     cfg = config_from_dict({"run": RUN, "redis_url": redis_url, "rollout": {"max_new_tokens": 4},
+                            "generator": {"engine": "hf"},
                             "eval": {"every": 1, "prompts": 3, "pass_k": 2, "sources": [
                                 gsm8k, {**gsm8k, "name": "easy", "reward_funcs": ["tests.reward_fixtures:always"]}]}})
     assert cfg.holdout == 0.0  # evaluation sources of their own: the training sources keep every problem
@@ -257,3 +267,15 @@ def test_asking_more_problems_than_a_synthetic_task_holds_gives_every_held_out_o
     assert {p.messages[-1]["content"] for p in held} == expected, (len(held), len(expected))
     # the task is exhausted well before count * 200 / holdout (8 million) draws
     assert draws["n"] < 100_000, draws
+
+
+def test_the_evaluator_samples_with_the_generators_engine_unless_eval_engine_says_otherwise():
+    from common.evals import eval_engine
+
+    def engine(generator: dict, **ev) -> str:
+        return eval_engine(config_from_dict({"generator": generator, "eval": ev}))
+
+    assert engine({"engine": "vllm"}) == "vllm" and engine({}) == "auto" and engine({"engine": "hf"}) == "hf"
+    assert engine({"engine": "vllm"}, engine="hf") == "hf"
+    # a server engine samples on a server the evaluator does not lease: the evaluator uses HF
+    assert engine({"engine": "openai", "server_url": "http://127.0.0.1:1"}) == "hf"

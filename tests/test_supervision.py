@@ -189,7 +189,10 @@ def test_ctrl_c_stops_the_evaluator_between_problems_and_its_job_goes_back_on_th
                  procs=[run])
         # an evaluation far longer than the grace: 2000 problems of 32 tokens (arithmetic's default
         # operands hold only 48 held-out problems; up to 1000 they hold 100,000)
+        # (the HF engine: it loads in a second, inside the grace; the stop between problems is the
+        # evaluator's, whichever engine samples)
         config = config_from_dict({"run": RUN, "redis_url": f"redis://127.0.0.1:{port}/0",
+                                   "generator": {"engine": "hf"},
                                    "rollout": {"max_new_tokens": 32}, "eval": {"every": 1, "prompts": 2000},
                                    "data": {"sources": [{"kind": "arithmetic", "name": "arithmetic",
                                                               "max_operand": 1000}]}})
