@@ -24,7 +24,6 @@ from pathlib import Path
 
 import redis
 import torch
-from transformers import AutoModelForCausalLM
 
 from common.checkpoints import WEIGHTS_FILE, checksum_dir, prune_steps, verify_dir, write_safetensors
 from common.config import LoraConfig
@@ -34,24 +33,13 @@ from common.progress import GoneBack, add_gone_back, count_trained, read_trainer
 from common.streams import announce_weights, latest_weights
 from common.trim import trim_acknowledged
 from trainer.devices import Placement
+from trainer.loading import load_model, placed_model  # load_model: the whole model on the host (LoRA, tools)
 from trainer.lora import apply_lora, hf_model, is_lora, merged_state_dict, scale_of
 from trainer.parallel import full_state_dict, is_main, parallelize, say
 from trainer.schedule import build_scheduler
 from trainer.state import load_state, save_state, state_dir
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
-
-
-def load_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The model in checkpoint directory `path`, in `dtype`, from its safetensors only: a pickled
-    `pytorch_model.bin` can run code when loaded, so a directory without safetensors is refused."""
-    from common.models import ModelError
-
-    if not any(Path(path).glob("*.safetensors")):
-        found = ", ".join(sorted(p.name for p in Path(path).glob("*.bin"))) or "no weights"
-        raise ModelError(f"model at {path}: no .safetensors weights ({found}); the trainer loads safetensors "
-                         "only, never pickle: save the model with save_pretrained(..., safe_serialization=True)")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
 
 
 def place(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
@@ -262,10 +250,10 @@ def resume(r: redis.Redis, keys: Keys, *, where: Placement, source_dir: Path, st
     them alone. Rank 0 records the step in the trainer hash as both steps done and published version,
     and, where the run had published past it, the highest version it had (`version_max`)."""
     step, weights = resume_point(r, keys, source_dir=source_dir, state_root=state_root)
-    model = load_model(weights, where.weights_dtype)
-    if lora is not None and lora.rank:
-        model = apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                           target_modules=lora.target_modules)
+    adapted = lora is not None and lora.rank > 0
+    if adapted:  # peft adapts a loaded model: every rank holds the whole base model once
+        model = apply_lora(load_model(weights, where.weights_dtype), rank=lora.rank, alpha=lora.alpha,
+                           dropout=lora.dropout, target_modules=lora.target_modules)
     if is_main():  # the newest published weights (the initial ones are 0); going back, the highest published
         had = read_trainer(r, keys)
         above = max(had.version_max, had.version)
@@ -274,7 +262,8 @@ def resume(r: redis.Redis, keys: Keys, *, where: Placement, source_dir: Path, st
         if above > step:  # the versions above `step` will mean other weights: from when on, recorded
             add_gone_back(pipe, keys, going_back(r, keys, step=step, upto=above))
         pipe.execute()
-    model = place(model, where)  # on its device; FSDP2 under torchrun
+    # on its device (FSDP2 under torchrun), each rank reading only its own shards
+    model = place(model, where) if adapted else placed_model(weights, where)
     trained = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters
     optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)
     scheduler = build_scheduler(optimizer, schedule=lr_schedule, warmup_steps=warmup_steps, total_steps=total_steps)

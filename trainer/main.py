@@ -43,8 +43,9 @@ from common.process import stop_grace_s
 from common.progress import Refused, count_refused, count_skipped, read_gone_back, read_trainer
 from common.quarantine import lift_quarantine, read_quarantines, write_quarantine
 from common.streams import connect, ensure_group
-from trainer.checkpoints import load_model, place, remove_unfinished, resume
+from trainer.checkpoints import remove_unfinished, resume
 from trainer.devices import Placement, placement
+from trainer.loading import placed_model
 from trainer.losses import kl_coef_of
 from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say, unshared
@@ -124,7 +125,7 @@ def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, w
     ref_model = None
     if kl_coef_of(cfg.loss) > 0:  # the frozen reference: the initial model
         frozen = replace(where, master_fp32=False, activation_checkpointing=False)
-        ref_model = place(load_model(source_dir, frozen.weights_dtype), frozen).eval().requires_grad_(False)
+        ref_model = placed_model(source_dir, frozen).eval().requires_grad_(False)
     return partial(train_step, how=GrpoOptions.of(cfg, rollout), ref_model=ref_model)
 
 

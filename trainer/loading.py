@@ -1,0 +1,137 @@
+"""The trainer's model, built where it will live without a whole copy in host memory first.
+
+Under torchrun each rank used to load the whole float32 model on the host and only then shard it:
+8 ranks of an 8B model held about 256 GB of host memory at start-up. Here, as torchtitan and
+prime-rl do, the model is built on PyTorch's `meta` device (no memory), its blocks and root
+sharded (FSDP2), its storage allocated on the rank's device, and each parameter's local shard read
+from the safetensors files: only the rows that rank holds (`safe_open(...).get_slice`), straight
+into its shard. A single process on CUDA reads the checkpoint onto the GPU (transformers'
+`device_map`), the host holding one tensor at a time; on the CPU the model is the host's memory
+anyway and loads as before.
+
+Non-persistent buffers (the rotary embedding's frequencies), which no checkpoint holds, are made
+on the host as the model's own constructor makes them (accelerate's `init_empty_weights` keeps
+buffers real) and copied to the device after allocation. A checkpoint that lacks one of the
+model's parameters, or holds it in another shape, is refused by name (ModelError).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from trainer.devices import Placement
+from trainer.parallel import distributed, parallelize
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """Each tensor name of the safetensors checkpoint at `path` -> the file that holds it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    found = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            found.update(dict.fromkeys(f.keys(), file))
+    return found
+
+
+def load_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The whole model in checkpoint directory `path`, in `dtype`, on the host, from its safetensors
+    only (see safetensors_only)."""
+    from transformers import AutoModelForCausalLM
+
+    safetensors_only(path)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+
+
+def placed_model(path: Path, where: Placement) -> torch.nn.Module:
+    """The model of checkpoint `path` in `where.weights_dtype`, placed as `where` says (sharded over
+    the ranks under torchrun), each rank reading only its own shards."""
+    safetensors_only(path)
+    if distributed():
+        model = sharded_from_meta(path, where)
+    elif where.device.type == "cuda":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=where.weights_dtype, use_safetensors=True,
+                                                     device_map={"": where.device})
+    else:
+        model = load_model(path, where.weights_dtype)
+    if distributed():
+        return model
+    return parallelize(model, device=where.device, compute_dtype=where.dtype,
+                       activation_checkpointing=where.activation_checkpointing)
+
+
+def safetensors_only(path: Path) -> None:
+    """Refuse a checkpoint directory without safetensors: a pickled `pytorch_model.bin` can run
+    code when loaded."""
+    from common.models import ModelError
+
+    if not any(Path(path).glob("*.safetensors")):
+        found = ", ".join(sorted(p.name for p in Path(path).glob("*.bin"))) or "no weights"
+        raise ModelError(f"model at {path}: no .safetensors weights ({found}); the trainer loads safetensors "
+                         "only, never pickle: save the model with save_pretrained(..., safe_serialization=True)")
+
+
+def sharded_from_meta(path: Path, where: Placement) -> torch.nn.Module:
+    """Build on `meta`, shard, allocate on the device, read each local shard from the files."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real (on the host)
+        model = AutoModelForCausalLM.from_config(config, dtype=where.weights_dtype)
+    model.tie_weights()  # inside the context a tie registers a parameter of its own: tie them again here
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    model = parallelize(model, device=where.device, compute_dtype=where.dtype,
+                        activation_checkpointing=where.activation_checkpointing)
+    model.to_empty(device=where.device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+        read_local_shards(model, path)
+    return model
+
+
+def read_local_shards(model: torch.nn.Module, path: Path) -> None:
+    """Copy into each parameter's local shard (a DTensor's, or the whole of a plain tensor) the rows
+    of the checkpoint's tensor of the same name that this rank holds."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from common.models import ModelError
+
+    files = checkpoint_files(path)
+    missing = [name for name, _ in model.named_parameters() if name not in files]
+    if missing:
+        raise ModelError(f"model at {path}: its checkpoint has no tensor {missing[0]!r} "
+                         f"({len(missing)} of the model's parameters missing)")
+    opened: dict[Path, object] = {}
+    try:
+        for name, p in model.named_parameters():  # a tied lm_head is the embedding's, named once
+            file = files[name]
+            f = opened.get(file) or opened.setdefault(file, safe_open(str(file), framework="pt").__enter__())
+            piece = f.get_slice(name)
+            full = tuple(piece.get_shape())
+            if full != tuple(p.shape):
+                raise ModelError(f"model at {path}: tensor {name!r} is {list(full)} in the checkpoint, "
+                                 f"{list(p.shape)} in the model")
+            if isinstance(p, DTensor):
+                local = p.to_local()
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                if local.numel() == 0:
+                    continue
+                rows = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+                local.copy_(piece[rows].to(local.dtype))
+            else:
+                p.copy_(piece[:].to(p.dtype))
+    finally:
+        for f in opened.values():
+            f.__exit__(None, None, None)
