@@ -177,19 +177,12 @@ def verify_dir(path: str | Path, checksums: dict[str, str]) -> None:
         raise CheckpointError(f"checkpoint {root}: no .safetensors file among {sorted(checksums)}")
 
 
-def pin_checkpoint(path: str | Path, checksums: dict[str, str], root: Path, name: str,
-                   keep: Path | None = None) -> Path | None:
-    """Hard links to checkpoint `path`'s listed files in `root`/`name` (every other pin under `root`
-    removed but `keep`, the one an engine is loading): the trainer may prune `path` while a
-    generator that verified it still waits to load it, and the links keep the files. Verify the
-    pin, not `path`: a file replaced before it was linked fails its checksum. None where links
-    cannot be made (`root` on another file system): `path` is loaded as it is; CheckpointError if a
-    file is gone already."""
-    pin = root / name
-    if root.is_dir():
-        for old in root.iterdir():
-            if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
+def pin_checkpoint(path: str | Path, checksums: dict[str, str], pin: Path) -> Path | None:
+    """Hard links to checkpoint `path`'s listed files in the new directory `pin`: the trainer may
+    prune `path` while a generator that verified it still waits to load it, and the links keep the
+    files. Verify the pin, not `path`: a file replaced before it was linked fails its checksum.
+    None where links cannot be made (`pin` on another file system): `path` is loaded as it is;
+    CheckpointError if a file is gone already. Whoever pins removes the pin once done with it."""
     pin.mkdir(parents=True)
     for file in checksums:
         if "/" in file or file in ("", ".", ".."):

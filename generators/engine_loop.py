@@ -20,7 +20,7 @@ from common.checkpoints import CheckpointError
 from common.messages import WeightVersion
 from engines.base import Engine, SamplingSettings
 from generators.state import Generator, Held, State, let_go, run_on_engine
-from generators.weights import Checked, check
+from generators.weights import Checked, check, unpin
 
 
 async def engine_loop(g: Generator, state: State) -> None:
@@ -184,8 +184,26 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
     t0, loading_at = time.perf_counter(), time.time()
     checked = state.checked
     if checked is None or checked.blob != blob:
-        checked = state.checked = await check(Checked(blob), weights_url=weights_url, fetch_dir=fetch_dir,
-                                              pin_root=pin_root)
+        unpin(checked)
+        checked = state.checked = Checked(blob)  # before the check begins: the watcher does not begin another
+        await check(checked, weights_url=weights_url, fetch_dir=fetch_dir, pin_root=pin_root)
+    checked.claimed = True  # its pin is this loader's to remove, once loaded
+    try:
+        await load_checked(state, engine, engine_thread, checked, name=name, waiting=waiting, t0=t0,
+                           loading_at=loading_at)
+    finally:
+        checked.claimed = False
+        if checked.pinned is not None and state.went_back != blob:  # loaded, refused or passed over
+            shutil.rmtree(checked.pinned, ignore_errors=True)
+            checked.pinned = None
+            if state.checked is checked:
+                state.checked = None
+
+
+async def load_checked(state: State, engine: Engine, engine_thread: concurrent.futures.Executor, checked: Checked,
+                       *, name: str, waiting: bytes | None, t0: float, loading_at: float) -> None:
+    """load_weights once `checked` is verified."""
+    blob = checked.blob
     await checked.done.wait()
     t1 = time.perf_counter()
     wv = checked.wv
@@ -203,18 +221,11 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
             state.went_back = blob
             return
         before = engine.version
-        state.loading = checked.pinned
         try:
             await run_on_engine(engine_thread, lambda: engine.load_weights(checked.path, version=wv.version))
         except OSError as err:  # a file gone between the check and the load: nothing was copied yet
             raise CheckpointError(f"checkpoint {checked.path} could not be read ({err}): removed or replaced "
                                   "after it was checked") from None
-        finally:
-            state.loading = None
-            if checked.pinned is not None:  # loaded (or not): the links have done their work
-                shutil.rmtree(checked.pinned, ignore_errors=True)
-                if state.checked is checked:
-                    state.checked = None
     except CheckpointError as err:
         state.weights_refused += 1
         state.last_refusal = str(err)
@@ -264,9 +275,10 @@ async def watch_weights(g: Generator, state: State) -> None:
         state.latest, state.seen = got.blob, (got.blob, got.seen_at)
         state.wake.set()  # an idle engine loop loads it now
         if state.checked is None or state.checked.blob != got.blob:
+            unpin(state.checked)  # a newer version replaces it before it was loaded
             state.checked = Checked(got.blob)
             await check(state.checked, weights_url=g.settings.weights_url, fetch_dir=g.fetch_dir,
-                        pin_root=pin_root(g), loading=state.loading)
+                        pin_root=pin_root(g))
 
 
 def timeline(state: State, wv: WeightVersion, *, loading_at: float) -> tuple[float, float]:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import shutil
 import socket
 import sys
 import zlib
@@ -67,7 +68,7 @@ from engines.base import Engine, Finished, SamplingSettings, turn_ids
 from engines.choice import engine_kind, open_for_settings
 from envs.base import Spec
 from generators import devices
-from generators.engine_loop import engine_loop, watch_weights
+from generators.engine_loop import engine_loop, pin_root, watch_weights
 from generators.environments import EnvRunner, environment_specs
 from generators.episodes import episode_limits
 from generators.groups import episodes, scoring
@@ -196,6 +197,8 @@ async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, eng
         weights=Watcher(r, keys))
     # A generator started again (its config or host fixed) is judged afresh (common/quarantine.py).
     await trio.to_thread.run_sync(lambda: lift_quarantine(r, keys, generator_id))
+    # Pins left by an earlier process of this id (killed while holding one) keep pruned files alive.
+    await trio.to_thread.run_sync(partial(shutil.rmtree, pin_root(g), ignore_errors=True))
     # A late starter loads the newest weights (weights:latest, read as the watcher starts) first.
     await trio.to_thread.run_sync(g.weights.start)
     if g.weights.latest is not None:

@@ -85,7 +85,6 @@ class State:
     published: dict[int, float] = field(default_factory=dict)
     went_back: bytes | None = None  # such a payload, waiting for the completions in flight to finish
     checked: Checked | None = None  # the newest payload's check (checksums), begun when it was announced
-    loading: Path | None = None  # the pinned checkpoint the engine is reading now (left alone by newer pins)
     seen: tuple[bytes, float] = (b"", 0.0)  # the payload last announced, and time.time() the watcher saw it
     stopping: bool = False
     exit_code: int | None = None  # set by a second signal: exit now with this code

@@ -18,6 +18,8 @@ copy into the model.
 
 from __future__ import annotations
 
+import itertools
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -141,17 +143,29 @@ class Checked:
     wv: WeightVersion | None = None
     path: str = ""  # where the verified files are
     pinned: Path | None = None  # hard links to them, which the trainer's pruning leaves (`path`)
+    claimed: bool = False  # the engine loop is loading it: it removes the pin itself
     error: str = ""  # why it is refused; "" when it may be loaded
     seconds: float = 0.0  # spent verifying (or fetching)
 
 
+_PINS = itertools.count()  # each check pins in a directory of its own: two checks never share one
+
+
+def unpin(checked: Checked | None) -> None:
+    """Remove the pin of a check that is done and that the engine loop is not loading (a check still
+    pinning, or being loaded, is left: the loader removes its own)."""
+    if checked is not None and checked.pinned is not None and checked.done.is_set() and not checked.claimed:
+        shutil.rmtree(checked.pinned, ignore_errors=True)
+        checked.pinned = None
+
+
 async def check(checked: Checked, *, weights_url: str = "", fetch_dir: Path | None = None,
-                pin_root: Path | None = None, loading: Path | None = None) -> Checked:
+                pin_root: Path | None = None) -> Checked:
     """Decode `checked.blob` and verify its files (in a worker thread), filling `checked` in and
     setting `checked.done`; a payload that does not decode or files that fail their checksums
     leave the reason in `checked.error`. With `pin_root`, the files of a checkpoint on a shared
-    disk are pinned there first (common/checkpoints.py:pin_checkpoint) and loaded from the pin; the
-    pin in `loading` (being read by the engine) is left alone."""
+    disk are pinned in a directory of this check's own under it first
+    (common/checkpoints.py:pin_checkpoint) and loaded from the pin (see unpin)."""
     t0 = time.perf_counter()
     try:
         wv = checked.wv = decode_weights(checked.blob)
@@ -161,7 +175,7 @@ async def check(checked: Checked, *, weights_url: str = "", fetch_dir: Path | No
         else:
             if pin_root is not None:
                 checked.pinned = await trio.to_thread.run_sync(partial(
-                    pin_checkpoint, wv.path, wv.checksums, pin_root, f"v{wv.version}", keep=loading))
+                    pin_checkpoint, wv.path, wv.checksums, pin_root / f"v{wv.version}-{next(_PINS)}"))
             path = str(checked.pinned or wv.path)
             await trio.to_thread.run_sync(verify_dir, path, wv.checksums)
             checked.path = path

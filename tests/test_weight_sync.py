@@ -20,7 +20,7 @@ from common.checkpoints import checksum_dir, write_safetensors
 from common.heartbeats import read_heartbeat
 from common.keys import PAYLOAD, Keys
 from common.messages import WeightVersion, encode
-from generators.weights import Checked, Watcher, check
+from generators.weights import Checked, Watcher, check, unpin
 from tests.harness.models import publish_weights, trained
 from tests.harness.needs import skip_without_root
 from tests.harness.processes import spawn, stop, wait_for
@@ -214,15 +214,13 @@ def test_a_checkpoint_pruned_after_its_check_is_loaded_from_the_generators_pin(t
                                   source_dir=tiny_model)
     wv = WeightVersion(version=2, step=2, path=str(path), format="safetensors", checksums=sums, created_at=1.0)
     pins = tmp_path / "fetched" / "pinned-g1"
-    (pins / "v1").mkdir(parents=True)  # an older pin: cleared by the next
     checked = trio.run(partial(check, Checked(encode(wv)), pin_root=pins))
-    assert checked.error == "" and checked.pinned == pins / "v2" and checked.path == str(pins / "v2")
-    assert sorted(p.name for p in pins.iterdir()) == ["v2"]
-    # a newer version pinned while the engine reads v2 leaves v2's links alone
-    from common.checkpoints import pin_checkpoint
-    newer = pin_checkpoint(path, sums, pins, "v3", keep=pins / "v2")
-    assert sorted(p.name for p in pins.iterdir()) == ["v2", "v3"]
-    shutil.rmtree(newer)
+    assert checked.error == "" and checked.pinned is not None and checked.path == str(checked.pinned)
+    # two checks of one version (the watcher's and the engine loop's) pin apart: neither removes the other's
+    twice = trio.run(partial(check, Checked(encode(wv)), pin_root=pins))
+    assert twice.pinned != checked.pinned and checked.pinned.is_dir()
+    unpin(twice)
+    assert not twice.pinned and [p.name for p in pins.iterdir()] == [checked.pinned.name]
     shutil.rmtree(path)  # pruned by the trainer before the engine was free to load it
     thread = concurrent.futures.ThreadPoolExecutor(1)
     engine = thread.submit(open_engine, "hf", tiny_model).result()
@@ -231,7 +229,7 @@ def test_a_checkpoint_pruned_after_its_check_is_loaded_from_the_generators_pin(t
     trio.run(partial(load_weights, state, engine, thread, name="g1", pin_root=pins))
     thread.shutdown()
     assert state.weights_refused == 0 and engine.version == 2, state.last_refusal
-    assert not (pins / "v2").exists() and state.checked is None  # the pin goes once loaded
+    assert list(pins.iterdir()) == [] and state.checked is None  # the pin goes once loaded
     # a checkpoint already gone when it is announced is refused, naming the file
     gone = trio.run(partial(check, Checked(encode(wv)), pin_root=pins))
     assert "is missing" in gone.error or "does not exist" in gone.error, gone.error
