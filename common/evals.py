@@ -90,7 +90,10 @@ def eval_engine(config: Config) -> str:
     server engine, which samples on a server the evaluator does not lease)."""
     if config.eval.engine != "generator":
         return config.eval.engine
-    return "hf" if config.generator.engine == "openai" else config.generator.engine
+    from common.config import ENGINES
+
+    kind = ENGINES.get(config.generator.engine)  # None: "auto"
+    return "hf" if kind is not None and kind.server else config.generator.engine
 
 
 def read_request(spec: dict[str, Any]) -> EvalRequest:
