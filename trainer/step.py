@@ -255,8 +255,9 @@ def add_by_group(by_group: np.ndarray, measured: torch.Tensor, mb: MicroBatch) -
     their count, to its group's row of `by_group`."""
     if mb.group_of is None or not len(by_group):
         return
-    gap = ((measured.float() - mb.behaviour_logp.float()).abs() * mb.mask).sum(1).cpu().numpy()
-    tokens = mb.mask.sum(1).cpu().numpy()
+    # read back as every figure of a step is (`tolist`): one transfer each, and none on a dry run
+    gap = np.asarray(((measured.float() - mb.behaviour_logp.float()).abs() * mb.mask).sum(1).tolist())
+    tokens = np.asarray(mb.mask.sum(1).tolist())
     rows = mb.group_of >= 0
     np.add.at(by_group, (mb.group_of[rows], 0), gap[rows])
     np.add.at(by_group, (mb.group_of[rows], 1), tokens[rows])
