@@ -16,6 +16,7 @@ from generators.prompts import publish
 from tests.harness.audit import accounting, assert_accounted
 from tests.harness.configs import write_config
 from tests.harness.groups import make_group
+from tests.harness.pipeline import QUARANTINE_OFF  # the test's groups carry the initial model's log-probs
 from tests.harness.processes import spawn, stop
 
 
@@ -46,7 +47,7 @@ def test_a_long_run_keeps_its_streams_and_trained_set_bounded(tmp_path, redis_ur
     write_config(config, run="long", redis_url=redis_url, output_dir=tmp_path / "out", model=tiny_model, base={},
                  rollout={"group_size": 4, "prompts_per_step": per_step, "max_staleness": 1},
                  trainer={"lr": 1e-4, "max_steps": steps, "micro_batch_size": 8, "threads": 1, "keep_checkpoints": 2,
-                          "dedup_window": window})
+                          "dedup_window": window, **QUARANTINE_OFF})
     env = {"ROLLOUTS_CONFIG": str(config)}
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rng = random.Random(0)
