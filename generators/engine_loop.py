@@ -161,8 +161,9 @@ def weights_pending(state: State) -> bool:
 
 
 def pin_root(g: Generator) -> Path:
-    """Where this generator pins the checkpoint it is about to load (beside the fetched ones)."""
-    return g.fetch_dir / f"pinned-{g.id}"
+    """Where this generator pins the checkpoint it is about to load (beside the fetched ones), as an
+    absolute path: a server engine reads it from its own working directory."""
+    return (g.fetch_dir / f"pinned-{g.id}").absolute()
 
 
 async def load_weights(state: State, engine: Engine, engine_thread: concurrent.futures.Executor, *,
