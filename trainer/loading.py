@@ -17,6 +17,7 @@ model's parameters, or holds it in another shape, is refused by name (ModelError
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -52,18 +53,17 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
 def placed_model(path: Path, where: Placement) -> torch.nn.Module:
     """The model of checkpoint `path` in `where.weights_dtype`, placed as `where` says (sharded over
     the ranks under torchrun), each rank reading only its own shards."""
-    safetensors_only(path)
     if distributed():
-        model = sharded_from_meta(path, where)
-    elif where.device.type == "cuda":
+        safetensors_only(path)
+        return sharded_from_meta(path, where)  # sharded as it is built
+    if where.device.type == "cuda":
         from transformers import AutoModelForCausalLM
 
+        safetensors_only(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=where.weights_dtype, use_safetensors=True,
                                                      device_map={"": where.device})
     else:
         model = load_model(path, where.weights_dtype)
-    if distributed():
-        return model
     return parallelize(model, device=where.device, compute_dtype=where.dtype,
                        activation_checkpointing=where.activation_checkpointing)
 
@@ -113,12 +113,10 @@ def read_local_shards(model: torch.nn.Module, path: Path) -> None:
     if missing:
         raise ModelError(f"model at {path}: its checkpoint has no tensor {missing[0]!r} "
                          f"({len(missing)} of the model's parameters missing)")
-    opened: dict[Path, object] = {}
-    try:
+    with contextlib.ExitStack() as files_open:
+        opened = {file: files_open.enter_context(safe_open(str(file), framework="pt")) for file in set(files.values())}
         for name, p in model.named_parameters():  # a tied lm_head is the embedding's, named once
-            file = files[name]
-            f = opened.get(file) or opened.setdefault(file, safe_open(str(file), framework="pt").__enter__())
-            piece = f.get_slice(name)
+            piece = opened[files[name]].get_slice(name)
             full = tuple(piece.get_shape())
             if full != tuple(p.shape):
                 raise ModelError(f"model at {path}: tensor {name!r} is {list(full)} in the checkpoint, "
@@ -132,6 +130,3 @@ def read_local_shards(model: torch.nn.Module, path: Path) -> None:
                 local.copy_(piece[rows].to(local.dtype))
             else:
                 p.copy_(piece[:].to(p.dtype))
-    finally:
-        for f in opened.values():
-            f.__exit__(None, None, None)
