@@ -218,7 +218,10 @@ def test_inflight_updates_is_refused_for_engines_that_cannot_continue_a_sequence
     assert not config_from_dict({}).generator.inflight_updates, "off by default"
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
+# HF only: its generate call holds every completion of a batch until the longest ends, so the
+# publish at the first group reaches completions in flight; vLLM's continuous batching may finish
+# them all first (seen once), and its switch mid-completion is tested above, deterministically.
+@pytest.mark.parametrize("engine", ["hf"])
 def test_a_generator_with_inflight_updates_loads_new_weights_mid_completion(engine, tiny_model, tmp_path, redis_url,
                                                                            r):
     from common.checkpoints import checksum_dir
