@@ -88,7 +88,10 @@ class CollectiveDevices(TorchDispatchMode):
 def test_collectives_run_on_the_process_groups_device(tmp_path):
     assert backend_device("nccl") == torch.device("cuda"), "NCCL takes CUDA tensors only"
     assert backend_device("gloo") == torch.device("cpu")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    # an in-process vLLM engine of an earlier test may have made this process's group already (gloo, one rank)
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         with CollectiveDevices() as watch:
             assert all_sum([1.5, 2.0]) == [1.5, 2.0]
@@ -97,4 +100,5 @@ def test_collectives_run_on_the_process_groups_device(tmp_path):
         assert len(watch.seen) >= 3, watch.seen
         assert {device for _, device in watch.seen} == {collective_device()} == {torch.device("cpu")}, watch.seen
     finally:
-        dist.destroy_process_group()
+        if own:
+            dist.destroy_process_group()
