@@ -271,10 +271,15 @@ def check_fits(path: str | Path, reference: dict[str, tuple[int, ...]], *, tied:
     """Raise CheckpointError unless the checkpoint at `path` has exactly the tensors of
     `reference` ({name: shape}), with the same shapes; names in `tied` (an lm_head that shares the
     embedding, which save_pretrained leaves out) may be absent."""
-    shapes = tensor_shapes(path)
+    shapes_fit(tensor_shapes(path), reference, tied=tied, what=f"checkpoint {path}")
+
+
+def shapes_fit(shapes: dict[str, tuple[int, ...]], reference: dict[str, tuple[int, ...]], *, tied: set[str],
+               what: str) -> None:
+    """check_fits for tensors named `what` whose {name: shape} is `shapes`."""
     missing = sorted(set(reference) - set(shapes) - tied)
     unexpected = sorted(set(shapes) - set(reference))
     wrong = [k for k in shapes if k in reference and shapes[k] != reference[k]]
     if missing or unexpected or wrong:
-        raise CheckpointError(f"checkpoint {path} does not fit the model: missing {missing[:3]}, "
+        raise CheckpointError(f"{what} does not fit the model: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}, wrong shapes {wrong[:3]}")

@@ -412,12 +412,13 @@ class EngineKind:
     inflight: bool  # its step can yield mid-sequence for newer weights (generator.inflight_updates)
     server: bool  # it samples on the server at generator.server_url, leased to one generator at a time
     why_not_inflight: str = ""  # what stops in-flight updates, when `inflight` is false
+    receives: bool = False  # it loads weights handed to it in memory (`load_tensors`: trainer.weight_transfer)
 
 
 # The engines by the name generator.engine gives them: the one place an engine is declared.
 ENGINES = {
-    "vllm": EngineKind("engines.vllm_engine:VLLMEngine", inflight=True, server=False),
-    "hf": EngineKind("engines.hf_engine:HFEngine", inflight=True, server=False),
+    "vllm": EngineKind("engines.vllm_engine:VLLMEngine", inflight=True, server=False, receives=True),
+    "hf": EngineKind("engines.hf_engine:HFEngine", inflight=True, server=False, receives=True),
     "openai": EngineKind("engines.openai_engine:OpenAIEngine", inflight=False, server=True,
                          why_not_inflight="its server samples each request to its end"),
 }
@@ -749,6 +750,20 @@ class TrainerConfig(_Section):
     # fetches over weights_url); resume needs only the trainer state, which stays in output_dir.
     # Two runs of the same name on one host must not share it.
     publish_dir: str = ""
+    # How published weights reach the generators besides the checkpoint files (always written):
+    # "disk", the files alone; or also a broadcast from rank 0 to every generator that has joined
+    # its group, which loads them from memory: "nccl" (GPUs; the trainer and each generator on a
+    # device of its own) or "gloo" (CPUs). A generator that joins late or falls out reads the files.
+    weight_transfer: Literal["disk", "gloo", "nccl"] = "disk"
+    # Seconds each part of a broadcast may take (the group meeting, each bucket): a generator that
+    # takes longer falls out of the group (and loads that version from the files), the trainer goes on.
+    transfer_timeout_s: float = Field(30.0, gt=0.0)
+    # The broadcast's bucket size, MiB (a larger tensor goes in a bucket of its own).
+    transfer_bucket_mb: int = Field(256, ge=1)
+    # Where generators reach rank 0 for the broadcast: "" is its address on the route to Redis;
+    # transfer_port 0 takes any free port.
+    transfer_host: str = ""
+    transfer_port: int = Field(0, ge=0, le=65535)
     # torch intra-op threads; 0 leaves torch's default.
     threads: int = Field(0, ge=0)
     # Seed of torch's generators (model init of anything new, dropout).

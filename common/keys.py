@@ -69,6 +69,17 @@ class Keys:
         return self._k("weights:latest")
 
     @property
+    def transfer_members(self) -> str:
+        """Hash: generator id -> unix time its receiver last said it listens for weights over the
+        trainer's collective (trainer.weight_transfer; common/transfer.py)."""
+        return self._k("transfer:members")
+
+    @property
+    def transfer_offers(self) -> str:
+        """Stream of transfer Offers (common/transfer.py), one per broadcast version."""
+        return self._k("transfer:offers")
+
+    @property
     def producer(self) -> str:
         """Hash: `seed`, `admitted` (prompts, the mixture's draw index), each source's position
         `{source}:epoch` and `{source}:offset`, and bad rows: `rows_skipped`,

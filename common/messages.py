@@ -125,6 +125,9 @@ class WeightVersion:
     # abandoned. 0 and 0.0: it never went back.
     gone_back_step: int = 0
     gone_back_at: float = 0.0
+    # The digest of the same weights as broadcast over the trainer's collective (common/transfer.py:
+    # Offer.digest); "": not broadcast. A generator that received them loads them instead of the files.
+    transfer_digest: str = ""
 
 
 # --------------------------------------------------------------------------- packing
@@ -164,6 +167,8 @@ def encode(msg: PromptTask | SampleGroup | WeightVersion) -> bytes:
              "format": msg.format, "checksums": msg.checksums, "created_at": msg.created_at}
         if msg.gone_back_at:  # never went back: absent
             d.update(gone_back_step=msg.gone_back_step, gone_back_at=msg.gone_back_at)
+        if msg.transfer_digest:  # not broadcast: absent
+            d["transfer_digest"] = msg.transfer_digest
         return _dump(d)
     raise TypeError(f"not a wire message: {type(msg).__name__}")
 
@@ -422,4 +427,5 @@ def decode_weights(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Weight
                          path=_get(d, "path", str, w), format=_get(d, "format", str, w),
                          checksums=checksums, created_at=_finite(d.get("created_at"), f"{w}.created_at"),
                          gone_back_step=_get(d, "gone_back_step", int, w) if "gone_back_step" in d else 0,
-                         gone_back_at=_finite(d.get("gone_back_at", 0.0), f"{w}.gone_back_at"))
+                         gone_back_at=_finite(d.get("gone_back_at", 0.0), f"{w}.gone_back_at"),
+                         transfer_digest=_get(d, "transfer_digest", str, w) if "transfer_digest" in d else "")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-from common.checkpoints import CheckpointError, check_fits, copy_into
+from common.checkpoints import CheckpointError, check_fits, copy_into, shapes_fit
 from common.config import GeneratorConfig
 from common.messages import PromptTask
 from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
@@ -208,4 +208,16 @@ class HFEngine:
         if missing:  # its file gone since the headers were read: nothing was copied from it
             raise CheckpointError(f"checkpoint {path}: {len(missing)} tensors (e.g. {sorted(missing)[0]}) were not "
                                   "there to load: removed or replaced after it was checked")
+        self.version = version
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], *, version: int) -> None:
+        """load_weights from tensors in memory under the checkpoint's names (trainer.weight_transfer);
+        CheckpointError, model unchanged, when they do not fit it."""
+        own = self.model.state_dict()
+        tied = {"lm_head.weight"} if self.model.config.get_text_config().tie_word_embeddings else set()
+        shapes_fit({k: tuple(t.shape) for k, t in tensors.items()}, {k: tuple(v.shape) for k, v in own.items()},
+                   tied=tied, what="the weights received")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                own[name].copy_(t)
         self.version = version

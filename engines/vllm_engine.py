@@ -32,11 +32,15 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from common.checkpoints import check_fits, tensor_shapes
+from common.checkpoints import check_fits, shapes_fit, tensor_shapes
 from common.config import GeneratorConfig
 from common.messages import PromptTask
 from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -196,6 +200,25 @@ class VLLMEngine:
                 raise RuntimeError(f"vLLM could not reload {path} ({type(err).__name__}: {err}); the engine's "
                                    "weights are no longer whole, so the generator stops (a launcher starts it "
                                    "again on the newest weights)") from err
+        self._reloaded(version)
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], *, version: int) -> None:
+        """load_weights from tensors in memory under the checkpoint's names (trainer.weight_transfer),
+        through vLLM's in-place reload from an iterator; CheckpointError, weights unchanged, when
+        they do not fit the model."""
+        shapes_fit({k: tuple(t.shape) for k, t in tensors.items()}, self._shapes, tied=self._tied,
+                   what="the weights received")
+        expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if self._tied else set())
+        with _without_reload_warnings(expected):
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items()),
+                                                                  "is_checkpoint_format": True})
+            except Exception as err:
+                raise RuntimeError(f"vLLM could not reload the weights received ({type(err).__name__}: {err}); "
+                                   "the engine's weights are no longer whole, so the generator stops") from err
+        self._reloaded(version)
+
+    def _reloaded(self, version: int) -> None:
         if self._tied:
             self.llm.collective_rpc(_refresh_tied_lm_head)
         # Cached KV was computed with the old weights: all of it goes, the running requests'

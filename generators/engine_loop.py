@@ -20,6 +20,7 @@ from common.checkpoints import CheckpointError
 from common.messages import WeightVersion
 from engines.base import Engine, SamplingSettings
 from generators.state import Generator, Held, State, let_go, run_on_engine
+from generators.transfer import Receiver
 from generators.weights import Checked, check, unpin
 
 
@@ -44,7 +45,7 @@ async def engine_loop(g: Generator, state: State) -> None:
         newer = state.latest is not None and state.latest != state.acted_on or state.went_back is not None
         if newer and (g.settings.inflight_updates or not g.engine.has_unfinished()) and not state.episodes:
             await load_weights(state, g.engine, g.engine_thread, name=g.name, weights_url=g.settings.weights_url,
-                               fetch_dir=g.fetch_dir, pin_root=pin_root(g))
+                               fetch_dir=g.fetch_dir, pin_root=pin_root(g), receiver=g.received)
             newer = state.went_back is not None  # an older version waits for the engine to drain
         if state.turns and running < g.engine.max_running:  # episodes in flight go on, newer weights or not
             running += await add_turns(g, state, room=g.engine.max_running - running)
@@ -168,7 +169,7 @@ def pin_root(g: Generator) -> Path:
 
 async def load_weights(state: State, engine: Engine, engine_thread: concurrent.futures.Executor, *,
                        name: str, weights_url: str = "", fetch_dir: Path | None = None,
-                       pin_root: Path | None = None) -> None:
+                       pin_root: Path | None = None, receiver: Receiver | None = None) -> None:
     """Load the WeightVersion in `state.latest` if it is newer than the engine's, once its files
     are verified (the check begun when it was announced, else one begun now); a refusal (the
     payload does not decode, the files fail their checksums or do not fit the model) is counted
@@ -187,7 +188,7 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
     if checked is None or checked.blob != blob:
         unpin(checked)
         checked = state.checked = Checked(blob)  # before the check begins: the watcher does not begin another
-        await check(checked, weights_url=weights_url, fetch_dir=fetch_dir, pin_root=pin_root)
+        await check(checked, weights_url=weights_url, fetch_dir=fetch_dir, pin_root=pin_root, receiver=receiver)
     checked.claimed = True  # its pin is this loader's to remove, once loaded
     try:
         await load_checked(state, engine, engine_thread, checked, name=name, waiting=waiting, t0=t0,
@@ -222,8 +223,13 @@ async def load_checked(state: State, engine: Engine, engine_thread: concurrent.f
             state.went_back = blob
             return
         before = engine.version
+        received = checked.tensors is not None
         try:
-            await run_on_engine(engine_thread, lambda: engine.load_weights(checked.path, version=wv.version))
+            if checked.tensors is not None:  # received over the trainer's broadcast
+                tensors, checked.tensors = checked.tensors, None
+                await run_on_engine(engine_thread, lambda: engine.load_tensors(tensors, version=wv.version))
+            else:
+                await run_on_engine(engine_thread, lambda: engine.load_weights(checked.path, version=wv.version))
         except OSError as err:  # a file gone between the check and the load: nothing was copied yet
             raise CheckpointError(f"checkpoint {checked.path} could not be read ({err}): removed or replaced "
                                   "after it was checked") from None
@@ -240,9 +246,11 @@ async def load_checked(state: State, engine: Engine, engine_thread: concurrent.f
     announced, drained = timeline(state, wv, loading_at=loading_at)
     if back:
         print(f"{name}: weights version {wv.version} {anew(wv.version, before)}", flush=True)
+    # "verify": the files' checksums, or, received over the trainer's broadcast, waiting for the receive
     print(f"{name}: loaded weights version {wv.version} (verify {checked.seconds:.2f} s, reload "
           f"{time.perf_counter() - t1:.2f} s; announced {announced:.2f} s after publishing, drained {drained:.2f} s, "
-          f"waited {t1 - t0:.2f} s for the checksums)", flush=True)
+          f"waited {t1 - t0:.2f} s for the checksums){' received over the broadcast' if received else ''}",
+          flush=True)
 
 
 def abandoned(wv: WeightVersion, loaded: int, published_at: float) -> bool:
@@ -279,7 +287,7 @@ async def watch_weights(g: Generator, state: State) -> None:
             unpin(state.checked)  # a newer version replaces it before it was loaded
             state.checked = Checked(got.blob)
             await check(state.checked, weights_url=g.settings.weights_url, fetch_dir=g.fetch_dir,
-                        pin_root=pin_root(g))
+                        pin_root=pin_root(g), receiver=g.received)
 
 
 def timeline(state: State, wv: WeightVersion, *, loading_at: float) -> tuple[float, float]:

@@ -77,6 +77,7 @@ from generators.intake import intake
 from generators.prompts import leave_group
 from generators.scoring import RewardRunner, conversational_sources, reward_names, trl_formats
 from generators.state import EngineStalled, Generator, Held, State
+from generators.transfer import Receiver
 from generators.weights import Watcher
 
 
@@ -194,13 +195,17 @@ async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, eng
         capacity=trio.Semaphore(gen.max_in_flight), intake_scope=trio.CancelScope(),
         fetch_dir=Path(config.output_dir) / "fetched", envs=envs, specs=specs, episode_limits=limits,
         episodes_send=episodes_send, episodes_in=episodes_in,
-        weights=Watcher(r, keys))
+        weights=Watcher(r, keys),
+        received=Receiver(r, keys, generator_id=generator_id)
+        if config.trainer.weight_transfer != "disk" and engine_kind(gen.engine).receives else None)
     # A generator started again (its config or host fixed) is judged afresh (common/quarantine.py).
     await trio.to_thread.run_sync(lambda: lift_quarantine(r, keys, generator_id))
     # Pins left by an earlier process of this id (killed while holding one) keep pruned files alive.
     await trio.to_thread.run_sync(partial(shutil.rmtree, pin_root(g), ignore_errors=True))
     # A late starter loads the newest weights (weights:latest, read as the watcher starts) first.
     await trio.to_thread.run_sync(g.weights.start)
+    if g.received is not None:  # listening for the trainer's broadcast from now on
+        await trio.to_thread.run_sync(g.received.start)
     if g.weights.latest is not None:
         state.latest = g.weights.latest.blob
     try:
@@ -217,3 +222,5 @@ async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, eng
                 background.cancel_scope.cancel()
     finally:
         g.weights.stop()
+        if g.received is not None:
+            g.received.stop()

@@ -25,6 +25,7 @@ from envs.base import Spec
 from generators.environments import EnvRunner
 from generators.episodes import EpisodeLimits
 from generators.scoring import RewardRunner
+from generators.transfer import Receiver
 from generators.weights import Checked, Watcher
 
 RATE_WINDOW_S = 30.0  # tokens/s in the heartbeat is over this window
@@ -150,6 +151,7 @@ class Generator:
     intake_scope: trio.CancelScope  # cancelled by the first signal
     fetch_dir: Path  # where versions fetched over HTTP land (settings.weights_url)
     weights: Watcher  # the newest version announced on the weights stream
+    received: Receiver | None = None  # the trainer's weights broadcast, when it has one (trainer.weight_transfer)
 
     @property
     def name(self) -> str:

@@ -33,8 +33,10 @@ from common.checkpoint_server import fetch_checkpoint
 from common.checkpoints import CheckpointError, pin_checkpoint, verify_dir
 from common.keys import PAYLOAD, Keys
 from common.messages import MessageError, WeightVersion, decode_weights
+from generators.transfer import Receiver
 
 BLOCK_MS = 1000  # each XREAD blocks this long at most, so that stop() is heard within it
+RECEIVE_WAIT_S = 60.0  # a broadcast still arriving when its version is announced is waited for this long at most
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,7 @@ class Checked:
     claimed: bool = False  # the engine loop is loading it: it removes the pin itself
     error: str = ""  # why it is refused; "" when it may be loaded
     seconds: float = 0.0  # spent verifying (or fetching)
+    tensors: dict | None = None  # the weights as received over the trainer's broadcast: loaded instead of `path`
 
 
 _PINS = itertools.count()  # each check pins in a directory of its own: two checks never share one
@@ -160,16 +163,23 @@ def unpin(checked: Checked | None) -> None:
 
 
 async def check(checked: Checked, *, weights_url: str = "", fetch_dir: Path | None = None,
-                pin_root: Path | None = None) -> Checked:
+                pin_root: Path | None = None, receiver: Receiver | None = None) -> Checked:
     """Decode `checked.blob` and verify its files (in a worker thread), filling `checked` in and
     setting `checked.done`; a payload that does not decode or files that fail their checksums
     leave the reason in `checked.error`. With `pin_root`, the files of a checkpoint on a shared
     disk are pinned in a directory of this check's own under it first
-    (common/checkpoints.py:pin_checkpoint) and loaded from the pin (see unpin)."""
+    (common/checkpoints.py:pin_checkpoint) and loaded from the pin (see unpin). With `receiver`, a
+    version it received over the trainer's broadcast (its fingerprints checked on arrival) is taken
+    from it instead: no file is read."""
     t0 = time.perf_counter()
     try:
         wv = checked.wv = decode_weights(checked.blob)
-        if weights_url:  # no shared disk: fetched from the trainer's host, checked on arrival
+        if receiver is not None and wv.transfer_digest:
+            checked.tensors = await trio.to_thread.run_sync(
+                partial(receiver.take, wv.version, wv.transfer_digest, RECEIVE_WAIT_S), abandon_on_cancel=True)
+        if checked.tensors is not None:
+            pass
+        elif weights_url:  # no shared disk: fetched from the trainer's host, checked on arrival
             path = await trio.to_thread.run_sync(partial(fetch_checkpoint, weights_url, wv, dest_root=fetch_dir))
             checked.path = str(path)
         else:

@@ -5,6 +5,7 @@ and refused checkpoints. Run with -s to see the measured log-prob differences.""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,4 +201,46 @@ def test_tied_embeddings_checkpoint_reloads(name, tiny_model, tmp_path, capfd):
     # no warning about the layers a checkpoint has no tensors for (the rotary cache, the tied head)
     assert "Failed to load weights" not in "".join(capfd.readouterr())
     fresh = open_engine("hf", new, seed=0)  # the same checkpoint loaded from scratch
+    assert engine.greedy(probe, max_new_tokens=12) == fresh.greedy(probe, max_new_tokens=12)
+
+
+def test_weights_received_in_memory_load_as_their_files_do(engine, tiny_model, tmp_path):
+    # trainer.weight_transfer: the checkpoint's tensors arrive over the broadcast, not as files
+    from safetensors.torch import load_file
+
+    probe = [engine.prompt_ids(ask(4)), engine.prompt_ids(ask(9))]
+    before = engine.greedy(probe, max_new_tokens=12)
+    step = perturbed_copy(tiny_model, tmp_path / "step_1", seed=1)
+    engine.load_tensors(load_file(step / "model.safetensors"), version=1)
+    assert engine.version == 1
+    fresh = open_engine("hf", step, seed=0)
+    assert engine.greedy(probe, max_new_tokens=12) == fresh.greedy(probe, max_new_tokens=12) != before
+    wrong = load_file(step / "model.safetensors")
+    wrong.pop(sorted(wrong)[0])
+    with pytest.raises(CheckpointError, match="the weights received does not fit"):
+        engine.load_tensors(wrong, version=2)
+    engine.load_tensors(load_file(Path(tiny_model) / "model.safetensors"), version=2)
+    assert engine.greedy(probe, max_new_tokens=12) == before
+    engine.version = 0
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_tied_embeddings_received_in_memory_reload(name, tiny_model, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    need(name)
+    cfg = AutoConfig.from_pretrained(tiny_model)
+    cfg.tie_word_embeddings = True
+    tied = tmp_path / "tied"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tied, safe_serialization=True)
+    for f in tiny_model.iterdir():
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, tied / f.name)
+    engine = open_engine(name, tied, seed=0)
+    probe = [engine.prompt_ids(ask(6))]
+    new = perturbed_copy(tied, tmp_path / "tied_step_1", seed=2)
+    engine.load_tensors(load_file(new / "model.safetensors"), version=1)
+    fresh = open_engine("hf", new, seed=0)
     assert engine.greedy(probe, max_new_tokens=12) == fresh.greedy(probe, max_new_tokens=12)

@@ -38,6 +38,7 @@ from trainer.lora import apply_lora, hf_model, is_lora, merged_state_dict, scale
 from trainer.parallel import full_state_dict, is_main, parallelize, say
 from trainer.schedule import build_scheduler
 from trainer.state import load_state, save_state, state_dir
+from trainer.transfer import Sender
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 
@@ -83,21 +84,31 @@ def save_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, 
                             state_dict=state_dict, dtype=dtype)[0]
 
 
+def checkpoint_tensors(model: torch.nn.Module, state_dict: dict[str, torch.Tensor] | None,
+                       dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint of `model` holds (`state_dict`: its gathered weights when sharded),
+    under the checkpoint's names, on the CPU in `dtype`: what is written, and what is broadcast."""
+    state_dict = model.state_dict() if state_dict is None else state_dict
+    if is_lora(model):  # merged full weights under the base model's names: every engine loads them as they are
+        state_dict = merged_state_dict(state_dict, scale=scale_of(model))
+    return hf_tensors(hf_model(model), state_dict, dtype)
+
+
 def write_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, source_dir: Path,
                      state_dict: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
-                     timing: dict[str, float] | None = None) -> tuple[Path, dict[str, str]]:
+                     timing: dict[str, float] | None = None,
+                     tensors: dict[str, torch.Tensor] | None = None) -> tuple[Path, dict[str, str]]:
     """`save_checkpoint`, also returning the checksum of every file in the directory: the weights'
     hashed as they are written (common.checkpoints.write_safetensors), never read back.
-    `timing`, if given, gets write_safetensors' "write" and "checksum" seconds."""
+    `timing`, if given, gets write_safetensors' "write" and "checksum" seconds. `tensors`: what
+    checkpoint_tensors gave for these weights already."""
     tmp = checkpoint_dir / f".step_{step}.tmp"
     final = checkpoint_dir / f"step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     hf = hf_model(model)
-    state_dict = model.state_dict() if state_dict is None else state_dict
-    if is_lora(model):  # merged full weights under the base model's names: every engine loads them as they are
-        state_dict = merged_state_dict(state_dict, scale=scale_of(model))
-    tensors = hf_tensors(hf, state_dict, dtype)
+    if tensors is None:
+        tensors = checkpoint_tensors(model, state_dict, dtype)
     sums = {WEIGHTS_FILE: write_safetensors(tmp / WEIGHTS_FILE, tensors, timing=timing)}
     floating = {t.dtype for t in tensors.values() if t.is_floating_point()}
     hf.config.save_pretrained(tmp)
@@ -167,7 +178,8 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
             scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int, checkpoint_dir: Path,
             state_root: Path, source_dir: Path, keep: int, save_state_now: bool, entry_ids: list[bytes],
             group_ids: list[str], dedup_window: int, dtype: torch.dtype | None = None,
-            timing: dict[str, float] | None = None, gone_back: GoneBack | None = None) -> WeightVersion | None:
+            timing: dict[str, float] | None = None, gone_back: GoneBack | None = None,
+            sender: Sender | None = None) -> WeightVersion | None:
     """Checkpoint and trainer state on disk, then in one transaction: announce it and
     acknowledge the groups it holds (every rank's: `entry_ids` and `group_ids` are global).
 
@@ -176,6 +188,8 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
     returns the WeightVersion. `timing`, if given, gets the seconds of the weights' "write" and,
     of them, the "checksum" (write_safetensors). `gone_back`: the trainer's last start below a
     version it had published: the announcement says so, and is created no earlier than it.
+    `sender` (rank 0's, trainer.weight_transfer): the weights also go over its collective to the
+    generators listening, beside the write; the announcement names their digest.
     """
     weights = full_state_dict(model)
     if is_main():
@@ -184,8 +198,15 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
         # `keep` checkpoints, not one more, and the new file reuses the pages the old one held:
         # the default model's weights took 0.1 s to write so, 0.6 s into fresh pages (a 2-core VM).
         prune_steps(checkpoint_dir, keep=keep - 1, newest=step - 1, spare=source_dir)
-    path, sums = write_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
-                                  state_dict=weights, dtype=dtype, timing=timing) if is_main() else (None, {})
+    path, sums, digest = None, {}, ""
+    if is_main():
+        tensors = checkpoint_tensors(model, weights, dtype)
+        sending = sender.start(tensors, version=step) if sender is not None else None
+        try:
+            path, sums = write_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
+                                          dtype=dtype, timing=timing, tensors=tensors)
+        finally:  # bounded by the transfer's timeout; a failed broadcast is "" (the files serve)
+            digest = sending.result() if sending is not None else ""
     assert save_state_now or not entry_ids, "groups are acknowledged only with a saved trainer state"
     if save_state_now:
         save_state(model, optimizer, scheduler, step=step, state_root=state_root, keep=keep)
@@ -193,7 +214,8 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
         return None
     gone = gone_back or GoneBack(step=0, upto=0, at=0.0)
     wv = WeightVersion(version=step, step=step, path=str(path), format="safetensors", checksums=sums,
-                       created_at=max(time.time(), gone.at), gone_back_step=gone.step, gone_back_at=gone.at)
+                       created_at=max(time.time(), gone.at), gone_back_step=gone.step, gone_back_at=gone.at,
+                       transfer_digest=digest)
     pipe = r.pipeline(transaction=True)
     announce_weights(pipe, keys, wv)
     write_step(pipe, keys, step=step, version=step, state_step=step if save_state_now else None)

@@ -59,6 +59,7 @@ from trainer.shutdown import Shutdown
 from trainer.stats import StepStats
 from trainer.step import GrpoOptions, sft_step, train_step
 from trainer.tracking import Tracker
+from trainer.transfer import Sender
 
 
 def run(config: Config) -> None:
@@ -106,7 +107,8 @@ def start(config: Config) -> tuple[Run, Shutdown]:
               updates=1 if cfg.objective == "sft" else cfg.updates_per_batch,
               tracker=Tracker(r, config) if rank == 0 else None, record=record,
               judge=Judge(cfg.quarantine, bound_of(cfg.quarantine, config.model.dtype))
-              if rank == 0 and cfg.quarantine.after and cfg.objective != "sft" else None)
+              if rank == 0 and cfg.quarantine.after and cfg.objective != "sft" else None,
+              sender=Sender(r, keys, cfg, device=where.device) if rank == 0 and cfg.weight_transfer != "disk" else None)
     note_going_back(run)
     say(f"trainer: run {config.run!r}, model {source_dir}, step {run.step}, "
         f"{rollout.prompts_per_step} groups per step, {world} rank(s) on {where.device.type}, "
@@ -272,5 +274,7 @@ def wind_up(run: Run) -> None:
         checkpoint(run, save=True)
     if run.tracker is not None:
         run.tracker.close()
+    if run.sender is not None:
+        run.sender.close()
     say(f"trainer: stopped at step {run.step}")
     finish()

@@ -16,6 +16,7 @@ from trainer.quarantine import Judge
 from trainer.record import Record
 from trainer.stats import StepStats
 from trainer.tracking import Tracker
+from trainer.transfer import Sender
 
 # One trainer step's update of (model, optimizer, this rank's groups; step = trainer steps done),
 # its objective's options bound (trainer/step.py).
@@ -48,6 +49,7 @@ class Run:
     unacked_ids: list[str] = field(default_factory=list)
     record: Record = field(default_factory=lambda: Record(step=0, version=0, state_step=0, groups_trained=0))
     judge: Judge | None = None  # rank 0's judgement of the generators (None: other ranks, or no quarantine)
+    sender: Sender | None = None  # rank 0's end of the weights broadcast (trainer.weight_transfer; None: disk)
 
     @property
     def sft(self) -> bool:
