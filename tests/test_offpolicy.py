@@ -25,9 +25,9 @@ from trainer.grpo import token_logprobs
 from trainer.losses import LossInputs
 from trainer.losses.grpo import loss as grpo_loss
 from trainer.losses.kl import kl_penalty
-from trainer.main import cross_rank_duplicates, objective, train
+from trainer.main import objective, train
 from trainer.run import Run
-from trainer.samples import Collected
+from trainer.samples import Collected, cross_rank_duplicates
 from trainer.schedule import build_scheduler
 from trainer.step import GrpoOptions, train_step
 

@@ -25,8 +25,6 @@ admit against `version`.
 
 from __future__ import annotations
 
-import math
-import sys
 import time
 from dataclasses import replace
 from functools import partial
@@ -40,21 +38,21 @@ from common.keys import TRAINER_GROUP, Keys
 from common.messages import SampleGroup
 from common.models import resolve_model_path
 from common.process import stop_grace_s
-from common.progress import Refused, count_refused, count_skipped, read_gone_back, read_trainer
-from common.quarantine import lift_quarantine, read_quarantines, write_quarantine
+from common.progress import count_skipped, read_gone_back, read_trainer
+from common.quarantine import read_quarantines
 from common.streams import connect, ensure_group
 from trainer.checkpoints import remove_unfinished, resume
 from trainer.devices import Placement, placement
 from trainer.loading import placed_model
 from trainer.losses import kl_coef_of
 from trainer.metrics import step_record, summary_line
-from trainer.parallel import any_rank, finish, gather, init_distributed, is_main, say, unshared
+from trainer.parallel import any_rank, finish, init_distributed, is_main, say, unshared
 from trainer.publishing import checkpoint, publish_if_due, republish_if_gone
-from trainer.quarantine import Figure, Judge, bound_of
+from trainer.quarantine import Judge, bound_of, judge_generators, quarantining
 from trainer.record import Record
 from trainer.repairs import between_reads, check_redis, note_going_back
 from trainer.run import Run, Update
-from trainer.samples import Collected, collect
+from trainer.samples import Collected, collect, gather_groups
 from trainer.shutdown import Shutdown
 from trainer.stats import StepStats
 from trainer.step import GrpoOptions, sft_step, train_step
@@ -183,43 +181,6 @@ def collect_groups(run: Run, shutdown: Shutdown) -> Collected | None:
     return got
 
 
-def quarantining(run: Run) -> bool:
-    """Whether generators are judged by their groups' mismatch (known alike on every rank)."""
-    return bool(run.config.trainer.quarantine.after) and not run.sft
-
-
-def judge_generators(run: Run, groups: list[SampleGroup], stats: StepStats, *, step: int
-                     ) -> tuple[dict[str, float], int]:
-    """Each generator's mean mismatch over the step's groups (every rank's), and how many are in
-    quarantine once rank 0 has judged them (trainer/quarantine.py): a generator quarantined, or
-    readmitted, is written to Redis and said on the console. Every rank takes part."""
-    if not quarantining(run):
-        return {}, 0
-    gaps = stats.group_mismatch or (math.nan,) * len(groups)  # none: a step with no token to train on
-    mine = [Figure(generator=g.generator, engine=g.engine, staleness=step - g.version, gap=gap)
-            for g, gap in zip(groups, gaps, strict=True)]
-    figures = [f for rank in gather(mine) for f in rank]
-    if run.judge is None:
-        return {}, 0
-    by_generator = {}
-    for name in sorted({f.generator for f in figures}):
-        gaps = [f.gap for f in figures if f.generator == name and not math.isnan(f.gap)]
-        if gaps:
-            by_generator[name] = sum(gaps) / len(gaps)
-    held = read_quarantines(run.r, run.keys)
-    new, readmitted = run.judge.observe(figures, step=run.step, now=time.time(), quarantined=held)
-    for q in new:
-        write_quarantine(run.r, run.keys, q)
-        held[q.generator] = q
-        print(f"trainer: generator {q.generator} {q.line()}", file=sys.stderr, flush=True)
-    for name in readmitted:
-        lift_quarantine(run.r, run.keys, name)
-        held.pop(name, None)
-        print(f"trainer: generator {name} readmitted: its last {run.judge.cfg.after} groups agree with the "
-              "trainer again", flush=True)
-    return by_generator, len(held)
-
-
 def train(run: Run, groups: list[SampleGroup]) -> tuple[StepStats, float]:
     """One trainer step on this rank's `groups`: the update, then the lr schedule's step. Returns
     the update's stats and the lr it used. A step whose every optimizer update was skipped (a
@@ -235,36 +196,6 @@ def train(run: Run, groups: list[SampleGroup]) -> tuple[StepStats, float]:
         run.scheduler.step()
         run.step += 1
     return stats, lr
-
-
-def gather_groups(run: Run, got: Collected) -> tuple[list[Collected], list[SampleGroup]]:
-    """Every rank's collected groups (for the acknowledgement and the metrics), a group two ranks
-    read kept once and counted as a duplicate; and the groups this rank trains on."""
-    gathered = gather(got)
-    everyone, mine = cross_rank_duplicates(gathered, run.rank)
-    if run.rank == 0:
-        for _ in range(sum(c.duplicate for c in everyone) - sum(c.duplicate for c in gathered)):
-            count_refused(run.r, run.keys, Refused.DUPLICATE)
-    return everyone, mine
-
-
-def cross_rank_duplicates(everyone: list[Collected], rank: int) -> tuple[list[Collected], list[SampleGroup]]:
-    """Two copies of one group (two generators raced on a reclaimed prompt) read by two ranks in
-    the same step: `everyone` with each group id kept at its first rank only (each dropped copy
-    counts as a duplicate; its entry stays, to be acknowledged), and the groups rank `rank` trains
-    on, where a dropped copy stays with nothing to train on (every loss mask 0), so that every rank
-    keeps its rows for the step's collectives."""
-    seen: set[str] = set()
-    out, mine = [], []
-    for n, got in enumerate(everyone):
-        keep = [g for g in got.groups if g.id not in seen]
-        seen.update(g.id for g in keep)
-        out.append(replace(got, groups=keep, duplicate=got.duplicate + len(got.groups) - len(keep)))
-        if n == rank:
-            kept = {id(g) for g in keep}
-            mine = [g if id(g) in kept else replace(g, completions=[
-                replace(c, loss_mask=[0] * len(c.ids)) for c in g.completions]) for g in got.groups]
-    return out, mine
 
 
 def wind_up(run: Run) -> None:

@@ -27,7 +27,8 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -37,7 +38,11 @@ from common.keys import PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import MessageError, SampleGroup, decode_group, peek_id
 from common.progress import GoneBack, Refused, count_refused, settle
 from common.quarantine import Quarantine
+from trainer.parallel import gather
 from trainer.shutdown import Shutdown
+
+if TYPE_CHECKING:
+    from trainer.run import Run
 
 BLOCK_MS = 1000  # longest wait on the samples stream before checking for a stop request
 
@@ -171,3 +176,33 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
             got.groups.append(group)
             got.entry_ids.append(entry_id)
     return got, cursor
+
+
+def gather_groups(run: Run, got: Collected) -> tuple[list[Collected], list[SampleGroup]]:
+    """Every rank's collected groups (for the acknowledgement and the metrics), a group two ranks
+    read kept once and counted as a duplicate; and the groups this rank trains on."""
+    gathered = gather(got)
+    everyone, mine = cross_rank_duplicates(gathered, run.rank)
+    if run.rank == 0:
+        for _ in range(sum(c.duplicate for c in everyone) - sum(c.duplicate for c in gathered)):
+            count_refused(run.r, run.keys, Refused.DUPLICATE)
+    return everyone, mine
+
+
+def cross_rank_duplicates(everyone: list[Collected], rank: int) -> tuple[list[Collected], list[SampleGroup]]:
+    """Two copies of one group (two generators raced on a reclaimed prompt) read by two ranks in
+    the same step: `everyone` with each group id kept at its first rank only (each dropped copy
+    counts as a duplicate; its entry stays, to be acknowledged), and the groups rank `rank` trains
+    on, where a dropped copy stays with nothing to train on (every loss mask 0), so that every rank
+    keeps its rows for the step's collectives."""
+    seen: set[str] = set()
+    out, mine = [], []
+    for n, got in enumerate(everyone):
+        keep = [g for g in got.groups if g.id not in seen]
+        seen.update(g.id for g in keep)
+        out.append(replace(got, groups=keep, duplicate=got.duplicate + len(got.groups) - len(keep)))
+        if n == rank:
+            kept = {id(g) for g in keep}
+            mine = [g if id(g) in kept else replace(g, completions=[
+                replace(c, loss_mask=[0] * len(c.ids)) for c in g.completions]) for g in got.groups]
+    return out, mine

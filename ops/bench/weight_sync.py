@@ -1,7 +1,7 @@
 """Seconds from the trainer starting to publish weights until every generator samples with them.
 
     .venv/bin/python ops/bench/weight_sync.py [--models tiny default] [--engine hf] [--generators 1] [--versions 3]
-        [--publish-dir DIR] [--dtype float32] [--idle]
+        [--publish-dir DIR] [--dtype float32] [--idle] [--transfer disk|gloo]
 
 For each model, a real redis-server and `--generators` real generator processes (`python -m
 generators`, `--engine` hf or vllm, the demo's settings: 4 completions per prompt, at most 24 new
@@ -28,6 +28,9 @@ stamped as it arrives:
     reload    the in-place load into the engine;
     total     from the start of publish() until the last generator has loaded, after which every
               prompt it starts is sampled with the new version.
+
+`--transfer gloo` (trainer.weight_transfer) also broadcasts each version, beside the write, to the
+generators, which load it from memory: `verify` is then the wait for the broadcast's receive.
 
 `--idle` gives the generators no prompts: nothing is in flight, so nothing drains, and the total
 is the weight sync itself.
@@ -118,10 +121,12 @@ def show(row: dict[str, float]) -> str:
 
 
 def bench_model(name: str, model_dir: Path, *, engine: str, generators: int, versions: int, max_in_flight: int,
-                tmp: Path, publish_dir: str, dtype: str, idle: bool = False) -> dict[str, float]:
+                tmp: Path, publish_dir: str, dtype: str, idle: bool = False, transfer: str = "disk"
+                ) -> dict[str, float]:
     import redis
     import torch
 
+    from common.config import TrainerConfig
     from common.keys import GENERATORS_GROUP, Keys
     from common.streams import ensure_group
     from tests.harness.servers import free_port, start_redis
@@ -149,6 +154,9 @@ engine = "{engine}"
 batch_prompts = 4
 max_in_flight = {max_in_flight}
 threads = 1
+[trainer]
+weight_transfer = "{transfer}"
+transfer_host = "127.0.0.1"
 """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
     env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
@@ -160,7 +168,7 @@ threads = 1
             feed(r, keys, start=next_prompt)
 
     keep_busy()
-    procs, seen, logs = [], [], []
+    procs, seen, logs, sender = [], [], [], None
     rows: list[dict[str, float]] = []
     try:
         for g in range(generators):
@@ -188,6 +196,15 @@ threads = 1
         # Every generator busy before the first publish: groups are coming out of each (--idle: up).
         wait("every generator's first group", lambda: sum(
             beat is not None and (idle or beat.groups > 0) for beat in heartbeats(r, keys, generators)) == generators)
+        if transfer != "disk":
+            from trainer.transfer import Sender
+
+            sender = Sender(r, keys, TrainerConfig(weight_transfer=transfer, transfer_host="127.0.0.1"),
+                            device=torch.device("cpu"))
+            wait("every generator listening", lambda: r.hlen(keys.transfer_members) == generators)
+            extra_sender = {"sender": sender}
+        else:
+            extra_sender = {}
         rng = random.Random(0)
         for v in range(1, versions + 1):
             at = time.monotonic() + rng.uniform(1.0, 4.0)
@@ -200,7 +217,8 @@ threads = 1
             t0 = time.monotonic()
             publish(r, keys, model, optimizer, scheduler, step=v, checkpoint_dir=checkpoints,
                     state_root=tmp / "out" / "trainer_state", source_dir=model_dir, keep=3, save_state_now=False,
-                    entry_ids=[], group_ids=[], dedup_window=1000, dtype=getattr(torch, dtype), **extra)
+                    entry_ids=[], group_ids=[], dedup_window=1000, dtype=getattr(torch, dtype), **extra,
+                    **extra_sender)
             t1 = time.monotonic()
             wait(f"every generator to load version {v}", lambda v=v: all(v in s for s in seen))
             row = loads_row([s[v] for s in seen], t0=t0, t1=t1, timing=timing)
@@ -211,6 +229,8 @@ threads = 1
         for p in procs:
             p.wait(timeout=120)
     finally:
+        if sender is not None:
+            sender.close()
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -239,6 +259,8 @@ def main() -> None:
     ap.add_argument("--publish-dir", default="", help="trainer.publish_dir: where checkpoints are written "
                     "(e.g. /dev/shm/rollouts); default a directory on the disk")
     ap.add_argument("--dtype", default="float32", help="the published dtype: the trainer's model.dtype")
+    ap.add_argument("--transfer", choices=["disk", "gloo"], default="disk",
+                    help="trainer.weight_transfer: also broadcast each version over gloo")
     ap.add_argument("--idle", action="store_true", help="give the generators no prompts: nothing to drain, so "
                     "the total is the sync alone (publish, notice, checksums, reload)")
     args = ap.parse_args()
@@ -255,10 +277,11 @@ def main() -> None:
             size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
             print(f"{name}: {model_dir.name}, {size / 1e6:.1f} MB of safetensors; {args.generators} {args.engine} "
                   f"generator(s), max_in_flight {args.max_in_flight}, {args.versions} versions, published in "
-                  f"{args.dtype} to {args.publish_dir or 'the disk'}", flush=True)
+                  f"{args.dtype} to {args.publish_dir or 'the disk'}, weights over {args.transfer}", flush=True)
             results[name] = bench_model(name, model_dir, engine=args.engine, generators=args.generators,
                                         versions=args.versions, max_in_flight=args.max_in_flight, tmp=tmp / f"m{i}",
-                                        publish_dir=args.publish_dir, dtype=args.dtype, idle=args.idle)
+                                        publish_dir=args.publish_dir, dtype=args.dtype, idle=args.idle,
+                                        transfer=args.transfer)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("\nmedians (s):")
