@@ -760,9 +760,9 @@ class TrainerConfig(_Section):
     transfer_timeout_s: float = Field(30.0, gt=0.0)
     # The broadcast's bucket size, MiB (a larger tensor goes in a bucket of its own).
     transfer_bucket_mb: int = Field(256, ge=1)
-    # Where generators reach rank 0 for the broadcast: "" is its address on the route to Redis;
-    # transfer_port 0 takes any free port.
+    # Where generators reach rank 0 for the broadcast: "" is its address on the route to Redis.
     transfer_host: str = ""
+    # The port of rank 0's TCP store, where each broadcast group meets; 0 takes any free port.
     transfer_port: int = Field(0, ge=0, le=65535)
     # torch intra-op threads; 0 leaves torch's default.
     threads: int = Field(0, ge=0)

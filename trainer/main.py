@@ -43,12 +43,13 @@ from common.quarantine import read_quarantines
 from common.streams import connect, ensure_group
 from trainer.checkpoints import remove_unfinished, resume
 from trainer.devices import Placement, placement
+from trainer.judging import judge_generators, quarantining
 from trainer.loading import placed_model
 from trainer.losses import kl_coef_of
 from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, init_distributed, is_main, say, unshared
 from trainer.publishing import checkpoint, publish_if_due, republish_if_gone
-from trainer.quarantine import Judge, bound_of, judge_generators, quarantining
+from trainer.quarantine import Judge, bound_of
 from trainer.record import Record
 from trainer.repairs import between_reads, check_redis, note_going_back
 from trainer.run import Run, Update

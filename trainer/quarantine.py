@@ -19,20 +19,11 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from common.config import QuarantineConfig
-from common.messages import SampleGroup
 from common.mismatch import BOUNDS
-from common.quarantine import Quarantine, lift_quarantine, read_quarantines, write_quarantine
-from trainer.parallel import gather
-from trainer.stats import StepStats
-
-if TYPE_CHECKING:
-    from trainer.run import Run
+from common.quarantine import Quarantine
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,40 +102,3 @@ class Judge:
                   "trainer's, or its engine is broken")
         return Quarantine(generator=run[-1].generator, at=now, step=step, strikes=strikes, gap=gap, bound=self.bound,
                           groups=len(run), reason=reason)
-
-
-def quarantining(run: Run) -> bool:
-    """Whether generators are judged by their groups' mismatch (known alike on every rank)."""
-    return bool(run.config.trainer.quarantine.after) and not run.sft
-
-
-def judge_generators(run: Run, groups: list[SampleGroup], stats: StepStats, *, step: int
-                     ) -> tuple[dict[str, float], int]:
-    """Each generator's mean mismatch over the step's groups (every rank's), and how many are in
-    quarantine once rank 0 has judged them (trainer/quarantine.py): a generator quarantined, or
-    readmitted, is written to Redis and said on the console. Every rank takes part."""
-    if not quarantining(run):
-        return {}, 0
-    gaps = stats.group_mismatch or (math.nan,) * len(groups)  # none: a step with no token to train on
-    mine = [Figure(generator=g.generator, engine=g.engine, staleness=step - g.version, gap=gap)
-            for g, gap in zip(groups, gaps, strict=True)]
-    figures = [f for rank in gather(mine) for f in rank]
-    if run.judge is None:
-        return {}, 0
-    by_generator = {}
-    for name in sorted({f.generator for f in figures}):
-        gaps = [f.gap for f in figures if f.generator == name and not math.isnan(f.gap)]
-        if gaps:
-            by_generator[name] = sum(gaps) / len(gaps)
-    held = read_quarantines(run.r, run.keys)
-    new, readmitted = run.judge.observe(figures, step=run.step, now=time.time(), quarantined=held)
-    for q in new:
-        write_quarantine(run.r, run.keys, q)
-        held[q.generator] = q
-        print(f"trainer: generator {q.generator} {q.line()}", file=sys.stderr, flush=True)
-    for name in readmitted:
-        lift_quarantine(run.r, run.keys, name)
-        held.pop(name, None)
-        print(f"trainer: generator {name} readmitted: its last {run.judge.cfg.after} groups agree with the "
-              "trainer again", flush=True)
-    return by_generator, len(held)
