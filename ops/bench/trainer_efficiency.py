@@ -173,7 +173,7 @@ def run_world(blobs: list[bytes], groups_file: Path, *, model_dir: Path, world: 
     env = clean_env()
     env.update(ROLLOUTS_RUN="bench", ROLLOUTS_REDIS_URL=url, ROLLOUTS_MODEL__PATH=str(model_dir),
                ROLLOUTS_OUTPUT_DIR=str(tmp / "out"), ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP=str(PER_STEP),
-               ROLLOUTS_ROLLOUT__GROUP_SIZE=str(GROUP), ROLLOUTS_ROLLOUT__MAX_STALENESS="100",
+               ROLLOUTS_ROLLOUT__GROUP_SIZE=str(GROUP), ROLLOUTS_ROLLOUT__MAX_STALENESS="1000",
                ROLLOUTS_ROLLOUT__TEMPERATURE="1.0", ROLLOUTS_TRAINER__MAX_STEPS=str(steps + 1),
                ROLLOUTS_TRAINER__SYNC_EVERY="1000", ROLLOUTS_TRAINER__LR=str(lr), ROLLOUTS_TRAINER__THREADS="1",
                ROLLOUTS_TRAINER__MICRO_BATCH_SIZE="8")
