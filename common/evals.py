@@ -64,6 +64,20 @@ def eval_queue(r: redis.Redis, keys: Keys) -> Queue:
     return Queue(keys.eval_queue, connection=r, serializer=JSONSerializer)
 
 
+def unfinished_evals(r: redis.Redis, keys: Keys) -> list[str]:
+    """Ids of the run's evaluation jobs not done yet: queued, being handed to a worker (RQ's
+    intermediate queue), running, or waiting for a retry. Read only (no registry clean-up)."""
+    q = eval_queue(r, keys)
+    return list(dict.fromkeys([*q.get_job_ids(), *q.intermediate_queue.get_job_ids(),
+                               *q.started_job_registry.get_job_ids(cleanup=False),
+                               *q.scheduled_job_registry.get_job_ids(cleanup=False)]))
+
+
+def failed_evals(r: redis.Redis, keys: Keys) -> list[str]:
+    """Ids of the run's evaluation jobs in RQ's failed registry (retries spent, or refused)."""
+    return eval_queue(r, keys).failed_job_registry.get_job_ids(cleanup=False)
+
+
 def enqueue_eval(r: redis.Redis, config: Config, wv: WeightVersion) -> Job:
     """Queue the evaluation of the checkpoint `wv` names on the held-out problems."""
     keys, ev = Keys(config.run), config.eval

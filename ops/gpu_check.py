@@ -11,7 +11,10 @@ any failed:
              the check's redis-server first on PATH for the tests' own Redis
   one-gpu    a short run of configs/gsm8k.toml on GPU 0: the producer, one generator and the trainer
              sharing it, and the evaluator, each started here as a process of its own with its own log
-             (not under honcho), against a redis-server of the check's own on a free port
+             (not under honcho), against a redis-server of the check's own on a free port; once the
+             trainer exits, the producer and generators are stopped and the evaluations already queued
+             are waited for (within --time-limit, counted from the run's start) before the evaluator is
+             stopped
   two-gpus   the same run with the trainer under torchrun at world size 2 on GPUs 0 and 1 (NCCL),
              generators on the other GPUs, each leasing one (on GPU 1 where there are only two);
              skipped with fewer than two GPUs
@@ -24,17 +27,21 @@ directory, common/tiny.py), generator.engine "hf" where vLLM is not installed, r
 and trainer.max_steps (`--steps`). A ROLLOUTS_<SECTION>__<FIELD> set when calling the check wins over
 these and is listed too.
 
-`--dry-run` takes the same steps on the CPU with the tiny model, fewer and shorter rollouts (listed)
-and the HF engine, skipping what needs CUDA (tests/test_gpu_check.py runs it in the default suite).
+`--dry-run` takes the same steps on the CPU with the tiny model, fewer and shorter rollouts and one
+short evaluation of the last version (listed) and the HF engine, skipping what needs CUDA
+(tests/test_gpu_check.py runs it in the default suite).
 
 The report (report.md, report.json under `--out`) holds the host (devices, torch and CUDA, vLLM or
 not, what does not import) and each step's status, and from each run: the generators' and the
 trainer's tokens/s, the trainer's MFU against the GPU's dense bf16 peak, the time a weight version
-takes to reach the generators by each path, the peak memory of each process, and steps per minute.
-Every figure is read from the run (its metrics.jsonl, resolved config.json, logs, and samples of
-each process's memory taken here once a second); none is written in here. `--out` also keeps each
-run's logs, metrics.jsonl and config.json; the model, checkpoints and Redis's files (gigabytes on a
-GPU) go to `--work` (default OUT/work).
+takes to reach the generators by each path, the peak memory of each process (and when it peaked:
+seconds since the start and the trainer's phase; the trainer's resident set after its start-up and
+each step), steps per minute, and each finished evaluation's figures as the evaluator wrote them to
+the run's metrics (or what cut the wait for it).
+Every figure is read from the run (its metrics.jsonl, resolved config.json, logs, evaluations in
+its Redis, and samples of each process's memory taken here once a second); none is written in
+here. `--out` also keeps each run's logs, metrics.jsonl and config.json; the model, checkpoints and
+Redis's files (gigabytes on a GPU) go to `--work` (default OUT/work).
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ QWEN_05B = {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermedia
 # the device reports; the first match wins. A GPU not here has no MFU ("unknown peak").
 PEAK_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 STOP_GRACE_S = 30  # each process's STOP_GRACE_S: a generator gives up what it holds past it
+EVALUATOR = "evaluator"  # the process whose queued evaluations a run waits for once the trainer is done
 
 
 def say(line: str) -> None:
@@ -280,7 +288,7 @@ def plan(*, gpus: int, ranks: int) -> list[Proc]:
             *(Proc(f"generator g{i}", ("-m", "generators", "--id", f"g{i}"), g)
               for i, g in enumerate(generator_gpus, 1)),
             Proc("trainer", trainer, trainer_gpus),
-            Proc("evaluator", ("-m", "evaluator"), None if gpus else "")]
+            Proc(EVALUATOR, ("-m", "evaluator"), None if gpus else "")]
 
 
 def substitutions(*, scratch: Path, model: Path, redis_url: str, steps: int, vllm: bool, dry_run: bool
@@ -299,6 +307,9 @@ def substitutions(*, scratch: Path, model: Path, redis_url: str, steps: int, vll
         subs["ROLLOUTS_GENERATOR__ENGINE"] = ("hf", "dry run: the HF engine starts in seconds on a CPU")
         for name, value in (("GROUP_SIZE", "4"), ("PROMPTS_PER_STEP", "4"), ("MAX_NEW_TOKENS", "16")):
             subs[f"ROLLOUTS_ROLLOUT__{name}"] = (value, "dry run: fewer, shorter rollouts on a CPU")
+        subs["ROLLOUTS_EVAL__EVERY"] = (str(steps), "dry run: one evaluation, of the last version, waited for")
+        for name, value in (("PROMPTS", "4"), ("PASS_K", "2")):
+            subs[f"ROLLOUTS_EVAL__{name}"] = (value, "dry run: a short evaluation on a CPU")
     elif not vllm:
         subs["ROLLOUTS_GENERATOR__ENGINE"] = ("hf", "vLLM is not installed on this host")
     for name, value in sorted(os.environ.items()):
@@ -341,32 +352,32 @@ class Outcome:
     problem: str = ""  # what went wrong ("" nothing)
     culprit: str = ""  # the process whose log shows it
     seconds: float = 0.0  # from the first process started to the trainer's exit (or the stop)
+    # What became of the run's evaluations once the trainer was done (wait_for_evals); {}: not
+    # waited for (the run did not end cleanly)
+    evals: dict = field(default_factory=dict)
 
 
 def run_processes(procs: list[Proc], subs: dict[str, tuple[str, str]], *, dirs: Dirs, steps: int,
-                  time_limit: float, memory: Memory) -> Outcome:
-    """Start `procs`, wait for the trainer to exit (or any other process, or the time limit), then
-    stop the rest with SIGTERM, as honcho does under ./ops/run."""
+                  time_limit: float, memory: Memory, redis_url: str) -> Outcome:
+    """Start `procs` and wait for the trainer to exit (or any other process, or the time limit).
+    The trainer done, stop all but the evaluator, wait for the evaluations queued to end (within
+    the same time limit), then stop it: each with SIGTERM, as honcho does under ./ops/run."""
     started = {p.name: subprocess.Popen([sys.executable, *p.argv], cwd=dirs.scratch,
                                         env=process_env(subs, scratch=dirs.scratch, gpus=p.gpus),
                                         stdout=open(dirs.log(p.name), "ab"),  # noqa: SIM115 - the child owns it
                                         stderr=subprocess.STDOUT, start_new_session=True) for p in procs}
     memory.watch(started)
     t0, out = time.monotonic(), Outcome()
-    while not out.problem:
-        ended = {name: p.returncode for name, p in started.items() if p.poll() is not None}
-        if "trainer" in ended:
-            out.problem = "" if ended["trainer"] == 0 else f"the trainer exited {ended['trainer']}"
-            out.culprit = "trainer"
-            break
-        if ended:
-            name, code = next(iter(ended.items()))
-            out.problem, out.culprit = f"{name} exited {code} before the trainer's last step", name
-        elif time.monotonic() - t0 > time_limit:
-            out.problem, out.culprit = f"time limit ({time_limit:g} s) reached before step {steps}", "trainer"
-        time.sleep(0.5)
+    out.problem, out.culprit = wait_for_trainer(started, steps=steps, time_limit=time_limit)
     out.seconds = time.monotonic() - t0
-    out.codes = stop_all(started)
+    codes: dict[str, int | None] = {}
+    if not out.problem and EVALUATOR in started:
+        codes = stop_all({name: p for name, p in started.items() if name != EVALUATOR})
+        resolved = json.loads((dirs.scratch / "run" / "config.json").read_text())  # the trainer's, as it ran
+        out.evals = wait_for_evals(started[EVALUATOR], redis_url=redis_url, run=resolved["run"],
+                                   deadline=t0 + time_limit, time_limit=time_limit)
+    codes.update(stop_all({name: p for name, p in started.items() if name not in codes}))
+    out.codes = {name: codes[name] for name in started}
     if not out.problem:
         bad = {name: code for name, code in out.codes.items() if code != 0}
         if bad:
@@ -374,6 +385,53 @@ def run_processes(procs: list[Proc], subs: dict[str, tuple[str, str]], *, dirs: 
             out.problem = "stopped with SIGTERM, not every process exited 0: " + \
                 ", ".join(f"{name} {code}" for name, code in bad.items())
     return out
+
+
+def wait_for_trainer(started: dict[str, subprocess.Popen], *, steps: int, time_limit: float) -> tuple[str, str]:
+    """(what went wrong, the process whose log shows it) once the trainer exits, another process
+    exits first, or `time_limit` passes; ("", "trainer") where the trainer exited 0."""
+    t0 = time.monotonic()
+    while True:
+        ended = {name: p.returncode for name, p in started.items() if p.poll() is not None}
+        if "trainer" in ended:
+            return ("" if ended["trainer"] == 0 else f"the trainer exited {ended['trainer']}"), "trainer"
+        if ended:
+            name, code = next(iter(ended.items()))
+            return f"{name} exited {code} before the trainer's last step", name
+        if time.monotonic() - t0 > time_limit:
+            return f"time limit ({time_limit:g} s) reached before step {steps}", "trainer"
+        time.sleep(0.5)
+
+
+def wait_for_evals(evaluator: subprocess.Popen, *, redis_url: str, run: str, deadline: float,
+                   time_limit: float) -> dict:
+    """Wait until none of the run's evaluation jobs is queued or running (or the evaluator exits,
+    or `deadline` passes); then what became of them: each finished evaluation as the evaluator
+    wrote it to the run's metrics (common.evals.EvalResult.entry), the job ids left unfinished and
+    failed, the seconds waited, and what cut the wait ("" nothing)."""
+    from common.evals import failed_evals, read_evals, unfinished_evals
+    from common.keys import Keys
+    from common.streams import connect
+
+    r, keys, t0, cut = connect(redis_url), Keys(run), time.monotonic(), ""
+    try:
+        waiting = unfinished_evals(r, keys)
+        if waiting:
+            say(f"the trainer is done; waiting for {len(waiting)} evaluation(s): {', '.join(waiting)}")
+        while waiting:
+            if evaluator.poll() is not None:
+                cut = f"the evaluator exited {evaluator.returncode}"
+                break
+            if time.monotonic() > deadline:
+                cut = f"the time limit ({time_limit:g} s) cut the wait"
+                break
+            time.sleep(1.0)
+            waiting = unfinished_evals(r, keys)
+        done = read_evals(r, keys)
+        return {"finished": [done[v].entry() for v in sorted(done)], "unfinished": waiting,
+                "failed": failed_evals(r, keys), "waited_s": round(time.monotonic() - t0, 1), "cut": cut}
+    finally:
+        r.close()
 
 
 def stop_all(started: dict[str, subprocess.Popen]) -> dict[str, int | None]:
@@ -424,11 +482,13 @@ def gsm8k_run(name: str, host: dict, *, ranks: int, wrapper: Path, model: Path, 
     say(f"{name}: {', '.join(f'{p.name} (GPUs {p.gpus})' if p.gpus else p.name for p in procs)}; logs in "
         f"{dirs.kept / 'logs'}")
     server = start_redis(wrapper, files=dirs.scratch / "redis", log=dirs.log("redis"), port=port)
-    memory = Memory(nvidia_smi=None if dry_run else host["nvidia_smi"])
+    memory = Memory(nvidia_smi=None if dry_run else host["nvidia_smi"], metrics=dirs.scratch / "run" / "metrics.jsonl",
+                    trainer_log=dirs.log("trainer"), steps=steps)
     if not dry_run and not host["nvidia_smi"]:
         memory.note = "no nvidia-smi on PATH: no GPU memory figures"
     try:
-        outcome = run_processes(procs, subs, dirs=dirs, steps=steps, time_limit=time_limit, memory=memory)
+        outcome = run_processes(procs, subs, dirs=dirs, steps=steps, time_limit=time_limit, memory=memory,
+                                redis_url=subs["ROLLOUTS_REDIS_URL"][0])
     finally:
         memory.stop()
         server.terminate()
@@ -437,7 +497,8 @@ def gsm8k_run(name: str, host: dict, *, ranks: int, wrapper: Path, model: Path, 
         if (dirs.scratch / "run" / kept).exists():
             shutil.copy(dirs.scratch / "run" / kept, dirs.kept / kept)
     details = {"processes": [asdict(p) for p in procs], "substitutions": subs, "exit_codes": outcome.codes,
-               "seconds": round(outcome.seconds, 1), "memory": memory.peaks(), "kept": str(dirs.kept),
+               "seconds": round(outcome.seconds, 1), "memory": memory.peaks(), "evaluations": outcome.evals,
+               "kept": str(dirs.kept),
                "scratch": str(dirs.scratch)}
     figures, problem = run_figures(dirs.kept, steps=steps,
                                    device=host["devices"][0] if host["devices"] and not dry_run else None)
@@ -452,20 +513,31 @@ def gsm8k_run(name: str, host: dict, *, ranks: int, wrapper: Path, model: Path, 
 
 class Memory:
     """Peak memory of each process of a run, sampled once a second in a thread: resident memory
-    of its process tree (psutil), and GPU memory by process and by GPU (nvidia-smi)."""
+    of its process tree (psutil), with when it peaked (seconds since the start, and the trainer's
+    phase then: start-up, step N, after its exit) and the trainer's own at each of its boundaries;
+    and GPU memory by process and by GPU (nvidia-smi)."""
 
-    def __init__(self, *, nvidia_smi: str | None) -> None:
+    def __init__(self, *, nvidia_smi: str | None, metrics: Path | None = None, trainer_log: Path | None = None,
+                 steps: int = 0) -> None:
         self.nvidia_smi = nvidia_smi
+        self.metrics = metrics  # the trainer's metrics.jsonl: a line per step done
+        self.trainer_log = trainer_log  # where the trainer says it is loaded (RANKS)
+        self.steps = steps  # the trainer's last step
         self.rss: dict[str, int] = {}  # process name -> peak resident bytes of its tree
+        self.rss_peak_at: dict[str, dict] = {}  # process name -> {"at_s", "trainer": its phase} at that peak
+        self.trainer_rss: list[dict] = []  # {"after": "start-up" or "step N", "at_s", "mib"}: the first sample
+        # after each of the trainer's boundaries
         self.gpu_by_pid: dict[str, int] = {}  # "name (pid N)" -> peak MiB nvidia-smi showed
         self.gpu_by_device: dict[str, int] = {}  # "GPU i" -> peak MiB used (every process on it)
         self.note = ""  # why a figure is missing
         self.started: dict[str, subprocess.Popen] = {}
+        self.t0 = time.monotonic()
+        self.loaded, self.steps_done = False, 0  # the trainer's progress, as last sampled
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.loop, daemon=True)
 
     def watch(self, started: dict[str, subprocess.Popen]) -> None:
-        self.started = started
+        self.started, self.t0 = started, time.monotonic()
         self.thread.start()
 
     def loop(self) -> None:
@@ -475,12 +547,14 @@ class Memory:
             self.note = "psutil is not installed: no resident memory figures"
             psutil = None
         while not self.done.wait(1.0):
-            pids = self.sample_rss(psutil) if psutil else {}
+            pids, totals = self.sample_rss(psutil) if psutil else ({}, {})
+            self.keep_rss(totals)
             if self.nvidia_smi:
                 self.sample_gpus(pids)
 
-    def sample_rss(self, psutil) -> dict[int, str]:  # noqa: ANN001 - the module
-        pids = {}
+    def sample_rss(self, psutil) -> tuple[dict[int, str], dict[str, int]]:  # noqa: ANN001 - the module
+        """({pid: process name} of every process of each tree, {process name: resident bytes of its tree})."""
+        pids, totals = {}, {}
         for name, popen in self.started.items():
             with contextlib.suppress(psutil.Error):
                 tree = [psutil.Process(popen.pid)]
@@ -490,8 +564,36 @@ class Memory:
                     with contextlib.suppress(psutil.Error):
                         total += p.memory_info().rss
                         pids[p.pid] = name
-                self.rss[name] = max(self.rss.get(name, 0), total)
-        return pids
+                totals[name] = total
+        return pids, totals
+
+    def keep_rss(self, totals: dict[str, int]) -> None:
+        """Each process's peak and when it came; the trainer's resident set at a boundary it crossed."""
+        at = round(time.monotonic() - self.t0, 1)
+        phase, crossed = self.trainer_phase()
+        for name, total in totals.items():
+            if total > self.rss.get(name, 0):
+                self.rss[name] = total
+                self.rss_peak_at[name] = {"at_s": at, "trainer": phase}
+        if crossed and "trainer" in totals:
+            self.trainer_rss.append({"after": crossed, "at_s": at, "mib": round(totals["trainer"] / 2**20)})
+
+    def trainer_phase(self) -> tuple[str, str | None]:
+        """The trainer's phase now ("start-up" until it says it is loaded, "step N" while it takes
+        step N, its publish included, "shutdown" after its last, "exited"), and the boundary it
+        crossed since the last sample ("start-up", "step N"; None: none)."""
+        trainer = self.started.get("trainer")
+        if trainer is None or trainer.poll() is not None:
+            return "exited", None
+        crossed = None
+        if not self.loaded and self.trainer_log is not None and RANKS.search(tail(self.trainer_log, 10**6)):
+            self.loaded, crossed = True, "start-up"
+        done = steps_written(self.metrics, before=self.steps_done) if self.metrics is not None else 0
+        if done > self.steps_done:
+            self.steps_done, crossed = done, f"step {done}"
+        if not self.loaded:
+            return "start-up", crossed
+        return ("shutdown" if self.steps and self.steps_done >= self.steps else f"step {self.steps_done + 1}"), crossed
 
     def sample_gpus(self, pids: dict[int, str]) -> None:
         """nvidia-smi's memory in use by GPU and by process; a process of another PID namespace (a
@@ -513,8 +615,19 @@ class Memory:
 
     def peaks(self) -> dict:
         return {"rss_mib": {name: round(b / 2**20) for name, b in self.rss.items()},
+                "rss_peak_at": self.rss_peak_at, "trainer_rss_mib": self.trainer_rss,
                 "gpu_mib_by_process": self.gpu_by_pid, "gpu_mib_by_device": self.gpu_by_device,
                 "note": self.note}
+
+
+def steps_written(metrics: Path, *, before: int) -> int:
+    """Trainer steps in its metrics.jsonl; `before` while there is none yet or a line is half written."""
+    from common.metrics import read_metrics
+
+    try:
+        return len(read_metrics(metrics))
+    except (OSError, ValueError):
+        return before
 
 
 def peak(peaks: dict[str, int], key: str, mib: str) -> None:
@@ -694,13 +807,49 @@ def run_section(s: Step) -> list[str]:
                   f"{fmt_stats(disk['drained_s'])}, verified it in {fmt_stats(disk['verify_s'])} (meanwhile), "
                   f"reloaded in {fmt_stats(disk['reload_s'])}",
                   f"- weight transfer, NCCL: {t['nccl']}",
-                  f"- peak resident memory (MiB, each process with its children): {mem['rss_mib'] or mem['note']}",
+                  f"- peak resident memory (MiB, each process with its children; when, in seconds since the start "
+                  f"and the trainer's phase then): {rss_line(mem)}",
+                  f"- the trainer's resident memory (MiB) at its boundaries (the first sample after): "
+                  f"{boundaries_line(mem['trainer_rss_mib'])}",
                   f"- peak GPU memory (MiB in use, nvidia-smi once a second: the CUDA context and what the caching "
                   f"allocator holds) by process: {mem['gpu_mib_by_process'] or mem['note'] or '-'}; "
                   f"by GPU: {mem['gpu_mib_by_device'] or '-'}"]
+    lines += eval_lines(d["evaluations"])
     lines += ["", f"Exit statuses: {d['exit_codes']}; {d['seconds']} s; logs, metrics.jsonl and config.json in "
               f"{d['kept']}; checkpoints in {d['scratch']}/run"]
     return lines
+
+
+def rss_line(mem: dict) -> str:
+    if not mem["rss_mib"]:
+        return mem["note"]
+    return ", ".join(f"{name} {mib} at {mem['rss_peak_at'][name]['at_s']:g} s "
+                     f"(trainer {mem['rss_peak_at'][name]['trainer']})" for name, mib in mem["rss_mib"].items())
+
+
+def boundaries_line(samples: list[dict]) -> str:
+    return ", ".join(f"{b['after']} {b['mib']} ({b['at_s']:g} s)" for b in samples) or "-"
+
+
+def eval_lines(evals: dict) -> list[str]:
+    """The run's evaluations: each finished one's figures as the evaluator wrote them, then the wait."""
+    from common.evals import EvalResult
+
+    if not evals:
+        return ["", "Evaluations: not waited for (the run did not end cleanly)."]
+    lines = ["", "Evaluations:", ""]
+    for e in map(EvalResult.from_entry, evals["finished"]):
+        lines.append(f"- version {e.version} (step {e.step}): skipped, {e.skipped}" if e.skipped is not None else
+                     f"- version {e.version} (step {e.step}): {e.summary()} on {e.prompts} problems in "
+                     f"{e.seconds:.1f} s")
+    if not evals["finished"] and not evals["unfinished"]:
+        lines.append("- none queued (eval.every)")
+    wait = f"- waited {evals['waited_s']:g} s for them after the trainer's exit"
+    if evals["cut"]:
+        wait += f"; {evals['cut']}, unfinished: {', '.join(evals['unfinished'])}"
+    if evals["failed"]:
+        wait += f"; failed (RQ's failed registry): {', '.join(evals['failed'])}"
+    return lines + [wait]
 
 
 def mfu_line(f: dict) -> str:

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checkpoints import checksum_dir
 from common.config import config_from_dict, source_config
-from common.evals import enqueue_eval, eval_queue, read_request
+from common.evals import enqueue_eval, eval_queue, failed_evals, read_request, unfinished_evals
 from common.keys import Keys
 from common.messages import WeightVersion
 from common.metrics import read_metrics_stream
@@ -119,9 +119,11 @@ def test_failing_eval_job_lands_in_the_failed_registry_after_its_retries(tmp_pat
     wv = WeightVersion(version=1, step=1, path=str(corrupted), format="safetensors",
                        checksums={"model.safetensors": "0" * 64}, created_at=0.0)
     job = enqueue_eval(r, config(redis_url), wv)
+    assert unfinished_evals(r, Keys(RUN)) == [job.id] and failed_evals(r, Keys(RUN)) == []
     assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
     queue = eval_queue(r, Keys(RUN))
     assert job.id in FailedJobRegistry(queue=queue).get_job_ids()
+    assert unfinished_evals(r, Keys(RUN)) == [] and failed_evals(r, Keys(RUN)) == [job.id]
     job.refresh()
     assert job.retries_left == 0
     assert "model.safetensors has checksum" in job.latest_result().exc_string

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.evals import EvalResult
 from ops.gpu_check import Memory, mfu, plan, pytest_outcome, safetensors_params
 from tests.harness.processes import ROOT
 
@@ -57,11 +58,28 @@ def test_the_dry_run_takes_every_step_and_reports_the_runs_figures(tmp_path):
     assert set(run["details"]["memory"]["rss_mib"]) == {"producer", "generator g1", "trainer", "evaluator"}
     assert min(run["details"]["memory"]["rss_mib"].values()) > 0
     assert run["details"]["exit_codes"] == {"producer": 0, "generator g1": 0, "trainer": 0, "evaluator": 0}
+    # when each process peaked, and the trainer's resident set after its start-up and its steps
+    memory = run["details"]["memory"]
+    assert set(memory["rss_peak_at"]) == set(memory["rss_mib"]), memory
+    assert all(p["at_s"] > 0 and p["trainer"] for p in memory["rss_peak_at"].values()), memory
+    assert [b["after"] for b in memory["trainer_rss_mib"]][:2] == ["start-up", "step 1"], memory
+    assert all(b["mib"] > 0 for b in memory["trainer_rss_mib"]), memory
+    # the evaluation queued at the last step ran to its end before the processes were stopped, and
+    # the report gives its figures as the evaluator wrote them to the run's metrics
+    evals = run["details"]["evaluations"]
+    assert (evals["unfinished"], evals["failed"], evals["cut"]) == ([], [], ""), evals
+    (evaluated,) = [EvalResult.from_entry(e) for e in evals["finished"]]
+    assert (evaluated.version, evaluated.step, evaluated.prompts, evaluated.skipped) == (2, 2, 4, None), evaluated
+    assert set(evaluated.pass_at) == {1, 2} and all(0 <= v <= 1 for v in evaluated.pass_at.values()), evaluated
+    assert evaluated.seconds > 0
+    assert f"- version 2 (step 2): {evaluated.summary()} on 4 problems in " in report, report
+    assert "evaluator: version 2: " in (tmp_path / "out" / "one-gpu" / "logs" / "evaluator.log").read_text()
     # configs/gsm8k.toml with only the substitutions the report lists, each with its reason
     subs = run["details"]["substitutions"]
     assert set(subs) == {"ROLLOUTS_MODEL__PATH", "ROLLOUTS_REDIS_URL", "ROLLOUTS_OUTPUT_DIR",
                          "ROLLOUTS_TRAINER__MAX_STEPS", "ROLLOUTS_GENERATOR__ENGINE", "ROLLOUTS_ROLLOUT__GROUP_SIZE",
-                         "ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP", "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS"}, subs
+                         "ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP", "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS",
+                         "ROLLOUTS_EVAL__EVERY", "ROLLOUTS_EVAL__PROMPTS", "ROLLOUTS_EVAL__PASS_K"}, subs
     assert all(f"`{name}={value}`: {why}" in report for name, (value, why) in subs.items())
     resolved = json.loads((tmp_path / "out" / "one-gpu" / "config.json").read_text())
     assert resolved["run"] == "gsm8k" and resolved["data"]["sources"][0]["path"] == "openai/gsm8k"

@@ -399,7 +399,7 @@ def test_sft_then_rl_from_its_checkpoint(checkout, user_env, tmp_path):
     finally:
         rl.kill()
     assert "trainer: run 'rl', model runs/sft/checkpoints/step_200" in rl.text(), rl.text()[-4000:]
-    assert len((checkout / "runs/rl/metrics.jsonl").read_text().splitlines()) >= 2
+    assert len(read_steps(checkout / "runs/rl/metrics.jsonl")) >= 2
 
 
 # ---------------------------------------------------------------------- docs/operations.md

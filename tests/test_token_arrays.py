@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from common.keys import PAYLOAD, TRAINER_GROUP
-from common.messages import Completion, MessageError, SampleGroup, decode_group, encode
+from common.messages import MessageError, SampleGroup, decode_group, encode
 from common.recording import read_recording
 from common.streams import ensure_group
+from tests.harness.groups import completion, hand_group
 from trainer.batch import micro_batches
 
 PIPELINE = Path(__file__).resolve().parent / "data" / "tiny_pipeline.rec"
@@ -37,13 +38,11 @@ HOLDERS = {
 }
 
 
-def make_group(holder: str) -> SampleGroup:
+def held_as(holder: str) -> SampleGroup:
+    """TOKENS after PROMPT, every id, log-prob and mask held as `holder` holds them."""
     ints, floats, mask = HOLDERS[holder]
-    completions = [Completion(ids=ints(ids), logprobs=floats(lps), reward=float(i), rewards={}, finish="stop",
-                              text="", loss_mask=None if m is None else mask(m))
-                   for i, (ids, lps, m) in enumerate(TOKENS)]
-    return SampleGroup(id="g", prompt_id="g", prompt_ids=ints(PROMPT), version=2, generator="g1", engine="hf",
-                       completions=completions)
+    return hand_group([completion(ints(ids), floats(lps), float(i), loss_mask=None if m is None else mask(m))
+                       for i, (ids, lps, m) in enumerate(TOKENS)], prompt=ints(PROMPT))
 
 
 def expected_rows() -> dict[str, list[list]]:
@@ -66,10 +65,10 @@ def expected_rows() -> dict[str, list[list]]:
 def test_groups_cross_the_stream_identical_whatever_holds_their_tokens(r):
     stream = "t:samples"
     ensure_group(r, stream, TRAINER_GROUP)
-    reference = make_group("lists")
+    reference = held_as("lists")
     wire = encode(reference)
     for holder in HOLDERS:
-        blob = encode(make_group(holder))
+        blob = encode(held_as(holder))
         assert blob == wire, f"{holder}: the bytes on the wire differ from a list-built group's"
         r.xadd(stream, {PAYLOAD: blob})
         ((_, [(_, fields)]),) = r.xreadgroup(TRAINER_GROUP, "rank0", {stream: ">"}, count=1)
@@ -108,7 +107,7 @@ def test_groups_cross_the_stream_identical_whatever_holds_their_tokens(r):
     ],
 )
 def test_encode_refuses_what_the_wire_cannot_hold_and_names_it(field, value, reason):
-    g = make_group("lists")
+    g = held_as("lists")
     c = replace(g.completions[0], **{"ids": [8, 9], "logprobs": [-0.5, -0.5], field: value})
     with pytest.raises(MessageError) as err:
         encode(replace(g, completions=[c, *g.completions[1:]]))
@@ -126,7 +125,7 @@ def test_encode_refuses_what_the_wire_cannot_hold_and_names_it(field, value, rea
     ],
 )
 def test_bad_arrays_still_get_the_decoders_clear_error(ids, logprobs, reason):
-    g = make_group("numpy wire dtypes")
+    g = held_as("numpy wire dtypes")
     bad = replace(g.completions[0], ids=ids, logprobs=logprobs)
     with pytest.raises(MessageError) as err:
         decode_group(encode(replace(g, completions=[*g.completions[:2], bad])), vocab_size=16)
@@ -134,7 +133,7 @@ def test_bad_arrays_still_get_the_decoders_clear_error(ids, logprobs, reason):
 
 
 def test_a_mask_that_is_not_0_1_on_the_wire_is_refused_naming_its_completion():
-    d = msgpack.unpackb(encode(make_group("lists")), raw=False)
+    d = msgpack.unpackb(encode(held_as("lists")), raw=False)
     d["completions"][1]["loss_mask"] = b"\x01"
     d["completions"][2]["loss_mask"] = b"\x01\x02\x00"
     with pytest.raises(MessageError, match=r"completions\[2\]: loss_mask must be 0/1"):

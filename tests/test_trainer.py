@@ -205,7 +205,7 @@ def test_sigterm_publishes_unpublished_steps_and_exits_0(tmp_path, redis_url, r,
     try:
         metrics = tmp_path / "out" / "metrics.jsonl"
         deadline = time.monotonic() + 120
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) == 2):
+        while len(read_steps(metrics)) != 2:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
         assert read_trainer(r, KEYS).version == 0 and r.zcard(KEYS.trained) == 0

@@ -57,31 +57,20 @@ GROUP = 4  # completions per group (the demo's group_size)
 # --------------------------------------------------------------------------- the groups
 
 
-def make_groups(model_dir: Path, count: int, *, seed: int = 0) -> list[bytes]:
-    """`count` encoded SampleGroups of random tokens whose behaviour log-probs are the model's own."""
+def encoded_groups(model_dir: Path, count: int, *, seed: int = 0) -> list[bytes]:
+    """`count` encoded harness groups (tests.harness.groups.make_group) of demo-like shapes: random
+    tokens whose behaviour log-probs are the model's own."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.messages import Completion, SampleGroup, encode
+    from common.messages import encode
+    from tests.harness.groups import make_group
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    vocab = model.config.vocab_size
     rng = random.Random(seed)
-    blobs = []
-    for g in range(count):
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(30, 45))]
-        completions = []
-        for i in range(GROUP):
-            ids = [rng.randrange(vocab) for _ in range(rng.randint(4, 24))]
-            with torch.no_grad():
-                logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]  # (T, V)
-            logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-            reward = float((i + g) % 2)
-            completions.append(Completion(ids=ids, logprobs=logp.tolist(), reward=reward,
-                                          rewards={"correct": reward}, finish="stop", text=""))
-        blobs.append(encode(SampleGroup(id=f"bench:0:{g}", prompt_id=f"bench:0:{g}", prompt_ids=prompt,
-                                        version=0, generator="bench", engine="hf", completions=completions)))
-    return blobs
+    return [encode(make_group(model, f"bench:0:{g}", version=0, rng=rng,
+                              shape=(rng.randint(30, 45), [rng.randint(4, 24) for _ in range(GROUP)])))
+            for g in range(count)]
 
 
 def count_tokens(blobs: list[bytes]) -> int:
@@ -184,7 +173,7 @@ def run_world(blobs: list[bytes], groups_file: Path, *, model_dir: Path, world: 
     env = clean_env()
     env.update(ROLLOUTS_RUN="bench", ROLLOUTS_REDIS_URL=url, ROLLOUTS_MODEL__PATH=str(model_dir),
                ROLLOUTS_OUTPUT_DIR=str(tmp / "out"), ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP=str(PER_STEP),
-               ROLLOUTS_ROLLOUT__GROUP_SIZE=str(GROUP), ROLLOUTS_ROLLOUT__MAX_STALENESS="100",
+               ROLLOUTS_ROLLOUT__GROUP_SIZE=str(GROUP), ROLLOUTS_ROLLOUT__MAX_STALENESS="1000",
                ROLLOUTS_ROLLOUT__TEMPERATURE="1.0", ROLLOUTS_TRAINER__MAX_STEPS=str(steps + 1),
                ROLLOUTS_TRAINER__SYNC_EVERY="1000", ROLLOUTS_TRAINER__LR=str(lr), ROLLOUTS_TRAINER__THREADS="1",
                ROLLOUTS_TRAINER__MICRO_BATCH_SIZE="8")
@@ -361,7 +350,7 @@ def compute(trees: list[str], *, model_dir: Path, steps: int, threads: int, roun
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
     try:
         groups_file = tmp / "groups.msgpack"
-        groups_file.write_bytes(msgpack.packb([make_groups(model_dir, 3 * PER_STEP), str(model_dir)],
+        groups_file.write_bytes(msgpack.packb([encoded_groups(model_dir, 3 * PER_STEP), str(model_dir)],
                                               use_bin_type=True))
         results: dict[str, list[dict]] = {t: [] for t in trees}
         for n in range(rounds):
@@ -448,7 +437,7 @@ def main() -> None:
     from common.models import resolve_model_path
 
     model_dir = resolve_model_path(args.model)
-    blobs = make_groups(model_dir, (args.steps + 1) * PER_STEP)  # + the trainer's extra step
+    blobs = encoded_groups(model_dir, (args.steps + 1) * PER_STEP)  # + the trainer's extra step
     tokens = count_tokens(blobs[PER_STEP:args.steps * PER_STEP])  # the measured steps: not the warm-up
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))
     groups_file = tmp / "groups.msgpack"

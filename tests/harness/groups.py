@@ -4,11 +4,13 @@ samples stream they travel on."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import torch
 
 from common.keys import PAYLOAD, Keys
 from common.messages import Completion, PromptTask, SampleGroup, decode_group
+from common.tokens import Floats, Ints
 
 
 def ask(i: int, *, n: int = 3) -> PromptTask:
@@ -18,34 +20,45 @@ def ask(i: int, *, n: int = 3) -> PromptTask:
                       text=None, meta={"answer": a + b}, n=n, admitted_at=0)
 
 
-def make_group(model, gid: str, *, version: int, rng: random.Random, n: int = 4) -> SampleGroup:
-    """A group of random tokens whose behaviour log-probs are the model's own (temperature 1)."""
-    vocab = model.config.vocab_size
-    prompt = [rng.randrange(vocab) for _ in range(rng.randint(4, 8))]
+def make_group(model, gid: str, *, version: int, rng: random.Random, n: int = 4,
+               shape: tuple[int, Sequence[int]] | None = None, partial_mask: bool = False) -> SampleGroup:
+    """A group of random tokens. `model`: the model whose own log-probs (temperature 1) the
+    completions carry, or a vocabulary size (log-probs then drawn at random in [-6, -0.5]).
+    `shape`: (prompt length, each completion's length); None: 4-8 prompt tokens and `n` completions
+    of 3-10. `partial_mask`: the second completion trains on only some (about 60%) of its tokens."""
+    vocab = model if isinstance(model, int) else model.config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(rng.randint(4, 8) if shape is None else shape[0])]
     completions = []
-    for i in range(n):
-        ids = [rng.randrange(vocab) for _ in range(rng.randint(3, 10))]
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
-        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+    for i in range(n if shape is None else len(shape[1])):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(3, 10) if shape is None else shape[1][i])]
+        logprobs = [-rng.uniform(0.5, 6.0) for _ in ids] if isinstance(model, int) else own_logprobs(model, prompt, ids)
+        loss_mask = [int(rng.random() < 0.6) for _ in ids] if partial_mask and i == 1 else None
         correct = float(i % 2 == 0 if rng.random() < 0.8 else i == 0)
-        completions.append(Completion(ids=ids, logprobs=logprobs.tolist(), reward=correct,
-                                      rewards={"correct": correct}, finish="stop", text=""))
+        completions.append(Completion(ids=ids, logprobs=logprobs, reward=correct, rewards={"correct": correct},
+                                      finish="stop", text="", loss_mask=loss_mask))
     return SampleGroup(id=gid, prompt_id=gid, prompt_ids=prompt, version=version, generator="test",
                        engine="hf", completions=completions)
 
 
-def completion(ids: list[int], logprobs: list[float], reward: float, *, loss_mask: list[int] | None = None,
+def own_logprobs(model, prompt: list[int], ids: list[int]) -> list[float]:
+    """The model's log-prob of each of `ids` after `prompt` and the ids before it (temperature 1)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]  # (len(ids), V)
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0].tolist()
+
+
+def completion(ids: Ints, logprobs: Floats, reward: float, *, loss_mask: Ints | None = None,
                finish: str = "stop") -> Completion:
-    """A completion written out by hand."""
+    """A completion written out by hand, its tokens held as the test holds them."""
     return Completion(ids=ids, logprobs=logprobs, reward=reward, rewards={}, finish=finish, text="",
                       loss_mask=loss_mask)
 
 
-def hand_group(completions: list[Completion], *, prompt: tuple[int, ...] = (5, 6, 7)) -> SampleGroup:
-    """A group of completions written out by hand, sampled with version 0."""
-    return SampleGroup(id="g", prompt_id="p", prompt_ids=list(prompt), version=0, generator="t", engine="hf",
-                       completions=completions)
+def hand_group(completions: list[Completion], *, prompt: Ints | None = None) -> SampleGroup:
+    """A group of completions written out by hand, sampled with version 0. `prompt`: its ids as the
+    test holds them (a list, a numpy array, an array.array); None: [5, 6, 7]."""
+    return SampleGroup(id="g", prompt_id="p", prompt_ids=[5, 6, 7] if prompt is None else prompt, version=0,
+                       generator="t", engine="hf", completions=completions)
 
 
 def xadd(r, keys: Keys, blob: bytes) -> None:
