@@ -120,8 +120,7 @@ def test_rows_packed_together_must_share_their_prompt():
 def test_a_train_step_gives_the_same_update_with_and_without_shared_prompts(tiny_model, lora):
     from trainer.lora import apply_lora
 
-    groups = shaped_groups(300, shapes=SHAPES + [(7, [3, 8, 1, 5])], seed=6)  # a draw whose AdamW
-    # momentum cancels in no weight: where it nearly does (seed 1 here), summation order shows at ~1e-6
+    groups = shaped_groups(300, shapes=SHAPES + [(7, [3, 8, 1, 5])], seed=1)
     out = {}
     for share in (False, True):
         torch.manual_seed(0)
@@ -141,7 +140,11 @@ def test_a_train_step_gives_the_same_update_with_and_without_shared_prompts(tiny
     for key in ("loss", "grad_norm", "entropy", "tokens_trained"):
         assert getattr(on, key) == pytest.approx(getattr(off, key), rel=1e-4, abs=1e-6), key
     assert on.policy.kl == pytest.approx(off.policy.kl, rel=1e-4, abs=1e-6)
-    assert max((w_on[k] - w_off[k]).abs().max().item() for k in w_on) < 1e-6
+    # Packed and padded rows sum the same terms in another order. AdamW's second update divides the
+    # momentum by its root mean square: in a weight whose two gradients nearly cancel, that order
+    # shows at up to a few thousandths of the step (lr 1e-3: 1.2e-6 to 4.3e-6 over eight draws);
+    # a wrong mask or position moves weights by the whole step.
+    assert max((w_on[k] - w_off[k]).abs().max().item() for k in w_on) < 1e-5
     assert max((w_on[k] - out0[k]).abs().max().item() for k in w_on) > 1e-4  # it did train
 
 
