@@ -291,10 +291,11 @@ def plan(*, gpus: int, ranks: int) -> list[Proc]:
             Proc(EVALUATOR, ("-m", "evaluator"), None if gpus else "")]
 
 
-def substitutions(*, scratch: Path, model: Path, redis_url: str, steps: int, vllm: bool, dry_run: bool
-                  ) -> dict[str, tuple[str, str]]:
+def substitutions(*, scratch: Path, model: Path, redis_url: str, steps: int, vllm: bool, dry_run: bool,
+                  ranks: int = 1) -> dict[str, tuple[str, str]]:
     """{variable: (value, why)}: what the run changes of configs/gsm8k.toml; the caller's own
-    ROLLOUTS_<SECTION>__<FIELD> variables win over these."""
+    ROLLOUTS_<SECTION>__<FIELD> variables win over these. A run whose trainer has `ranks` > 1 also
+    sends its weights over NCCL (rank 0 on GPU 0, the generators on others)."""
     from common.config import ENV_NOT_FIELDS, ENV_PREFIX
 
     subs = {
@@ -312,6 +313,9 @@ def substitutions(*, scratch: Path, model: Path, redis_url: str, steps: int, vll
             subs[f"ROLLOUTS_EVAL__{name}"] = (value, "dry run: a short evaluation on a CPU")
     elif not vllm:
         subs["ROLLOUTS_GENERATOR__ENGINE"] = ("hf", "vLLM is not installed on this host")
+    if ranks > 1 and not dry_run:
+        subs["ROLLOUTS_TRAINER__WEIGHT_TRANSFER"] = ("nccl", "weights also broadcast over NCCL from the trainer's "
+                                                     "rank 0 (GPU 0) to the generators on the other GPUs")
     for name, value in sorted(os.environ.items()):
         if name.startswith(ENV_PREFIX) and name not in ENV_NOT_FIELDS:
             subs[name] = (value, "set when calling the check")
@@ -477,7 +481,7 @@ def gsm8k_run(name: str, host: dict, *, ranks: int, wrapper: Path, model: Path, 
     write_gsm8k(dirs.scratch)  # the data set configs/gsm8k.toml names by hub id, as a local directory of that name
     port = free_port()
     subs = substitutions(scratch=dirs.scratch, model=model, redis_url=f"redis://127.0.0.1:{port}/0", steps=steps,
-                         vllm=host["vllm"], dry_run=dry_run)
+                         vllm=host["vllm"], dry_run=dry_run, ranks=ranks)
     procs = plan(gpus=0 if dry_run else len(host["devices"]), ranks=ranks)
     say(f"{name}: {', '.join(f'{p.name} (GPUs {p.gpus})' if p.gpus else p.name for p in procs)}; logs in "
         f"{dirs.kept / 'logs'}")
@@ -575,7 +579,7 @@ class Memory:
             if total > self.rss.get(name, 0):
                 self.rss[name] = total
                 self.rss_peak_at[name] = {"at_s": at, "trainer": phase}
-        if crossed and "trainer" in totals:
+        if crossed and totals.get("trainer"):  # 0: gone between the look at its phase and its memory
             self.trainer_rss.append({"after": crossed, "at_s": at, "mib": round(totals["trainer"] / 2**20)})
 
     def trainer_phase(self) -> tuple[str, str | None]:
@@ -707,12 +711,39 @@ def transfer(rows: list, logs: Path, resolved: dict) -> dict:
         values = [v for v in values if not math.isnan(v)]
         return {"mean": sum(values) / len(values), "max": max(values), "n": len(values)} if values else {}
 
-    nccl = "trainer.weight_transfer" if "weight_transfer" in resolved["trainer"] else None
     return {"disk": {"publish_s": stats(publish), "heard_s": stats([x[2] for x in loads]),
                      "drained_s": stats([x[3] for x in loads]), "verify_s": stats([x[0] for x in loads]),
                      "reload_s": stats([x[1] for x in loads])},
-            "nccl": f"configured ({nccl}) but not measured by this check" if nccl else
-            "not built yet: the config has no trainer.weight_transfer, weights go through the disk only"}
+            "collective": collective(resolved["trainer"].get("weight_transfer", "disk"), logs)}
+
+
+# The trainer's line for each broadcast, and for one that failed (trainer/transfer.py).
+BROADCAST = re.compile(r"version \d+ broadcast over \w+ to (\d+) generator\(s\), ([\d.]+) MiB in ([\d.]+) s")
+BROADCAST_FAILED = re.compile(r"broadcasting version \d+ to .* failed")
+
+
+def collective(backend: str, logs: Path) -> dict | str:
+    """The broadcasts of a run with trainer.weight_transfer = `backend`, from the trainer's log and
+    the generators': seconds, MiB, and how many loads came from the broadcast and how many from the files."""
+    if backend == "disk":
+        return "not used: trainer.weight_transfer = \"disk\" (ROLLOUTS_TRAINER__WEIGHT_TRANSFER=gloo|nccl sets it)"
+    trainer = tail(logs / "trainer.log", 10**7)
+    sent = [(int(m[1]), float(m[2]), float(m[3])) for m in BROADCAST.finditer(trainer)]
+    gens = [log.read_text(errors="replace") for log in sorted(logs.glob("generator-*.log"))]
+    over = sum(text.count("received over the broadcast") for text in gens)
+    seconds = [x[2] for x in sent]
+    return {"backend": backend, "broadcasts": len(sent), "failed": len(BROADCAST_FAILED.findall(trainer)),
+            "mib": sent[-1][1] if sent else None, "seconds": {"mean": sum(seconds) / len(seconds),
+                                                              "max": max(seconds), "n": len(seconds)} if sent else {},
+            "loads_received": over, "loads_from_files": sum(len(LOADED.findall(text)) for text in gens) - over}
+
+
+def collective_line(c: dict | str) -> str:
+    if isinstance(c, str):
+        return c
+    return (f"{c['backend']}, {c['broadcasts']} broadcasts of {number(c['mib'])} MiB in {fmt_stats(c['seconds'])}, "
+            f"{c['failed']} failed; generators loaded {c['loads_received']} versions from the broadcast and "
+            f"{c['loads_from_files']} from the files")
 
 
 def safetensors_params(model: Path) -> int | None:
@@ -806,7 +837,7 @@ def run_section(s: Step) -> list[str]:
                   f"heard it after {fmt_stats(disk['heard_s'])}, finished what was in flight in "
                   f"{fmt_stats(disk['drained_s'])}, verified it in {fmt_stats(disk['verify_s'])} (meanwhile), "
                   f"reloaded in {fmt_stats(disk['reload_s'])}",
-                  f"- weight transfer, NCCL: {t['nccl']}",
+                  f"- weight transfer, collective: {collective_line(t['collective'])}",
                   f"- peak resident memory (MiB, each process with its children; when, in seconds since the start "
                   f"and the trainer's phase then): {rss_line(mem)}",
                   f"- the trainer's resident memory (MiB) at its boundaries (the first sample after): "
