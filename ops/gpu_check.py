@@ -371,24 +371,28 @@ def run_processes(procs: list[Proc], subs: dict[str, tuple[str, str]], *, dirs: 
                                         stdout=open(dirs.log(p.name), "ab"),  # noqa: SIM115 - the child owns it
                                         stderr=subprocess.STDOUT, start_new_session=True) for p in procs}
     memory.watch(started)
-    t0, out = time.monotonic(), Outcome()
-    out.problem, out.culprit = wait_for_trainer(started, steps=steps, time_limit=time_limit)
-    out.seconds = time.monotonic() - t0
-    codes: dict[str, int | None] = {}
-    if not out.problem and EVALUATOR in started:
-        codes = stop_all({name: p for name, p in started.items() if name != EVALUATOR})
-        resolved = json.loads((dirs.scratch / "run" / "config.json").read_text())  # the trainer's, as it ran
-        out.evals = wait_for_evals(started[EVALUATOR], redis_url=redis_url, run=resolved["run"],
-                                   deadline=t0 + time_limit, time_limit=time_limit)
-    codes.update(stop_all({name: p for name, p in started.items() if name not in codes}))
-    out.codes = {name: codes[name] for name in started}
-    if not out.problem:
-        bad = {name: code for name, code in out.codes.items() if code != 0}
-        if bad:
-            out.culprit = next(iter(bad))
-            out.problem = "stopped with SIGTERM, not every process exited 0: " + \
-                ", ".join(f"{name} {code}" for name, code in bad.items())
-    return out
+    try:
+        t0, out = time.monotonic(), Outcome()
+        out.problem, out.culprit = wait_for_trainer(started, steps=steps, time_limit=time_limit)
+        out.seconds = time.monotonic() - t0
+        codes: dict[str, int | None] = {}
+        if not out.problem and EVALUATOR in started:
+            codes = stop_all({name: p for name, p in started.items() if name != EVALUATOR})
+            resolved = json.loads((dirs.scratch / "run" / "config.json").read_text())  # the trainer's, as it ran
+            out.evals = wait_for_evals(started[EVALUATOR], redis_url=redis_url, run=resolved["run"],
+                                       deadline=t0 + time_limit, time_limit=time_limit)
+        codes.update(stop_all({name: p for name, p in started.items() if name not in codes}))
+        out.codes = {name: codes[name] for name in started}
+        if not out.problem:
+            bad = {name: code for name, code in out.codes.items() if code != 0}
+            if bad:
+                out.culprit = next(iter(bad))
+                out.problem = "stopped with SIGTERM, not every process exited 0: " + \
+                    ", ".join(f"{name} {code}" for name, code in bad.items())
+        return out
+    except BaseException:  # SIGTERM or Ctrl-C mid-run: nothing of the run is left behind
+        stop_all({name: p for name, p in started.items() if p.poll() is None})
+        raise
 
 
 def wait_for_trainer(started: dict[str, subprocess.Popen], *, steps: int, time_limit: float) -> tuple[str, str]:
@@ -898,6 +902,9 @@ def fmt_stats(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (a `timeout` around the check, a job's end) unwinds like Ctrl-C: the run's processes
+    # and its Redis are stopped on the way out, never left behind
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     out = Path(args.out).resolve()
     work = Path(args.work).resolve() if args.work else out / "work"
     for folder, old in [(out, name) for name in (*STEPS, "gpu-tests.log", "report.md", "report.json")] + \

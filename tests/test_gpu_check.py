@@ -243,3 +243,35 @@ def test_ops_gpu_kit_brings_every_dependency_such_a_host_lacks_and_a_redis_serve
         assert r.info("server")["redis_version"].startswith("7.")
     finally:
         server.kill()
+
+
+def test_a_check_stopped_by_sigterm_leaves_no_process_of_its_run_behind(tmp_path):
+    import signal
+    import time
+
+    import psutil
+
+    work = tmp_path / "work"
+    env = {k: v for k, v in os.environ.items() if k in ("HOME", "LANG", "LC_ALL", "TMPDIR", "USER")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), str(Path(shutil.which("redis-server")).parent),
+                                   "/usr/local/bin:/usr/bin:/bin"])
+    check = subprocess.Popen([str(ROOT / "ops" / "gpu-check"), "--dry-run", "--skip", "gpu-tests", "--out",
+                              str(tmp_path / "out"), "--work", str(work)], cwd=ROOT, env=env)
+
+    def ours() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.pid != check.pid and str(work) in p.cwd():
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return found
+
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "out" / "one-gpu" / "logs" / "trainer.log").exists() or len(ours()) < 4:
+        assert check.poll() is None and time.monotonic() < deadline, "the run's processes never started"
+        time.sleep(0.5)
+    check.send_signal(signal.SIGTERM)
+    assert check.wait(timeout=120) == 128 + signal.SIGTERM
+    assert ours() == []
