@@ -64,7 +64,6 @@ MAX_IN_FLIGHT = 2  # per logical generator
 # Admission's window, (max_staleness + 1) x prompts_per_step prompts: wide enough that the generators,
 # which drain before loading each version, are not starved by it.
 MAX_STALENESS = 4
-IDLE_S = 5.0  # the window with no prompts to take
 # The heartbeat path's commands: the beat (HSET + EXPIRE in a MULTI), the quarantine read, and
 # the script that touches held prompts (XPENDING + XCLAIM inside one EVAL).
 HEARTBEAT_COMMANDS = ("hset", "expire", "hget", "eval", "evalsha")
@@ -296,7 +295,7 @@ def fan_out(r, keys, statuses: dict[str, dict], *, since: float, until: float) -
 
 
 def run_size(n: int, *, seconds: float, processes: int, sample_s: float, claim_idle_s: float, model: Path,
-             tmp: Path, warm_up_s: float) -> dict[str, Any]:
+             tmp: Path, warm_up_s: float, idle_s: float) -> dict[str, Any]:
     """Run N logical generators with the producer and the trainer and measure them."""
     import redis
 
@@ -344,6 +343,7 @@ def run_size(n: int, *, seconds: float, processes: int, sample_s: float, claim_i
         procs = [trainer, producer, *hosts]
 
         # ---- warm-up: every generator has written a group and the trainer has published
+        phases = {"start": time.monotonic()}
         deadline = time.monotonic() + warm_up_s
         while True:
             for p in procs:
@@ -361,6 +361,7 @@ def run_size(n: int, *, seconds: float, processes: int, sample_s: float, claim_i
             time.sleep(0.2)
 
         # ---- the window
+        phases["warm_up"] = time.monotonic()
         a, wall_a, groups_a = info_snapshot(r), time.time(), read_statuses(statuses)
         cpu_a, step_a = process_cpu(procs), read_trainer(r, keys).step
         time.sleep(seconds)
@@ -395,12 +396,13 @@ def run_size(n: int, *, seconds: float, processes: int, sample_s: float, claim_i
             fan_out=fan_out(r, keys, seen, since=wall_a, until=wall_b))
 
         # ---- reclaim: kill one logical generator that holds prompts
+        phases["window"] = time.monotonic()
         os.kill(hosts[0].pid, signal.SIGUSR1)
         killed = wait_killed(statuses[0])
         idle = pending_idle(r, keys, killed["ids"][0])
         claimed: dict[str, float] = {}
         done: dict[str, float] = {}
-        deadline = time.monotonic() + claim_idle_s + 60
+        deadline = time.monotonic() + claim_idle_s + max(20.0, 5 * sample_s)
         while len(done) < len(killed["entries"]) and time.monotonic() < deadline:
             now = time.time()
             for entry in killed["entries"]:
@@ -428,12 +430,13 @@ def run_size(n: int, *, seconds: float, processes: int, sample_s: float, claim_i
         result["trainer_steps"] = read_trainer(r, keys).step
 
         # ---- idle: the producer stopped and every prompt written, what the generators cost by being there
+        phases["reclaim"] = time.monotonic()
         stop(producer)
         deadline = time.monotonic() + 30
         while group_backlog(r, keys.prompts, GENERATORS_GROUP) != (0, 0) and time.monotonic() < deadline:
             time.sleep(0.1)
         a = info_snapshot(r)
-        time.sleep(IDLE_S)
+        time.sleep(idle_s)
         b = info_snapshot(r)
         idle_calls = sum(b["calls"].get(k, 0) - a["calls"].get(k, 0) for k in b["calls"])
         live = n - 1  # the one killed above
@@ -441,11 +444,16 @@ def run_size(n: int, *, seconds: float, processes: int, sample_s: float, claim_i
                           "ops_per_s_per_generator": idle_calls / (b["t"] - a["t"]) / live,
                           "redis_cpu_us_per_s_per_generator": 1e6 * (b["cpu"] - a["cpu"]) / (b["t"] - a["t"]) / live}
 
-        # ---- stop: what the producer admitted is accounted for
+        # ---- stop: what the producer admitted is accounted for (every transaction is whole: a kill loses nothing)
+        phases["idle"] = time.monotonic()
         for p in hosts:
             p.kill()
             p.wait()
-        stop(trainer)
+        trainer.kill()
+        trainer.wait()
+        marks = list(phases.items())
+        result["phases_s"] = {name: round(t - before, 2)
+                              for (_, before), (name, t) in zip(marks, marks[1:], strict=False)}
         acc = accounting(r, keys)
         result["accounting"] = acc
         result["unaccounted"] = unaccounted(acc)
@@ -550,8 +558,10 @@ def main() -> None:
     ap.add_argument("--sample-s", type=float, default=2.0, help="seconds the scripted engine takes a request")
     ap.add_argument("--claim-idle-s", type=float, default=15.0,
                     help="generator.claim_idle_s (15 and up: heartbeats every 5 s, as with the defaults)")
+    ap.add_argument("--idle-s", type=float, default=5.0, help="length of the window with no prompts to take")
     ap.add_argument("--warm-up-s", type=float, default=120.0, help="longest wait for every generator's first group")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    ap.add_argument("--model", type=Path, help="a tiny model's directory (common.tiny); default: build one")
     ap.add_argument("--keep", action="store_true", help="keep the runs' directories (logs, Redis) and say where")
     ap.add_argument("--host", help=argparse.SUPPRESS)  # this process hosts these logical generators
     ap.add_argument("--config", type=Path, help=argparse.SUPPRESS)
@@ -567,11 +577,12 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-scale-"))
     results = []
     try:
-        model = build_tiny_model(tmp / "model")
+        model = args.model or build_tiny_model(tmp / "model")
         for n in sizes:
             t0 = time.monotonic()
             x = run_size(n, seconds=args.seconds, processes=args.processes, sample_s=args.sample_s,
-                         claim_idle_s=args.claim_idle_s, model=model, tmp=tmp / f"n{n}", warm_up_s=args.warm_up_s)
+                         claim_idle_s=args.claim_idle_s, model=model, tmp=tmp / f"n{n}", warm_up_s=args.warm_up_s,
+                         idle_s=args.idle_s)
             x["wall_s"] = time.monotonic() - t0
             results.append(x)
             print(f"{n} generators: {x['groups_per_s']:.1f} groups/s, Redis CPU {x['redis_cpu_per_s']:.3f} s/s, "
