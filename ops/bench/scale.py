@@ -75,8 +75,10 @@ QUESTION = re.compile(r"What is (-?\d+) ([-+*]) (-?\d+)\?")
 
 class ScriptedEngine:
     """An engine that samples nothing: a request comes back `sample_s` after it was added, as `n`
-    completions of `max_new_tokens` ids of the model's vocabulary (the first the right answer,
-    when the prompt's meta has one). Prompts are tokenized with the model's real tokenizer."""
+    completions of `max_new_tokens` ids of the model's vocabulary, the first of them the answer to
+    the arithmetic question its prompt asks. Prompts are tokenized with the model's own tokenizer
+    and chat template, through `tokenizers` (importing transformers in every host would take
+    seconds); `tokenizer` is that `tokenizers.Tokenizer`, enough for sources without an environment."""
 
     name = "scripted"
 
