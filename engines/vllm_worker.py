@@ -1,0 +1,33 @@
+"""What we run inside vLLM's workers: the in-process engine sends `refresh_tied_lm_head` to them
+as a callable; a `vllm serve` gets it by name through `WorkerExtension`.
+
+A server started with `--worker-extension-cls engines.vllm_worker.WorkerExtension` (this checkout
+on its PYTHONPATH) has vLLM mix the class into its worker class, so that POST /collective_rpc
+{"method": "refresh_tied_lm_head"} runs the method below in each worker; a callable cannot be
+sent over HTTP. Nothing here imports vLLM: the module is imported inside the worker, which has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The class the server engine asks a server of a tied model to be started with.
+EXTENSION = "engines.vllm_worker.WorkerExtension"
+
+
+def refresh_tied_lm_head(worker: Any) -> None:
+    """After a reload, redo the lm_head's post-load processing. With tied embeddings the lm_head
+    loads nothing itself (it shares the embedding's tensor), so vLLM's in-place reload puts its
+    old processed form back (model_loader/reload/layerwise.py, finalize_layerwise_processing): on a
+    CPU, the GEMM weight `dispatch_cpu_unquantized_gemm` packed from the old embedding, and logits
+    would come from it. The shared tensor already holds the new weights; repacking picks them up.
+    Harmless where nothing was packed (a GPU: the unquantized head's post-load step does nothing)."""
+    head = worker.model_runner.get_model().lm_head
+    head.quant_method.process_weights_after_loading(head)
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker class by `--worker-extension-cls`: `self` is the worker."""
+
+    def refresh_tied_lm_head(self) -> None:
+        refresh_tied_lm_head(self)
