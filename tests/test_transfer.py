@@ -164,7 +164,7 @@ def test_a_run_over_gloo_loads_the_broadcast_goes_on_when_a_generator_dies_and_t
         tmp_path, redis_url, r, tiny_model):
     env = write_config(tmp_path / "run.toml", run=RUN, redis_url=redis_url, output_dir=tmp_path / "run",
                        model=tiny_model, generator={"engine": "hf", "claim_idle_s": 4},
-                       trainer={"max_steps": 100, "weight_transfer": "gloo", "transfer_timeout_s": TIMEOUT_S,
+                       trainer={"max_steps": 0, "weight_transfer": "gloo", "transfer_timeout_s": TIMEOUT_S,
                                 "transfer_host": "127.0.0.1"})
     pipe = Pipeline(tmp_path, env)
     for name in ("producer", "g1", "g2", "trainer"):
@@ -181,7 +181,7 @@ def test_a_run_over_gloo_loads_the_broadcast_goes_on_when_a_generator_dies_and_t
     pipe.start("g2")  # a new generator (the same id, a new process) joins at a later version
     wait_for(lambda: loads(pipe.log("g2"), after=restarted)[0] >= 1, timeout=180, what="the new g2 loading a broadcast",
              procs=list(pipe.procs.values()))
-    pipe.procs["trainer"].send_signal(signal.SIGTERM)
+    pipe.procs["trainer"].send_signal(signal.SIGTERM)  # it runs until stopped (max_steps 0)
     pipe.finish()
     trainer_log = pipe.log("trainer").read_text()
     assert "broadcasting version" in trainer_log and "failed" in trainer_log, trainer_log[-3000:]
