@@ -15,7 +15,7 @@ from common.messages import PromptTask
 from engines.base import Engine, SamplingSettings
 from engines.choice import open_engine
 from tests.harness.groups import ask
-from tests.harness.models import LOGPROB_TOL, perturbed_copy
+from tests.harness.models import LOGPROB_TOL, perturbed_copy, tied_variant
 from tests.harness.needs import need
 from trainer.grpo import token_logprobs
 
@@ -182,17 +182,8 @@ def test_a_checkpoint_that_does_not_fit_is_refused_and_the_weights_kept(engine, 
 @pytest.mark.parametrize("name", ENGINES)
 def test_tied_embeddings_checkpoint_reloads(name, tiny_model, tmp_path, capfd):
     # The default model (SmolLM2) ties lm_head to the embedding; save_pretrained leaves lm_head out.
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     need(name)
-    cfg = AutoConfig.from_pretrained(tiny_model)
-    cfg.tie_word_embeddings = True
-    tied = tmp_path / "tied"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tied, safe_serialization=True)
-    for f in tiny_model.iterdir():
-        if "token" in f.name or f.name == "chat_template.jinja":
-            shutil.copy(f, tied / f.name)
+    tied = tied_variant(tiny_model, tmp_path / "tied")
     engine = open_engine(name, tied, seed=0)
     probe = [engine.prompt_ids(ask(6))]
     new = perturbed_copy(tied, tmp_path / "tied_step_1", seed=2)
@@ -227,17 +218,9 @@ def test_weights_received_in_memory_load_as_their_files_do(engine, tiny_model, t
 @pytest.mark.parametrize("name", ENGINES)
 def test_tied_embeddings_received_in_memory_reload(name, tiny_model, tmp_path):
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     need(name)
-    cfg = AutoConfig.from_pretrained(tiny_model)
-    cfg.tie_word_embeddings = True
-    tied = tmp_path / "tied"
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tied, safe_serialization=True)
-    for f in tiny_model.iterdir():
-        if "token" in f.name or f.name == "chat_template.jinja":
-            shutil.copy(f, tied / f.name)
+    tied = tied_variant(tiny_model, tmp_path / "tied")
     engine = open_engine(name, tied, seed=0)
     probe = [engine.prompt_ids(ask(6))]
     new = perturbed_copy(tied, tmp_path / "tied_step_1", seed=2)
