@@ -23,6 +23,7 @@ from typing import NoReturn
 import redis
 
 from common.config import Config, ConfigError, config_from_args
+from common.models import ModelError
 from common.streams import lost_redis, no_permission, stop_while_starting
 
 EXIT_STOPPED = 0
@@ -95,6 +96,8 @@ def run_process(process: str, main: Callable[[Config, argparse.Namespace], None]
         leave(process, err, EXIT_CONFIG)
     except Stop as err:
         leave(process, err, err.code)
+    except ModelError as err:  # model.path holds no usable checkpoint: the config's to mend
+        leave(process, err, EXIT_CONFIG)
     except redis.exceptions.ConnectionError as err:  # AuthenticationError is one: a refused password
         print(lost_redis(process, config.redis_url, err), file=sys.stderr, flush=True)
         sys.exit(EXIT_FAILED)

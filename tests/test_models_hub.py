@@ -88,3 +88,14 @@ def test_an_uncached_hub_data_set_gives_one_clear_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert "'openai/gsm8k' is not in the datasets cache" in lines[0] and "HF_HUB_OFFLINE is set" in lines[0], lines[0]
+
+
+def test_a_generator_without_its_model_exits_2_with_one_line_as_the_trainer_does(tmp_path, redis_url):
+    missing = tmp_path / "no-model"
+    env = {**offline_env(tmp_path, ROLLOUTS_REDIS_URL=redis_url, ROLLOUTS_GENERATOR__ENGINE="hf"),
+           "ROLLOUTS_MODEL__PATH": str(missing)}
+    generator = subprocess.run([sys.executable, "-m", "generators", "--id", "g1"], env=env, cwd=tmp_path,
+                               capture_output=True, text=True, timeout=300)
+    assert generator.returncode == 2, generator.stderr[-3000:]
+    assert "Traceback" not in generator.stderr, generator.stderr[-3000:]
+    assert f"model.path: no HF checkpoint (config.json) in {missing}" in generator.stderr.strip().splitlines()[-1]
