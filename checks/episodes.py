@@ -142,6 +142,11 @@ async def play_all(engine: Engine, engine_thread: concurrent.futures.Executor, e
             refused.append(f"source {task.source!r}: environment {specs[task.source].name!r} with the model's chat "
                            f"template: {leaves[0]} (a generator stops there)")
             return
+        stopped = [ep.refused for ep in episodes if ep.refused]
+        if stopped:
+            refused.append(f"source {task.source!r}: environment {specs[task.source].name!r} with the model's chat "
+                           f"template: {stopped[0]} (a generator ends such episodes there, their reward an error)")
+            return
         out[i] = Played(task=task, group=group, episodes=episodes)
 
     async with trio.open_nursery() as background:

@@ -33,6 +33,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
+from jinja2 import TemplateError
 
 from common.messages import Completion
 from engines.base import Sampled, turn_ids
@@ -75,7 +76,10 @@ class Episode:
     rewards: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # environment steps that failed (answered with an error)
     finish: str = ""
-    reward_error: str | None = None  # the environment could not start: no reward
+    reward_error: str | None = None  # the environment could not start, or its turn could not be tokenized: no reward
+    # Why the chat template could not extend the episode with an environment turn, token by token
+    # (engines.base.turn_ids): the episode ends there, its reward an error (`rollouts check` says so)
+    refused: str | None = None
     # The messages of each environment turn appended, in order (not written with the group: what
     # `rollouts check` renders with the chat template to compare with `ids`)
     env_turns: list[list[dict[str, str]]] = field(default_factory=list)
@@ -131,7 +135,12 @@ async def run_episode(*, sample: Sample, envs: EnvRunner, spec: Spec, tokenizer,
             ep.finish = "turns"
             return ep
         # "stop": the turn's last id is the eos it sampled (engines.base.Sampled)
-        env_ids = turn_ids(tokenizer, messages, eos_id=s.ids[-1] if s.finish == "stop" else None)
+        try:
+            env_ids = turn_ids(tokenizer, messages, eos_id=s.ids[-1] if s.finish == "stop" else None)
+        except (ValueError, TemplateError) as err:  # roles the template drops or renders otherwise once followed
+            ep.finish, ep.refused = "abort", str(err)
+            ep.reward_error = f"environment turn {ep.turns}: the chat template cannot continue the episode: {err}"
+            return ep
         if len(ep.ids) + len(env_ids) >= limits.max_tokens:
             ep.finish = "length"
             return ep

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from functools import partial
@@ -19,6 +18,7 @@ from checks.check import BOUNDS, Mismatch, mismatch_problems, reward_problems
 from common.messages import Completion, SampleGroup
 from tests.harness.configs import write_config
 from tests.harness.processes import ROOT
+from tests.harness.templates import DROPS_EARLIER_TURNS, DROPS_TURNS_BEFORE_THE_USER, with_template
 
 
 def check_config(tmp_path: Path, model: Path, *, reward: str = "tests.reward_fixtures:length") -> Path:
@@ -40,44 +40,6 @@ def episode_config(tmp_path: Path, model: Path, *, environment: str = "tests.env
                                    {"name": "tool", "kind": "arithmetic", "environment": environment,
                                     "max_turns": 3}]})
     return path
-
-
-# A template that keeps the content of the last assistant turn only, as Qwen3's keeps the reasoning
-# of the turns after the last user message only: each turn is sampled after the whole history, the
-# conversation re-templated at the end has the earlier turns empty. The generator's test of the
-# template (engines.base.turn_ids: one assistant turn, then the environment's) lets it through.
-DROPS_EARLIER_TURNS = (
-    "{% set ns = namespace(last=-1) %}"
-    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['role'] != 'assistant' or loop.index0 == ns.last %}{{ m['content'] }}{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-# Qwen3's way with history itself (its template keeps an assistant turn's reasoning only after the
-# last user message), taken to the whole turn: an assistant turn before the last user message is
-# rendered empty. Followed by a tool's message it keeps its content, so the generator's start-up
-# test with the error role "tool" lets it through; an environment that answers as the user stops
-# the generator at its first answer (engines.base.turn_ids refuses the turn).
-DROPS_TURNS_BEFORE_THE_USER = (
-    "{% set ns = namespace(last=-1) %}"
-    "{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['role'] != 'assistant' or loop.index0 > ns.last %}{{ m['content'] }}{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def with_template(model: Path, dest: Path, template: str) -> Path:
-    """A copy of `model` whose tokenizer has chat template `template`."""
-    from transformers import AutoTokenizer
-
-    shutil.copytree(model, dest)
-    tok = AutoTokenizer.from_pretrained(dest)
-    tok.chat_template = template
-    tok.save_pretrained(dest)
-    return dest
 
 
 def check(tmp_path: Path, config: Path, *args: str) -> subprocess.CompletedProcess:
@@ -175,7 +137,8 @@ def test_a_template_that_stops_the_generator_mid_episode_fails_saying_so(tmp_pat
     [reason] = failures(done.stdout)
     assert reason == ("template: source 'tool': environment 'tests.env_fixtures:Chat' with the model's chat "
                       "template: the chat template renders an assistant turn differently once other turns follow "
-                      "it; an episode cannot be extended token by token with it (a generator stops there)")
+                      "it; an episode cannot be extended token by token with it (a generator ends such episodes "
+                      "there, their reward an error)")
     assert "template   refused: " in done.stdout and "Traceback" not in done.stderr
 
 

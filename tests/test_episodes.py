@@ -18,6 +18,7 @@ from tests.harness.configs import write_config
 from tests.harness.metrics import read_steps
 from tests.harness.needs import need
 from tests.harness.processes import spawn, stop, wait_for
+from tests.harness.templates import DROPS_TURNS_BEFORE_THE_USER, with_template
 from trainer.batch import group_rows
 
 
@@ -230,3 +231,31 @@ def test_an_episode_in_flight_when_its_generator_dies_is_restarted_from_its_prom
     for c in group.completions:  # whole episodes, each from the prompt: one model turn, then done
         assert (c.finish, c.reward, c.loss_mask.tolist()) == ("stop", 1.0, [True] * len(c.ids))
     assert r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0
+
+
+def test_an_environment_turn_the_chat_template_cannot_continue_ends_the_episode_not_the_generator(
+        tiny_model, tmp_path, redis_url, r):
+    # an environment that answers as the user, under a template that then renders the earlier
+    # assistant turn empty: the episode cannot be extended token by token (engines.base.turn_ids)
+    keys = Keys("ep")
+    model = with_template(tiny_model, tmp_path / "dropping", DROPS_TURNS_BEFORE_THE_USER)
+    write_config(tmp_path / "run.toml", run="ep", redis_url=redis_url, model=model, base={},
+                 rollout={"max_new_tokens": 6}, generator={"engine": "hf", "threads": 1, "env_workers": 1},
+                 data={"sources": [{"name": "chat", "kind": "arithmetic", "environment": "tests.env_fixtures:Chat",
+                                    "max_turns": 3}]})
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    for i in range(2):
+        r.xadd(keys.prompts, {PAYLOAD: encode(prompt(f"chat:0:{i}", {"source": "chat", "answer": 3}))})
+    log = tmp_path / "generator.log"
+    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(tmp_path / "run.toml")},
+                 log=log)
+    try:
+        wait_for(lambda: r.xlen(keys.samples) >= 2, timeout=180, what="both groups", procs=[proc])
+        assert proc.poll() is None, "the generator died"
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    groups = [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
+    for c in (c for g in groups for c in g.completions):
+        check_episode(c, env_turns=False)  # the model's first turn, then the end
+        assert c.finish == "abort" and c.reward == 0.0, c
+        assert c.reward_error.startswith("environment turn 1: the chat template cannot continue the episode: "), c
