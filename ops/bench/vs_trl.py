@@ -1,56 +1,105 @@
-"""rollouts against TRL's synchronous GRPOTrainer on the same job: steps per minute and reward against time.
+"""rollouts against TRL's synchronous GRPOTrainer on the same job: held-out accuracy against time, and steps per minute.
 
-    .venv/bin/python ops/bench/vs_trl.py [--steps 12] [--skip 2] [--sides trl rollouts] [--venv runs/trl-venv]
-        [--env NAME=VALUE ...]
+    .venv/bin/python ops/bench/vs_trl.py --minutes 10 [--sides trl rollouts] [--engine auto|hf]
+        [--keep-every 5] [--eval-prompts 128] [--env NAME=VALUE ...] [--json FILE] [--png FILE]
+    .venv/bin/python ops/bench/vs_trl.py --steps 12 [--skip 2] ...      (steps per minute only)
 
-The job, on both sides: the default model (SmolLM2-135M-Instruct, from its local directory: no
-model hub), 2-digit addition from tasks/arithmetic.py (operands 0-99, "+", seed 0, the chat
-template over one user message, reward 1 for the right number), 4 prompts x 4 completions per
-optimizer step, at most 24 new tokens at temperature 0.8, lr 5e-6 constant, AdamW without weight
-decay, gradients clipped to norm 1, clip range [0.8, 1.28], no KL term, the token-mean loss (TRL's
-`loss_type = "dapo"`: the step's per-token losses summed over its trained-token count, as
-rollouts' `loss_agg = "token_mean"`), float32 on 2 CPU threads in all:
+The job, on both sides, is the demo's (`configs/demo.toml`, read here, so a change to the demo is
+a change to both sides) on 2-digit addition (`ROLLOUTS_TASK__MAX_OPERAND=99
+ROLLOUTS_TASK__OPS='["+"]'`), with `--env` applied to it (e.g. `ROLLOUTS_TRAINER__LR=2e-5` sets
+both sides' learning rate): the default model (SmolLM2-135M-Instruct, from its local directory: no
+model hub), the task's problems minus the evaluator's held-out split (`eval.holdout`: TRL trains on
+none of them either), the chat template over one user message, reward 1 for the right number,
+`rollout.prompts_per_step` prompts x `rollout.group_size` completions per optimizer step, at most
+`rollout.max_new_tokens` new tokens at `rollout.temperature`, `trainer.lr` constant, AdamW with
+`trainer.weight_decay`, gradients clipped to `trainer.max_grad_norm`, the clip range of
+`[trainer.loss]`, its KL coefficient, the token-mean loss (TRL's `loss_type = "dapo"`: the step's
+per-token losses summed over its trained-token count, as rollouts' `loss_agg = "token_mean"`),
+float32 on 2 CPU threads in all:
 
     trl:      `trl.GRPOTrainer` (generation with HF `generate`, synchronous: generate, score,
               train, then generate again), torch on 2 threads;
-    rollouts: `honcho start` of the project's Procfile on configs/demo.toml with the task above
-              (ops/bench/end_to_end.py's harness: redis, producer, one generator, trainer,
-              evaluator), the generator's and trainer's threads as that config sets them, the
-              generator's engine as `./ops/run` picks it (vLLM, installed here) or `--engine hf`
-              for HF `generate` on both sides; `--env` sets more of its config (e.g.
-              `ROLLOUTS_TRAINER__THREADS=2`) for a variant.
+    rollouts: `honcho start` of the project's Procfile on configs/demo.toml with the job above
+              (redis, producer, one generator, trainer; with `--steps` also the evaluator, as
+              ops/bench/end_to_end.py runs it), the generator's and trainer's threads as that config
+              sets them, the generator's engine as `./ops/run` picks it (vLLM, installed here) or
+              `--engine hf` for HF `generate` on both sides.
 
 TRL is not a dependency of the project: the bench installs it into its own virtualenv (`--venv`,
 `pip install trl==1.16.*` by default, or the newest that installs) that sees the project's
 virtualenv through a .pth file, so torch and transformers are the very same and pip adds only
 what TRL needs beyond them (minutes the first time); the project's virtualenv is never written.
-
 The sides run one after the other (never at once: they would share the two cores), TRL first.
-Steps per minute are timed from each side's first optimizer step to its last (start-up, model
-loading and the first batch of samples not counted); "median s/step" is over the steps after
-`--skip`. Reward is the mean over the step's 16 completions, printed against the seconds since
-the side was launched. Prints the ratio rollouts / TRL of steps per minute on its last line.
+
+`--minutes N` (time to accuracy): each side runs N minutes from its launch and is then stopped.
+TRL saves the model every `--keep-every` steps (and at its stop); the seconds its saves took are
+taken out of its clock, so its curve is what it would be without them. rollouts publishes every
+step as it always does; the bench keeps every `--keep-every`-th published checkpoint (hard links,
+out of the trainer's pruning) and its time is when the trainer's step line came. Neither side runs
+an evaluator meanwhile. Afterwards, with nothing else running, every kept checkpoint of both sides
+is scored by the evaluator's own code (evaluator/jobs.py `evaluate`, the engine the demo's
+evaluator uses) on the same `--eval-prompts` held-out problems, greedy pass@1. Prints accuracy
+against seconds since launch for both, then the time each side needed to reach the other's final
+accuracy, and on its last line the ratio TRL / rollouts of the time to reach TRL's final accuracy.
+
+`--steps N` (throughput): each side runs N optimizer steps; steps per minute are timed from each
+side's first step to its last (start-up, model loading and the first batch of samples not
+counted), "median s/step" is over the steps after `--skip`. Prints the ratio rollouts / TRL of
+steps per minute on its last line.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-PROMPTS, GROUP, NEW_TOKENS, TEMPERATURE, LR, THREADS = 4, 4, 24, 0.8, 5e-6, 2
-CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # configs/demo.toml's
-TASK = {"max_operand": 99, "ops": ["+"], "seed": 0}
+THREADS = 2  # the machine's two cores: TRL's torch threads; rollouts' as configs/demo.toml splits them
+TASK_ENV = {"ROLLOUTS_TASK__MAX_OPERAND": "99", "ROLLOUTS_TASK__OPS": '["+"]'}  # 2-digit addition
+STEP_LINE = re.compile(r"\btrainer\.\d+\s*\| step\s+(\d+) \|")  # honcho's "08:20:36 trainer.1   | step    4 | ..."
+
+
+# --------------------------------------------------------------------------- the job
+
+
+def job_config(extra: dict[str, str]):
+    """The demo's config on 2-digit addition with `extra` (ROLLOUTS_... variables) on top."""
+    from common.config import load_config
+
+    return load_config(ROOT / "configs" / "demo.toml", env={**TASK_ENV, **extra})
+
+
+def trl_job(config) -> dict:
+    """What TRL's side needs of the job, from the config both sides share; an error names a setting
+    TRL has no counterpart for."""
+    loss = config.trainer.loss
+    assert loss.type == "grpo" and loss.loss_agg == "token_mean", (
+        f"TRL's side runs loss_type 'dapo' = rollouts' grpo with loss_agg token_mean, not {loss.type} / "
+        f"{loss.loss_agg}")
+    assert config.trainer.lr_schedule == "constant" and not config.trainer.warmup_steps, \
+        "TRL's side runs a constant learning rate without warm-up"
+    (source,) = config.sources
+    return {"prompts": config.rollout.prompts_per_step, "group": config.rollout.group_size,
+            "new_tokens": config.rollout.max_new_tokens, "temperature": config.rollout.temperature,
+            "lr": config.trainer.lr, "weight_decay": config.trainer.weight_decay,
+            "max_grad_norm": config.trainer.max_grad_norm, "clip_low": loss.clip_low, "clip_high": loss.clip_high,
+            "kl": loss.kl_coef, "source": source.model_dump(mode="json"), "seed": config.task.seed,
+            "holdout": config.eval.holdout}
 
 
 # --------------------------------------------------------------------------- TRL's virtualenv
@@ -83,21 +132,33 @@ def _imports_trl(py: Path) -> bool:
 # --------------------------------------------------------------------------- TRL's side (in its venv)
 
 
-def trl_worker(out: Path, *, steps: int, model_dir: str) -> None:
-    """Train with `trl.GRPOTrainer` for `steps` optimizer steps, writing one JSON line per step:
-    its end (seconds since this process began) and its mean reward."""
+def trl_worker(out: Path, job: dict, *, steps: int, minutes: float, keep_every: int, model_dir: str) -> None:
+    """Train with `trl.GRPOTrainer` for `steps` optimizer steps, or until `minutes` have passed since
+    this process began (saving the model every `keep_every` steps and at the stop), writing one JSON
+    line per step (its end in seconds since this process began, its mean reward) and one per save
+    (its step, directory and the seconds it took)."""
     t0 = time.monotonic()
     import torch
     import trl
     from datasets import Dataset
     from transformers import TrainerCallback
 
-    from tasks.arithmetic import problem, reward
+    from common.config import source_config
+    from tasks.arithmetic import reward
+    from tasks.rows import held_out, synthetic_prompt
 
     torch.set_num_threads(THREADS)
-    problems = [problem(index=i, **TASK) for i in range(steps * PROMPTS * 2)]
-    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": p.question}] for p in problems],
-                              "answer": [p.answer for p in problems]})
+    source = source_config(**job["source"])
+    want = (steps or int(minutes * 60)) * job["prompts"] * 2  # more than a run can use (a step takes over 1 s)
+    problems = []
+    for i in itertools.count():
+        p = synthetic_prompt(source, seed=job["seed"], index=i, prompt_id=str(i))
+        if not held_out(p, job["holdout"]):
+            problems.append(p)
+        if len(problems) == want:
+            break
+    data = Dataset.from_dict({"prompt": [p.messages for p in problems],
+                              "answer": [p.meta["answer"] for p in problems]})
 
     def correct(completions, answer, **_) -> list[float]:
         return [reward(prompt="", completion=c[0]["content"], completion_ids=[], meta={"answer": a})["correct"]
@@ -105,21 +166,36 @@ def trl_worker(out: Path, *, steps: int, model_dir: str) -> None:
 
     log = out.open("w")
 
+    def write(**record) -> None:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+
     class Record(TrainerCallback):
+        ended = 0.0
+
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
-                log.write(json.dumps({"step": state.global_step, "t": time.monotonic() - t0,
-                                      "reward": logs["reward"]}) + "\n")
-                log.flush()
+                write(step=state.global_step, t=self.ended, reward=logs["reward"])
+
+        def on_step_end(self, args, state, control, **kw):
+            self.ended = time.monotonic() - t0
+            if minutes and self.ended >= minutes * 60:
+                control.should_save = control.should_training_stop = True
+
+        def on_save(self, args, state, control, **kw):
+            write(saved=state.global_step, dir=str(Path(args.output_dir) / f"checkpoint-{state.global_step}"),
+                  t=self.ended, save_s=time.monotonic() - t0 - self.ended)
 
     config = trl.GRPOConfig(
-        output_dir=str(out.parent / "trl-out"), max_steps=steps, per_device_train_batch_size=PROMPTS * GROUP,
-        gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=NEW_TOKENS,
-        temperature=TEMPERATURE, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, beta=0.0, epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, loss_type="dapo",
-        scale_rewards="group", num_iterations=1, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
-        logging_steps=1, save_strategy="no", report_to=[], seed=0, shuffle_dataset=False, disable_tqdm=True,
-        dataloader_num_workers=0)
+        output_dir=str(out.parent / "trl-out"), max_steps=steps or int(minutes * 60),
+        per_device_train_batch_size=job["prompts"] * job["group"], gradient_accumulation_steps=1,
+        num_generations=job["group"], max_completion_length=job["new_tokens"], temperature=job["temperature"],
+        learning_rate=job["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=job["weight_decay"],
+        max_grad_norm=job["max_grad_norm"], beta=job["kl"], epsilon=job["clip_low"], epsilon_high=job["clip_high"],
+        loss_type="dapo", scale_rewards="group", num_iterations=1, use_vllm=False, use_cpu=True, bf16=False,
+        fp16=False, logging_steps=1, report_to=[], seed=0, shuffle_dataset=False, disable_tqdm=True,
+        dataloader_num_workers=0, save_strategy="steps" if minutes else "no", save_steps=keep_every,
+        save_only_model=True)
     trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=correct, args=config, train_dataset=data,
                               callbacks=[Record()])
     print(f"trl {trl.__version__}, torch {torch.__version__} on {torch.get_num_threads()} threads", flush=True)
@@ -127,43 +203,221 @@ def trl_worker(out: Path, *, steps: int, model_dir: str) -> None:
     log.close()
 
 
-def run_trl(py: Path, *, steps: int, model_dir: Path, tmp: Path) -> tuple[float, list[dict]]:
-    """(launch time, per-step records with `t` on the monotonic clock) of TRL's run in `py`."""
+def run_trl(py: Path, job: dict, *, steps: int, minutes: float, keep_every: int, model_dir: Path,
+            tmp: Path) -> tuple[float, list[dict], list[dict]]:
+    """(launch time, per-step records, saves) of TRL's run in `py`; times on the monotonic clock,
+    a save's `t` with the seconds of the saves before it taken out."""
     tmp.mkdir(parents=True)
     out = tmp / "trl.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": str(THREADS), "PYTHONWARNINGS": "ignore"}
     launched = time.monotonic()
     with open(tmp / "trl.log", "w") as log:
-        argv = [str(py), __file__, "--trl-worker", str(out), "--steps", str(steps), "--model-dir", str(model_dir)]
+        argv = [str(py), __file__, "--trl-worker", str(out), "--job", json.dumps(job), "--steps", str(steps),
+                "--minutes", str(minutes), "--keep-every", str(keep_every), "--model-dir", str(model_dir)]
         rc = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    assert rc == 0, f"TRL's run failed ({rc}):\n{(tmp / 'trl.log').read_text()[-4000:]}"
-    records = [json.loads(x) for x in out.read_text().splitlines()]
-    tail = (tmp / "trl.log").read_text()[-3000:]
-    assert len(records) == steps, f"TRL logged {len(records)} of {steps} steps:\n{tail}"
-    return launched, [{**r, "t": launched + r["t"]} for r in records]
+    tail = (tmp / "trl.log").read_text()[-4000:]
+    assert rc == 0, f"TRL's run failed ({rc}):\n{tail}"
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    records = [x for x in lines if "step" in x]
+    assert records and (minutes or len(records) == steps), f"TRL logged {len(records)} of {steps} steps:\n{tail}"
+    saves, saving = [], 0.0
+    for x in (x for x in lines if "saved" in x):
+        saves.append({"step": x["saved"], "t": launched + x["t"] - saving, "path": x["dir"], "save_s": x["save_s"]})
+        saving += x["save_s"]
+    # A step's time, too, leaves out the saves before it.
+    took = [(x["t"], x["save_s"]) for x in lines if "saved" in x]
+    return launched, [{**r, "t": launched + r["t"] - sum(s for t, s in took if t < r["t"])} for r in records], saves
 
 
 # --------------------------------------------------------------------------- rollouts' side
 
 
+def rollouts_env(engine: str, extra: dict[str, str]) -> dict[str, str]:
+    """The variables that make the demo's config the job (the list quoted: honcho's .env parser
+    drops double quotes inside an unquoted value)."""
+    quoted = {k: f"'{v}'" if v.startswith("[") else v for k, v in {**TASK_ENV, **extra}.items()}
+    return {**quoted, "ROLLOUTS_GENERATOR__ENGINE": engine}
+
+
 def run_rollouts(*, steps: int, tmp: Path, engine: str, extra: dict[str, str]) -> tuple[float, list[dict]]:
-    """(launch time, per-step records) of `honcho start` on the demo config with the task above
-    (and the `extra` environment)."""
+    """(launch time, per-step records) of `honcho start` on the demo config with the job above."""
     from ops.bench.end_to_end import run_pipeline
 
-    # The list is quoted: honcho's .env parser drops double quotes inside an unquoted value.
-    env = {"ROLLOUTS_TASK__MAX_OPERAND": str(TASK["max_operand"]), "ROLLOUTS_TASK__OPS": f"'{json.dumps(TASK['ops'])}'",
-           "ROLLOUTS_TASK__SEED": str(TASK["seed"]), "ROLLOUTS_ROLLOUT__TEMPERATURE": str(TEMPERATURE),
-           "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": str(NEW_TOKENS), "ROLLOUTS_ROLLOUT__GROUP_SIZE": str(GROUP),
-           "ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP": str(PROMPTS), "ROLLOUTS_TRAINER__LR": str(LR),
-           "ROLLOUTS_TRAINER__LOSS__CLIP_LOW": str(CLIP_LOW), "ROLLOUTS_TRAINER__LOSS__CLIP_HIGH": str(CLIP_HIGH),
-           "ROLLOUTS_TRAINER__LOSS__LOSS_AGG": "token_mean", "ROLLOUTS_TRAINER__LOSS__KL_COEF": "0",
-           "ROLLOUTS_GENERATOR__ENGINE": engine, **extra}
     launched = time.monotonic()
-    arrivals, metrics = run_pipeline(generators=1, steps=steps, tmp=tmp, env=env)
+    arrivals, metrics = run_pipeline(generators=1, steps=steps, tmp=tmp, env=rollouts_env(engine, extra))
     return launched, [{"step": m["step"], "t": t, "reward": m["reward"], "metrics": m}
                       for t, m in zip(arrivals, metrics, strict=True)]
+
+
+def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
+                     extra: dict[str, str]) -> tuple[float, list[dict], list[dict]]:
+    """(launch time, per-step records, kept checkpoints) of `honcho start` of the Procfile's
+    redis, producer, generator and trainer on the job, stopped (Ctrl-C) `minutes` after launch.
+    Every `keep_every`-th published checkpoint is hard-linked out of the trainer's pruning."""
+    from tests.harness.metrics import read_steps
+    from tests.harness.servers import free_port
+
+    tmp.mkdir(parents=True)
+    port, py, run, kept = free_port(), ROOT / ".venv" / "bin" / "python", tmp / "run", tmp / "kept"
+    (tmp / "Procfile").write_text("\n".join([
+        "redis: mkdir -p redis && exec redis-server --port ${REDIS_PORT} --bind 127.0.0.1 --appendonly yes "
+        "--dir redis --save ''",
+        f"producer: exec {py} -m producers",
+        f"generator: exec {py} -m generators",
+        f"trainer: exec {py} -m trainer",
+    ]) + "\n")
+    # eval.every: the producer keeps the held-out split out of training only while evaluation is
+    # on; no version reaches this one, so no evaluation runs beside the sides.
+    env = {**rollouts_env(engine, extra), "ROLLOUTS_EVAL__EVERY": "1000000000", "ROLLOUTS_TRAINER__MAX_STEPS": "0"}
+    (tmp / ".env").write_text("\n".join([
+        f"REDIS_PORT={port}", f"ROLLOUTS_REDIS_URL=redis://127.0.0.1:{port}/0",
+        f"ROLLOUTS_CONFIG={ROOT / 'configs' / 'demo.toml'}", f"ROLLOUTS_OUTPUT_DIR={run}", f"PYTHONPATH={ROOT}",
+        "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1",
+        *(f"{k}={v}" for k, v in env.items())]) + "\n")
+    stop = threading.Event()
+
+    def keep() -> None:  # the trainer renames a complete step_N into place, then publishes it
+        while not stop.wait(0.2):
+            for d in (run / "checkpoints").glob("step_*"):
+                n = int(d.name.split("_")[1])
+                if n % keep_every or (kept / d.name).exists():
+                    continue
+                part = kept / f".{d.name}"
+                shutil.rmtree(part, ignore_errors=True)
+                part.mkdir(parents=True)
+                try:
+                    for f in d.iterdir():
+                        os.link(f, part / f.name)
+                except FileNotFoundError:  # pruned meanwhile
+                    continue
+                part.rename(kept / d.name)
+
+    watcher = threading.Thread(target=keep, daemon=True)
+    watcher.start()
+    arrivals: dict[int, float] = {}
+    honcho = [str(ROOT / ".venv" / "bin" / "honcho"), "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / ".env"),
+              "-d", str(tmp)]
+    launched = time.monotonic()
+    timer = None
+    with open(tmp / "honcho.log", "w") as log:
+        proc = subprocess.Popen(honcho, cwd=tmp, env={k: v for k, v in os.environ.items()
+                                                      if not k.startswith("ROLLOUTS_")},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        timer = threading.Timer(minutes * 60, proc.send_signal, args=(signal.SIGINT,))
+        timer.start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if (m := STEP_LINE.search(line)) and time.monotonic() - launched < minutes * 60:
+                    arrivals[int(m.group(1))] = time.monotonic()
+                    print(f"  rollouts {arrivals[int(m.group(1))] - launched:5.0f} s: {line.rstrip()}", flush=True)
+            proc.wait(timeout=120)
+        finally:
+            timer.cancel()
+            stop.set()
+            watcher.join()
+            if proc.poll() is None:
+                proc.kill()
+    metrics = {m["step"]: m for m in read_steps(run / "metrics.jsonl")}
+    assert arrivals, f"no trainer step in {minutes} minutes:\n{(tmp / 'honcho.log').read_text()[-4000:]}"
+    records = [{"step": n, "t": t, "reward": metrics[n]["reward"], "metrics": metrics[n]}
+               for n, t in sorted(arrivals.items())]
+    checkpoints = [{"step": n, "t": arrivals[n], "path": str(kept / f"step_{n}")}
+                   for n in sorted(arrivals) if (kept / f"step_{n}").is_dir()]
+    return launched, records, checkpoints
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def score(checkpoints: list[dict], config, *, prompts: int) -> list[float]:
+    """Greedy held-out pass@1 of each checkpoint, by the evaluator's own code and engine, on the
+    same `prompts` problems of the run's held-out split."""
+    from dataclasses import replace
+
+    from common.checkpoints import checksum_dir
+    from common.evals import eval_request
+    from evaluator import jobs
+
+    jobs.CHUNK = prompts  # one batch per checkpoint: nothing here asks the job to stop midway
+    out = []
+    for i, c in enumerate(checkpoints, start=1):  # versions unique across both sides: each is loaded
+        wv = SimpleNamespace(version=i, step=c["step"], path=c["path"], checksums=checksum_dir(c["path"]))
+        req = replace(eval_request(config, wv), prompts=prompts, pass_k=0, evals_path="")
+        result = jobs.evaluate(req)
+        print(f"  {c['side']:8} step {c['step']:4} at {c['s']:5.0f} s: pass@1 {result.pass_at[1]:.3f} "
+              f"on {result.prompts} problems ({result.seconds:.1f} s)", flush=True)
+        out.append(result.pass_at[1])
+    return out
+
+
+def first_reaching(points: list[dict], accuracy: float) -> float | None:
+    """Seconds since launch of the first checkpoint at `accuracy` or above; None if none is."""
+    return next((p["s"] for p in points if p["pass@1"] >= accuracy - 1e-9), None)
+
+
+def time_to_accuracy(points: dict[str, list[dict]]) -> dict:
+    """Each side's final accuracy and the time each side needed to reach the other's."""
+    final = {side: ps[-1]["pass@1"] for side, ps in points.items()}
+    out = {"final": final, "reach": {}}
+    for target in points:
+        for side, ps in points.items():
+            out["reach"][f"{side} to {target}'s final"] = first_reaching(ps, final[target])
+    return out
+
+
+def time_mode(args, config, extra: dict[str, str], model_dir: Path, py: Path | None, tmp: Path) -> dict:
+    points: dict[str, list[dict]] = {}
+    checkpoints: list[dict] = []
+    steps: dict[str, list[dict]] = {}
+    for side in args.sides:
+        print(f"--- {side}: {args.minutes} minutes", flush=True)
+        if side == "trl":
+            launched, records, kept = run_trl(py, trl_job(config), steps=0, minutes=args.minutes,
+                                              keep_every=args.keep_every, model_dir=model_dir, tmp=tmp / "trl")
+        else:
+            launched, records, kept = run_rollouts_for(minutes=args.minutes, keep_every=args.keep_every,
+                                                       tmp=tmp / "rollouts", engine=args.engine, extra=extra)
+        steps[side] = [{"step": r["step"], "s": round(r["t"] - launched, 1), "reward": r["reward"]} for r in records]
+        print(f"{side}: {len(records)} steps, the last {records[-1]['t'] - launched:.0f} s after launch; "
+              f"{len(kept)} checkpoints kept", flush=True)
+        checkpoints += [{**c, "side": side, "s": round(c["t"] - launched, 1)} for c in kept]
+    print(f"--- scoring {len(checkpoints)} checkpoints on {args.eval_prompts} held-out problems", flush=True)
+    for c, acc in zip(checkpoints, score(checkpoints, config, prompts=args.eval_prompts), strict=True):
+        points.setdefault(c["side"], []).append({"step": c["step"], "s": c["s"], "pass@1": acc})
+    print("held-out pass@1 against seconds since launch:")
+    for side, ps in points.items():
+        print(f"  {side}: " + " ".join(f"({p['s']:.0f} s, step {p['step']}, {p['pass@1']:.3f})" for p in ps))
+    result = {"minutes": args.minutes, "eval_prompts": args.eval_prompts, "points": points, "steps": steps,
+              **time_to_accuracy(points)}
+    for what, s in result["reach"].items():
+        print(f"  {what} ({result['final'][what.split(' to ')[1].split(chr(39))[0]]:.3f}): "
+              + (f"{s:.0f} s" if s is not None else f"not within {args.minutes} min"))
+    if set(points) == {"trl", "rollouts"}:
+        trl_s, ours_s = result["reach"]["trl to trl's final"], result["reach"]["rollouts to trl's final"]
+        result["ratio"] = trl_s / ours_s if ours_s else None
+        print("TRL / rollouts, time to TRL's final accuracy: "
+              + (f"{result['ratio']:.2f}" if ours_s else f"rollouts did not reach it within {args.minutes} min"))
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for side, ps in result["points"].items():
+        ax.plot([p["s"] / 60 for p in ps], [p["pass@1"] for p in ps], marker="o", label=side)
+    ax.set_xlabel("minutes since launch")
+    ax.set_ylabel(f"held-out pass@1 ({result['eval_prompts']} problems)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 # --------------------------------------------------------------------------- main
@@ -182,50 +436,73 @@ def summary(name: str, launched: float, records: list[dict], *, skip: int) -> fl
     return rate
 
 
+def steps_mode(args, config, extra: dict[str, str], model_dir: Path, py: Path | None, tmp: Path) -> dict:
+    rates, runs = {}, {}
+    for side in args.sides:
+        print(f"--- {side}: {args.steps} steps", flush=True)
+        if side == "trl":
+            launched, records, _ = run_trl(py, trl_job(config), steps=args.steps, minutes=0, keep_every=1,
+                                           model_dir=model_dir, tmp=tmp / "trl")
+        else:
+            launched, records = run_rollouts(steps=args.steps, tmp=tmp / "rollouts", engine=args.engine, extra=extra)
+        rates[side] = summary(side, launched, records, skip=args.skip)
+        runs[side] = [{"step": r["step"], "s": r["t"] - launched, "reward": r["reward"]} for r in records]
+    if len(rates) == 2:
+        print(f"rollouts / TRL steps per minute: {rates['rollouts'] / rates['trl']:.2f}")
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per side")
-    ap.add_argument("--skip", type=int, default=2, help="steps left out of the median s/step")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--minutes", type=float, default=0, help="time to accuracy: minutes per side from launch")
+    how.add_argument("--steps", type=int, default=0, help="throughput: optimizer steps per side")
+    ap.add_argument("--skip", type=int, default=2, help="steps left out of the median s/step (--steps)")
+    ap.add_argument("--keep-every", type=int, default=5, help="keep every this many steps' checkpoint (--minutes)")
+    ap.add_argument("--eval-prompts", type=int, default=128, help="held-out problems a checkpoint is scored on")
     ap.add_argument("--sides", nargs="+", choices=["trl", "rollouts"], default=["trl", "rollouts"])
     ap.add_argument("--venv", type=Path, default=ROOT / "runs" / "trl-venv", help="TRL's virtualenv")
     ap.add_argument("--trl", default="trl==1.16.*", help="pip requirement of TRL")
     ap.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"],
                     help="rollouts' generator engine (auto: vLLM where installed, as ./ops/run)")
     ap.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",
-                    help="more of rollouts' config for its side, as environment variables")
-    ap.add_argument("--json", type=Path, help="write both sides' records here")
+                    help="more of the job's config (both sides), as environment variables")
+    ap.add_argument("--work", type=Path, help="keep each side's logs, metrics and checkpoints here (emptied first; "
+                    "default: a temporary directory, removed)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--png", type=Path, help="plot accuracy against time here (--minutes)")
     ap.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--job", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker is not None:
-        trl_worker(args.trl_worker, steps=args.steps, model_dir=args.model_dir)
+        trl_worker(args.trl_worker, json.loads(args.job), steps=args.steps, minutes=args.minutes,
+                   keep_every=args.keep_every, model_dir=args.model_dir)
         return
-    assert args.steps >= args.skip + 2, "--steps must leave at least two steps after --skip"
+    if not (args.minutes or args.steps):
+        ap.error("give --minutes N (time to accuracy) or --steps N (throughput)")
+    if args.steps:
+        assert args.steps >= args.skip + 2, "--steps must leave at least two steps after --skip"
     bad = [e for e in args.env if "=" not in e or not e.startswith("ROLLOUTS_")]
     assert not bad, f"--env takes ROLLOUTS_...=VALUE, got {bad}"
     extra = dict(e.split("=", 1) for e in args.env)
+    config = job_config(extra)
     from common.models import resolve_model_path
 
-    model_dir = resolve_model_path("")
+    model_dir = resolve_model_path(config.model.path)
     py = trl_python(args.venv, args.trl) if "trl" in args.sides else None
-    tmp = Path(tempfile.mkdtemp(prefix="rollouts-vs-trl-"))
-    rates, runs = {}, {}
+    tmp = args.work or Path(tempfile.mkdtemp(prefix="rollouts-vs-trl-"))
+    if args.work:
+        shutil.rmtree(args.work, ignore_errors=True)
     try:
-        for side in args.sides:
-            print(f"--- {side}: {args.steps} steps", flush=True)
-            if side == "trl":
-                launched, records = run_trl(py, steps=args.steps, model_dir=model_dir, tmp=tmp / "trl")
-            else:
-                launched, records = run_rollouts(steps=args.steps, tmp=tmp / "rollouts", engine=args.engine,
-                                                 extra=extra)
-            rates[side] = summary(side, launched, records, skip=args.skip)
-            runs[side] = [{"step": r["step"], "s": r["t"] - launched, "reward": r["reward"]} for r in records]
+        result = (time_mode if args.minutes else steps_mode)(args, config, extra, model_dir, py, tmp)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not args.work:
+            shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
-        args.json.write_text(json.dumps(runs, indent=1))
-    if len(rates) == 2:
-        print(f"rollouts / TRL steps per minute: {rates['rollouts'] / rates['trl']:.2f}")
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.png and args.minutes:
+        plot(result, args.png)
 
 
 if __name__ == "__main__":
