@@ -15,7 +15,8 @@ none of them either), the chat template over one user message, reward 1 for the 
 `trainer.weight_decay`, gradients clipped to `trainer.max_grad_norm`, the clip range of
 `[trainer.loss]`, its KL coefficient, the token-mean loss (TRL's `loss_type = "dapo"`: the step's
 per-token losses summed over its trained-token count, as rollouts' `loss_agg = "token_mean"`),
-float32 on 2 CPU threads in all:
+`model.dtype` (float32, or bfloat16 computing with float32 master weights: TRL's `bf16 = True`,
+autocast on the CPU, as rollouts' trainer; both sides sample in it too) on 2 CPU threads in all:
 
     trl:      `trl.GRPOTrainer` (generation with HF `generate`, synchronous: generate, score,
               train, then generate again), torch on 2 threads;
@@ -36,9 +37,10 @@ TRL saves the model every `--keep-every` steps (and at its stop); the seconds it
 taken out of its clock, so its curve is what it would be without them. rollouts publishes every
 step as it always does; the bench keeps every `--keep-every`-th published checkpoint (hard links,
 out of the trainer's pruning) and its time is when the trainer's step line came. Neither side runs
-an evaluator meanwhile. Afterwards, with nothing else running, every kept checkpoint of both sides
-is scored by the evaluator's own code (evaluator/jobs.py `evaluate`, the engine the demo's
-evaluator uses) on the same `--eval-prompts` held-out problems, greedy pass@1. Prints accuracy
+an evaluator meanwhile. Afterwards, with nothing else running, the model both start from (their
+point at 0 s) and every kept checkpoint of both sides are scored by the evaluator's own code
+(evaluator/jobs.py `evaluate`, with the engine and dtype the demo's evaluator uses) on the same
+`--eval-prompts` held-out problems, greedy pass@1. Prints accuracy
 against seconds since launch for both, then the time each side needed to reach the other's final
 accuracy, and on its last line the ratio TRL / rollouts of the time to reach TRL's final accuracy.
 
@@ -93,8 +95,11 @@ def trl_job(config) -> dict:
         f"{loss.loss_agg}")
     assert config.trainer.lr_schedule == "constant" and not config.trainer.warmup_steps, \
         "TRL's side runs a constant learning rate without warm-up"
+    assert config.model.dtype in ("float32", "bfloat16"), \
+        f"TRL's side runs float32 or bfloat16, not {config.model.dtype}"
     (source,) = config.sources
-    return {"prompts": config.rollout.prompts_per_step, "group": config.rollout.group_size,
+    return {"bf16": config.model.dtype == "bfloat16", "prompts": config.rollout.prompts_per_step,
+            "group": config.rollout.group_size,
             "new_tokens": config.rollout.max_new_tokens, "temperature": config.rollout.temperature,
             "lr": config.trainer.lr, "weight_decay": config.trainer.weight_decay,
             "max_grad_norm": config.trainer.max_grad_norm, "clip_low": loss.clip_low, "clip_high": loss.clip_high,
@@ -192,7 +197,7 @@ def trl_worker(out: Path, job: dict, *, steps: int, minutes: float, keep_every: 
         num_generations=job["group"], max_completion_length=job["new_tokens"], temperature=job["temperature"],
         learning_rate=job["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=job["weight_decay"],
         max_grad_norm=job["max_grad_norm"], beta=job["kl"], epsilon=job["clip_low"], epsilon_high=job["clip_high"],
-        loss_type="dapo", scale_rewards="group", num_iterations=1, use_vllm=False, use_cpu=True, bf16=False,
+        loss_type="dapo", scale_rewards="group", num_iterations=1, use_vllm=False, use_cpu=True, bf16=job["bf16"],
         fp16=False, logging_steps=1, report_to=[], seed=0, shuffle_dataset=False, disable_tqdm=True,
         dataloader_num_workers=0, save_strategy="steps" if minutes else "no", save_steps=keep_every,
         save_only_model=True)
@@ -383,9 +388,13 @@ def time_mode(args, config, extra: dict[str, str], model_dir: Path, py: Path | N
         print(f"{side}: {len(records)} steps, the last {records[-1]['t'] - launched:.0f} s after launch; "
               f"{len(kept)} checkpoints kept", flush=True)
         checkpoints += [{**c, "side": side, "s": round(c["t"] - launched, 1)} for c in kept]
+    # The model both sides start from, at their launch.
+    checkpoints.insert(0, {"side": "start", "step": 0, "s": 0.0, "path": str(model_dir)})
     print(f"--- scoring {len(checkpoints)} checkpoints on {args.eval_prompts} held-out problems", flush=True)
-    for c, acc in zip(checkpoints, score(checkpoints, config, prompts=args.eval_prompts), strict=True):
-        points.setdefault(c["side"], []).append({"step": c["step"], "s": c["s"], "pass@1": acc})
+    scores = score(checkpoints, config, prompts=args.eval_prompts)
+    for c, acc in zip(checkpoints[1:], scores[1:], strict=True):
+        points.setdefault(c["side"], [{"step": 0, "s": 0.0, "pass@1": scores[0]}]).append(
+            {"step": c["step"], "s": c["s"], "pass@1": acc})
     print("held-out pass@1 against seconds since launch:")
     for side, ps in points.items():
         print(f"  {side}: " + " ".join(f"({p['s']:.0f} s, step {p['step']}, {p['pass@1']:.3f})" for p in ps))
