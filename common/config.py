@@ -767,11 +767,6 @@ class TrainerConfig(_Section):
     transfer_port: int = Field(0, ge=0, le=65535)
     # torch intra-op threads; 0 leaves torch's default.
     threads: int = Field(0, ge=0)
-    # More torch threads the trainer computes with while no generator or evaluator on its host is
-    # sampling (common/cores.py: a lock file on the host; they hold it while they sample, the
-    # trainer takes it between passes and never waits for it). For a CPU host where one generator's
-    # core idles between batches; 0: never.
-    borrow_threads: int = Field(0, ge=0)
     # Seed of torch's generators (model init of anything new, dropout).
     seed: int = 0
     # Metrics also go to these trackers, through their own libraries (besides metrics.jsonl and

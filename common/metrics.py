@@ -85,8 +85,6 @@ class StepMetrics:
     # over its groups trained this step, and the generators quarantined when the step ended.
     mismatch_by_generator: dict[str, float] = field(default_factory=dict)
     generators_quarantined: float = 0.0
-    # Since trainer.borrow_threads: the share of the step's passes that ran on borrowed threads.
-    borrowed: float = 0.0
 
     def entry(self) -> dict[str, Any]:
         """The flat dict the sinks write: TRL's names, policy fields only for GRPO, the sft loss only for sft."""
@@ -135,7 +133,7 @@ NAMES = {  # StepMetrics field -> the name it is written under (TRL's where TRL 
     "generators_alive": "generators/alive", "generators_tokens_per_s": "generators/tokens_per_s",
     "group_ids": "group_ids", "staleness_token_mean": "staleness/token_mean",
     "mixed_versions": "completions/mixed_versions", "mismatch_by_generator": "mismatch/by_generator",
-    "generators_quarantined": "generators/quarantined", "borrowed": "trainer/borrowed",
+    "generators_quarantined": "generators/quarantined",
     "reward_components": "rewards/<component>/mean, rewards/<component>/std",
 }
 POLICY_NAMES = {  # PolicyStats field -> the name it is written under

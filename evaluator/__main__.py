@@ -13,10 +13,7 @@ def main(config: Config, args: argparse.Namespace) -> None:
     from rq.serializers import JSONSerializer
     from transformers.utils import logging as hf_logging
 
-    import evaluator.jobs  # imports torch and transformers before the first job
-    from common.cores import sampler_lease
-
-    evaluator.jobs.LEASE = sampler_lease(config.redis_url, config.run, borrow_threads=config.trainer.borrow_threads)
+    import evaluator.jobs  # noqa: F401 - imports torch and transformers before the first job
 
     hf_logging.disable_progress_bar()  # one line per evaluation, not progress bars
     from common.evals import eval_queue

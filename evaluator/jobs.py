@@ -24,7 +24,6 @@ from rq import get_current_job
 from common import rewards
 from common.checkpoints import verify_dir
 from common.config import GeneratorConfig, SourceConfig, source_config
-from common.cores import Lease, sampling
 from common.evals import EvalRequest, EvalResult, read_request, record_eval
 from common.keys import Keys
 from common.messages import PromptTask
@@ -38,9 +37,6 @@ _ENGINE: dict[str, Engine] = {}
 # Set by the worker on a stop request: the job in hand ends before its next CHUNK of problems.
 STOP = threading.Event()
 CHUNK = 8  # problems generated in one batch, between two looks at STOP
-# The host's sampling core, held while a chunk is generated (common/cores.py), set by the worker's
-# process from its config; None: the trainer borrows nothing.
-LEASE: Lease | None = None
 
 
 class Interrupted(Exception):
@@ -141,8 +137,7 @@ def in_chunks(generate, prompts: list[list[int]], req: EvalRequest) -> list:
     out = []
     for i in range(0, len(prompts), CHUNK):
         stop_if_asked(req)
-        with sampling(LEASE):
-            out += generate(prompts[i:i + CHUNK])
+        out += generate(prompts[i:i + CHUNK])
     return out
 
 

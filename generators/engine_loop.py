@@ -44,7 +44,6 @@ async def engine_loop(g: Generator, state: State) -> None:
             state.latest = await trio.to_thread.run_sync(g.r.get, g.keys.weights_latest)
         newer = state.latest is not None and state.latest != state.acted_on or state.went_back is not None
         if newer and (g.settings.inflight_updates or not g.engine.has_unfinished()) and not state.episodes:
-            await hold_core(g)
             await load_weights(state, g.engine, g.engine_thread, name=g.name, weights_url=g.settings.weights_url,
                                fetch_dir=g.fetch_dir, pin_root=pin_root(g), receiver=g.received)
             newer = state.went_back is not None  # an older version waits for the engine to drain
@@ -54,24 +53,14 @@ async def engine_loop(g: Generator, state: State) -> None:
             # join the running batch; with newer weights pending, drain first
             running += await add_waiting(g, state, waiting, room=g.engine.max_running - running)
         if g.engine.has_unfinished():
-            await hold_core(g)
             running -= await step_engine(g, state)
             continue
-        if g.lease is not None:  # idle: the trainer may borrow the core until there is work again
-            g.lease.release()
         if intake_done and not waiting and not state.episodes:
             break
         # idle: wait for a prompt to arrive, an episode's turn, or newer weights to show up
         intake_done = await wait_for_work(g, state, waiting, intake_done=intake_done)
     await g.finished_send.aclose()
     await g.episodes_send.aclose()
-
-
-async def hold_core(g: Generator) -> None:
-    """Hold the host's sampling core before the engine works (common/cores.py): at most one of the
-    trainer's passes away when it has borrowed it."""
-    if g.lease is not None and not g.lease.held:
-        await trio.to_thread.run_sync(g.lease.share, abandon_on_cancel=True)
 
 
 async def wait_for_work(g: Generator, state: State, waiting: deque[Held], *, intake_done: bool) -> bool:

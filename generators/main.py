@@ -61,7 +61,6 @@ import trio
 
 from common import streams
 from common.config import Config
-from common.cores import sampler_lease
 from common.heartbeats import clear_heartbeat, count_engine_stall
 from common.keys import GENERATORS_GROUP, Keys
 from common.quarantine import lift_quarantine
@@ -198,8 +197,7 @@ async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, eng
         episodes_send=episodes_send, episodes_in=episodes_in,
         weights=Watcher(r, keys),
         received=Receiver(r, keys, generator_id=generator_id)
-        if config.trainer.weight_transfer != "disk" and engine_kind(gen.engine).receives else None,
-        lease=sampler_lease(config.redis_url, config.run, borrow_threads=config.trainer.borrow_threads))
+        if config.trainer.weight_transfer != "disk" and engine_kind(gen.engine).receives else None)
     # A generator started again (its config or host fixed) is judged afresh (common/quarantine.py).
     await trio.to_thread.run_sync(lambda: lift_quarantine(r, keys, generator_id))
     # Pins left by an earlier process of this id (killed while holding one) keep pruned files alive.

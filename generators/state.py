@@ -17,7 +17,6 @@ import redis
 import trio
 
 from common.config import GeneratorConfig, LimitsConfig, TrainerConfig
-from common.cores import Lease
 from common.keys import Keys
 from common.messages import PromptTask
 from common.quarantine import Quarantine
@@ -153,9 +152,6 @@ class Generator:
     fetch_dir: Path  # where versions fetched over HTTP land (settings.weights_url)
     weights: Watcher  # the newest version announced on the weights stream
     received: Receiver | None = None  # the trainer's weights broadcast, when it has one (trainer.weight_transfer)
-    # The host's sampling core, held while the engine works (common/cores.py); None: the trainer
-    # borrows nothing (trainer.borrow_threads = 0).
-    lease: Lease | None = None
 
     @property
     def name(self) -> str:

@@ -26,8 +26,6 @@ admit against `version`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -36,7 +34,6 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from common.config import Config, ConfigError, RolloutConfig, TrainerConfig
-from common.cores import Borrower, lock_path
 from common.keys import TRAINER_GROUP, Keys
 from common.messages import SampleGroup
 from common.models import resolve_model_path
@@ -86,8 +83,6 @@ def start(config: Config) -> tuple[Run, Shutdown]:
         f"rollout.prompts_per_step = {rollout.prompts_per_step} must be a multiple of the world size {world}")
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads or torch.get_num_threads())  # 0: torch's default
-    borrower = Borrower(path=lock_path(config.redis_url, config.run), threads=torch.get_num_threads(),
-                        extra=cfg.borrow_threads)
     keys, source_dir = Keys(config.run), resolve_model_path(config.model.path)
     state_root = Path(config.output_dir) / "trainer_state"  # DCP trainer state beside each checkpoint
     refused = unshared([state_root.parent, config.checkpoint_dir])
@@ -106,8 +101,7 @@ def start(config: Config) -> tuple[Run, Shutdown]:
         lora=cfg.lora)
     record = Record.of(read_trainer(r, keys), read_gone_back(r, keys))  # what Redis holds, as `resume` left it
     run = Run(config=config, r=r, keys=keys, model=model, optimizer=optimizer, scheduler=scheduler,
-              update=objective(cfg, rollout, source_dir=source_dir, where=where, wider=borrower.wider),
-              source_dir=source_dir, borrower=borrower,
+              update=objective(cfg, rollout, source_dir=source_dir, where=where), source_dir=source_dir,
               state_root=state_root, step=step, version=step, rank=rank, world=world,
               updates=1 if cfg.objective == "sft" else cfg.updates_per_batch,
               tracker=Tracker(r, config) if rank == 0 else None, record=record,
@@ -121,21 +115,19 @@ def start(config: Config) -> tuple[Run, Shutdown]:
     return run, shutdown
 
 
-def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, where: Placement,
-              wider: Callable[[], AbstractContextManager] = nullcontext) -> Update:
+def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, where: Placement) -> Update:
     """The update of `cfg.objective` with its options bound; for grpo with a KL term, the frozen
     reference (the initial model) is loaded here, in the model's dtype (no master weights: it is
     never trained), placed and sharded like the policy. The GRPO family's log-probs are those of
-    the generators' sampling distribution (`rollout`'s temperature, top_k, top_p). Its passes run
-    inside `wider()` (trainer.borrow_threads)."""
+    the generators' sampling distribution (`rollout`'s temperature, top_k, top_p)."""
     if cfg.objective == "sft":
         return partial(sft_step, micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
-                       max_grad_norm=cfg.max_grad_norm, chunk_tokens=cfg.logits_chunk_tokens, wider=wider)
+                       max_grad_norm=cfg.max_grad_norm, chunk_tokens=cfg.logits_chunk_tokens)
     ref_model = None
     if kl_coef_of(cfg.loss) > 0:  # the frozen reference: the initial model
         frozen = replace(where, master_fp32=False, activation_checkpointing=False)
         ref_model = placed_model(source_dir, frozen).eval().requires_grad_(False)
-    return partial(train_step, how=GrpoOptions.of(cfg, rollout), ref_model=ref_model, wider=wider)
+    return partial(train_step, how=GrpoOptions.of(cfg, rollout), ref_model=ref_model)
 
 
 def take_step(run: Run, shutdown: Shutdown) -> bool:
@@ -170,8 +162,7 @@ def take_step(run: Run, shutdown: Shutdown) -> bool:
     if run.tracker is not None:
         metrics = step_record(run.r, run.keys, everyone, stats, step=run.step, version=run.version, lr=lr,
                               staleness=staleness, sft=run.sft, t_step=t_step, train_s=train_s, publish_s=publish_s,
-                              by_generator=by_generator, quarantined=quarantined,
-                              borrowed=run.borrower.share_taken() if run.borrower else 0.0)
+                              by_generator=by_generator, quarantined=quarantined)
         run.tracker.log(metrics)
         print(summary_line(metrics), flush=True)
     return True

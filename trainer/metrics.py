@@ -63,14 +63,13 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: StepStats, *, step: int,
                 version: int, lr: float, staleness: list[int], sft: bool, t_step: float, train_s: float,
                 publish_s: float, by_generator: dict[str, float] | None = None,
-                quarantined: int = 0, borrowed: float = 0.0) -> StepMetrics:
+                quarantined: int = 0) -> StepMetrics:
     """The metrics of trainer step `step` (counted once done), as the trackers record them.
 
     `everyone`: every rank's collected groups; `stats`: the update's (trainer/step.py); `lr`: the
     rate its updates used; `t_step`: the monotonic time the step began; `train_s`, `publish_s`:
     seconds spent updating and publishing; `by_generator`: each generator's mean mismatch this step,
-    `quarantined`: generators in quarantine (trainer/quarantine.py); `borrowed`: the share of its passes on
-    borrowed threads (trainer.borrow_threads). Generators' metrics are read from
+    `quarantined`: generators in quarantine (trainer/quarantine.py). Generators' metrics are read from
     their heartbeats.
     """
     all_groups = [g for c in everyone for g in c.groups]
@@ -90,7 +89,7 @@ def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: St
         time_train=train_s, time_publish=publish_s,
         generators_alive=float(len(beats)), generators_tokens_per_s=sum(b.tokens_per_s for b in beats),
         group_ids=[g.id for g in all_groups], mismatch_by_generator=by_generator or {},
-        generators_quarantined=float(quarantined), borrowed=borrowed)
+        generators_quarantined=float(quarantined))
 
 
 def summary_line(m: StepMetrics) -> str:

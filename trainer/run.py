@@ -11,7 +11,6 @@ import redis
 import torch
 
 from common.config import Config
-from common.cores import Borrower
 from common.keys import Keys
 from trainer.quarantine import Judge
 from trainer.record import Record
@@ -51,7 +50,6 @@ class Run:
     record: Record = field(default_factory=lambda: Record(step=0, version=0, state_step=0, groups_trained=0))
     judge: Judge | None = None  # rank 0's judgement of the generators (None: other ranks, or no quarantine)
     sender: Sender | None = None  # rank 0's end of the weights broadcast (trainer.weight_transfer; None: disk)
-    borrower: Borrower | None = None  # the threads it borrows from the host's samplers (trainer.borrow_threads)
 
     @property
     def sft(self) -> bool:

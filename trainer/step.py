@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields
 from functools import partial
 
@@ -162,8 +161,7 @@ class GrpoOptions:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
-               how: GrpoOptions, ref_model: torch.nn.Module | None = None, step: int = 0,
-               wider: Callable[[], AbstractContextManager] = nullcontext) -> StepStats:
+               how: GrpoOptions, ref_model: torch.nn.Module | None = None, step: int = 0) -> StepStats:
     """One trainer step of the GRPO family over `groups`: `how.updates` PPO mini-batches, one
     optimizer step each, gradients accumulated over each one's micro-batches.
 
@@ -175,8 +173,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     the mismatch metrics. Stats are shares of the step's trained tokens; the loss and grad norm are
     means over the applied updates. With `how.share_prompts` each micro-batch runs each of its
     prompts through the model once, however many of its completions share it (the same log-probs,
-    fewer positions). Each forward/backward pass and optimizer step runs inside `wider()` (the
-    trainer's borrowed threads: common/cores.py).
+    fewer positions).
     """
     minis = step_batches(groups, micro_batch_size=how.micro_batch_size, micro_batch_tokens=how.micro_batch_tokens,
                          estimator=how.estimator, overlong=how.overlong, overlong_penalty=how.overlong_penalty,
@@ -190,7 +187,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                       chunk_tokens=how.chunk_tokens)
     loss_fn, correction = loss_function(how.loss), correction_of(how.loss)
     model.eval()  # the no-grad passes run with dropout off
-    with torch.no_grad(), wider():
+    with torch.no_grad():
         prox = [[log_probs(forward, model, mb)[0] for mb in m.batches] if correction.type != "behaviour_clip"
                 else [None] * len(m.batches) for m in minis]
         ref = [[log_probs(forward, ref_model, mb)[0] if ref_model is not None else None for mb in m.batches]
@@ -204,10 +201,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
         optimizer.zero_grad(set_to_none=True)
         mini_loss = backward_mini(model, mini, mini_prox, mini_ref, sums, loss_fn=loss_fn, correction=correction,
                                   forward=forward, step=step, total_tokens=total_tokens,
-                                  max_new_tokens=how.max_new_tokens, wider=wider)
-        with wider():
-            grad_norm = clip_and_step(model, optimizer, max_grad_norm=how.max_grad_norm,
-                                      loss_finite=math.isfinite(mini_loss))
+                                  max_new_tokens=how.max_new_tokens)
+        grad_norm = clip_and_step(model, optimizer, max_grad_norm=how.max_grad_norm,
+                                  loss_finite=math.isfinite(mini_loss))
         if math.isfinite(grad_norm):  # the same on every rank
             sums.grad_norm += grad_norm / world  # summed over ranks below
             sums.loss += mini_loss  # this rank's part; summed over ranks below
@@ -235,18 +231,17 @@ def log_probs(forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], 
 def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Tensor | None],
                   ref: list[torch.Tensor | None], sums: Sums, *, loss_fn: Loss, correction: CorrectionConfig,
                   forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], step: int, total_tokens: int,
-                  max_new_tokens: int, wider: Callable[[], AbstractContextManager] = nullcontext) -> float:
+                  max_new_tokens: int) -> float:
     """The loss of one mini-batch, backward micro-batch by micro-batch (the gradients accumulate),
     its stats added to `sums` as shares of the step's `total_tokens`. Returns its loss (this
     rank's part)."""
     share, mini_loss, world = mini.tokens / total_tokens, 0.0, world_size()
     for mb, prox_logp, ref_logp in zip(mini.batches, prox, ref, strict=True):
-        with wider():
-            logp, entropy = log_probs(forward, model, mb, entropy=True)
-            out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=mb.advantages,
-                                     mask=mb.mask, total_tokens=mini.tokens, total_seqs=mini.seqs,
-                                     norm_tokens=mini.rows * max_new_tokens, prox_logp=prox_logp, ref_logp=ref_logp))
-            (out.loss * world).backward()
+        logp, entropy = log_probs(forward, model, mb, entropy=True)
+        out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=mb.advantages,
+                                 mask=mb.mask, total_tokens=mini.tokens, total_seqs=mini.seqs,
+                                 norm_tokens=mini.rows * max_new_tokens, prox_logp=prox_logp, ref_logp=ref_logp))
+        (out.loss * world).backward()
         mini_loss += out.loss.item()
         measured = logp.detach() if prox_logp is None else prox_logp
         sums.add(out.stats, mismatch(measured, mb, correction, step=step, total_tokens=mini.tokens), share=share)
@@ -280,8 +275,7 @@ def mismatch(measured: torch.Tensor, mb: MicroBatch, correction: CorrectionConfi
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
              micro_batch_size: int, micro_batch_tokens: int, max_grad_norm: float,
-             step: int = 0, chunk_tokens: int = 1024,
-             wider: Callable[[], AbstractContextManager] = nullcontext) -> StepStats:
+             step: int = 0, chunk_tokens: int = 1024) -> StepStats:
     """One optimizer step of supervised cross-entropy over `groups`' loss-masked completion
     tokens, normalised by the global masked-token count as `train_step`'s token_mean (so any
     world size gives the same update). `step` is unused (sft data is never stale); a non-finite
@@ -295,16 +289,14 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: l
     optimizer.zero_grad(set_to_none=True)
     loss, entropy_sum = 0.0, 0.0
     for mb in batched.batches:
-        with wider():
-            logp, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
-                                              entropy=True, chunk_tokens=chunk_tokens,
-                                              positions=mb.trained_at)  # (B, T), (B, T): 0 off the mask
-            mb_loss = sft_loss(logp, mb.mask, total_tokens=total_tokens)
-            (mb_loss * world).backward()
+        logp, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
+                                          entropy=True, chunk_tokens=chunk_tokens,
+                                          positions=mb.trained_at)  # (B, T), (B, T): 0 off the mask
+        mb_loss = sft_loss(logp, mb.mask, total_tokens=total_tokens)
+        (mb_loss * world).backward()
         loss += mb_loss.item()
         entropy_sum += (entropy * mb.mask).sum().item() / total_tokens
-    with wider():
-        grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm, loss_finite=math.isfinite(loss))
+    grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm, loss_finite=math.isfinite(loss))
     applied = math.isfinite(grad_norm)
     entropy_sum, grad_norm, loss, skipped = all_sum([entropy_sum, grad_norm / world if applied else 0.0, loss,
                                                      0.0 if applied else 1.0 / world])

@@ -66,14 +66,13 @@ KEYS = Keys(RUN)
 
 
 def pipeline_config(tmp_path: Path, redis_url: str, model: Path, *, steps: int, state_every: int = 0,
-                    claim_idle_s: float = 120.0, engine: str = "hf", keep_checkpoints: int = 3,
-                    **trainer: object) -> dict:
+                    claim_idle_s: float = 120.0, engine: str = "hf", keep_checkpoints: int = 3) -> dict:
     """The run's config on the tiny model (the HF engine by default: it starts in seconds, vLLM in a
-    minute on a CPU; delivery does not depend on the engine); `trainer`: more [trainer] fields."""
+    minute on a CPU; delivery does not depend on the engine)."""
     return write_config(tmp_path / "run.toml", run=RUN, redis_url=redis_url, output_dir=tmp_path / "run",
                         model=model, generator={"engine": engine, "claim_idle_s": claim_idle_s},
                         trainer={"max_steps": steps, "state_every": state_every,
-                                 "keep_checkpoints": keep_checkpoints, **trainer})
+                                 "keep_checkpoints": keep_checkpoints})
 
 
 class Pipeline:
