@@ -23,8 +23,9 @@ autocast on the CPU, as rollouts' trainer; both sides sample in it too) on 2 CPU
     rollouts: `honcho start` of the project's Procfile on configs/demo.toml with the job above
               (redis, producer, one generator, trainer; with `--steps` also the evaluator, as
               ops/bench/end_to_end.py runs it), the generator's and trainer's threads as that config
-              sets them, the generator's engine as `./ops/run` picks it (vLLM, installed here) or
-              `--engine hf` for HF `generate` on both sides.
+              sets them, the generator's engine as `./ops/run` picks it (vLLM, installed here; or
+              `--engine`);
+    rollouts-hf: the same with the generator on HF `generate`, TRL's engine.
 
 TRL is not a dependency of the project: the bench installs it into its own virtualenv (`--venv`,
 `pip install trl==1.16.*` by default, or the newest that installs) that sees the project's
@@ -42,7 +43,8 @@ point at 0 s) and every kept checkpoint of both sides are scored by the evaluato
 (evaluator/jobs.py `evaluate`, with the engine and dtype the demo's evaluator uses) on the same
 `--eval-prompts` held-out problems, greedy pass@1. Prints accuracy
 against seconds since launch for both, then the time each side needed to reach the other's final
-accuracy, and on its last line the ratio TRL / rollouts of the time to reach TRL's final accuracy.
+accuracy, and last the ratio TRL / rollouts (each rollouts side) of the time to reach TRL's final
+accuracy.
 
 `--steps N` (throughput): each side runs N optimizer steps; steps per minute are timed from each
 side's first step to its last (start-up, model loading and the first batch of samples not
@@ -363,13 +365,16 @@ def first_reaching(points: list[dict], accuracy: float) -> float | None:
 
 
 def time_to_accuracy(points: dict[str, list[dict]]) -> dict:
-    """Each side's final accuracy and the time each side needed to reach the other's."""
+    """Each side's final accuracy, the time each side needed to reach each side's final accuracy
+    ({target: {side: seconds or None}}), and for each rollouts side the ratio TRL / it of the time
+    to reach TRL's final accuracy (None: it did not within the run)."""
     final = {side: ps[-1]["pass@1"] for side, ps in points.items()}
-    out = {"final": final, "reach": {}}
-    for target in points:
-        for side, ps in points.items():
-            out["reach"][f"{side} to {target}'s final"] = first_reaching(ps, final[target])
-    return out
+    reach = {target: {side: first_reaching(ps, final[target]) for side, ps in points.items()} for target in points}
+    ratio = {}
+    if "trl" in points:
+        trl_s = reach["trl"]["trl"]
+        ratio = {side: trl_s / s if s else None for side, s in reach["trl"].items() if side != "trl"}
+    return {"final": final, "reach": reach, "ratio": ratio}
 
 
 def time_mode(args, config, extra: dict[str, str], model_dir: Path, py: Path | None, tmp: Path) -> dict:
@@ -383,7 +388,7 @@ def time_mode(args, config, extra: dict[str, str], model_dir: Path, py: Path | N
                                               keep_every=args.keep_every, model_dir=model_dir, tmp=tmp / "trl")
         else:
             launched, records, kept = run_rollouts_for(minutes=args.minutes, keep_every=args.keep_every,
-                                                       tmp=tmp / "rollouts", engine=args.engine, extra=extra)
+                                                       tmp=tmp / side, engine=engine_of(side, args), extra=extra)
         steps[side] = [{"step": r["step"], "s": round(r["t"] - launched, 1), "reward": r["reward"]} for r in records]
         print(f"{side}: {len(records)} steps, the last {records[-1]['t'] - launched:.0f} s after launch; "
               f"{len(kept)} checkpoints kept", flush=True)
@@ -400,15 +405,18 @@ def time_mode(args, config, extra: dict[str, str], model_dir: Path, py: Path | N
         print(f"  {side}: " + " ".join(f"({p['s']:.0f} s, step {p['step']}, {p['pass@1']:.3f})" for p in ps))
     result = {"minutes": args.minutes, "eval_prompts": args.eval_prompts, "points": points, "steps": steps,
               **time_to_accuracy(points)}
-    for what, s in result["reach"].items():
-        print(f"  {what} ({result['final'][what.split(' to ')[1].split(chr(39))[0]]:.3f}): "
-              + (f"{s:.0f} s" if s is not None else f"not within {args.minutes} min"))
-    if set(points) == {"trl", "rollouts"}:
-        trl_s, ours_s = result["reach"]["trl to trl's final"], result["reach"]["rollouts to trl's final"]
-        result["ratio"] = trl_s / ours_s if ours_s else None
-        print("TRL / rollouts, time to TRL's final accuracy: "
-              + (f"{result['ratio']:.2f}" if ours_s else f"rollouts did not reach it within {args.minutes} min"))
+    for target, by_side in result["reach"].items():
+        print(f"time to {target}'s final accuracy ({result['final'][target]:.3f}): " + ", ".join(
+            f"{side} " + (f"{s:.0f} s" if s is not None else f"not within {args.minutes} min")
+            for side, s in by_side.items()))
+    for side, ratio in result["ratio"].items():
+        print(f"TRL / {side}, time to TRL's final accuracy: "
+              + (f"{ratio:.2f}" if ratio else f"{side} did not reach it within {args.minutes} min"))
     return result
+
+
+def engine_of(side: str, args) -> str:
+    return "hf" if side == "rollouts-hf" else args.engine
 
 
 def plot(result: dict, path: Path) -> None:
@@ -453,11 +461,13 @@ def steps_mode(args, config, extra: dict[str, str], model_dir: Path, py: Path | 
             launched, records, _ = run_trl(py, trl_job(config), steps=args.steps, minutes=0, keep_every=1,
                                            model_dir=model_dir, tmp=tmp / "trl")
         else:
-            launched, records = run_rollouts(steps=args.steps, tmp=tmp / "rollouts", engine=args.engine, extra=extra)
+            launched, records = run_rollouts(steps=args.steps, tmp=tmp / side, engine=engine_of(side, args),
+                                             extra=extra)
         rates[side] = summary(side, launched, records, skip=args.skip)
         runs[side] = [{"step": r["step"], "s": r["t"] - launched, "reward": r["reward"]} for r in records]
-    if len(rates) == 2:
-        print(f"rollouts / TRL steps per minute: {rates['rollouts'] / rates['trl']:.2f}")
+    if "trl" in rates:
+        for side in (s for s in rates if s != "trl"):
+            print(f"{side} / TRL steps per minute: {rates[side] / rates['trl']:.2f}")
     return runs
 
 
@@ -469,7 +479,8 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=2, help="steps left out of the median s/step (--steps)")
     ap.add_argument("--keep-every", type=int, default=5, help="keep every this many steps' checkpoint (--minutes)")
     ap.add_argument("--eval-prompts", type=int, default=128, help="held-out problems a checkpoint is scored on")
-    ap.add_argument("--sides", nargs="+", choices=["trl", "rollouts"], default=["trl", "rollouts"])
+    ap.add_argument("--sides", nargs="+", choices=["trl", "rollouts", "rollouts-hf"], default=["trl", "rollouts"],
+                    help="rollouts: its generator on --engine; rollouts-hf: on HF generate, as TRL's")
     ap.add_argument("--venv", type=Path, default=ROOT / "runs" / "trl-venv", help="TRL's virtualenv")
     ap.add_argument("--trl", default="trl==1.16.*", help="pip requirement of TRL")
     ap.add_argument("--engine", default="auto", choices=["auto", "vllm", "hf"],
