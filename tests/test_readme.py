@@ -93,7 +93,7 @@ QUARANTINED = ("text: generator  hot  QUARANTINED: quarantined at step 13 (strik
 RUN = {
     "./ops/run": "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
     "text: trainer.1   | step   24 | reward 0.500 | acc 0.500 | len  16.7 | stale 1.0/1 | loss +0.0173 | "
-    "ent 0.910 | lr 5.00e-06 | 13.91s":
+    "ent 0.910 | lr 1.00e-05 | 13.91s":
         "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
     ".venv/bin/rollouts status": "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
     ".venv/bin/rollouts plot --config configs/demo.toml":
@@ -175,7 +175,7 @@ def line_pattern(example: str) -> str:
 def test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it(checkout, user_env,
                                                                                         tmp_path):
     (example,) = block("text: trainer.1   | step   24 | reward 0.500 | acc 0.500 | len  16.7 | stale 1.0/1 | "
-                       "loss +0.0173 | ent 0.910 | lr 5.00e-06 | 13.91s").text.splitlines()
+                       "loss +0.0173 | ent 0.910 | lr 1.00e-05 | 13.91s").text.splitlines()
     run = Shell("./ops/run", cwd=checkout, env=user_env, log=tmp_path / "run.log")
     try:
         run.wait_for(r"trainer\.1\s+\| step\s+3 \|", timeout=420, what="./ops/run's third step")

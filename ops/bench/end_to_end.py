@@ -35,34 +35,41 @@ PY = ROOT / ".venv" / "bin" / "python"
 TRAINER_STEP = re.compile(r"\btrainer\.\d+\s*\| step\s+\d+ \|")
 
 
-def run_pipeline(*, generators: int, steps: int, tmp: Path,
-                 env: dict[str, str] | None = None) -> tuple[list[float], list[dict]]:
-    """(arrival time of each trainer step line, the trainer's metrics) of one honcho run; `env`:
-    more variables for every process (config overrides, ROLLOUTS_SECTION__FIELD)."""
-    from tests.harness.metrics import read_steps
+def honcho_run(tmp: Path, *, env: dict[str, str], evaluator: bool = True) -> list[str]:
+    """The `honcho start` command line of the project's Procfile (with this checkout's interpreter;
+    the evaluator only if asked) on the demo config in `tmp`, its own Redis on a free port, the
+    run's output in tmp/run, `env` (config overrides, ROLLOUTS_SECTION__FIELD) for every process."""
     from tests.harness.servers import free_port
 
     tmp.mkdir(parents=True)
     port = free_port()
-    # The project's Procfile, with this checkout's interpreter.
     (tmp / "Procfile").write_text("\n".join([
         "redis: mkdir -p redis && exec redis-server --port ${REDIS_PORT} --bind 127.0.0.1 --appendonly yes "
         "--dir redis --save ''",
         f"producer: exec {PY} -m producers",
         f"generator: exec {PY} -m generators",
         f"trainer: exec {PY} -m trainer",
-        f"evaluator: exec {PY} -m evaluator",
+        *([f"evaluator: exec {PY} -m evaluator"] if evaluator else []),
     ]) + "\n")
     (tmp / ".env").write_text("\n".join([
         f"REDIS_PORT={port}", f"ROLLOUTS_REDIS_URL=redis://127.0.0.1:{port}/0",
-        f"ROLLOUTS_CONFIG={ROOT / 'configs' / 'demo.toml'}", f"ROLLOUTS_OUTPUT_DIR={tmp / 'run'}",
-        f"ROLLOUTS_TRAINER__MAX_STEPS={steps}", f"PYTHONPATH={ROOT}",
+        f"ROLLOUTS_CONFIG={ROOT / 'configs' / 'demo.toml'}", f"ROLLOUTS_OUTPUT_DIR={tmp / 'run'}", f"PYTHONPATH={ROOT}",
         "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1",
-        *(f"{k}={v}" for k, v in (env or {}).items()),
+        *(f"{k}={v}" for k, v in env.items()),
     ]) + "\n")
+    return [str(ROOT / ".venv" / "bin" / "honcho"), "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / ".env"),
+            "-d", str(tmp)]
+
+
+def run_pipeline(*, generators: int, steps: int, tmp: Path,
+                 env: dict[str, str] | None = None) -> tuple[list[float], list[dict]]:
+    """(arrival time of each trainer step line, the trainer's metrics) of one honcho run; `env`:
+    more variables for every process (config overrides, ROLLOUTS_SECTION__FIELD)."""
+    from tests.harness.metrics import read_steps
+
+    honcho = honcho_run(tmp, env={"ROLLOUTS_TRAINER__MAX_STEPS": str(steps), **(env or {})}) + [
+        "-c", f"generator={generators}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-    honcho = [str(ROOT / ".venv" / "bin" / "honcho"), "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / ".env"),
-              "-d", str(tmp), "-c", f"generator={generators}"]
     arrivals = []
     with open(tmp / "honcho.log", "w") as log:
         proc = subprocess.Popen(honcho, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -262,26 +262,14 @@ def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
     """(launch time, per-step records, kept checkpoints) of `honcho start` of the Procfile's
     redis, producer, generator and trainer on the job, stopped (Ctrl-C) `minutes` after launch.
     Every `keep_every`-th published checkpoint is hard-linked out of the trainer's pruning."""
+    from ops.bench.end_to_end import honcho_run
     from tests.harness.metrics import read_steps
-    from tests.harness.servers import free_port
 
-    tmp.mkdir(parents=True)
-    port, py, run, kept = free_port(), ROOT / ".venv" / "bin" / "python", tmp / "run", tmp / "kept"
-    (tmp / "Procfile").write_text("\n".join([
-        "redis: mkdir -p redis && exec redis-server --port ${REDIS_PORT} --bind 127.0.0.1 --appendonly yes "
-        "--dir redis --save ''",
-        f"producer: exec {py} -m producers",
-        f"generator: exec {py} -m generators",
-        f"trainer: exec {py} -m trainer",
-    ]) + "\n")
+    run, kept = tmp / "run", tmp / "kept"
     # eval.every: the producer keeps the held-out split out of training only while evaluation is
-    # on; no version reaches this one, so no evaluation runs beside the sides.
-    env = {**rollouts_env(engine, extra), "ROLLOUTS_EVAL__EVERY": "1000000000", "ROLLOUTS_TRAINER__MAX_STEPS": "0"}
-    (tmp / ".env").write_text("\n".join([
-        f"REDIS_PORT={port}", f"ROLLOUTS_REDIS_URL=redis://127.0.0.1:{port}/0",
-        f"ROLLOUTS_CONFIG={ROOT / 'configs' / 'demo.toml'}", f"ROLLOUTS_OUTPUT_DIR={run}", f"PYTHONPATH={ROOT}",
-        "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1",
-        *(f"{k}={v}" for k, v in env.items())]) + "\n")
+    # on; no version reaches this one, and no evaluator runs beside the sides.
+    honcho = honcho_run(tmp, env={**rollouts_env(engine, extra), "ROLLOUTS_EVAL__EVERY": "1000000000",
+                                  "ROLLOUTS_TRAINER__MAX_STEPS": "0"}, evaluator=False)
     stop = threading.Event()
 
     def keep() -> None:  # the trainer renames a complete step_N into place, then publishes it
@@ -303,8 +291,6 @@ def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
     watcher = threading.Thread(target=keep, daemon=True)
     watcher.start()
     arrivals: dict[int, float] = {}
-    honcho = [str(ROOT / ".venv" / "bin" / "honcho"), "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / ".env"),
-              "-d", str(tmp)]
     launched = time.monotonic()
     timer = None
     with open(tmp / "honcho.log", "w") as log:
@@ -332,6 +318,10 @@ def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
                for n, t in sorted(arrivals.items())]
     checkpoints = [{"step": n, "t": arrivals[n], "path": str(kept / f"step_{n}")}
                    for n in sorted(arrivals) if (kept / f"step_{n}").is_dir()]
+    # The run's own checkpoints and trainer states (1.6 GB each for the default model) are not
+    # scored: only the kept links are, and the disk may not hold three sides' worth.
+    for d in (run / "checkpoints", run / "trainer_state"):
+        shutil.rmtree(d, ignore_errors=True)
     return launched, records, checkpoints
 
 
