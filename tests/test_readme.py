@@ -128,6 +128,10 @@ NOT_RUN = {
         "on the tiny model",
     "text: producer ──prompts stream──▶ generator × N ──samples stream──▶ trainer": "a picture, not a command",
     QUARANTINED: "output, not a command: tests/test_quarantine.py's live run reads such a line from rollouts status",
+    ".venv/bin/python ops/bench/vs_trl.py --minutes 10 --sides trl rollouts rollouts-hf":
+        "a 30-minute benchmark that installs TRL from PyPI (docs/benchmarks.md section 13): "
+        "tests/test_vs_trl_bench.py runs its rollouts side for a minute on the tiny model, its job and its reading "
+        "of the curves",
     "./ops/gpu-check": "a GPU host's check: tests/test_gpu_check.py runs it with --dry-run, the same steps on this CPU "
     "with the tiny model",
 }
