@@ -281,4 +281,3 @@ def test_the_evaluator_samples_with_the_generators_engine_unless_eval_engine_say
     assert engine({"engine": "vllm"}, engine="hf") == "hf"
     # a server engine samples on a server the evaluator does not lease: the evaluator uses HF
     assert engine({"engine": "openai", "server_url": "http://127.0.0.1:1"}) == "hf"
-

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 PY = ROOT / ".venv" / "bin" / "python"
-TRAINER_STEP = re.compile(r"\btrainer\.\d+\s*\| step\s+\d+ \|")
+TRAINER_STEP = re.compile(r"\btrainer\.\d+\s*\| step\s+(\d+) \|")  # honcho's "08:20:36 trainer.1   | step    4 | ..."
 
 
 def honcho_run(tmp: Path, *, env: dict[str, str], evaluator: bool = True) -> list[str]:

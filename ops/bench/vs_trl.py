@@ -58,7 +58,6 @@ import argparse
 import itertools
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -75,7 +74,6 @@ sys.path.insert(0, str(ROOT))
 
 THREADS = 2  # the machine's two cores: TRL's torch threads; rollouts' as configs/demo.toml splits them
 TASK_ENV = {"ROLLOUTS_TASK__MAX_OPERAND": "99", "ROLLOUTS_TASK__OPS": '["+"]'}  # 2-digit addition
-STEP_LINE = re.compile(r"\btrainer\.\d+\s*\| step\s+(\d+) \|")  # honcho's "08:20:36 trainer.1   | step    4 | ..."
 
 
 # --------------------------------------------------------------------------- the job
@@ -262,7 +260,7 @@ def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
     """(launch time, per-step records, kept checkpoints) of `honcho start` of the Procfile's
     redis, producer, generator and trainer on the job, stopped (Ctrl-C) `minutes` after launch.
     Every `keep_every`-th published checkpoint is hard-linked out of the trainer's pruning."""
-    from ops.bench.end_to_end import honcho_run
+    from ops.bench.end_to_end import TRAINER_STEP, honcho_run
     from tests.harness.metrics import read_steps
 
     run, kept = tmp / "run", tmp / "kept"
@@ -302,7 +300,7 @@ def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
         try:
             for line in proc.stdout:
                 log.write(line)
-                if (m := STEP_LINE.search(line)) and time.monotonic() - launched < minutes * 60:
+                if (m := TRAINER_STEP.search(line)) and time.monotonic() - launched < minutes * 60:
                     arrivals[int(m.group(1))] = time.monotonic()
                     print(f"  rollouts {arrivals[int(m.group(1))] - launched:5.0f} s: {line.rstrip()}", flush=True)
             proc.wait(timeout=120)
