@@ -554,7 +554,9 @@ class Memory:
         except ImportError:
             self.note = "psutil is not installed: no resident memory figures"
             psutil = None
-        while not self.done.wait(1.0):
+        # A second on a GPU host (nvidia-smi is slow); a quarter of one without, where the tiny
+        # model's trainer can load, step and exit between two samples a second apart.
+        while not self.done.wait(1.0 if self.nvidia_smi else 0.25):
             pids, totals = self.sample_rss(psutil) if psutil else ({}, {})
             self.keep_rss(totals)
             if self.nvidia_smi:
