@@ -23,7 +23,7 @@ import torch
 
 from trainer import loading
 from trainer.devices import Placement, trainer_device
-from trainer.parallel import full_state_dict, init_distributed, is_main, parallelize
+from trainer.parallel import finish, full_state_dict, init_distributed, is_main, parallelize
 
 
 def anon_bytes() -> int:
@@ -69,6 +69,7 @@ def main() -> None:
         want = load_file(path / "model.safetensors")
         same = {k: bool(k in full and torch.equal(v.to(torch.float32), full[k].cpu())) for k, v in want.items()}
         (out / "weights.json").write_text(json.dumps({"same": same, "model": sorted(full)}))
+    finish()  # as the trainer does: a rank leaving with the group still open can abort in gloo's threads
 
 
 if __name__ == "__main__":
