@@ -824,6 +824,10 @@ class EvalConfig(_Section):
     # The engine it samples with: "generator" (the generators' generator.engine, with their memory
     # and parallelism settings; a server engine's runs evaluate on "hf"), or "hf" / "vllm" / "auto".
     engine: Literal["generator", "auto", "hf", "vllm"] = "generator"
+    # CPU priority the evaluator runs at (its niceness, 0-19; it only ever lowers its own): on a
+    # host whose cores the trainer and generators need, an evaluation takes what they leave idle
+    # instead of a share of the trainer's core. 0: the same priority as the rest.
+    nice: int = Field(10, ge=0, le=19)
 
 
 class LimitsConfig(_Section):

@@ -2,12 +2,14 @@
 evaluates published checkpoints."""
 
 import argparse
+import os
 
 from common.config import Config
 from common.process import exit_at_once, run_process
 
 
 def main(config: Config, args: argparse.Namespace) -> None:
+    lower_priority(config.eval.nice)  # before any thread or child starts: they inherit it
     from rq.serializers import JSONSerializer
     from transformers.utils import logging as hf_logging
 
@@ -25,6 +27,17 @@ def main(config: Config, args: argparse.Namespace) -> None:
     print(f"evaluator: waiting for jobs on {queue.name}", flush=True)
     worker.work(burst=args.burst, logging_level="WARNING")
     exit_at_once()  # stopped (or the queue empty, with --burst)
+
+
+def lower_priority(nice: int) -> None:
+    """Run every thread at niceness `nice` at least (one already nicer stays so); threads and
+    children started later inherit it. Linux keeps a niceness per thread, hence each of them."""
+    for tid in (int(t) for t in os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else [0]:
+        try:
+            if nice > os.getpriority(os.PRIO_PROCESS, tid):
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 if __name__ == "__main__":

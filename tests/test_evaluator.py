@@ -281,3 +281,27 @@ def test_the_evaluator_samples_with_the_generators_engine_unless_eval_engine_say
     assert engine({"engine": "vllm"}, engine="hf") == "hf"
     # a server engine samples on a server the evaluator does not lease: the evaluator uses HF
     assert engine({"engine": "openai", "server_url": "http://127.0.0.1:1"}) == "hf"
+
+
+@pytest.mark.parametrize("nice", [None, 0, 15])
+def test_the_evaluator_takes_the_cpu_the_trainer_and_generators_leave(nice, tmp_path, redis_url):
+    """eval.nice (10 unless set): the evaluator lowers its CPU priority before anything of it
+    starts, so every thread of it runs at that niceness; 0 leaves it at the priority it was
+    started with."""
+    import psutil
+
+    from tests.harness.processes import wait_for
+
+    env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": RUN}
+    if nice is not None:
+        env["ROLLOUTS_EVAL__NICE"] = str(nice)
+    log = tmp_path / "evaluator.log"
+    proc = spawn("evaluator", cwd=tmp_path, env=env, log=log)
+    try:
+        wait_for(lambda: "waiting for jobs" in log.read_text(), timeout=120, what="the evaluator to start",
+                 procs=[proc])
+        threads = {t.id: psutil.Process(t.id).nice() for t in psutil.Process(proc.pid).threads()}
+        assert set(threads.values()) == {10 if nice is None else nice}, threads
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0, log.read_text()
