@@ -76,7 +76,7 @@ def trainer_pass(config: Config, model: torch.nn.Module, mb: MicroBatch) -> None
         ref = log_probs(forward, model, mb)[0] if kl_coef_of(cfg.loss) > 0 else None
     tokens = max(int(mb.mask.sum()), 1)
     mini = StepBatches(batches=[mb], tokens=tokens, seqs=int((mb.mask.sum(1) > 0).sum()), tokens_in=0,
-                       rows=mb.mask.shape[0])
+                       computed=tokens, rows=mb.mask.shape[0])
     backward_mini(model, mini, [prox], [ref], Sums(), loss_fn=loss_function(cfg.loss), correction=correction,
                   forward=forward, step=0, total_tokens=tokens, max_new_tokens=ro.max_new_tokens)
 

@@ -729,6 +729,11 @@ class TrainerConfig(_Section):
     # prompt keep their rows). Needs attention that takes a 4D mask (sdpa, eager) and no sliding
     # window; other models take the rows as they are. sft keeps its rows.
     share_prompts: bool = True
+    # Completions whose advantage is 0 (every one of a group that scored alike) add nothing to the
+    # update of a built-in loss without a KL term: leave them out of the forward and backward
+    # passes. The loss is still normalised by every trained token, so the update is the same; the
+    # step's entropy, ratio and mismatch figures are then those of the completions that went through.
+    skip_zero_advantage: bool = True
     # Publish weights for the generators every this many steps.
     sync_every: int = Field(1, ge=1)
     # Save the resumable trainer state (optimizer included) every this many steps, a multiple of

@@ -73,6 +73,10 @@ class StepMetrics:
     generators_alive: float  # generators with a live heartbeat
     generators_tokens_per_s: float  # their tokens/s, summed
     steps_skipped: int = 0  # optimizer updates of this step skipped: non-finite loss or gradient norm
+    # prompt and completion positions through the model in one pass: fewer than the step's tokens
+    # where prompts are shared (trainer.share_prompts) or completions of advantage 0 left out
+    # (trainer.skip_zero_advantage)
+    tokens_forward: float = 0.0
     group_ids: list[str] = field(default_factory=list)  # the groups trained, every rank's
     # (mean, std) over the step's completions of each reward component (a TRL function's value, or a
     # per-completion function's named part), over the completions that have it; {} for sft
@@ -128,8 +132,9 @@ NAMES = {  # StepMetrics field -> the name it is written under (TRL's where TRL 
     "sft_loss": "loss", "entropy": "entropy", "grad_norm": "grad_norm", "lr": "learning_rate",
     "dropped_stale": "groups/dropped_stale", "dead": "groups/dead", "duplicate": "groups/duplicate",
     "steps_skipped": "steps_skipped",
-    "tokens_trained": "tokens/trained", "tokens_per_s": "tokens_per_s", "time_step": "time/step",
-    "time_wait_data": "time/wait_data", "time_train": "time/train", "time_publish": "time/publish",
+    "tokens_trained": "tokens/trained", "tokens_forward": "tokens/forward", "tokens_per_s": "tokens_per_s",
+    "time_step": "time/step", "time_wait_data": "time/wait_data", "time_train": "time/train",
+    "time_publish": "time/publish",
     "generators_alive": "generators/alive", "generators_tokens_per_s": "generators/tokens_per_s",
     "group_ids": "group_ids", "staleness_token_mean": "staleness/token_mean",
     "mixed_versions": "completions/mixed_versions", "mismatch_by_generator": "mismatch/by_generator",

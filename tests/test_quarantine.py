@@ -118,16 +118,19 @@ def test_wrong_generators_are_quarantined_while_a_good_one_trains_on(tmp_path, r
                        rollout={"group_size": 4, "prompts_per_step": 3, "max_new_tokens": 8, "max_staleness": 6},
                        generator={"engine": "hf", "threads": 1, "max_in_flight": 1},
                        # weights published every 6 steps: the one started on other weights samples
-                       # with them until the first publish, long enough to be judged
+                       # with them until the first publish
                        trainer={"max_steps": 1000, "lr": 1e-4, "threads": 1, "sync_every": 6,
                                 "quarantine": {"after": 2}})
     logs = tmp_path / "logs"
     logs.mkdir()
-    procs = {"producer": spawn("producers", cwd=tmp_path, env=env, log=logs / "producer.log"),
-             "trainer": spawn("trainer", cwd=tmp_path, env=env, log=logs / "trainer.log")}
-    for name, args in [("good", ()), ("hot", ("--rollout.temperature", "3.0")),
-                       ("other", ("--model.path", str(other)))]:
+    procs = {"producer": spawn("producers", cwd=tmp_path, env=env, log=logs / "producer.log")}
+    generators = [("other", ("--model.path", str(other))), ("good", ()), ("hot", ("--rollout.temperature", "3.0"))]
+    for name, args in generators:
         procs[name] = spawn("generators", "--id", name, *args, cwd=tmp_path, env=env, log=logs / f"{name}.log")
+        if name == "other":  # its groups on other weights wait for the trainer: judged however fast its steps
+            wait_for(lambda: r.xlen(KEYS.samples) >= 3, timeout=300, what="three groups on other weights",
+                     procs=list(procs.values()))
+    procs["trainer"] = spawn("trainer", cwd=tmp_path, env=env, log=logs / "trainer.log")
     log = {name: logs / f"{name}.log" for name in procs}
     try:
         # the hot one stays wrong: quarantined, then (its next groups departing again) stopped

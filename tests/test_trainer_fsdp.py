@@ -1,6 +1,7 @@
 """FSDP2 under torchrun: two ranks, each its own consumer, give the update of one process."""
 
 import random
+from dataclasses import replace
 
 import torch
 from safetensors.torch import load_file
@@ -80,4 +81,30 @@ def test_two_ranks_sharing_prompts_give_the_weights_of_one_with_padded_rows(tmp_
     assert_same_grad_norms(rows, packed)
     a = load_file(tmp_path / "rows" / "checkpoints" / "step_2" / "model.safetensors")
     b = load_file(tmp_path / "packed" / "checkpoints" / "step_2" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_two_ranks_leaving_out_alike_groups_give_the_weights_of_one_with_every_completion(tmp_path, redis_url, r,
+                                                                                          tiny_model):
+    """trainer.skip_zero_advantage under FSDP2: the groups that scored alike go through no pass on
+    either rank, a rank left with none of the others runs one completion of gradient 0 (its
+    collectives pair up), and the update is the one a process makes on every completion."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(13)
+    groups = [make_group(model, f"g{i}", version=0, rng=rng) for i in range(8)]
+    alike = {0, 1, 2, 4, 6}  # step 1: three of four (a rank has two), step 2: two of four
+    groups = [replace(g, completions=[replace(c, reward=1.0, rewards={"correct": 1.0}) for c in g.completions])
+              if i in alike else g for i, g in enumerate(groups)]
+    for name in ("every", "skipped"):
+        for g in groups:
+            r.xadd(Keys(name).samples, {PAYLOAD: encode(g)})
+    run_ranks(tmp_path, "every", redis_url, tiny_model, nproc=1, skip_zero_advantage=False)
+    run_ranks(tmp_path, "skipped", redis_url, tiny_model, nproc=2)
+    every, skipped = (read_steps(tmp_path / n / "metrics.jsonl") for n in ("every", "skipped"))
+    for a, b in zip(every, skipped, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-6 and a["tokens/trained"] == b["tokens/trained"]
+        assert b["tokens/forward"] < 0.75 * a["tokens/forward"], (a["tokens/forward"], b["tokens/forward"])
+    assert_same_grad_norms(every, skipped)
+    a = load_file(tmp_path / "every" / "checkpoints" / "step_2" / "model.safetensors")
+    b = load_file(tmp_path / "skipped" / "checkpoints" / "step_2" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5

@@ -7,6 +7,7 @@ never a Python list per token. Groups holding lists (built in process) are taken
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -272,23 +273,56 @@ def split_rows(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: in
     return out
 
 
+class Part(NamedTuple):
+    """One mini-batch of a step: its micro-batches and the counts of all its rows (the loss's
+    normalisers), those left out of the micro-batches (`skip_zero`) included."""
+
+    batches: list[MicroBatch]
+    tokens: int  # trained (loss-masked) completion tokens
+    seqs: int  # completions with a trained token
+    rows: int  # completions, trained or not
+    # the rows of the groups left out of `batches` (`probe_rows`), for a no-gradient pass that
+    # measures each group's mismatch (trainer/quarantine.py judges generators by it)
+    probes: tuple[MicroBatch, ...] = ()
+
+
 def micro_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int = 0,
                   estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
                   objective: str = "grpo", share_prompts: bool = False,
                   hidden_size: int = 0) -> tuple[list[MicroBatch], int, int]:
     """The step's micro-batches, its trained-token count and its count of trained sequences."""
-    return mini_batches(groups, parts=1, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+    part = mini_batches(groups, parts=1, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                         estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty,
                         objective=objective, share_prompts=share_prompts, hidden_size=hidden_size)[0]
+    return part.batches, part.tokens, part.seqs
+
+
+def with_gradient(rows: list[Row]) -> list[Row]:
+    """The rows of `rows` whose gradient can be non-zero under a loss that is a multiple of the
+    advantage (trained tokens and an advantage other than 0); where none is, the first row with
+    a trained token (else the first row), so that a rank still runs a pass, its gradient 0."""
+    kept = [row for row in rows if row.advantage != 0.0 and row.trained.any()]
+    return kept or [next((row for row in rows if row.trained.any()), rows[0])]
+
+
+def probe_rows(rows: list[Row], passed: list[Row]) -> list[Row]:
+    """The rows of `rows` with a trained token, not in `passed`, of the groups with no row of a
+    non-zero advantage in `passed`: with `passed` they measure every group on all its rows."""
+    measured = {row.group for row in passed if row.advantage != 0.0}
+    ids = {id(row) for row in passed}
+    return [row for row in rows if row.group not in measured and id(row) not in ids and row.trained.any()]
 
 
 def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int, micro_batch_tokens: int = 0,
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
-                 objective: str = "grpo", share_prompts: bool = False,
-                 hidden_size: int = 0) -> list[tuple[list[MicroBatch], int, int]]:
+                 objective: str = "grpo", share_prompts: bool = False, hidden_size: int = 0,
+                 skip_zero: bool = False) -> list[Part]:
     """The step's rows in `parts` consecutive mini-batches of near-equal row counts (PPO's
-    mini-batches, one optimizer step each), each as (micro-batches, trained tokens, trained
-    sequences). Advantages are the whole groups' whichever mini-batch a row lands in.
+    mini-batches, one optimizer step each). Advantages are the whole groups' whichever
+    mini-batch a row lands in. With `skip_zero` (a loss whose gradient is a multiple of the
+    advantage, no KL term) the rows whose advantage is 0 are left out of the micro-batches
+    (`with_gradient`): they add nothing to the update, and the part's counts still include them,
+    so the loss is the one every row gives; the rows of the groups left out go in `probes`.
 
     Within a mini-batch the rows are bucketed by length (sorted, stably) before they are split
     into micro-batches, so each micro-batch pads its rows to a near-equal length: on the demo's
@@ -301,17 +335,22 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
     assert 1 <= parts <= len(rows), f"{len(rows)} completions cannot make {parts} mini-batches"
     bounds = [len(rows) * i // parts for i in range(parts + 1)]
     out = []
-    for part in (rows[a:b] for a, b in zip(bounds, bounds[1:], strict=False)):
+
+    def batched(rows: list[Row]) -> list[MicroBatch]:
         if share_prompts:
-            batches = [collate_shared(packs) for packs in split_packs(
-                part, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+            return [collate_shared(packs) for packs in split_packs(
+                rows, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                 hidden_size=hidden_size)]
-        else:
-            part = sorted(part, key=lambda row: row.length)  # length buckets: little padding
-            batches = [collate(chunk) for chunk in split_rows(part, micro_batch_size=micro_batch_size,
-                                                              micro_batch_tokens=micro_batch_tokens)]
-        out.append((batches, sum(int(np.count_nonzero(row.trained)) for row in part),
-                    sum(1 for row in part if row.trained.any())))
+        rows = sorted(rows, key=lambda row: row.length)  # length buckets: little padding
+        return [collate(chunk) for chunk in split_rows(rows, micro_batch_size=micro_batch_size,
+                                                       micro_batch_tokens=micro_batch_tokens)]
+
+    for part in (rows[a:b] for a, b in zip(bounds, bounds[1:], strict=False)):
+        passed = with_gradient(part) if skip_zero else part
+        probed = probe_rows(part, passed) if skip_zero else []
+        out.append(Part(batches=batched(passed), tokens=sum(int(np.count_nonzero(row.trained)) for row in part),
+                        seqs=sum(1 for row in part if row.trained.any()), rows=len(part),
+                        probes=tuple(batched(probed)) if probed else ()))
     return out
 
 

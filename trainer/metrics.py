@@ -83,7 +83,7 @@ def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: St
         grad_norm=stats.grad_norm, lr=lr,
         dropped_stale=sum(c.stale for c in everyone), dead=sum(c.dead for c in everyone),
         duplicate=sum(c.duplicate for c in everyone), steps_skipped=stats.skipped,
-        tokens_trained=float(stats.tokens_trained),
+        tokens_trained=float(stats.tokens_trained), tokens_forward=float(stats.tokens_forward),
         tokens_per_s=stats.tokens_forward / train_s,  # prompt + completion tokens through the model
         time_step=time.monotonic() - t_step, time_wait_data=max(c.wait_s for c in everyone),
         time_train=train_s, time_publish=publish_s,

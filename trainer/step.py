@@ -24,7 +24,7 @@ from trainer.batch import MicroBatch, mini_batches, with_mask
 from trainer.devices import model_device, to_device
 from trainer.grpo import Estimator, mismatch_stats
 from trainer.logprobs import sequence_logprobs
-from trainer.losses import Loss, LossInputs, LossStats, correction_of, loss_function
+from trainer.losses import Loss, LossInputs, LossStats, correction_of, loss_function, zero_advantage_adds_nothing
 from trainer.losses.corrections import behaviour_weight
 from trainer.losses.sft import sft_loss
 from trainer.parallel import all_max, all_sum, any_rank, gather, world_size
@@ -40,31 +40,42 @@ class StepBatches:
     tokens: int  # trained (loss-masked) completion tokens
     seqs: int  # sequences with a trained token
     tokens_in: int  # prompt + completion tokens through the model in one pass over the batches
+    # trained tokens in `batches`, fewer than `tokens` where rows of advantage 0 were left out: the
+    # statistics of the pass (entropy, ratios, mismatch) are shares of these
+    computed: int
     rows: int = 0  # completions (trained or not): Dr. GRPO's constant normaliser counts them
+    # no-gradient passes measuring the groups left out (batch.Part.probes), padded like `batches`
+    probes: list[MicroBatch] = field(default_factory=list)
 
 
 def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int,
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
                  objective: str = "grpo", parts: int = 1, device: torch.device | None = None,
-                 share_prompts: bool = False, hidden_size: int = 0) -> list[StepBatches]:
+                 share_prompts: bool = False, hidden_size: int = 0, skip_zero: bool = False) -> list[StepBatches]:
     """`groups` as `parts` mini-batches of micro-batches (trainer/batch.py), each padded with empty
     micro-batches to the most any rank has, their tensors on `device` (None: where collate made
-    them, the CPU); with `share_prompts`, packed (each prompt through the model once)."""
+    them, the CPU); with `share_prompts`, packed (each prompt through the model once); with
+    `skip_zero`, without the rows of advantage 0 (`mini_batches`)."""
     out = []
-    for batches, tokens, seqs in mini_batches(groups, parts=parts, micro_batch_size=micro_batch_size,
-                                              micro_batch_tokens=micro_batch_tokens, estimator=estimator,
-                                              overlong=overlong, overlong_penalty=overlong_penalty,
-                                              objective=objective, share_prompts=share_prompts,
-                                              hidden_size=hidden_size):
+    for part in mini_batches(groups, parts=parts, micro_batch_size=micro_batch_size,
+                             micro_batch_tokens=micro_batch_tokens, estimator=estimator, overlong=overlong,
+                             overlong_penalty=overlong_penalty, objective=objective, share_prompts=share_prompts,
+                             hidden_size=hidden_size, skip_zero=skip_zero):
+        batches = part.batches
         tokens_in = sum(int(mb.attention_mask.sum()) if mb.packed is None else int((mb.packed.segments >= 0).sum())
                         for mb in batches)
-        rows = sum(mb.input_ids.shape[0] for mb in batches)
-        tokens, seqs, tokens_in, rows = (int(x) for x in all_sum([tokens, seqs, tokens_in, rows]))
+        computed = sum(int(mb.mask.sum()) for mb in batches)
+        tokens, seqs, tokens_in, rows, computed = (int(x) for x in all_sum(
+            [part.tokens, part.seqs, tokens_in, part.rows, computed]))
         empty = with_mask(batches[-1], torch.zeros_like(batches[-1].mask))
         batches += [empty] * (all_max(len(batches)) - len(batches))
+        probes = list(part.probes)
+        probes += [with_mask(probes[-1], torch.zeros_like(probes[-1].mask)) if probes else empty] * (
+            all_max(len(probes)) - len(probes))
         if device is not None:
-            batches = [to_device(mb, device) for mb in batches]
-        out.append(StepBatches(batches=batches, tokens=tokens, seqs=seqs, tokens_in=tokens_in, rows=rows))
+            batches, probes = [to_device(mb, device) for mb in batches], [to_device(mb, device) for mb in probes]
+        out.append(StepBatches(batches=batches, tokens=tokens, seqs=seqs, tokens_in=tokens_in, rows=rows,
+                               computed=computed, probes=probes))
     return out
 
 
@@ -149,13 +160,15 @@ class GrpoOptions:
     max_new_tokens: int = 0  # the sampler's; Dr. GRPO's constant normaliser is completions x this
     chunk_tokens: int = 1024  # logits computed this many positions at a time (trainer/logprobs.py)
     share_prompts: bool = True  # each prompt through the model once per micro-batch, however many completions
+    skip_zero_advantage: bool = False  # rows of advantage 0 left out of the passes where they add nothing
 
     @classmethod
     def of(cls, cfg: TrainerConfig, rollout: RolloutConfig) -> GrpoOptions:
         """The options a run's config gives."""
         return cls(loss=cfg.loss, estimator=cfg.advantage, overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
                    micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
-                   updates=cfg.updates_per_batch, max_grad_norm=cfg.max_grad_norm, temperature=rollout.temperature,
+                   updates=cfg.updates_per_batch, skip_zero_advantage=cfg.skip_zero_advantage,
+                   max_grad_norm=cfg.max_grad_norm, temperature=rollout.temperature,
                    top_k=rollout.top_k, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
                    chunk_tokens=cfg.logits_chunk_tokens, share_prompts=cfg.share_prompts)
 
@@ -178,7 +191,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     minis = step_batches(groups, micro_batch_size=how.micro_batch_size, micro_batch_tokens=how.micro_batch_tokens,
                          estimator=how.estimator, overlong=how.overlong, overlong_penalty=how.overlong_penalty,
                          parts=how.updates, device=model_device(model), share_prompts=how.share_prompts,
-                         hidden_size=int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0))
+                         hidden_size=int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0),
+                         skip_zero=how.skip_zero_advantage and zero_advantage_adds_nothing(how.loss))
     total_tokens, world = sum(m.tokens for m in minis), world_size()
     if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
         return StepStats(policy=LossStats())
@@ -192,15 +206,17 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                 else [None] * len(m.batches) for m in minis]
         ref = [[log_probs(forward, ref_model, mb)[0] if ref_model is not None else None for mb in m.batches]
                for m in minis]
+        sums, applied = Sums(by_group=np.zeros((len(groups), 2))), 0
+        for mb in (mb for m in minis for mb in m.probes):  # the groups left out: their mismatch only
+            add_by_group(sums.by_group, log_probs(forward, model, mb)[0], mb)
     model.train()
     oldest = all_max(max([0] + [step - g.version for g in groups]))
-    sums, applied = Sums(by_group=np.zeros((len(groups), 2))), 0
     for mini, mini_prox, mini_ref in zip(minis, prox, ref, strict=True):
         if mini.tokens == 0:
             continue
         optimizer.zero_grad(set_to_none=True)
         mini_loss = backward_mini(model, mini, mini_prox, mini_ref, sums, loss_fn=loss_fn, correction=correction,
-                                  forward=forward, step=step, total_tokens=total_tokens,
+                                  forward=forward, step=step, total_tokens=sum(m.computed for m in minis),
                                   max_new_tokens=how.max_new_tokens)
         grad_norm = clip_and_step(model, optimizer, max_grad_norm=how.max_grad_norm,
                                   loss_finite=math.isfinite(mini_loss))
@@ -233,8 +249,10 @@ def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Te
                   forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], step: int, total_tokens: int,
                   max_new_tokens: int) -> float:
     """The loss of one mini-batch, backward micro-batch by micro-batch (the gradients accumulate),
-    its stats added to `sums` as shares of the step's `total_tokens`. Returns its loss (this
-    rank's part)."""
+    its stats added to `sums` as shares of `total_tokens`, the step's trained tokens through the
+    model (`StepBatches.computed`). Returns its loss (this rank's part)."""
+    # the loss's stats are shares of the mini-batch's trained tokens (its normaliser), all of which
+    # went through the model unless rows of advantage 0 were left out (`computed` < `tokens`)
     share, mini_loss, world = mini.tokens / total_tokens, 0.0, world_size()
     for mb, prox_logp, ref_logp in zip(mini.batches, prox, ref, strict=True):
         logp, entropy = log_probs(forward, model, mb, entropy=True)

@@ -83,3 +83,10 @@ def correction_of(cfg: LossConfig) -> CorrectionConfig:
 def kl_coef_of(cfg: LossConfig) -> float:
     """`cfg`'s KL coefficient; above 0 the trainer keeps a frozen reference model."""
     return cfg.kl_coef if isinstance(cfg, ClippedLoss) else 0.0
+
+
+def zero_advantage_adds_nothing(cfg: LossConfig) -> bool:
+    """Whether a completion whose advantage is 0 adds nothing to `cfg`'s gradient: true of the
+    built-in clipped losses (each token's loss is its advantage times a factor of the ratio)
+    without a KL term; a custom loss is not known to be such."""
+    return isinstance(cfg, ClippedLoss) and cfg.kl_coef == 0
