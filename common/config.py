@@ -733,8 +733,6 @@ class TrainerConfig(_Section):
     # update of a built-in loss without a KL term: leave them out of the forward and backward
     # passes. The loss is still normalised by every trained token, so the update is the same; the
     # step's entropy, ratio and mismatch figures are then those of the completions that went through.
-    # A generator none of whose groups went through has them measured without a gradient (their
-    # mismatch, by which the quarantine judges it).
     skip_zero_advantage: bool = True
     # Publish weights for the generators every this many steps.
     sync_every: int = Field(1, ge=1)

@@ -281,8 +281,8 @@ class Part(NamedTuple):
     tokens: int  # trained (loss-masked) completion tokens
     seqs: int  # completions with a trained token
     rows: int  # completions, trained or not
-    # rows of groups left out of `batches` (`probe_rows`), for a no-gradient pass that measures
-    # their mismatch (trainer/quarantine.py judges generators by it)
+    # the rows of the groups left out of `batches` (`probe_rows`), for a no-gradient pass that
+    # measures each group's mismatch (trainer/quarantine.py judges generators by it)
     probes: tuple[MicroBatch, ...] = ()
 
 
@@ -305,13 +305,12 @@ def with_gradient(rows: list[Row]) -> list[Row]:
     return kept or [next((row for row in rows if row.trained.any()), rows[0])]
 
 
-def probe_rows(rows: list[Row], passed: list[Row], generator_of: list[str]) -> list[Row]:
-    """The rows still to measure so that every generator of `rows` is judged on whole groups:
-    those (with a trained token, not in `passed`) of the generators none of whose groups has a
-    row of non-zero advantage in `passed`. `generator_of[i]`: the generator of group i (Row.group)."""
-    judged = {generator_of[row.group] for row in passed if row.advantage != 0.0}
+def probe_rows(rows: list[Row], passed: list[Row]) -> list[Row]:
+    """The rows of `rows` with a trained token, not in `passed`, of the groups with no row of a
+    non-zero advantage in `passed`: with `passed` they measure every group on all its rows."""
+    measured = {row.group for row in passed if row.advantage != 0.0}
     ids = {id(row) for row in passed}
-    return [row for row in rows if generator_of[row.group] not in judged and id(row) not in ids and row.trained.any()]
+    return [row for row in rows if row.group not in measured and id(row) not in ids and row.trained.any()]
 
 
 def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int, micro_batch_tokens: int = 0,
@@ -323,8 +322,7 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
     mini-batch a row lands in. With `skip_zero` (a loss whose gradient is a multiple of the
     advantage, no KL term) the rows whose advantage is 0 are left out of the micro-batches
     (`with_gradient`): they add nothing to the update, and the part's counts still include them,
-    so the loss is the one every row gives; the groups of a generator with none left go in
-    `probes` (`probe_rows`).
+    so the loss is the one every row gives; the rows of the groups left out go in `probes`.
 
     Within a mini-batch the rows are bucketed by length (sorted, stably) before they are split
     into micro-batches, so each micro-batch pads its rows to a near-equal length: on the demo's
@@ -349,7 +347,7 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
 
     for part in (rows[a:b] for a, b in zip(bounds, bounds[1:], strict=False)):
         passed = with_gradient(part) if skip_zero else part
-        probed = probe_rows(part, passed, [g.generator for g in groups]) if skip_zero else []
+        probed = probe_rows(part, passed) if skip_zero else []
         out.append(Part(batches=batched(passed), tokens=sum(int(np.count_nonzero(row.trained)) for row in part),
                         seqs=sum(1 for row in part if row.trained.any()), rows=len(part),
                         probes=tuple(batched(probed)) if probed else ()))
