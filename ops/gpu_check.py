@@ -585,22 +585,25 @@ class Memory:
             if total > self.rss.get(name, 0):
                 self.rss[name] = total
                 self.rss_peak_at[name] = {"at_s": at, "trainer": phase}
-        if crossed and totals.get("trainer"):  # 0: gone between the look at its phase and its memory
-            self.trainer_rss.append({"after": crossed, "at_s": at, "mib": round(totals["trainer"] / 2**20)})
+        for boundary in crossed if totals.get("trainer") else ():  # 0: gone since the look at its phase
+            self.trainer_rss.append({"after": boundary, "at_s": at, "mib": round(totals["trainer"] / 2**20)})
 
-    def trainer_phase(self) -> tuple[str, str | None]:
+    def trainer_phase(self) -> tuple[str, list[str]]:
         """The trainer's phase now ("start-up" until it says it is loaded, "step N" while it takes
-        step N, its publish included, "shutdown" after its last, "exited"), and the boundary it
-        crossed since the last sample ("start-up", "step N"; None: none)."""
+        step N, its publish included, "shutdown" after its last, "exited"), and the boundaries it
+        crossed since the last sample ("start-up", then the last "step N"; both where a short
+        start-up and a fast step fall between two samples)."""
         trainer = self.started.get("trainer")
         if trainer is None or trainer.poll() is not None:
-            return "exited", None
-        crossed = None
+            return "exited", []
+        crossed = []
         if not self.loaded and self.trainer_log is not None and RANKS.search(tail(self.trainer_log, 10**6)):
-            self.loaded, crossed = True, "start-up"
+            self.loaded = True
+            crossed.append("start-up")
         done = steps_written(self.metrics, before=self.steps_done) if self.metrics is not None else 0
         if done > self.steps_done:
-            self.steps_done, crossed = done, f"step {done}"
+            self.steps_done = done
+            crossed.append(f"step {done}")
         if not self.loaded:
             return "start-up", crossed
         return ("shutdown" if self.steps and self.steps_done >= self.steps else f"step {self.steps_done + 1}"), crossed
