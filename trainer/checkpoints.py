@@ -52,10 +52,13 @@ def place(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
 # --------------------------------------------------------------------------- writing checkpoints
 
 
-def fused_adamw(params: list[torch.nn.Parameter]) -> bool:
-    """Whether AdamW's fused kernel takes `params`: floating tensors on the CPU or a CUDA device
-    (plain or FSDP2's DTensor shards)."""
-    return bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """The trainer's optimizer. AdamW's fused kernel (the HF Trainer's default, torchtitan's option)
+    where it takes the parameters (floating, on the CPU or a CUDA device, plain or FSDP2's DTensor
+    shards): one pass over them instead of a dozen, 0.07 s a step against 0.48 s for the default
+    model on one CPU thread (docs/benchmarks.md, section 13)."""
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
 
 
 def copy_tokenizer_files(source: Path, dest: Path) -> None:
@@ -293,9 +296,7 @@ def resume(r: redis.Redis, keys: Keys, *, where: Placement, source_dir: Path, st
     # on its device (FSDP2 under torchrun), each rank reading only its own shards
     model = place(model, where) if adapted else placed_model(weights, where)
     trained = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters
-    # The fused kernel (as torchtitan's and the HF Trainer's default): one pass over the parameters
-    # instead of a dozen, 0.07 s a step against 0.48 s for the default model on one CPU thread.
-    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, fused=fused_adamw(trained))
+    optimizer = adamw(trained, lr=lr, weight_decay=weight_decay)
     scheduler = build_scheduler(optimizer, schedule=lr_schedule, warmup_steps=warmup_steps, total_steps=total_steps)
     if step > 0:
         state = state_dir(state_root, step)

@@ -92,7 +92,7 @@ def bare_worker(groups_file: Path, *, redis_url: str, steps: int, lr: float) -> 
 
     from common.config import GrpoLoss as LossOptions
     from common.messages import decode_group
-    from trainer.checkpoints import load_model
+    from trainer.checkpoints import adamw, load_model
     from trainer.devices import trainer_device
     from trainer.parallel import finish, init_distributed, parallelize
     from trainer.step import GrpoOptions, train_step
@@ -104,7 +104,7 @@ def bare_worker(groups_file: Path, *, redis_url: str, steps: int, lr: float) -> 
     blobs, model_dir = msgpack.unpackb(groups_file.read_bytes(), raw=False)
     groups = [decode_group(b) for b in blobs]
     model = parallelize(load_model(Path(model_dir)), device=trainer_device())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    optimizer = adamw(list(model.parameters()), lr=lr, weight_decay=0.0)  # the trainer's
     share = PER_STEP // world
     r.rpush(BARE_READY, rank)
     for s in range(steps):
@@ -306,7 +306,9 @@ def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) ->
     blobs, model_dir = msgpack.unpackb(groups_file.read_bytes(), raw=False)
     groups = [decode_group(b) for b in blobs]
     model = load_model(Path(model_dir))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-6, weight_decay=0.0)
+    import trainer.checkpoints as tree  # that tree's optimizer (a tree before `adamw`: AdamW's default)
+    optimizer = (tree.adamw(list(model.parameters()), lr=5e-6, weight_decay=0.0) if hasattr(tree, "adamw")
+                 else torch.optim.AdamW(model.parameters(), lr=5e-6, weight_decay=0.0))
 
     def step(k: int) -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
