@@ -69,4 +69,8 @@ def open_for_settings(name: str, path: str | Path, *, settings: GeneratorConfig,
     completions sampled at once."""
     if settings.inflight_updates:
         check_inflight(engine_name(name))
+    if settings.threads > 0:  # the process's share of the cores, before the engine starts any thread
+        import torch
+
+        torch.set_num_threads(settings.threads)
     return engine_class(name).for_settings(path, settings=settings, dtype=dtype, seed=seed, max_running=max_running)

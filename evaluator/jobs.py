@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 from rq import get_current_job
 
 from common import rewards
@@ -59,7 +60,9 @@ def engine_for(req: EvalRequest) -> Engine:
         engine = _ENGINE[name] = open_for_settings(name, req.path, settings=settings, dtype=req.dtype, seed=0,
                                                    max_running=CHUNK * max(req.pass_k, 1))
         engine.version = req.version
-        print(f"evaluator: the {name} engine ({req.dtype}) on {req.path}", flush=True)
+        threads = torch.get_num_threads()  # the generators' generator.threads, or torch's default
+        print(f"evaluator: the {name} engine ({req.dtype}, {threads} thread{'s' * (threads > 1)}) on {req.path}",
+              flush=True)
     elif engine.version != req.version:
         engine.load_weights(req.path, version=req.version)
     return engine

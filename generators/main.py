@@ -167,10 +167,6 @@ def open_engine_for(config: Config, *, seed: int) -> Engine:
     from common.models import resolve_model_path
 
     gen = config.generator
-    if gen.threads > 0:
-        import torch
-
-        torch.set_num_threads(gen.threads)
     return open_for_settings(gen.engine, resolve_model_path(config.model.path), settings=gen, dtype=config.model.dtype,
                              seed=seed, max_running=gen.max_in_flight * config.rollout.group_size)
 

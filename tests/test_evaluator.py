@@ -23,11 +23,11 @@ from tests.harness.processes import spawn
 RUN = "ev"
 
 
-def config(redis_url, engine="hf", **eval_fields):
+def config(redis_url, engine="hf", threads=0, **eval_fields):
     """The run's config; the evaluator samples with the generators' engine (HF unless a test asks:
-    it loads in a second, vLLM in tens on a CPU)."""
+    it loads in a second, vLLM in tens on a CPU) on their threads (0: torch's default)."""
     return config_from_dict({"run": RUN, "redis_url": redis_url, "rollout": {"max_new_tokens": 6},
-                             "generator": {"engine": engine},
+                             "generator": {"engine": engine, "threads": threads},
                              "eval": {"every": 1, "prompts": 4, "retries": 1, **eval_fields}})
 
 
@@ -70,7 +70,7 @@ def burst_worker(tmp_path, redis_url) -> int:
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(engine, tmp_path, redis_url, r, tiny_model):
     need(engine)
-    cfg = config(redis_url, engine, pass_k=2)
+    cfg = config(redis_url, engine, threads=1, pass_k=2)
     # the held-out problems of the run's own task (built-in arithmetic), and a checkpoint that
     # answers each of them with the answer most of them share: it gets those right, the others wrong
     [source] = cfg.sources
@@ -86,8 +86,9 @@ def test_eval_job_scores_a_checkpoint_into_the_metrics_stream(engine, tmp_path, 
     assert json.loads(zlib.decompress(r.hget(f"rq:job:{job.id}", "data")))
 
     assert burst_worker(tmp_path, redis_url) == 0, (tmp_path / "evaluator.log").read_text()
-    # on the generators' engine, opened from their [generator] table
-    assert f"evaluator: the {engine} engine (float32)" in (tmp_path / "evaluator.log").read_text()
+    # on the generators' engine, opened from their [generator] table, on as many threads as they
+    # (one here: a second one would only spin against the trainer and generators for the cores)
+    assert f"evaluator: the {engine} engine (float32, 1 thread)" in (tmp_path / "evaluator.log").read_text()
     [result] = read_metrics_stream(r, Keys(RUN))
     assert result["kind"] == "eval" and result["version"] == 3 and result["eval/prompts"] == 4
     req = read_request(job.kwargs["spec"])
