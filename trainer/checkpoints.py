@@ -49,9 +49,6 @@ def place(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
                        activation_checkpointing=where.activation_checkpointing)
 
 
-# --------------------------------------------------------------------------- writing checkpoints
-
-
 def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """The trainer's optimizer. AdamW's fused kernel (the HF Trainer's default, torchtitan's option)
     where it takes the parameters (floating, on the CPU or a CUDA device, plain or FSDP2's DTensor
@@ -59,6 +56,9 @@ def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float) -
     model on one CPU thread (docs/benchmarks.md, section 13)."""
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
+
+
+# --------------------------------------------------------------------------- writing checkpoints
 
 
 def copy_tokenizer_files(source: Path, dest: Path) -> None:
