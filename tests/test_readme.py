@@ -36,7 +36,7 @@ from common.keys import Keys
 from common.recording import replay
 from common.tiny import GSM8K_TEMPLATE, write_gsm8k
 from tests.harness.metrics import read_steps
-from tests.harness.processes import ROOT, Shell, run_once
+from tests.harness.processes import ROOT, Shell, run_once, wait_for
 from tests.harness.servers import free_port, start_redis
 
 DOCS = ("README.md", "docs/operations.md")
@@ -339,7 +339,6 @@ def test_your_own_data_a_trl_reward_and_an_evaluation_source(checkout, user_env,
     config (your data with the TRL reward, mixed with the calculator's episodes as a second source,
     and an evaluation source), its file layout (question, answer ending in `#### 42`), its TRL
     reward function from its comment."""
-    import redis
 
     from common.keys import PAYLOAD, Keys
     from common.messages import decode_group
@@ -361,11 +360,29 @@ def test_your_own_data_a_trl_reward_and_an_evaluation_source(checkout, user_env,
 
     run = Shell("./ops/run", cwd=checkout, env={**user_env, "ROLLOUTS_EVAL__EVERY": "2"},
                 log=tmp_path / "run.log")
+    # The groups' sources, read as they are written: the trainer trims what it acknowledged from
+    # the stream at each save of its state (every 10 steps on the demo), and on a loaded machine the
+    # evaluation below may come after one (seen once: an empty stream).
+    sources, seen = set(), "-"
+    r = redis.Redis.from_url(user_env["ROLLOUTS_REDIS_URL"])
+
+    def evaluated_with_both_sources() -> bool:
+        nonlocal seen
+        try:
+            entries = r.xrange(Keys("demo").samples, min=f"({seen}" if seen != "-" else "-")
+        except redis.ConnectionError:  # redis-server not up yet
+            return False
+        for entry_id, f in entries:
+            sources.add(decode_group(f[PAYLOAD]).id.split(":")[0])
+            seen = entry_id.decode()
+        return sources >= {"mine", "calc"} and bool(re.search(r"evaluator\.1\s+\| evaluator: version \d+: pass@1",
+                                                             run.text(), re.M))
     try:
-        run.wait_for(r"evaluator\.1\s+\| evaluator: version \d+: pass@1", timeout=600,
-                     what="an evaluation on the eval source")
-        r = redis.Redis.from_url(user_env["ROLLOUTS_REDIS_URL"])
-        sources = {decode_group(f[PAYLOAD]).id.split(":")[0] for _, f in r.xrange(Keys("demo").samples)}
+        try:
+            wait_for(evaluated_with_both_sources, timeout=600, procs=[run.proc],
+                     what="groups of both sources and an evaluation on the eval source")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; sources seen: {sources}\n{run.text()[-6000:]}") from None
         assert sources == {"mine", "calc"}, sources
         run.ctrl_c()
     finally:
