@@ -89,6 +89,9 @@ QUARANTINED = ("text: generator  hot  QUARANTINED: quarantined at step 13 (strik
                "|log pi_trainer - log pi_behaviour| 0.0894 over its last 2 groups (hf engine, staleness 1/2), above "
                "0.01 and 4x the other generators at that staleness: it samples with other weights or other settings "
                "(temperature, top_p, top_k) than the trainer's, or its engine is broken")
+ADD2 = ("ROLLOUTS_TASK__MAX_OPERAND=99 ROLLOUTS_TASK__OPS='[\"+\"]' ROLLOUTS_ROLLOUT__TEMPERATURE=1.2 "
+        "ROLLOUTS_RUN=add2 ROLLOUTS_OUTPUT_DIR=runs/add2 ./ops/run")
+ADD2_PLOT = "ROLLOUTS_RUN=add2 ROLLOUTS_OUTPUT_DIR=runs/add2 .venv/bin/rollouts plot --config configs/demo.toml"
 # Each block (by its key) and the test that runs it as written.
 RUN = {
     "./ops/run": "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
@@ -103,6 +106,8 @@ RUN = {
     ".venv/bin/rollouts view": "test_rollouts_view_as_written_serves_the_runs_groups_until_ctrl_c",
     "./ops/run -c generator=4":
         "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
+    ADD2: "test_what_you_see_two_digit_addition_at_temperature_1_2_as_written",
+    ADD2_PLOT: "test_what_you_see_two_digit_addition_at_temperature_1_2_as_written",
     "ROLLOUTS_CONFIG=configs/gsm8k.toml ./ops/run": "test_the_one_gpu_command_runs_the_gsm8k_config",
     MINE: "test_your_own_data_a_trl_reward_and_an_evaluation_source",
     TRL: "test_your_own_data_a_trl_reward_and_an_evaluation_source",
@@ -214,6 +219,26 @@ def test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resu
     finally:
         again.kill()
     assert trainer_steps(again.text())[0] == stopped + 1, (stopped, trainer_steps(again.text())[:3])
+
+
+def test_what_you_see_two_digit_addition_at_temperature_1_2_as_written(checkout, user_env, tmp_path):
+    """"What you see": the ten-minute run's command as written (here for a few steps, on the tiny
+    model) trains its own run on 2-digit addition sampled at temperature 1.2, and its plot command
+    charts that run."""
+    run_line, plot_line = block(ADD2).keys
+    run = Shell(run_line, cwd=checkout, env=user_env, log=tmp_path / "run.log")
+    try:
+        run.wait_for(r"trainer\.1\s+\| step\s+2 \|", timeout=420, what="the run's second step")
+        run.ctrl_c()
+    finally:
+        run.kill()
+    assert "trainer: run 'add2'" in run.text()
+    config = json.loads((checkout / "runs/add2/config.json").read_text())
+    assert (config["task"]["max_operand"], config["task"]["ops"], config["rollout"]["temperature"]) == (99, ["+"], 1.2)
+    assert not (checkout / "runs/demo").exists()  # the demo's own run is left alone
+    plot = run_once(plot_line, cwd=checkout, env=user_env)
+    assert plot.returncode == 0, plot.stderr
+    assert (checkout / "runs/add2/metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_rollouts_check_as_written_passes_on_the_demo_config(checkout, user_env):
