@@ -1,6 +1,6 @@
 """Shared-prefix packing (trainer.share_prompts): each group's prompt goes through the model once,
-its completions packed after it under a 4D attention mask, and gives the log-probs, gradients and
-updates of the right-padded rows."""
+its completions packed after it under the packed attention mask (the groups end to end), and
+gives the log-probs, gradients and updates of the right-padded rows."""
 
 import random
 
@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from common.config import GrpoLoss
 from common.messages import SampleGroup
 from tests.harness.groups import make_group
-from trainer.batch import collate_shared, group_rows, micro_batches, split_packs
+from trainer.batch import collate_packed, group_rows, micro_batches, split_packs
 from trainer.grpo import token_entropy, token_logprobs
 from trainer.logprobs import sequence_logprobs
 from trainer.step import GrpoOptions, train_step
@@ -40,8 +40,10 @@ def model(request, tiny_model):
 
 @pytest.mark.parametrize("sampler", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
 def test_packed_logprobs_and_gradients_equal_the_padded_rows(model, sampler):
-    mb = collate_shared(rows_of(shaped_groups(model.config.vocab_size)))
-    assert mb.packed.ids.shape[0] == len(SHAPES)  # one packed sequence a group
+    mb = collate_packed(rows_of(shaped_groups(model.config.vocab_size)))
+    # the groups end to end in one row, one document a group
+    assert mb.packed.ids.shape == (1, sum(p + sum(n - 1 for n in ns) for p, ns in SHAPES))
+    assert mb.packed.docs.unique().tolist() == list(range(len(SHAPES)))
     weights = torch.randn(mb.mask.shape) * mb.mask  # any loss over the trained positions
 
     def run(packed):
@@ -70,8 +72,8 @@ def test_the_packed_forward_runs_fewer_positions(tiny_model):
     """4 completions of 20 tokens after a 38-token prompt (the demo's shapes): 4 x 57 padded
     positions, 38 + 4 x 19 packed."""
     groups = shaped_groups(300, shapes=[(38, [20] * 4)] * 4)
-    (padded,), _, _ = micro_batches(groups, micro_batch_size=16)
-    (packed,), _, _ = micro_batches(groups, micro_batch_size=16, share_prompts=True)
+    (padded,), _, _ = micro_batches(groups, micro_batch_size=16, pack=False)
+    (packed,), _, _ = micro_batches(groups, micro_batch_size=16, share_prompts=True, pack=True)
     assert padded.packed is None and padded.input_ids.numel() == 16 * 57
     assert packed.packed.ids.numel() == 4 * (38 + 4 * 19)
     # the row layout every loss reads is the same
@@ -83,37 +85,39 @@ def test_micro_batches_keep_whole_groups_within_their_budgets():
     groups = shaped_groups(300, shapes=[(5, [3, 3, 3, 3]), (8, [2, 6, 2, 2]), (4, [1, 1, 1, 1]), (6, [4, 4, 4, 4])])
     prompts = {tuple(g.prompt_ids) for g in groups}
     batches, tokens, seqs = micro_batches(groups, micro_batch_size=8, share_prompts=True)
-    plain = micro_batches(groups, micro_batch_size=8)
+    plain = micro_batches(groups, micro_batch_size=8, pack=False)
     assert (tokens, seqs) == plain[1:]  # the loss's normalisers do not change
     assert [mb.input_ids.shape[0] for mb in batches] == [8, 8]
-    for mb in batches:
-        assert len(mb.packed.ids) == 2  # two whole groups a micro-batch, one packed sequence each
-        assert all(any(tuple(row[:len(p)]) == p for p in prompts) for row in mb.packed.ids.tolist())
+    for mb in batches:  # two whole groups a micro-batch, one document each, each starting with its prompt
+        docs = [mb.packed.ids[mb.packed.docs == d].tolist() for d in range(int(mb.packed.docs.max()) + 1)]
+        assert len(docs) == 2 and all(any(tuple(doc[:len(p)]) == p for p in prompts) for doc in docs)
     # micro_batch_size cuts a group: each piece carries the prompt
     pieces = split_packs([r for g in groups for r in group_rows(g)], micro_batch_size=3)
     assert all(sum(len(p) for p in mb) <= 3 for mb in pieces)
     assert sorted(len(p) for mb in pieces for p in mb) == [1, 1, 1, 1, 3, 3, 3, 3]
-    # micro_batch_tokens counts packed positions: packed sequences x the longest
+    # micro_batch_tokens counts packed positions, no padding among them
     for budget in (10, 20, 40):
         for mb in micro_batches(groups, micro_batch_size=16, micro_batch_tokens=budget, share_prompts=True)[0]:
             seqs_, width = mb.packed.ids.shape
-            alone = seqs_ == 1 and int(mb.packed.segments.max()) <= 1  # one completion too long goes alone
-            assert seqs_ * width <= budget or alone, (budget, seqs_, width)
+            alone = int(mb.packed.segments.max()) <= 1 and int(mb.packed.docs.max()) == 0  # one too long: alone
+            assert seqs_ == 1 and (width <= budget or alone), (budget, seqs_, width)
     # every row is still there once, with its advantage
-    got = sorted((tuple(r), a) for mb in batches for r, a in zip(mb.targets.tolist(), mb.advantages.tolist(),
-                                                                     strict=True))
-    want = sorted((tuple(r), a) for mb in plain[0] for r, a in zip(mb.targets.tolist(), mb.advantages.tolist(),
-                                                                      strict=True))
-    assert got == want
+    def rows(batches):  # each row's targets (its padding cut) and advantage
+        return sorted((tuple(r[:n]), a) for mb in batches for r, n, a in zip(
+            mb.targets.tolist(), mb.attention_mask.sum(1).tolist(), mb.advantages.tolist(), strict=True))
+
+    assert rows(batches) == rows(plain[0]) and len(rows(batches)) == 16
 
 
 def test_rows_packed_together_must_share_their_prompt():
     a, b = (group_rows(g)[0] for g in shaped_groups(300)[:2])
     with pytest.raises(AssertionError, match="share their prompt"):
-        collate_shared([[a, b]])
-    # equal prompts are found by value, not by identity
+        collate_packed([[a, b]])
+    # equal prompts are found by value, not by identity: one document holding both rows
     c = group_rows(shaped_groups(300)[0])[1]
-    assert len(split_packs([a, c], micro_batch_size=8)[0]) == 1
+    assert a.prompt is not c.prompt
+    (mb,) = split_packs([a, c], micro_batch_size=8, share_prompts=True)
+    assert [[id(row) for row in doc] for doc in mb] == [[id(a), id(c)]]
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -162,7 +166,7 @@ def test_a_model_with_sliding_window_layers_keeps_its_rows(tmp_path):
     full = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1))
     assert packed_attention(full) == "sdpa"
-    mb = collate_shared(rows_of(shaped_groups(300)))
+    mb = collate_packed(rows_of(shaped_groups(300)))
     with torch.no_grad():
         want, _ = sequence_logprobs(windowed, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
                                     positions=mb.trained_at)
@@ -185,7 +189,7 @@ def test_long_completions_after_a_short_prompt_go_as_their_own_rows(tiny_model):
     assert [len(p) for mb in split_packs(long_completions, micro_batch_size=8) for p in mb] == [4]
     (mb,), _, _ = micro_batches(shaped_groups(300, shapes=[(4, [200] * 4)]), micro_batch_size=8,
                                 share_prompts=True, hidden_size=64)
-    assert mb.packed.ids.shape == (4, 4 + 199)
+    assert mb.packed.ids.shape == (1, 4 * (4 + 199)) and mb.packed.docs.unique().tolist() == [0, 1, 2, 3]
     # train_step cuts by its model's hidden size (the tiny model's 64): 4 rows of 203 positions, not 4 + 4 x 199
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     stats = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), shaped_groups(300, shapes=[(4, [200] * 4)]),
@@ -212,8 +216,8 @@ def test_packed_logprobs_in_bf16_are_the_padded_rows_within_bf16_rounding(tiny_m
             if w.dim() == 2:
                 w.normal_(0.0, 0.1)
     model = model.to(device, torch.bfloat16)
-    mb = to_device(collate_shared(rows_of(shaped_groups(model.config.vocab_size))), torch.device(device))
-    assert mb.packed.attention(False).dtype == torch.bool and mb.packed.ids.device.type == device
+    mb = to_device(collate_packed(rows_of(shaped_groups(model.config.vocab_size))), torch.device(device))
+    assert mb.packed.attention("bool").dtype == torch.bool and mb.packed.ids.device.type == device
 
     def logp(packed):
         got, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,

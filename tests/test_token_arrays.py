@@ -82,7 +82,7 @@ def test_groups_cross_the_stream_identical_whatever_holds_their_tokens(r):
                 assert c.loss_mask.dtype == bool and c.loss_mask.tolist() == [bool(x) for x in m]
             with pytest.raises(ValueError, match="read-only"):
                 c.ids[0] = 1  # views of the payload: nothing downstream may change what was sent
-        (batch,), tokens, seqs = micro_batches([got], micro_batch_size=8)
+        (batch,), tokens, seqs = micro_batches([got], micro_batch_size=8, pack=False)  # right-padded rows
         expected = expected_rows()
         order = sorted(range(len(TOKENS)), key=lambda i: sum(expected["attention_mask"][i]))  # length buckets
         for name, rows in expected.items():

@@ -43,14 +43,15 @@ def test_micro_batches_split_rows_and_count_trained_tokens():
 
 
 def test_micro_batches_bucket_rows_by_length():
-    """Rows of alternating lengths go into micro-batches of near-equal lengths: little padding,
-    and every row (with its advantage) is still there once."""
+    """Right-padded (trainer.pack_sequences false): rows of alternating lengths go into
+    micro-batches of near-equal lengths: little padding, and every row (with its advantage) is
+    still there once."""
     lengths = [1, 9, 2, 8, 1, 9, 2, 8]
     groups = [hand_group([completion(list(range(8, 8 + n)), [-0.1] * n, float(i % 2))
                           for i, n in enumerate(lengths[:4])]),
               hand_group([completion(list(range(8, 8 + n)), [-0.1] * n, float(i % 2))
                           for i, n in enumerate(lengths[4:])])]
-    batches, total, _ = micro_batches(groups, micro_batch_size=4)
+    batches, total, _ = micro_batches(groups, micro_batch_size=4, pack=False)
     padded = sum(mb.input_ids.numel() for mb in batches)
     real = sum(int(mb.attention_mask.sum()) for mb in batches)
     assert real == sum(3 + n - 1 for n in lengths) and total == sum(lengths)

@@ -63,16 +63,16 @@ def test_two_ranks_give_the_same_weights_as_one(tmp_path, redis_url, r, tiny_mod
 
 
 def test_two_ranks_sharing_prompts_give_the_weights_of_one_with_padded_rows(tmp_path, redis_url, r, tiny_model):
-    """trainer.share_prompts under FSDP2: two ranks on packed groups (micro-batches of whole
-    groups, cut by micro_batch_size 3 and micro_batch_tokens 40) make the update one process
-    makes on right-padded rows."""
+    """trainer.share_prompts and pack_sequences under FSDP2: two ranks on packed groups
+    (micro-batches of whole groups end to end, cut by micro_batch_size 3 and micro_batch_tokens
+    40, balanced by tokens) make the update one process makes on right-padded rows."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     rng = random.Random(12)
     blobs = [encode(make_group(model, f"g{i}", version=0, rng=rng)) for i in range(8)]
     for name in ("rows", "packed"):
         for blob in blobs:
             r.xadd(Keys(name).samples, {PAYLOAD: blob})
-    run_ranks(tmp_path, "rows", redis_url, tiny_model, nproc=1, share_prompts=False)
+    run_ranks(tmp_path, "rows", redis_url, tiny_model, nproc=1, share_prompts=False, pack_sequences=False)
     run_ranks(tmp_path, "packed", redis_url, tiny_model, nproc=2, share_prompts=True)
     rows, packed = (read_steps(tmp_path / n / "metrics.jsonl")
                     for n in ("rows", "packed"))

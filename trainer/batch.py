@@ -1,4 +1,5 @@
-"""Sample groups to training rows, and rows to right-padded micro-batches.
+"""Sample groups to training rows, and rows to micro-batches: packed end to end (the default) or
+right-padded.
 
 Groups decoded from the stream hold numpy arrays (common/messages.py); rows keep them as they are
 and `collate` builds each micro-batch's tensors with a few numpy calls and `torch.from_numpy`,
@@ -6,16 +7,23 @@ never a Python list per token. Groups holding lists (built in process) are taken
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from common.config import TrainerConfig
 from common.messages import SampleGroup, token_versions
 from common.shaping import Estimator, completion_advantages
 from trainer.logprobs import Packed
+
+# the config's defaults (trainer.share_prompts, trainer.pack_sequences), for callers that pass none
+SHARE_PROMPTS: bool = TrainerConfig.model_fields["share_prompts"].default
+PACK: bool = TrainerConfig.model_fields["pack_sequences"].default
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +66,9 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class MicroBatch:
+    """A pass's rows as the losses read them, right-padded (B, T); the model body runs on `packed`
+    where it is set (and the model's attention takes its mask), on `input_ids` otherwise."""
+
     input_ids: Tensor  # (B, T) int64, right-padded with 0
     attention_mask: Tensor  # (B, T) int64, 0 on padding
     targets: Tensor  # (B, T) int64
@@ -69,7 +80,7 @@ class MicroBatch:
     # is built, so the head is applied there without a device-side nonzero (no host sync on a GPU;
     # a meta-device dry run can index with it). Kept equal to `mask` by `with_mask`.
     trained_at: Tensor
-    # The same rows with each shared prompt computed once (trainer.share_prompts), or None.
+    # The same rows packed end to end, the body's input (trainer.pack_sequences), or None: the padded rows.
     packed: Packed | None = None
     # (B,) host array: each row's group, its index among the step's groups (Row.group; -1: none)
     group_of: np.ndarray | None = None
@@ -148,42 +159,45 @@ def prompt_length(rows: list[Row]) -> int:
     return len(rows[0].prompt) + sum(max(len(row.ids) - 1, 0) for row in rows)
 
 
-def pack(packs: list[list[Row]], width: int) -> Packed:
-    """`packs` (each a run of rows sharing their prompt, in the order `collate` lays the rows out,
-    right-padded to `width`) as packed sequences, one a pack."""
-    shape = (len(packs), max(prompt_length(p) for p in packs))
-    ids, position_ids = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
-    segments = np.full(shape, -1, dtype=np.int64)
-    at = np.zeros(sum(len(p) for p in packs) * width, dtype=np.int64)
-    i = 0  # the row's index in the right-padded layout
-    for s, rows in enumerate(packs):
+def pack(docs: list[list[Row]], width: int) -> Packed:
+    """`docs` (each a run of rows sharing their prompt, often one row, in the order `collate` lays
+    the rows out, right-padded to `width`) end to end in one packed row: each document its prompt
+    once, then each of its rows' completion inputs, its positions counted from its own start."""
+    length = sum(prompt_length(d) for d in docs)
+    ids, position_ids = np.zeros((1, length), dtype=np.int64), np.zeros((1, length), dtype=np.int64)
+    doc_of, segments = np.zeros((1, length), dtype=np.int64), np.zeros((1, length), dtype=np.int64)
+    at = np.zeros(sum(len(d) for d in docs) * width, dtype=np.int64)
+    i = offset = 0  # the row's index in the right-padded layout; where the next piece starts
+    for d, rows in enumerate(docs):
         prompt = rows[0].prompt
-        p = len(prompt)
+        p, start = len(prompt), offset
         for row in rows[1:]:
             assert np.array_equal(row.prompt, prompt), \
                 f"rows packed together must share their prompt: {row.prompt.tolist()} vs {prompt.tolist()}"
-        ids[s, :p], position_ids[s, :p], segments[s, :p] = prompt, np.arange(p), 0
-        offset = p  # where the next completion's inputs start
+        ids[0, offset:offset + p], position_ids[0, offset:offset + p], segments[0, offset:offset + p] = \
+            prompt, np.arange(p), 0
+        offset += p
         for j, row in enumerate(rows):
             n = len(row.ids)
             k = max(n - 1, 0)  # its inputs: its tokens but the last
-            ids[s, offset:offset + k], segments[s, offset:offset + k] = row.ids[:-1], j + 1
-            position_ids[s, offset:offset + k] = np.arange(p, p + k)
+            ids[0, offset:offset + k], segments[0, offset:offset + k] = row.ids[:-1], j + 1
+            position_ids[0, offset:offset + k] = np.arange(p, p + k)
             # completion token 0 is predicted at the prompt's last position, token m at its input m - 1;
             # in the padded layout it is the target at t = p - 1 + m
-            at[i * width + p - 1:i * width + p - 1 + n] = s * shape[1] + np.concatenate([[p - 1], np.arange(
+            at[i * width + p - 1:i * width + p - 1 + n] = np.concatenate([[start + p - 1], np.arange(
                 offset, offset + k)])[:n]
             offset += k
             i += 1
+        doc_of[0, start:offset] = d
     return Packed(ids=torch.from_numpy(ids), position_ids=torch.from_numpy(position_ids),
-                  segments=torch.from_numpy(segments), at=torch.from_numpy(at))
+                  docs=torch.from_numpy(doc_of), segments=torch.from_numpy(segments), at=torch.from_numpy(at))
 
 
-def collate_shared(packs: list[list[Row]]) -> MicroBatch:
-    """`collate` of the packs' rows (in order), with their packed layout: each pack (rows sharing
-    a prompt) one packed sequence."""
-    mb = collate([row for rows in packs for row in rows])
-    return replace(mb, packed=pack(packs, mb.input_ids.shape[1]))
+def collate_packed(docs: list[list[Row]]) -> MicroBatch:
+    """`collate` of the documents' rows (in order), with their packed layout (`pack`): the
+    documents end to end in one row."""
+    mb = collate([row for rows in docs for row in rows])
+    return replace(mb, packed=pack(docs, mb.input_ids.shape[1]))
 
 
 def prompt_runs(rows: list[Row]) -> list[list[Row]]:
@@ -207,17 +221,16 @@ def body_cost(length: int, hidden_size: int) -> float:
     return length + (length * length * ATTENTION_COST / hidden_size if hidden_size > 0 else 0.0)
 
 
-def split_packs(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: int = 0,
-                hidden_size: int = 0) -> list[list[list[Row]]]:
-    """`rows` as micro-batches of packs (runs of rows sharing a prompt, each packed into one
-    sequence): at most `micro_batch_size` rows a micro-batch and, where `micro_batch_tokens` > 0,
-    at most that many packed positions (packs x longest pack). A run too large for either is cut
-    into pieces, each carrying the prompt (a piece of one completion too long goes alone); so is a
-    run whose packed attention would cost more than the prompt saves (`body_cost` with the model's
-    `hidden_size`: long completions after a short prompt go as their own rows). The pieces are
-    bucketed by packed length (sorted, stably) as `mini_batches` buckets rows."""
-    assert micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}"
-    assert micro_batch_tokens >= 0, f"micro_batch_tokens must be >= 0, got {micro_batch_tokens}"
+def documents(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: int = 0, hidden_size: int = 0,
+              share_prompts: bool = SHARE_PROMPTS) -> list[list[Row]]:
+    """`rows` as the documents of packed micro-batches: each row alone or, with `share_prompts`,
+    runs of rows sharing a prompt (one document: the prompt once, then each completion's inputs),
+    a run cut into pieces each carrying the prompt where it holds more than `micro_batch_size`
+    rows or `micro_batch_tokens` positions (> 0) (a piece of one completion too long goes alone),
+    or where its attention would cost more than the prompt saves (`body_cost` with the model's
+    `hidden_size`: long completions after a short prompt go as their own rows)."""
+    if not share_prompts:
+        return [[row] for row in rows]
     pieces: list[list[Row]] = []
     for run in prompt_runs(rows):
         piece: list[Row] = []
@@ -231,22 +244,46 @@ def split_packs(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: i
                 piece = []
             piece.append(row)
         pieces.append(piece)
-    pieces.sort(key=prompt_length)
-    out: list[list[list[Row]]] = []
-    current: list[list[Row]] = []
-    width = n_rows = 0
-    for piece in pieces:
-        w = max(width, prompt_length(piece))
-        too_many = n_rows + len(piece) > micro_batch_size
-        too_big = micro_batch_tokens > 0 and (len(current) + 1) * w > micro_batch_tokens
-        if current and (too_many or too_big):
-            out.append(current)
-            current, w, n_rows = [], prompt_length(piece), 0
-        current.append(piece)
-        width, n_rows = w, n_rows + len(piece)
-    if current:
-        out.append(current)
-    return out
+    return pieces
+
+
+def balance(docs: list[list[Row]], *, micro_batch_size: int, micro_batch_tokens: int = 0,
+            at_least: int = 1) -> list[list[list[Row]]]:
+    """`docs` as micro-batches balanced by tokens: the fewest (and at least `at_least`) that hold at
+    most `micro_batch_size` rows and, where `micro_batch_tokens` > 0, that many packed positions
+    each (a document longer than that goes alone), filled longest document first into the one
+    with the fewest tokens so far. Empty micro-batches are left out; each keeps its documents in
+    their order."""
+    assert micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {micro_batch_size}"
+    assert micro_batch_tokens >= 0, f"micro_batch_tokens must be >= 0, got {micro_batch_tokens}"
+    if not docs:
+        return []
+    sizes = [prompt_length(d) for d in docs]
+    n = max(at_least, -(-sum(len(d) for d in docs) // micro_batch_size),
+            -(-sum(sizes) // micro_batch_tokens) if micro_batch_tokens > 0 else 1)
+    order = sorted(range(len(docs)), key=lambda i: -sizes[i])  # stable: ties keep their order
+    while True:
+        bins: list[list[int]] = [[] for _ in range(n)]
+        tokens, counts = [0] * n, [0] * n
+        for i in order:
+            fits = [b for b in range(n) if counts[b] + len(docs[i]) <= micro_batch_size and (
+                micro_batch_tokens == 0 or tokens[b] + sizes[i] <= micro_batch_tokens or counts[b] == 0)]
+            if not fits:
+                break
+            b = min(fits, key=lambda b: tokens[b])
+            bins[b].append(i)
+            tokens[b], counts[b] = tokens[b] + sizes[i], counts[b] + len(docs[i])
+        else:
+            return [[docs[i] for i in sorted(b)] for b in bins if b]
+        n += 1
+
+
+def split_packs(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: int = 0, hidden_size: int = 0,
+                share_prompts: bool = SHARE_PROMPTS, at_least: int = 1) -> list[list[list[Row]]]:
+    """`rows` as packed micro-batches of documents (`documents`, `balance`)."""
+    return balance(documents(rows, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
+                             hidden_size=hidden_size, share_prompts=share_prompts),
+                   micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens, at_least=at_least)
 
 
 def split_rows(rows: list[Row], *, micro_batch_size: int, micro_batch_tokens: int = 0) -> list[list[Row]]:
@@ -288,12 +325,12 @@ class Part(NamedTuple):
 
 def micro_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int = 0,
                   estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
-                  objective: str = "grpo", share_prompts: bool = False,
+                  objective: str = "grpo", share_prompts: bool = SHARE_PROMPTS, pack: bool = PACK,
                   hidden_size: int = 0) -> tuple[list[MicroBatch], int, int]:
     """The step's micro-batches, its trained-token count and its count of trained sequences."""
     part = mini_batches(groups, parts=1, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                         estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty,
-                        objective=objective, share_prompts=share_prompts, hidden_size=hidden_size)[0]
+                        objective=objective, share_prompts=share_prompts, pack=pack, hidden_size=hidden_size)[0]
     return part.batches, part.tokens, part.seqs
 
 
@@ -315,8 +352,9 @@ def probe_rows(rows: list[Row], passed: list[Row]) -> list[Row]:
 
 def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int, micro_batch_tokens: int = 0,
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
-                 objective: str = "grpo", share_prompts: bool = False, hidden_size: int = 0,
-                 skip_zero: bool = False) -> list[Part]:
+                 objective: str = "grpo", share_prompts: bool = SHARE_PROMPTS, pack: bool = PACK,
+                 hidden_size: int = 0, skip_zero: bool = False,
+                 agree: Callable[[int], int] | None = None) -> list[Part]:
     """The step's rows in `parts` consecutive mini-batches of near-equal row counts (PPO's
     mini-batches, one optimizer step each). Advantages are the whole groups' whichever
     mini-batch a row lands in. With `skip_zero` (a loss whose gradient is a multiple of the
@@ -324,11 +362,15 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
     (`with_gradient`): they add nothing to the update, and the part's counts still include them,
     so the loss is the one every row gives; the rows of the groups left out go in `probes`.
 
-    Within a mini-batch the rows are bucketed by length (sorted, stably) before they are split
-    into micro-batches, so each micro-batch pads its rows to a near-equal length: on the demo's
-    shapes (16 rows of 35-70 tokens, 8 a micro-batch) that drops the padding from about a fifth
-    of the positions to a few percent. The mini-batch's update is a sum over its rows, whichever
-    micro-batch each lands in."""
+    With `pack` (trainer.pack_sequences) each micro-batch is its rows packed end to end, no
+    padding (`split_packs`, `collate_packed`): documents of one row or, with `share_prompts`, of
+    a group's rows sharing its prompt, spread over the fewest micro-batches the budgets allow,
+    balanced by tokens. `agree` (a collective under torchrun: the most over the ranks) turns this
+    rank's count of a mini-batch's micro-batches into the count every rank then fills, so that
+    the ranks' micro-batches pair up balanced. Without `pack` the rows are bucketed by length
+    (sorted, stably) and split into right-padded micro-batches (`split_rows`, `collate`): the
+    path of models whose attention takes no packed mask. The mini-batch's update is a sum over
+    its rows, whichever micro-batch each lands in."""
     rows = [row for i, group in enumerate(groups) for row in group_rows(
         group, estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty, objective=objective,
         index=i)]
@@ -336,11 +378,13 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
     bounds = [len(rows) * i // parts for i in range(parts + 1)]
     out = []
 
-    def batched(rows: list[Row]) -> list[MicroBatch]:
-        if share_prompts:
-            return [collate_shared(packs) for packs in split_packs(
-                rows, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                hidden_size=hidden_size)]
+    def batched(rows: list[Row], agree: Callable[[int], int] | None = None) -> list[MicroBatch]:
+        if pack:
+            split = partial(split_packs, rows, micro_batch_size=micro_batch_size,
+                            micro_batch_tokens=micro_batch_tokens, hidden_size=hidden_size,
+                            share_prompts=share_prompts)
+            docs = split() if agree is None else split(at_least=agree(len(split())))
+            return [collate_packed(d) for d in docs]
         rows = sorted(rows, key=lambda row: row.length)  # length buckets: little padding
         return [collate(chunk) for chunk in split_rows(rows, micro_batch_size=micro_batch_size,
                                                        micro_batch_tokens=micro_batch_tokens)]
@@ -348,7 +392,7 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
     for part in (rows[a:b] for a, b in zip(bounds, bounds[1:], strict=False)):
         passed = with_gradient(part) if skip_zero else part
         probed = probe_rows(part, passed) if skip_zero else []
-        out.append(Part(batches=batched(passed), tokens=sum(int(np.count_nonzero(row.trained)) for row in part),
+        out.append(Part(batches=batched(passed, agree), tokens=sum(int(np.count_nonzero(row.trained)) for row in part),
                         seqs=sum(1 for row in part if row.trained.any()), rows=len(part),
                         probes=tuple(batched(probed)) if probed else ()))
     return out

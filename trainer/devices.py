@@ -40,6 +40,16 @@ def backend_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+def attention_implementation(device: torch.device) -> str | None:
+    """The attention the trainer's models compute with on `device` (None: the model's own, SDPA
+    where transformers has it). CUDA: flex attention, whose
+    BlockMask of a packed micro-batch (trainer/logprobs.py `Packed.attention`) computes only the
+    blocks each document sees, with fused kernels, where a dense (L, L) mask keeps SDPA off its
+    flash kernel and grows quadratically. Elsewhere SDPA with the dense mask: eager flex attention
+    has no backward on the CPU, and SDPA's fused CPU kernel takes the mask."""
+    return "flex_attention" if device.type == "cuda" else None
+
+
 def model_device(model: torch.nn.Module) -> torch.device:
     """The device the model computes on (that of its first parameter; sharded ones hold their
     local shard there)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.devices import Placement
+from trainer.devices import Placement, attention_implementation
 from trainer.parallel import distributed, parallelize
 
 
@@ -50,12 +50,20 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
 
 
+def with_attention(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model` computing attention as the trainer does on `device` (devices.attention_implementation)."""
+    impl = attention_implementation(device)
+    if impl is not None:
+        model.set_attn_implementation(impl)
+    return model
+
+
 def placed_model(path: Path, where: Placement) -> torch.nn.Module:
     """The model of checkpoint `path` in `where.weights_dtype`, placed as `where` says (sharded over
     the ranks under torchrun), each rank reading only its own shards."""
     if distributed():
         safetensors_only(path)
-        return sharded_from_meta(path, where)  # sharded as it is built
+        return with_attention(sharded_from_meta(path, where), where.device)  # sharded as it is built
     if where.device.type == "cuda":
         from transformers import AutoModelForCausalLM
 
@@ -64,7 +72,7 @@ def placed_model(path: Path, where: Placement) -> torch.nn.Module:
                                                      device_map={"": where.device})
     else:
         model = load_model(path, where.weights_dtype)
-    return parallelize(model, device=where.device, compute_dtype=where.dtype,
+    return parallelize(with_attention(model, where.device), device=where.device, compute_dtype=where.dtype,
                        activation_checkpointing=where.activation_checkpointing)
 
 

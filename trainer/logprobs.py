@@ -16,10 +16,14 @@ tied 49k x 576 embedding of the default model) and its V-wide log-softmax cost a
 a step's compute per position; elsewhere the result is 0.
 
 With `packed` (a `Packed` built on the host by trainer/batch.py) the body runs on packed
-sequences instead of the right-padded rows: each group's prompt once, followed by each of its
-completions' inputs, every completion attending to the prompt and to itself only (a 4D mask) at
-the positions it has in its own row (`position_ids`), so each hidden state is the one its row
-would give. The head then reads the packed hidden state that predicts each wanted target.
+sequences instead of the right-padded rows: a micro-batch's sequences end to end in one row, no
+padding, each attending only to itself (a document mask) at its own positions (`position_ids`
+restart at each), so each hidden state is the one its row would give; a group's completions
+sharing their prompt follow it in one sequence, each attending to the prompt and to itself only.
+The head then reads the packed hidden state that predicts each wanted target. The mask is dense
+(bool for SDPA, additive for eager attention: the CPU's path, where SDPA's fused kernel takes it)
+or a flex attention BlockMask (the CUDA path: `trainer.devices.attention_implementation`), which
+computes only the blocks a document sees instead of L x L pairs.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torch.utils.checkpoint import checkpoint
 
 from trainer.grpo import TRUNCATED_LOGP, truncate
@@ -35,39 +40,52 @@ from trainer.grpo import TRUNCATED_LOGP, truncate
 
 @dataclass(frozen=True, slots=True)
 class Packed:
-    """Rows sharing a prompt as packed sequences (S of them, L positions each): the prompt once,
-    then each completion's inputs (its tokens but the last), right-padded with 0."""
+    """A micro-batch's sequences packed end to end (S rows of L positions; trainer/batch.py makes
+    one row): each document a row's prompt and completion inputs, or a group's prompt once followed
+    by the inputs (tokens but the last) of each completion sharing it."""
 
-    ids: Tensor  # (S, L) int64 token ids
-    position_ids: Tensor  # (S, L) int64: prompt 0..P-1, each completion continuing at P; padding 0
-    segments: Tensor  # (S, L) int64: 0 on the prompt, j + 1 on completion j's inputs, -1 on padding
+    ids: Tensor  # (S, L) int64 token ids, right-padded with 0
+    position_ids: Tensor  # (S, L) int64: 0.. from each document's start, a completion continuing its prompt's
+    docs: Tensor  # (S, L) int64: each position's document (0, 1, ... along its row), -1 on padding
+    segments: Tensor  # (S, L) int64: 0 on a document's prompt, j + 1 on completion j's inputs, -1 on padding
     # (B * T,) int64: for each flat position row * T + t of the rows' right-padded layout, the flat
     # position s * L + l of the packed hidden state that predicts targets[row, t] (0 off completions).
     at: Tensor
 
-    def attention(self, float_mask: bool) -> Tensor:
-        """The (S, 1, L, L) mask: a position sees the earlier positions of its prompt and of its own
-        completion, padding sees itself only (no row all masked: no NaN). Bool (True: attend) for
-        SDPA; with `float_mask`, additive float32 (0 or the float32 minimum) for eager attention."""
-        seg = self.segments
+    def attention(self, kind: str) -> Tensor | BlockMask:
+        """The attention mask: a position sees the earlier positions of its own document that are
+        its prompt or its own completion; padding sees itself only (no row all masked: no NaN).
+        `kind`: "bool" (S, 1, L, L), True to attend, for SDPA; "float", additive float32 (0 or the
+        float32 minimum), for eager attention; "block", a flex attention BlockMask of the same rule."""
+        docs, seg = self.docs, self.segments
+        if kind == "block":
+            def sees(b: Tensor, _h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+                key = seg[b, kv]
+                return ((q >= kv) & (docs[b, q] == docs[b, kv]) & (seg[b, q] >= 0) & ((key == 0) | (key == seg[b, q]))
+                        ) | (q == kv)
+            length = seg.shape[1]
+            return create_block_mask(sees, B=seg.shape[0], H=None, Q_LEN=length, KV_LEN=length, device=seg.device)
+        assert kind in ("bool", "float"), f"unknown mask kind {kind!r}: expected bool, float or block"
         idx = torch.arange(seg.shape[1], device=seg.device)
         earlier = idx[:, None] >= idx[None, :]  # (L, L): query >= key
         key, query = seg[:, None, :], seg[:, :, None]  # (S, 1, L), (S, L, 1)
-        sees = earlier & (query >= 0) & ((key == 0) | (key == query))  # (S, L, L)
+        sees = earlier & (docs[:, :, None] == docs[:, None, :]) & (query >= 0) & ((key == 0) | (key == query))
         mask = (sees | (idx[:, None] == idx[None, :]))[:, None]  # (S, 1, L, L)
-        if not float_mask:
+        if kind == "bool":
             return mask
         return torch.zeros(mask.shape, dtype=torch.float32, device=seg.device).masked_fill(
             ~mask, torch.finfo(torch.float32).min)
 
 
-PACKED_ATTENTION = {"sdpa": False, "eager": True}  # attention implementations taking a 4D mask: float or not
+# attention implementations that take a packed mask, and the mask each takes
+PACKED_ATTENTION = {"sdpa": "bool", "eager": "float", "flex_attention": "block"}
 
 
 def packed_attention(model: torch.nn.Module) -> str | None:
-    """The model's attention implementation if a packed 4D mask gives its numbers (sdpa, eager,
-    every layer attending to all earlier positions), else None. A custom 4D mask replaces the one
-    transformers would build, sliding windows included, so a model with windowed layers is not packed."""
+    """The model's attention implementation if a packed mask gives its numbers (sdpa, eager,
+    flex_attention; every layer attending to all earlier positions), else None. A custom mask
+    replaces the one transformers would build, sliding windows included, so a model with windowed
+    layers is not packed (it runs on the right-padded rows)."""
     config = getattr(model, "config", None)
     windowed = getattr(config, "sliding_window", None) is not None or any(
         kind != "full_attention" for kind in getattr(config, "layer_types", None) or ())
@@ -121,7 +139,7 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask:
     `positions` ((N,) int64 flat indices row * T + t, e.g. `MicroBatch.trained_at`) only there,
     both 0 elsewhere. With `packed` as well (the same rows packed, `MicroBatch.packed`) the body
     runs on the packed sequences (the same numbers, fewer positions), unless the model's attention
-    implementation takes no 4D mask (then on `input_ids` as without it)."""
+    implementation takes no packed mask (`packed_attention`: then on `input_ids` as without it)."""
     assert temperature > 0, f"temperature must be > 0, got {temperature}"
     assert chunk_tokens > 0, f"chunk_tokens must be > 0, got {chunk_tokens}"
     assert input_ids.shape == targets.shape, f"input_ids {tuple(input_ids.shape)} vs targets {tuple(targets.shape)}"

@@ -20,15 +20,28 @@ import torch
 
 from common.config import CorrectionConfig, LossConfig, RolloutConfig, TrainerConfig
 from common.messages import SampleGroup
-from trainer.batch import MicroBatch, mini_batches, with_mask
+from trainer.batch import PACK, SHARE_PROMPTS, MicroBatch, mini_batches, with_mask
 from trainer.devices import model_device, to_device
 from trainer.grpo import Estimator, mismatch_stats
 from trainer.logprobs import sequence_logprobs
-from trainer.losses import Loss, LossInputs, LossStats, correction_of, loss_function, zero_advantage_adds_nothing
+from trainer.losses import (
+    Loss,
+    LossInputs,
+    LossStats,
+    correction_of,
+    loss_function,
+    takes_proximal,
+    zero_advantage_adds_nothing,
+)
 from trainer.losses.corrections import behaviour_weight
 from trainer.losses.sft import sft_loss
 from trainer.parallel import all_max, all_sum, any_rank, gather, world_size
 from trainer.stats import Mismatch, StepStats
+
+# The config's defaults, where a caller leaves these out (written once: common/config.py).
+CHUNK_TOKENS: int = TrainerConfig.model_fields["logits_chunk_tokens"].default
+SKIP_ZERO_ADVANTAGE: bool = TrainerConfig.model_fields["skip_zero_advantage"].default
+ROLLOUT = RolloutConfig.model_fields
 
 
 @dataclass(frozen=True)
@@ -51,16 +64,18 @@ class StepBatches:
 def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int,
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
                  objective: str = "grpo", parts: int = 1, device: torch.device | None = None,
-                 share_prompts: bool = False, hidden_size: int = 0, skip_zero: bool = False) -> list[StepBatches]:
+                 share_prompts: bool = SHARE_PROMPTS, pack: bool = PACK, hidden_size: int = 0,
+                 skip_zero: bool = False) -> list[StepBatches]:
     """`groups` as `parts` mini-batches of micro-batches (trainer/batch.py), each padded with empty
     micro-batches to the most any rank has, their tensors on `device` (None: where collate made
-    them, the CPU); with `share_prompts`, packed (each prompt through the model once); with
-    `skip_zero`, without the rows of advantage 0 (`mini_batches`)."""
+    them, the CPU); with `pack`, packed end to end, each rank filling as many micro-batches as the
+    rank that needs the most, balanced by tokens; with `share_prompts` as well, each prompt through
+    the model once; with `skip_zero`, without the rows of advantage 0 (`mini_batches`)."""
     out = []
     for part in mini_batches(groups, parts=parts, micro_batch_size=micro_batch_size,
                              micro_batch_tokens=micro_batch_tokens, estimator=estimator, overlong=overlong,
                              overlong_penalty=overlong_penalty, objective=objective, share_prompts=share_prompts,
-                             hidden_size=hidden_size, skip_zero=skip_zero):
+                             pack=pack, hidden_size=hidden_size, skip_zero=skip_zero, agree=all_max):
         batches = part.batches
         tokens_in = sum(int(mb.attention_mask.sum()) if mb.packed is None else int((mb.packed.segments >= 0).sum())
                         for mb in batches)
@@ -154,13 +169,14 @@ class GrpoOptions:
     micro_batch_tokens: int  # ... or at most this many tokens per pass (0: no cap)
     updates: int  # PPO mini-batches of the step, one optimizer step each
     max_grad_norm: float  # gradients clipped to this global norm
-    temperature: float = 1.0  # the sampler's temperature
-    top_k: int = 0  # ... its top-k truncation (0: none)
-    top_p: float = 1.0  # ... its top-p truncation (1: none)
-    max_new_tokens: int = 0  # the sampler's; Dr. GRPO's constant normaliser is completions x this
-    chunk_tokens: int = 1024  # logits computed this many positions at a time (trainer/logprobs.py)
-    share_prompts: bool = True  # each prompt through the model once per micro-batch, however many completions
-    skip_zero_advantage: bool = False  # rows of advantage 0 left out of the passes where they add nothing
+    temperature: float = ROLLOUT["temperature"].default  # the sampler's temperature
+    top_k: int = ROLLOUT["top_k"].default  # ... its top-k truncation (0: none)
+    top_p: float = ROLLOUT["top_p"].default  # ... its top-p truncation (1: none)
+    max_new_tokens: int = ROLLOUT["max_new_tokens"].default  # the sampler's; Dr. GRPO's normaliser: completions x it
+    chunk_tokens: int = CHUNK_TOKENS  # logits computed this many positions at a time (trainer/logprobs.py)
+    share_prompts: bool = SHARE_PROMPTS  # each prompt through the model once per micro-batch, however many completions
+    pack: bool = PACK  # micro-batches packed end to end, no padding (trainer.pack_sequences)
+    skip_zero_advantage: bool = SKIP_ZERO_ADVANTAGE  # rows of advantage 0 left out of the passes where they add nothing
 
     @classmethod
     def of(cls, cfg: TrainerConfig, rollout: RolloutConfig) -> GrpoOptions:
@@ -170,7 +186,7 @@ class GrpoOptions:
                    updates=cfg.updates_per_batch, skip_zero_advantage=cfg.skip_zero_advantage,
                    max_grad_norm=cfg.max_grad_norm, temperature=rollout.temperature,
                    top_k=rollout.top_k, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
-                   chunk_tokens=cfg.logits_chunk_tokens, share_prompts=cfg.share_prompts)
+                   chunk_tokens=cfg.logits_chunk_tokens, share_prompts=cfg.share_prompts, pack=cfg.pack_sequences)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
@@ -190,7 +206,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     """
     minis = step_batches(groups, micro_batch_size=how.micro_batch_size, micro_batch_tokens=how.micro_batch_tokens,
                          estimator=how.estimator, overlong=how.overlong, overlong_penalty=how.overlong_penalty,
-                         parts=how.updates, device=model_device(model), share_prompts=how.share_prompts,
+                         parts=how.updates, device=model_device(model), share_prompts=how.share_prompts, pack=how.pack,
                          hidden_size=int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0),
                          skip_zero=how.skip_zero_advantage and zero_advantage_adds_nothing(how.loss))
     total_tokens, world = sum(m.tokens for m in minis), world_size()
@@ -202,7 +218,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     loss_fn, correction = loss_function(how.loss), correction_of(how.loss)
     model.eval()  # the no-grad passes run with dropout off
     with torch.no_grad():
-        prox = [[log_probs(forward, model, mb)[0] for mb in m.batches] if correction.type != "behaviour_clip"
+        prox = [[log_probs(forward, model, mb)[0] for mb in m.batches] if takes_proximal(how.loss)
                 else [None] * len(m.batches) for m in minis]
         ref = [[log_probs(forward, ref_model, mb)[0] if ref_model is not None else None for mb in m.batches]
                for m in minis]
@@ -293,13 +309,14 @@ def mismatch(measured: torch.Tensor, mb: MicroBatch, correction: CorrectionConfi
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
              micro_batch_size: int, micro_batch_tokens: int, max_grad_norm: float,
-             step: int = 0, chunk_tokens: int = 1024) -> StepStats:
+             step: int = 0, chunk_tokens: int = CHUNK_TOKENS, pack: bool = PACK) -> StepStats:
     """One optimizer step of supervised cross-entropy over `groups`' loss-masked completion
     tokens, normalised by the global masked-token count as `train_step`'s token_mean (so any
     world size gives the same update). `step` is unused (sft data is never stale); a non-finite
-    loss or gradient norm skips the step (counted in `skipped`)."""
+    loss or gradient norm skips the step (counted in `skipped`). With `pack` the sequences go
+    packed end to end (trainer.pack_sequences)."""
     batched = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                           objective="sft", device=model_device(model))[0]
+                           objective="sft", device=model_device(model), pack=pack)[0]
     total_tokens, world = batched.tokens, world_size()
     if total_tokens == 0:
         return StepStats(tokens_forward=batched.tokens_in)
@@ -309,7 +326,7 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: l
     for mb in batched.batches:
         logp, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
                                           entropy=True, chunk_tokens=chunk_tokens,
-                                          positions=mb.trained_at)  # (B, T), (B, T): 0 off the mask
+                                          positions=mb.trained_at, packed=mb.packed)  # (B, T): 0 off the mask
         mb_loss = sft_loss(logp, mb.mask, total_tokens=total_tokens)
         (mb_loss * world).backward()
         loss += mb_loss.item()
