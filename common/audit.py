@@ -1,7 +1,12 @@
-"""Where every admitted prompt of a run is, read from Redis: the audit of "nothing lost, nothing
-twice" that the fault tests and `ops/chaos` check after a run."""
+"""Where every admitted prompt of a run is, read from Redis, and which groups the trainer trained in
+which step, read from its metrics.jsonl: the audit of "nothing lost, nothing twice" that the fault
+tests and `ops/chaos` check after a run."""
 
 from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
 
 import redis
 
@@ -69,3 +74,20 @@ def unaccounted(acc: dict[str, int]) -> list[str]:
     if acc["duplicate"]:
         wrong.append(f"{acc['duplicate']} group(s) made twice from one prompt")
     return wrong
+
+
+def read_steps(path: Path) -> list[dict]:
+    """Each line of a trainer's metrics.jsonl as written, oldest first; [] before the first step."""
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def last_trained(path: Path) -> dict[int, list[str]]:
+    """{step: the group ids it trained}, as last trained: a step trained again after a restart is
+    written again, and its last record is the one that counts."""
+    return {m["step"]: m["group_ids"] for m in read_steps(path)}
+
+
+def trained_twice(path: Path) -> list[str]:
+    """Group ids trained in more than one step."""
+    seen = Counter(g for ids in last_trained(path).values() for g in ids)
+    return sorted(g for g, n in seen.items() if n > 1)

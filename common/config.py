@@ -23,7 +23,7 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -38,12 +38,25 @@ from pydantic import (
     model_validator,
 )
 
+from common.messages import (
+    MAX_COMPLETION_TOKENS,
+    MAX_GROUP_SIZE,
+    MAX_MESSAGE_BYTES,
+    PromptTask,
+    SampleGroup,
+    decode_group,
+    decode_prompt,
+)
+
 ENV_PREFIX = "ROLLOUTS_"
 ENV_CONFIG_FILE = "ROLLOUTS_CONFIG"  # names the TOML file; not a field
 ENV_DEFAULT_CONFIG_FILE = "ROLLOUTS_DEFAULT_CONFIG"  # the file when ROLLOUTS_CONFIG is unset (.env); not a field
 ENV_CACHE = "ROLLOUTS_CACHE"  # where `rollouts prepare-model` puts the built-in model (common.models); not a field
 ENV_NO_VLLM = "ROLLOUTS_NO_VLLM"  # ops/bootstrap and the tests leave vLLM out; not a field
 ENV_NO_ROOT = "ROLLOUTS_NO_ROOT"  # the tests that need root skip, in CI too (tests/harness/needs.py); not a field
+ENV_REDIS_PORT = "REDIS_PORT"  # the port the Procfile's Redis listens on (`./ops/run`); not a field
+REDIS_PORT = 6390  # ... where REDIS_PORT is unset (the Procfile's `${REDIS_PORT:-6390}`)
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 # The ROLLOUTS_ variables that name no field: every other one overrides the field it names.
 ENV_NOT_FIELDS = frozenset({ENV_CONFIG_FILE, ENV_DEFAULT_CONFIG_FILE, ENV_CACHE, ENV_NO_VLLM, ENV_NO_ROOT})
 
@@ -87,20 +100,14 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
-class TaskConfig(_Section):
-    # The built-in task of a run whose [[data.sources]] is empty: its one source, named after it.
-    name: Literal["arithmetic", "countdown"] = "arithmetic"
+class _Task(_Section):
+    # The built-in task of a run whose [[data.sources]] is empty: its one source, named after it
+    # (a synthetic task of tasks/: a module with an `Options` model).
+    name: str = "arithmetic"
     # Seed of the run's prompt sequence, for every source: synthetic problems, each epoch's
     # shuffle and the mixture's choice of source. Same seed, same prompts in the same order.
     seed: int = 0
-    # arithmetic: operands are drawn from [0, max_operand].
-    max_operand: int = Field(20, ge=1)
-    # arithmetic: operators to draw from.
-    ops: list[Literal["+", "-", "*"]] = Field(["+", "-"], min_length=1)
-    # countdown: numbers given per problem, each drawn from [1, max_number].
-    numbers: int = Field(4, ge=2, le=6)
-    # countdown: the largest number given.
-    max_number: int = Field(25, ge=2)
+    # ... and each synthetic task's options, as its tasks/<name>.py `Options` declares them (TaskConfig).
 
 
 _REWARD_NAME = r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
@@ -362,6 +369,31 @@ SourceConfig = Annotated[Union[tuple(Annotated[v, Tag(k)] for k, v in SOURCES.it
 _SOURCE_ADAPTER: TypeAdapter[Any] = TypeAdapter(SourceConfig)
 
 
+def _task_config() -> type[_Task]:
+    """[task]: `name`, one of the synthetic tasks of SOURCES, `seed`, and the options of every
+    synthetic task (its `Options`' fields, defaults and checks: written there once; the chosen
+    task's become its source's, Config.sources)."""
+    tasks = {kind: v for kind, v in SOURCES.items() if issubclass(v, SyntheticSource)}
+    options = [next(b for b in v.__mro__ if b.__name__ == "Options") for v in tasks.values()]
+    seen: dict[str, str] = {}
+    for kind, o in zip(tasks, options, strict=True):
+        for f in o.model_fields:
+            assert f not in seen and f not in _Task.model_fields, \
+                f"tasks/{kind}.py's option {f!r} is also {seen.get(f, 'a [task] field')}'s: [task] holds both"
+            seen[f] = f"tasks/{kind}.py"
+    made = create_model(  # type: ignore[call-overload]
+        "TaskConfig", __base__=(*options, _Task), __module__=__name__, __doc__=None,
+        name=(Literal[tuple(tasks)], "arithmetic"))
+    for kind, o in zip(tasks, options, strict=True):
+        _document(o)
+        for f, info in o.model_fields.items():
+            made.model_fields[f].description = f"{kind}: {info.description}"
+    return made
+
+
+TaskConfig = _task_config()
+
+
 def source_config(data: dict[str, Any] | None = None, /, **fields: Any) -> Any:
     """The source variant a table (`data`, or keyword fields) makes; pydantic's ValidationError
     when it does not fit."""
@@ -424,6 +456,8 @@ ENGINES = {
 }
 # generator.engine: an engine's name, or "auto" (vLLM where it is installed, HF otherwise).
 EngineName = Literal[("auto", *ENGINES)]  # type: ignore[valid-type]
+# eval.engine: "generator" (the generators'), "auto", or an engine the evaluator opens itself (no server's).
+EvalEngineName = Literal[("generator", "auto", *(n for n, k in ENGINES.items() if not k.server))]  # type: ignore[valid-type]
 
 
 class GeneratorConfig(_Section):
@@ -594,7 +628,11 @@ class SequenceMask(_Section):
 # (one more forward pass over the batch), taken by every correction but behaviour_clip.
 # The default variant last: --help shows its type as the default (and each other setting's default
 # from the first variant that has it: the variants share their defaults).
-CorrectionConfig = Annotated[Decoupled | TokenMask | SequenceMask | BehaviourClip, Field(discriminator="type"),
+# The corrections by `type`: the one place a correction is declared (its class above, its weight in
+# trainer/losses/corrections/<type>.py).
+CORRECTIONS: dict[str, type[_Section]] = {c.model_fields["type"].default: c
+                                          for c in (Decoupled, TokenMask, SequenceMask, BehaviourClip)}
+CorrectionConfig = Annotated[Union[tuple(CORRECTIONS.values())], Field(discriminator="type"),  # noqa: UP007
                              BeforeValidator(_by_type("behaviour_clip"))]
 
 
@@ -605,8 +643,7 @@ class ClippedLoss(_Section):
     clip_low: float = Field(0.2, ge=0.0)
     # Upper clip bound: 1 + clip_high (DAPO's clip-higher raises it).
     clip_high: float = Field(0.2, ge=0.0)
-    # [trainer.loss.correction]: the off-policy correction, by `type` ("behaviour_clip",
-    # "decoupled", "token_mask", "sequence_mask").
+    # [trainer.loss.correction]: the off-policy correction, by `type` (one of CORRECTIONS).
     correction: CorrectionConfig = Field(default_factory=lambda: BehaviourClip())
     # KL penalty to the frozen initial model, per token; 0: no reference model is kept.
     kl_coef: float = Field(0.0, ge=0.0)
@@ -672,7 +709,11 @@ class CustomLoss(_Section):
     kwargs: dict[str, float | int | bool | str] = Field({})
 
 
-LossConfig = Annotated[GspoLoss | CispoLoss | CustomLoss | GrpoLoss, Field(discriminator="type"),
+# The losses by `type`: the one place a loss is declared (its class above, its function in
+# trainer/losses/<type>.py); the default last (as CorrectionConfig's).
+LOSSES: dict[str, type[_Section]] = {c.model_fields["type"].default: c
+                                     for c in (GspoLoss, CispoLoss, CustomLoss, GrpoLoss)}
+LossConfig = Annotated[Union[tuple(LOSSES.values())], Field(discriminator="type"),  # noqa: UP007
                        BeforeValidator(_by_type("grpo"))]
 
 
@@ -718,17 +759,24 @@ class TrainerConfig(_Section):
     logits_chunk_tokens: int = Field(1024, ge=1)
     # Sequences per forward/backward pass; gradients accumulate over a step.
     micro_batch_size: int = Field(8, ge=1)
-    # Padded tokens (rows x longest row) per forward/backward pass, besides micro_batch_size; 0: no limit.
-    # With share_prompts: packed positions (packed sequences x longest one).
+    # Tokens per forward/backward pass, besides micro_batch_size; 0: no limit. Packed
+    # (pack_sequences): the sequences' own positions, a shared prompt once; else padded tokens
+    # (rows x longest row).
     micro_batch_tokens: int = Field(0, ge=0)
-    # The GRPO family's passes run each group's prompt through the model once: a micro-batch holds
-    # whole groups, each packed as one sequence (prompt, then each completion's inputs, attending to
-    # the prompt and itself only through a 4D mask, at its own positions): the same log-probs and
-    # gradients as one right-padded row a completion, with fewer positions. A completion joins its
-    # group's pack only while that costs less than its own row (long completions after a short
-    # prompt keep their rows). Needs attention that takes a 4D mask (sdpa, eager) and no sliding
-    # window; other models take the rows as they are. sft keeps its rows.
+    # With pack_sequences, the GRPO family's passes run each group's prompt through the model once:
+    # a group's completions are packed as one sequence (prompt, then each completion's inputs,
+    # attending to the prompt and itself only, at its own positions): the same log-probs and
+    # gradients as one row a completion, with fewer positions. A completion joins its group's
+    # sequence only while that costs less than its own row (long completions after a short prompt
+    # keep their rows). sft's groups hold one completion: nothing to share.
     share_prompts: bool = True
+    # Each forward/backward pass (GRPO family and sft) runs its sequences packed end to end, no
+    # padding, each attending only to itself (a document mask; position ids restart at each):
+    # the same log-probs and update as right-padded rows, every position a token. Micro-batches
+    # are balanced by tokens, within a rank and across ranks (the same count each). Needs
+    # attention taking a packed mask (sdpa, eager, flex_attention) and no sliding window; other
+    # models take right-padded rows, as false does.
+    pack_sequences: bool = True
     # Completions whose advantage is 0 (every one of a group that scored alike) add nothing to the
     # update of a built-in loss without a KL term: leave them out of the forward and backward
     # passes. The loss is still normalised by every trained token, so the update is the same; the
@@ -828,7 +876,7 @@ class EvalConfig(_Section):
     timeout_s: int = Field(900, ge=1)
     # The engine it samples with: "generator" (the generators' generator.engine, with their memory
     # and parallelism settings; a server engine's runs evaluate on "hf"), or "hf" / "vllm" / "auto".
-    engine: Literal["generator", "auto", "hf", "vllm"] = "generator"
+    engine: EvalEngineName = "generator"
     # CPU priority the evaluator runs at (its niceness, 0-19; it only ever lowers its own): on a
     # host whose cores the trainer and generators need, an evaluation takes what they leave idle
     # instead of a share of the trainer's core. 0: the same priority as the rest.
@@ -838,19 +886,30 @@ class EvalConfig(_Section):
 class LimitsConfig(_Section):
     # What a decoder accepts from a stream; anything beyond is dead-lettered with the reason.
     # Largest payload (bytes) of one stream entry.
-    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    max_message_bytes: int = Field(MAX_MESSAGE_BYTES, ge=1024)
     # Most token ids in one completion, and in one prompt of a sample group.
-    max_completion_tokens: int = Field(32_768, ge=1)
+    max_completion_tokens: int = Field(MAX_COMPLETION_TOKENS, ge=1)
     # Most completions in one group, and most samples one prompt may ask for.
-    max_group_size: int = Field(1_024, ge=1)
+    max_group_size: int = Field(MAX_GROUP_SIZE, ge=1)
+
+    def decode_group(self, blob: Any, *, vocab_size: int | None = None) -> SampleGroup:
+        """A sample group decoded under these limits (MessageError beyond them): the one way the
+        trainer and the viewer read a group, so a run's raised [limits] hold for both."""
+        return decode_group(blob, vocab_size=vocab_size, max_bytes=self.max_message_bytes,
+                            max_tokens=self.max_completion_tokens, max_completions=self.max_group_size)
+
+    def decode_prompt(self, blob: Any) -> PromptTask:
+        """A prompt decoded under these limits (MessageError beyond them)."""
+        return decode_prompt(blob, max_bytes=self.max_message_bytes, max_n=self.max_group_size)
 
 
 class Config(_Section):
     # Run name: every Redis key of the run starts with `rollouts:{run}:`.
     run: str = Field("demo", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     # Redis URL, password or ACL user included (`redis://user:pass@host:port/db`, `rediss://`).
-    # The default is the Redis `./ops/run` starts (the Procfile's, port 6390, loopback only).
-    redis_url: str = "redis://127.0.0.1:6390/0"
+    # The default is the Redis `./ops/run` starts (the Procfile's, loopback only, on port
+    # $REDIS_PORT, 6390 where unset); a loopback URL naming another port than REDIS_PORT is refused.
+    redis_url: str = f"redis://127.0.0.1:{REDIS_PORT}/0"
     # Where checkpoints (`checkpoints/step_N`) and `metrics.jsonl` land.
     output_dir: str = "runs/demo"
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -889,7 +948,7 @@ class Config(_Section):
         # The trainer at step s has published version s - s % sync_every at best, and drops a group
         # sampled more than max_staleness steps ago: past that, no sample can ever fill a step.
         t, ro = self.trainer, self.rollout
-        if t.objective == "grpo" and t.sync_every > ro.max_staleness + 1:
+        if self.max_staleness is not None and t.sync_every > ro.max_staleness + 1:
             raise ValueError(f"trainer.sync_every ({t.sync_every}) must be at most rollout.max_staleness + 1 "
                              f"({ro.max_staleness + 1}): the trainer would drop every group as stale before "
                              "the next publish")
@@ -897,6 +956,20 @@ class Config(_Section):
             raise ValueError(f"trainer.updates_per_batch ({t.updates_per_batch}) exceeds the completions of a "
                              f"step (rollout.prompts_per_step x group_size = {ro.prompts_per_step * ro.group_size})")
         return self
+
+    @property
+    def max_staleness(self) -> int | None:
+        """The most trainer steps a group may lag the weights it was sampled with (the producer
+        admits against the published version, the trainer drops what lags more): rollout.max_staleness;
+        None for trainer.objective = "sft", whose groups are never stale (no ratio or advantage
+        against the sampler: the producer admits against the trainer's step, every group's staleness
+        is 0). The one rule for the producer, the trainer and this config's checks."""
+        return None if self.trainer.objective == "sft" else self.rollout.max_staleness
+
+    def staleness(self, *, step: int, version: int) -> int:
+        """The staleness of a group sampled with weights `version` trained at trainer step `step`
+        (0 where nothing is stale: max_staleness)."""
+        return 0 if self.max_staleness is None else step - version
 
     @property
     def sources(self) -> list[SourceConfig]:
@@ -968,8 +1041,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 # The variants' type names: pydantic puts the one it tried after a tagged union's field in an
 # error's location (trainer.loss.gspo.loss_agg), which _describe takes out again.
-_TAGS = {(field, t) for field, union in (("loss", LossConfig), ("correction", CorrectionConfig))
-         for variant in get_args(get_args(union)[0]) for t in get_args(variant.model_fields["type"].annotation)}
+_TAGS = {("loss", t) for t in LOSSES} | {("correction", t) for t in CORRECTIONS}
 
 
 def _field_name(loc: tuple[int | str, ...]) -> tuple[str, str]:
@@ -1043,7 +1115,32 @@ def load_config(path: str | os.PathLike | list[str] | None = None, *, env: dict[
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {err}") from None
     source = " + ".join([*(str(p) for p in paths), "environment"] + (["flags"] if overrides else []))
-    return config_from_dict(_merge(_merge(data, _env_overrides(env)), overrides or {}), source=source)
+    merged = _merge(_merge(data, _env_overrides(env)), overrides or {})
+    return config_from_dict(_procfile_redis(merged, env.get(ENV_REDIS_PORT)), source=source)
+
+
+def _procfile_redis(data: dict[str, Any], port: str | None) -> dict[str, Any]:
+    """`data` whose redis_url follows REDIS_PORT (the port the Procfile starts Redis on): unset, it
+    becomes that Redis's URL; a loopback URL naming another port is refused (ConfigError), since
+    no process of `./ops/run` would find the Redis it names."""
+    if not port:
+        return data
+    if not port.isdigit():
+        raise ConfigError(f"REDIS_PORT={port!r} is not a port number")
+    url = data.get("redis_url")
+    if url is None:
+        return {**data, "redis_url": f"redis://127.0.0.1:{int(port)}/0"}
+    from urllib.parse import urlsplit
+
+    try:
+        where = urlsplit(str(url))
+        host, named = where.hostname, where.port or 6379
+    except ValueError:
+        return data  # config_from_dict's validation says what is wrong with it
+    if host in LOOPBACK and named != int(port):
+        raise ConfigError(f"redis_url names port {named} but REDIS_PORT={port} starts Redis on {port}: "
+                          f"drop redis_url from the config (it then follows REDIS_PORT) or make the two agree")
+    return data
 
 
 # ---------------------------------------------------------------------- the command line
@@ -1088,9 +1185,12 @@ def config_from_args(prog: str, description: str, argv: list[str] | None = None,
 def _document_fields() -> None:
     """Give every field of the config the comment above it in this file as its description."""
     for cls in (Config, ModelConfig, TaskConfig, *SOURCES.values(), DataConfig, RolloutConfig, GeneratorConfig,
-                TrainerConfig, LoraConfig, EvalConfig, LimitsConfig, BehaviourClip, Decoupled, TokenMask,
-                SequenceMask, GrpoLoss, GspoLoss, CispoLoss, CustomLoss):
+                TrainerConfig, LoraConfig, EvalConfig, LimitsConfig, *CORRECTIONS.values(), *LOSSES.values()):
         _document(cls)
+    for cls in LOSSES.values():  # the list of corrections, from the registry (a comment would go stale)
+        if (field := cls.model_fields.get("correction")) is not None and field.description:
+            field.description = field.description.replace("one of CORRECTIONS",
+                                                          "one of " + ", ".join(f'"{t}"' for t in CORRECTIONS))
 
 
 _document_fields()  # every field's comment is its description, for --help and for readers of the model

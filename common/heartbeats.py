@@ -21,7 +21,7 @@ Client = redis.Redis | redis.client.Pipeline
 class Heartbeat:
     """`rollouts:{run}:generator:{id}`, renewed by the generator every few seconds."""
 
-    engine: str  # "hf" or "vllm"
+    engine: str  # the engine's name: "hf", "vllm" or "openai" (engines/*: `name`)
     version: int  # weight version loaded (0: the initial weights)
     tokens_per_s: float  # completion tokens written per second over the last 30 s
     in_flight: int  # prompts taken from the stream and not yet written as groups

@@ -93,7 +93,7 @@ class SampleGroup:
     prompt_ids: Ints  # prompt token ids, chat template applied
     version: int  # weight version the tokens were sampled with; the oldest token's when they span versions
     generator: str  # id of the generator that made it
-    engine: str  # "hf" or "vllm"
+    engine: str  # the engine's name: "hf", "vllm" or "openai" (engines/*: `name`)
     completions: list[Completion]
     timings: dict[str, float] = field(default_factory=dict)  # seconds: "generate", "reward"
     # When the weights of its newest version were published (their WeightVersion.created_at): tells

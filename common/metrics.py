@@ -49,7 +49,7 @@ class StepMetrics:
     reward_mean: float | None  # mean reward of the step's completions; None for sft
     reward_std: float | None  # mean of per-group reward stds (TRL's reward_std); None without groups of 2+
     accuracy: float | None  # mean of the "correct" reward component where there is one
-    frac_reward_zero_std: float | None  # share of groups whose rewards are all equal
+    frac_reward_zero_std: float | None  # share of groups that teach nothing: common.shaping.zero_variance
     reward_errors: int | None  # completions whose reward raised, timed out or returned garbage (scored 0)
     mean_length: float  # completion tokens, mean
     max_length: int  # completion tokens, longest

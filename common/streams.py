@@ -6,7 +6,10 @@ from __future__ import annotations
 import re
 import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -19,9 +22,11 @@ RETRY_CAP_S = 1.0  # longest pause between two tries of a command while Redis is
 WAIT_SAID_AFTER_S = 3.0  # a process still waiting for Redis this long after starting says so, once
 
 
-def connect(url: str, *, wait_s: float = 180.0, retry_s: float = 120.0) -> redis.Redis:
+def connect(url: str, *, wait_s: float = 180.0, retry_s: float = 120.0, process: str | None = None) -> redis.Redis:
     """A client for `url`, waiting up to `wait_s` for the server to accept connections (saying so
-    once after a few seconds).
+    once after a few seconds). `process`: the process that waits (producer, generator, trainer,
+    evaluator): a SIGTERM or SIGINT while it waits stops it at once, status 0 (stopped_at_once:
+    it holds nothing yet); None leaves the caller's signal handling as it is.
 
     Processes started together by honcho may come up before Redis does, and a trainer started by
     hand beside `./ops/run ... &` (README "GPUs") before that has installed and started anything. Later, every command
@@ -33,6 +38,12 @@ def connect(url: str, *, wait_s: float = 180.0, retry_s: float = 120.0) -> redis
     """
     client = redis.Redis.from_url(url, socket_keepalive=True, health_check_interval=30,
                                   retry=Retry(NoBackoff(), 0))  # the first contact waits below
+    with stopped_at_once(process, "waiting for Redis"):
+        return _first_contact(client, url, wait_s=wait_s, retry_s=retry_s, process=process)
+
+
+def _first_contact(client: redis.Redis, url: str, *, wait_s: float, retry_s: float, process: str | None
+                   ) -> redis.Redis:
     deadline, said = time.monotonic() + wait_s, False
     while True:
         try:
@@ -50,7 +61,8 @@ def connect(url: str, *, wait_s: float = 180.0, retry_s: float = 120.0) -> redis
             if time.monotonic() > deadline:
                 raise
             if not said and time.monotonic() > deadline - wait_s + WAIT_SAID_AFTER_S:
-                print(f"waiting up to {wait_s:.0f} s for Redis at {redacted(url)}", file=sys.stderr, flush=True)
+                print(f"{process + ': ' if process else ''}waiting up to {wait_s:.0f} s for Redis at {redacted(url)}",
+                      file=sys.stderr, flush=True)
                 said = True
         time.sleep(0.2)
 
@@ -155,9 +167,30 @@ def stop_while_starting(process: str) -> None:
     """Until `process` installs its own stop handling (each does before it takes any work), a
     SIGTERM or SIGINT ends it at once with status 0: honcho stopping a run that a process is still
     starting in (imports, loading a model) is a clean stop, not a crash, since it holds nothing yet."""
+    signal.signal(signal.SIGTERM, _stop(process, "starting"))
+    signal.signal(signal.SIGINT, _stop(process, "starting"))
+
+
+@contextmanager
+def stopped_at_once(process: str | None, doing: str) -> Iterator[None]:
+    """The start-up rule of every process, for a wait that holds nothing (Redis not there yet):
+    within it, a SIGTERM or SIGINT ends `process` at once with status 0 and one line ("trainer:
+    SIGINT while waiting for Redis: stopped"), whatever stop handling it has installed (that is
+    back afterwards). None, or off the main thread (where no handler can be set): no change."""
+    if process is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.signal(s, _stop(process, doing)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _stop(process: str, doing: str):
     def stop(signum: int, frame: object) -> None:
-        print(f"{process}: {signal.Signals(signum).name} while starting: stopped", file=sys.stderr, flush=True)
+        print(f"{process}: {signal.Signals(signum).name} while {doing}: stopped", file=sys.stderr, flush=True)
         raise SystemExit(0)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    return stop

@@ -22,20 +22,50 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 import xxhash
 
+from common.keys import Keys
 from common.messages import MessageError
 
 if TYPE_CHECKING:
+    import redis
     import torch
 
 BACKENDS = ("gloo", "nccl")  # trainer.weight_transfer's collectives ("disk": none)
 OFFERS_MAXLEN = 100  # the offers stream is capped to about this many entries
 LISTENING_S = 5.0  # a receiver says it is listening this often (between offers)
+SILENT_S = 3 * LISTENING_S  # a receiver silent this long has left (taken off the members)
+
+
+# ---------------------------------------------------------------------- membership
+# `Keys.transfer_members`: a hash, generator id -> the time (seconds since the epoch, as text) its
+# receiver last said it listens. Generators write it; the trainer reads and prunes it.
+
+def say_listening(r: redis.Redis, keys: Keys, member: str, *, now: float | None = None) -> None:
+    """Generator `member`'s receiver listens (as of `now`, default: now)."""
+    r.hset(keys.transfer_members, member, repr(time.time() if now is None else now))
+
+
+def stop_listening(r: redis.Redis, keys: Keys, *members: str) -> None:
+    """Take `members` off (a receiver stopping; the members of a group that failed, which say
+    they listen again within LISTENING_S if they do)."""
+    if members:
+        r.hdel(keys.transfer_members, *members)
+
+
+def listening_members(r: redis.Redis, keys: Keys) -> list[str]:
+    """The generators whose receivers said they listen within SILENT_S, sorted; the ones silent
+    for longer are taken off."""
+    now = time.time()
+    said = {k.decode(): float(v) for k, v in r.hgetall(keys.transfer_members).items()}
+    gone = [g for g, t in said.items() if now - t > SILENT_S]
+    stop_listening(r, keys, *gone)
+    return sorted(g for g in said if g not in gone)
 
 
 @dataclass(frozen=True)

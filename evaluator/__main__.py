@@ -21,7 +21,7 @@ def main(config: Config, args: argparse.Namespace) -> None:
     from common.streams import connect
     from evaluator.worker import EvalWorker
 
-    r = connect(config.redis_url)
+    r = connect(config.redis_url, process="evaluator")
     queue = eval_queue(r, Keys(config.run))
     worker = EvalWorker([queue], connection=r, serializer=JSONSerializer)
     print(f"evaluator: waiting for jobs on {queue.name}", flush=True)

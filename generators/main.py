@@ -92,7 +92,7 @@ def run(config: Config, *, generator_id: str) -> None:
     # ------------------------------------------------------------------ start-up
     names = reward_names(config)  # a reward name that does not load fails before the model does
     specs = environment_specs(config)  # so does an environment's
-    r = streams.connect(config.redis_url)
+    r = streams.connect(config.redis_url, process=name)
     streams.ensure_group(r, keys.prompts, GENERATORS_GROUP)
     host = socket.gethostname()
     # One GPU leased per generator; a tensor-parallel one uses the GPUs CUDA_VISIBLE_DEVICES gives it.

@@ -19,7 +19,7 @@ from common.config import LimitsConfig
 from common.deadletters import DeadLetter, dead_letter
 from common.heartbeats import count_dropped_zero_variance
 from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import MessageError, PromptTask, SampleGroup, decode_prompt, encode, peek_id
+from common.messages import MessageError, PromptTask, SampleGroup, encode, peek_id
 from common.progress import settle
 from engines.base import Engine
 
@@ -81,7 +81,7 @@ def prepare_prompts(r: redis.Redis, engine: Engine, entries: list[Entry], *, key
         try:
             if PAYLOAD not in fields:
                 raise MessageError(f"entry has no {PAYLOAD.decode()!r} field")
-            task = decode_prompt(fields[PAYLOAD], max_bytes=limits.max_message_bytes, max_n=limits.max_group_size)
+            task = limits.decode_prompt(fields[PAYLOAD])
             ids = engine.prompt_ids(task)
             if len(ids) + max_new_tokens > engine.context_length:
                 raise MessageError(f"prompt {task.id}: {len(ids)} tokens + max_new_tokens "

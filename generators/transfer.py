@@ -32,6 +32,8 @@ from common.transfer import (
     close_group,
     decode_offer,
     open_group,
+    say_listening,
+    stop_listening,
     unpack,
 )
 
@@ -93,7 +95,7 @@ class Receiver:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=BLOCK_MS / 1000 + 5)
         with contextlib.suppress(redis.exceptions.RedisError):
-            self._r.hdel(self._keys.transfer_members, self.id)
+            stop_listening(self._r, self._keys, self.id)
         self._leave()
 
     def _follow(self, last_id: bytes) -> None:
@@ -102,7 +104,7 @@ class Receiver:
             while not self._stop.is_set():
                 try:
                     if time.time() - said >= LISTENING_S:
-                        self._r.hset(self._keys.transfer_members, self.id, repr(time.time()))
+                        say_listening(self._r, self._keys, self.id)
                         said = time.time()
                     got = self._r.xread({self._keys.transfer_offers: last_id}, count=100, block=BLOCK_MS)
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):

@@ -140,7 +140,7 @@ def run(config: Config) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    r = connect(config.redis_url)
+    r = connect(config.redis_url, process="producer")
     sft = any(isinstance(s, SftSource) for s in config.sources)  # then all are (DataConfig checks)
     tokenizer = None
     if sft:
@@ -161,9 +161,10 @@ def run(config: Config) -> None:
         if not sft and time.monotonic() - trimmed_at > TRIM_EVERY_S:  # the trainer trims samples
             trim_acknowledged(r, keys.prompts)
             trimmed_at = time.monotonic()
-        # ---- how many prompts the trainer's version allows. SFT data never goes stale and waits
-        # for no weights, so it is admitted against the trainer's step: with sync_every > 1 the
-        # published version would hold it back at (max_staleness + 1) steps, short of a publish.
+        # ---- how many prompts the trainer's version allows. SFT data never goes stale
+        # (config.max_staleness None) and waits for no weights, so it is admitted against the
+        # trainer's step: with sync_every > 1 the published version would hold it back at
+        # (max_staleness + 1) steps, short of a publish.
         if (stored := read_producer(r, keys).admitted) != admitted:
             # Redis lost writes (power loss within appendfsync's second): admit again from where it
             # says, so the prompts it forgot are admitted again rather than skipped
@@ -171,7 +172,7 @@ def run(config: Config) -> None:
                   "Redis lost writes; admitting again from its positions", file=sys.stderr, flush=True)
             sources, admitted = open_sources(r, keys, config)
         trainer = read_trainer(r, keys)
-        version = trainer.step if sft else trainer.version
+        version = trainer.version if config.max_staleness is not None else trainer.step
         limit = admission_limit(version=version, max_staleness=config.rollout.max_staleness,
                                 prompts_per_step=config.rollout.prompts_per_step,
                                 dropped=read_dropped(r, keys))

@@ -42,13 +42,14 @@ def make_prompt(options: Any, *, seed: int, index: int) -> tuple[str, dict[str, 
     return p.question, {"answer": p.answer}
 
 
-def dataset(*, size: int, seed: int = 0, max_operand: int = 20, ops: list[str] | None = None):
+def dataset(*, size: int, seed: int = 0, **options: Any):
     """A `datasets.Dataset` of `size` problems (columns question, answer), to save as a file and
-    train on as a dataset source, or to look at."""
+    train on as a dataset source, or to look at; `options`: Options' fields (its defaults where
+    left out: the problems a source of kind "arithmetic" draws)."""
     from datasets import Dataset
 
-    ps = [problem(seed=seed, index=i, max_operand=max_operand, ops=ops or ["+", "-"])
-          for i in range(size)]
+    o = Options(**options)
+    ps = [problem(seed=seed, index=i, max_operand=o.max_operand, ops=o.ops) for i in range(size)]
     return Dataset.from_dict({"question": [p.question for p in ps], "answer": [p.answer for p in ps]})
 
 

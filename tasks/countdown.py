@@ -60,12 +60,14 @@ def make_prompt(options: Any, *, seed: int, index: int) -> tuple[str, dict[str, 
     return p.question, {"numbers": p.numbers, "target": p.target}
 
 
-def dataset(*, size: int, seed: int = 0, numbers: int = 4, max_number: int = 25):
+def dataset(*, size: int, seed: int = 0, **options: Any):
     """A `datasets.Dataset` of `size` problems (columns question, numbers, target), to save as
-    a file and train on as a dataset source, or to look at."""
+    a file and train on as a dataset source, or to look at; `options`: Options' fields (its
+    defaults where left out: the problems a source of kind "countdown" draws)."""
     from datasets import Dataset
 
-    ps = [problem(seed=seed, index=i, numbers=numbers, max_number=max_number) for i in range(size)]
+    o = Options(**options)
+    ps = [problem(seed=seed, index=i, numbers=o.numbers, max_number=o.max_number) for i in range(size)]
     return Dataset.from_dict({"question": [p.question for p in ps],
                               "numbers": [p.numbers for p in ps],
                               "target": [p.target for p in ps]})

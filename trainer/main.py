@@ -17,8 +17,8 @@ batch of groups, one per PPO mini-batch; the lr schedule also counts trainer ste
 every update was skipped for a non-finite loss is not counted); the published weight `version` is
 the step that wrote them, so with sync_every = 1 the two are equal after every step. A sample's staleness is
 `step - sample.version`: how many optimizer steps the policy has moved since the weights that
-sampled it (this is the DESIGN's "trainer version − sample version", counting unpublished steps
-too, which is what the importance ratio has to bridge). The trainer hash holds both `step`
+sampled it ("trainer version − sample version", counting unpublished steps too, which is what the
+importance ratio has to bridge). The trainer hash holds both `step`
 (written every step) and `version` (written only when a checkpoint is published); producers
 admit against `version`.
 """
@@ -91,7 +91,7 @@ def start(config: Config) -> tuple[Run, Shutdown]:
     if rank == 0:
         remove_unfinished(config.checkpoint_dir)
     shutdown = Shutdown(grace_s=stop_grace_s())
-    r = connect(config.redis_url)
+    r = connect(config.redis_url, process="trainer")
     ensure_group(r, keys.samples, TRAINER_GROUP)
     where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32,
                       activation_checkpointing=cfg.activation_checkpointing)
@@ -122,7 +122,7 @@ def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, w
     the generators' sampling distribution (`rollout`'s temperature, top_k, top_p)."""
     if cfg.objective == "sft":
         return partial(sft_step, micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
-                       max_grad_norm=cfg.max_grad_norm, chunk_tokens=cfg.logits_chunk_tokens)
+                       max_grad_norm=cfg.max_grad_norm, chunk_tokens=cfg.logits_chunk_tokens, pack=cfg.pack_sequences)
     ref_model = None
     if kl_coef_of(cfg.loss) > 0:  # the frozen reference: the initial model
         frozen = replace(where, master_fp32=False, activation_checkpointing=False)
@@ -141,7 +141,7 @@ def take_step(run: Run, shutdown: Shutdown) -> bool:
         return False
     everyone, mine = gather_groups(run, got)
     all_groups = [g for c in everyone for g in c.groups]
-    staleness = [0 if run.sft else run.step - g.version for g in all_groups]  # sft data is never stale
+    staleness = [run.config.staleness(step=run.step, version=g.version) for g in all_groups]
 
     t_train = time.monotonic()
     shutdown.step_started(run.step + 1)
@@ -162,7 +162,8 @@ def take_step(run: Run, shutdown: Shutdown) -> bool:
     if run.tracker is not None:
         metrics = step_record(run.r, run.keys, everyone, stats, step=run.step, version=run.version, lr=lr,
                               staleness=staleness, sft=run.sft, t_step=t_step, train_s=train_s, publish_s=publish_s,
-                              by_generator=by_generator, quarantined=quarantined)
+                              by_generator=by_generator, quarantined=quarantined, overlong=run.config.trainer.overlong,
+                              overlong_penalty=run.config.trainer.overlong_penalty)
         run.tracker.log(metrics)
         print(summary_line(metrics), flush=True)
     return True
@@ -172,7 +173,7 @@ def collect_groups(run: Run, shutdown: Shutdown) -> Collected | None:
     """This rank's share of the step's groups (trainer/samples.py), None if a stop came first."""
     rollout = run.config.rollout
     got, run.cursor = collect(run.r, run.keys, want=rollout.prompts_per_step // run.world, step=run.step,
-                              max_staleness=None if run.sft else rollout.max_staleness,
+                              max_staleness=run.config.max_staleness,
                               vocab_size=run.model.config.vocab_size, unpublished=set(run.unacked_ids),
                               consumer=run.consumer, cursor=run.cursor, shutdown=shutdown,
                               objective=run.config.trainer.objective, limits=run.config.limits,

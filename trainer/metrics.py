@@ -15,15 +15,19 @@ from common.heartbeats import read_heartbeats
 from common.keys import Keys
 from common.messages import SampleGroup, token_versions
 from common.metrics import PolicyStats, StepMetrics
+from common.shaping import zero_variance
 from trainer.samples import Collected
 from trainer.stats import StepStats
 
 
-def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: bool = True) -> dict[str, Any]:
+def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: bool = True, overlong: str = "none",
+                 overlong_penalty: float = 0.0) -> dict[str, Any]:
     """Reward, accuracy, length and staleness metrics of one step's groups, as StepMetrics fields.
 
     Reward fields are None where there are none to report: unrewarded (sft) groups, or no group
-    of 2 or more completions for the per-group std."""
+    of 2 or more completions for the per-group std. `frac_reward_zero_std` counts the groups that
+    teach nothing by the one rule dynamic sampling drops them by (common.shaping.zero_variance:
+    shaped rewards with the trainer's `overlong` settings, failed completions left out)."""
     completions = [c for g in groups for c in g.completions]
     rewards = torch.tensor([c.reward for c in completions], dtype=torch.float64)
     group_std = [torch.tensor([c.reward for c in g.completions], dtype=torch.float64).std().item()
@@ -41,7 +45,8 @@ def step_metrics(groups: list[SampleGroup], *, staleness: list[int], rewarded: b
         "reward_mean": rewards.mean().item() if rewarded else None,
         "reward_std": sum(group_std) / len(group_std) if group_std else None,  # mean of per-group stds
         "accuracy": sum(correct) / len(correct) if correct else None,
-        "frac_reward_zero_std": sum(s < 1e-8 for s in group_std) / len(group_std) if group_std else None,
+        "frac_reward_zero_std": sum(zero_variance(g, overlong=overlong, overlong_penalty=overlong_penalty)
+                                    for g in groups) / len(groups) if rewarded and groups else None,
         "reward_errors": sum(c.reward_error is not None for c in completions) if rewarded else None,
         "mean_length": sum(lengths) / len(lengths),
         "max_length": max(lengths),
@@ -63,14 +68,14 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: StepStats, *, step: int,
                 version: int, lr: float, staleness: list[int], sft: bool, t_step: float, train_s: float,
                 publish_s: float, by_generator: dict[str, float] | None = None,
-                quarantined: int = 0) -> StepMetrics:
+                quarantined: int = 0, overlong: str = "none", overlong_penalty: float = 0.0) -> StepMetrics:
     """The metrics of trainer step `step` (counted once done), as the trackers record them.
 
     `everyone`: every rank's collected groups; `stats`: the update's (trainer/step.py); `lr`: the
     rate its updates used; `t_step`: the monotonic time the step began; `train_s`, `publish_s`:
     seconds spent updating and publishing; `by_generator`: each generator's mean mismatch this step,
-    `quarantined`: generators in quarantine (trainer/quarantine.py). Generators' metrics are read from
-    their heartbeats.
+    `quarantined`: generators in quarantine (trainer/quarantine.py); `overlong`, `overlong_penalty`:
+    the trainer's, for the rewards its advantages use. Generators' metrics are read from their heartbeats.
     """
     all_groups = [g for c in everyone for g in c.groups]
     policy = None if sft or stats.policy is None else PolicyStats(
@@ -78,7 +83,8 @@ def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: St
         masked=stats.masked, mismatch_by_staleness={str(s): v for s, v in stats.mismatch_by_staleness.items()})
     beats = read_heartbeats(r, keys).values()
     return StepMetrics(
-        step=step, version=version, **step_metrics(all_groups, staleness=staleness, rewarded=not sft),
+        step=step, version=version, **step_metrics(all_groups, staleness=staleness, rewarded=not sft, overlong=overlong,
+                                                         overlong_penalty=overlong_penalty),
         policy=policy, sft_loss=stats.loss if sft else None, entropy=stats.entropy,
         grad_norm=stats.grad_norm, lr=lr,
         dropped_stale=sum(c.stale for c in everyone), dead=sum(c.dead for c in everyone),

@@ -35,7 +35,7 @@ import redis
 from common.config import LimitsConfig
 from common.deadletters import DeadLetter, dead_letter
 from common.keys import PAYLOAD, TRAINER_GROUP, Keys
-from common.messages import MessageError, SampleGroup, decode_group, peek_id
+from common.messages import MessageError, SampleGroup, peek_id
 from common.progress import GoneBack, Refused, count_refused, settle
 from common.quarantine import Quarantine
 from trainer.parallel import gather
@@ -83,8 +83,7 @@ def validate(fields: dict, *, vocab_size: int, objective: str = "grpo", limits: 
     blob = fields.get(PAYLOAD)
     if blob is None:
         raise MessageError(f"entry has no payload field {PAYLOAD!r} (fields: {sorted(fields)})")
-    group = decode_group(blob, vocab_size=vocab_size, max_bytes=limits.max_message_bytes,
-                         max_tokens=limits.max_completion_tokens, max_completions=limits.max_group_size)
+    group = limits.decode_group(blob, vocab_size=vocab_size)
     if objective == "grpo" and len(group.completions) < 2:
         raise MessageError(f"group {group.id}: {len(group.completions)} completion(s); "
                            "a group-relative advantage needs at least 2")

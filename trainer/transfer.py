@@ -18,7 +18,6 @@ import torch
 from common.config import TrainerConfig
 from common.keys import PAYLOAD, Keys
 from common.transfer import (
-    LISTENING_S,
     OFFERS_MAXLEN,
     Offer,
     address_towards,
@@ -28,8 +27,10 @@ from common.transfer import (
     digest_of,
     encode_offer,
     layout,
+    listening_members,
     open_group,
     pack,
+    stop_listening,
 )
 from trainer.parallel import say
 
@@ -66,14 +67,8 @@ class Sender:
         say(f"trainer: weights also go over {self.backend} from {self.host}:{self.port} to the generators that join")
 
     def listening(self) -> list[str]:
-        """The generators whose receivers said they listen within the last few LISTENING_S, sorted;
-        the ones silent for longer are taken off the list."""
-        now = time.time()
-        said = {k.decode(): float(v) for k, v in self._r.hgetall(self._keys.transfer_members).items()}
-        gone = [g for g, t in said.items() if now - t > 3 * LISTENING_S]
-        if gone:
-            self._r.hdel(self._keys.transfer_members, *gone)
-        return sorted(g for g in said if g not in gone)
+        """The generators whose receivers said they listen lately (common.transfer.listening_members)."""
+        return listening_members(self._r, self._keys)
 
     def start(self, tensors: dict[str, torch.Tensor], *, version: int) -> Sending:
         """Broadcast `tensors` (the checkpoint's, on the CPU) as `version` in the sender's thread."""
@@ -109,7 +104,7 @@ class Sender:
                 "files, and the next publish meets those still listening")
             self._close()
             self.members = []
-            self._r.hdel(self._keys.transfer_members, *members)  # the live ones say so again within LISTENING_S
+            stop_listening(self._r, self._keys, *members)  # the live ones say so again within LISTENING_S
             return ""
         nbytes = sum(sizes)
         say(f"trainer: version {version} broadcast over {self.backend} to {len(members)} generator(s), "

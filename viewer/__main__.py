@@ -78,7 +78,7 @@ def main(config: Config, args: argparse.Namespace) -> None:
     if args.recording:
         try:
             header, _ = read_recording(args.recording)
-            loaded = from_recording(Path(args.recording))
+            loaded = from_recording(Path(args.recording), limits=config.limits)
         except RecordingError as err:
             raise Stop(str(err)) from None
         load, run, recorded = (lambda: loaded), header.run, header.model
@@ -91,7 +91,7 @@ def main(config: Config, args: argparse.Namespace) -> None:
             raise Stop(f"cannot reach Redis at {redacted(config.redis_url)} ({err}); "
                        "--recording FILE shows a recording without it") from None
         keys = Keys(config.run)
-        load, run, recorded = (lambda: from_stream(r, keys, newest=args.newest)), config.run, None
+        load, run, recorded = (lambda: from_stream(r, keys, newest=args.newest, limits=config.limits)), config.run, None
         load()  # Redis reachable, the run's stream readable: said now, not on the first request
     metrics = Path(args.metrics) if args.metrics else config.metrics_path
     app = make_app(load=load, tokenizer=tokenizer_of(config, recorded), how=how, metrics=metrics, run=run)

@@ -18,8 +18,9 @@ from typing import Any
 
 import redis
 
+from common.config import LimitsConfig
 from common.keys import PAYLOAD, Keys
-from common.messages import MessageError, SampleGroup, decode_group, token_versions
+from common.messages import MessageError, SampleGroup, token_versions
 from common.metrics import StepMetrics
 from common.recording import read_recording
 from common.shaping import Estimator, completion_advantages
@@ -34,26 +35,28 @@ class Loaded:
     source: str  # what they were read from, as the page names it
 
 
-def from_stream(r: redis.Redis, keys: Keys, *, newest: int) -> Loaded:
-    """The newest `newest` entries of the run's samples stream. The trainer trims the entries it
-    has trained and saved (common/trim.py): a live run's stream holds its recent groups."""
+def from_stream(r: redis.Redis, keys: Keys, *, newest: int, limits: LimitsConfig) -> Loaded:
+    """The newest `newest` entries of the run's samples stream, decoded under the run's `limits` (as
+    the trainer decodes them). The trainer trims the entries it has trained and saved
+    (common/trim.py): a live run's stream holds its recent groups."""
     groups, bad = [], 0
     for eid, fields in reversed(r.xrevrange(keys.samples, count=newest)):
         try:
-            groups.append((eid.decode(), decode_group(fields.get(PAYLOAD))))
+            groups.append((eid.decode(), limits.decode_group(fields.get(PAYLOAD))))
         except MessageError:
             bad += 1
     return Loaded(groups=groups, undecodable=bad, source=f"samples stream of run {keys.run!r}")
 
 
-def from_recording(path: Path) -> Loaded:
-    """Every group of a recording's samples stream (RecordingError if it is no recording)."""
+def from_recording(path: Path, *, limits: LimitsConfig) -> Loaded:
+    """Every group of a recording's samples stream, decoded under `limits` (the config's), as the
+    trainer decodes them (RecordingError if it is no recording)."""
     _, entries = read_recording(path)
     groups, bad = [], 0
     for e in entries:
         if e.stream == "samples":
             try:
-                groups.append((e.id, decode_group(e.payload)))
+                groups.append((e.id, limits.decode_group(e.payload)))
             except MessageError:
                 bad += 1
     return Loaded(groups=groups, undecodable=bad, source=f"recording {path}")

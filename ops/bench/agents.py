@@ -3,8 +3,8 @@
     .venv/bin/python ops/bench/agents.py [--steps 30] [--prompts-per-step 4] [--runs calculator plain]
                                          [--out docs/benchmark-agents.json]
 
-Two honcho runs of redis, producer, one generator and the trainer on `configs/calculator.toml`
-(the default model; arithmetic with operands up to 10000): with the source's calculator
+Two runs of the shipped Procfile's redis, producer, one generator and trainer (ops/bench/shipped.py)
+on `configs/calculator.toml` (the default model; arithmetic with operands up to 10000): with the source's calculator
 environment (multi-turn episodes, `<calc>...</calc>` tool calls) and without it (the same prompts,
 one completion each, the arithmetic reward), side by side (each gets a share of the cores; the
 rewards by step do not depend on it). Each stops at `trainer.max_steps = --steps`;
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,40 +25,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-PY = sys.executable
 
 
 def start(config_text: str, *, steps: int, prompts_per_step: int, micro_batch_size: int, tmp: Path
           ) -> subprocess.Popen:
-    """A honcho run of `config_text` in `tmp`, started."""
-    from tests.harness.servers import free_port
+    """A run of `config_text` in `tmp` under the shipped Procfile (ops/bench/shipped.py: as
+    `./ops/run` starts it; no evaluator), started."""
+    from ops.bench.shipped import honcho_command, process_env
 
     tmp.mkdir(parents=True)
-    port = free_port()
     (tmp / "run.toml").write_text(config_text)
-    (tmp / "Procfile").write_text("\n".join([
-        "redis: mkdir -p redis && exec redis-server --port ${REDIS_PORT} --bind 127.0.0.1 --appendonly yes "
-        "--dir redis --save ''",
-        f"producer: exec {PY} -m producers",
-        f"generator: exec {PY} -m generators",
-        f"trainer: exec {PY} -m trainer",
-    ]) + "\n")
-    (tmp / ".env").write_text("\n".join([
-        f"REDIS_PORT={port}", f"ROLLOUTS_REDIS_URL=redis://127.0.0.1:{port}/0",
-        f"ROLLOUTS_CONFIG={tmp / 'run.toml'}", f"ROLLOUTS_OUTPUT_DIR={tmp / 'run'}",
-        f"ROLLOUTS_TRAINER__MAX_STEPS={steps}", f"ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP={prompts_per_step}",
-        f"ROLLOUTS_TRAINER__MICRO_BATCH_SIZE={micro_batch_size}",
-        f"PYTHONPATH={ROOT}", "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1",
-    ]) + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-    honcho = [shutil.which("honcho") or "honcho", "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / ".env"),
-              "-d", str(tmp)]
+    honcho = honcho_command(tmp, env={
+        "ROLLOUTS_CONFIG": str(tmp / "run.toml"), "ROLLOUTS_OUTPUT_DIR": str(tmp / "run"),
+        "ROLLOUTS_TRAINER__MAX_STEPS": str(steps), "ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP": str(prompts_per_step),
+        "ROLLOUTS_TRAINER__MICRO_BATCH_SIZE": str(micro_batch_size)},
+        processes=("redis", "producer", "generator", "trainer"))
     log = open(tmp / "honcho.log", "w")  # noqa: SIM115 - honcho owns it
-    return subprocess.Popen(honcho, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(honcho, cwd=tmp, env=process_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
 def metrics_of(tmp: Path) -> list[dict]:
-    from tests.harness.metrics import read_steps
+    from common.audit import read_steps
 
     return read_steps(tmp / "run" / "metrics.jsonl")
 

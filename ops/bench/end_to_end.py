@@ -3,10 +3,11 @@
     .venv/bin/python ops/bench/end_to_end.py [--steps 10] [--generators 1 2] [--png docs/benchmark-reward.png]
         [--trees OLD .] [--env ROLLOUTS_TRAINER__THREADS=2]
 
-Each run is `honcho start -c generator=G` of the project's Procfile (redis, producer, generator x G,
-trainer, evaluator) on the demo configuration (`configs/demo.toml`: the default model on the
-arithmetic task, seeds 0), in a temporary directory with its own Redis port and output directory,
-stopped by `trainer.max_steps = --steps` (honcho stops the rest when the trainer exits). Steps
+Each run is `ops/honcho start -c generator=G` of the shipped Procfile, as `./ops/run` starts it
+(ops/bench/shipped.py: redis, producer, generator x G, trainer, evaluator, under ops/respawn) on
+the demo configuration (`configs/demo.toml`: the default model on the arithmetic task, seeds 0),
+in a temporary directory with its own Redis port and output directory, stopped by
+`trainer.max_steps = --steps` (honcho stops the rest when the trainer exits). Steps
 per minute are timed from the arrival of the trainer's first step line to its last, so start-up
 (loading models, the first batch of samples) is not counted; the demo saves its optimizer state
 every 10 steps and that save falls inside a 10-step run, as it does in a long one. The trainer's
@@ -19,7 +20,6 @@ step. Prints the steps per minute with the most generators on its last line.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess
@@ -31,45 +31,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-PY = ROOT / ".venv" / "bin" / "python"
 TRAINER_STEP = re.compile(r"\btrainer\.\d+\s*\| step\s+(\d+) \|")  # honcho's "08:20:36 trainer.1   | step    4 | ..."
 
 
 def honcho_run(tmp: Path, *, env: dict[str, str], evaluator: bool = True) -> list[str]:
-    """The `honcho start` command line of the project's Procfile (with this checkout's interpreter;
-    the evaluator only if asked) on the demo config in `tmp`, its own Redis on a free port, the
-    run's output in tmp/run, `env` (config overrides, ROLLOUTS_SECTION__FIELD) for every process."""
-    from tests.harness.servers import free_port
+    """The command line of the shipped Procfile under ops/honcho, as `./ops/run` starts it
+    (ops/bench/shipped.py; the evaluator only if asked), on the demo config in `tmp`, its own Redis
+    on a free port, the run's output in tmp/run, `env` (config overrides, ROLLOUTS_SECTION__FIELD)
+    for every process. Run it with shipped.process_env()."""
+    from ops.bench.shipped import honcho_command
 
     tmp.mkdir(parents=True)
-    port = free_port()
-    (tmp / "Procfile").write_text("\n".join([
-        "redis: mkdir -p redis && exec redis-server --port ${REDIS_PORT} --bind 127.0.0.1 --appendonly yes "
-        "--dir redis --save ''",
-        f"producer: exec {PY} -m producers",
-        f"generator: exec {PY} -m generators",
-        f"trainer: exec {PY} -m trainer",
-        *([f"evaluator: exec {PY} -m evaluator"] if evaluator else []),
-    ]) + "\n")
-    (tmp / ".env").write_text("\n".join([
-        f"REDIS_PORT={port}", f"ROLLOUTS_REDIS_URL=redis://127.0.0.1:{port}/0",
-        f"ROLLOUTS_CONFIG={ROOT / 'configs' / 'demo.toml'}", f"ROLLOUTS_OUTPUT_DIR={tmp / 'run'}", f"PYTHONPATH={ROOT}",
-        "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1",
-        *(f"{k}={v}" for k, v in env.items()),
-    ]) + "\n")
-    return [str(ROOT / ".venv" / "bin" / "honcho"), "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / ".env"),
-            "-d", str(tmp)]
+    return honcho_command(tmp, env={"ROLLOUTS_CONFIG": str(ROOT / "configs" / "demo.toml"),
+                                    "ROLLOUTS_OUTPUT_DIR": str(tmp / "run"), **env},
+                          processes=() if evaluator else ("redis", "producer", "generator", "trainer"))
 
 
 def run_pipeline(*, generators: int, steps: int, tmp: Path,
                  env: dict[str, str] | None = None) -> tuple[list[float], list[dict]]:
     """(arrival time of each trainer step line, the trainer's metrics) of one honcho run; `env`:
     more variables for every process (config overrides, ROLLOUTS_SECTION__FIELD)."""
-    from tests.harness.metrics import read_steps
+    from common.audit import read_steps
+    from ops.bench.shipped import process_env
 
     honcho = honcho_run(tmp, env={"ROLLOUTS_TRAINER__MAX_STEPS": str(steps), **(env or {})}) + [
         "-c", f"generator={generators}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
+    env = process_env()
     arrivals = []
     with open(tmp / "honcho.log", "w") as log:
         proc = subprocess.Popen(honcho, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

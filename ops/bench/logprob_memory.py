@@ -60,7 +60,8 @@ def worker(model_dir: str, seq: int, batch: int, chunk_tokens: int) -> None:
     if "how" in inspect.signature(train_step).parameters:  # a tree whose options are one record
         from trainer.step import GrpoOptions
 
-        args = dict(ref_model=args.pop("ref_model"), how=GrpoOptions(**args, chunk_tokens=chunk_tokens or 1024))
+        args = dict(ref_model=args.pop("ref_model"), how=GrpoOptions(  # 0: GrpoOptions' own (the config's)
+            **args, **({"chunk_tokens": chunk_tokens} if chunk_tokens else {})))
     train_step(model, opt, [group(8, 8)], **args)  # warm-up: AdamW's state
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.monotonic()

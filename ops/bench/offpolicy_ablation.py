@@ -4,13 +4,14 @@
         [--corrections behaviour_clip decoupled token_mask] [--out runs/offpolicy-ablation] \
         [--env NAME=VALUE ...] [--label TEXT]
 
-Each run is `honcho start` of the project's processes (redis, producer, one generator, trainer;
-no evaluator) on the demo configuration (`configs/demo.toml`: the default model on the
-arithmetic task, every seed 0), with `rollout.max_staleness` and `trainer.correction` set, in its
-own directory under --out with its own Redis port, stopped by `trainer.max_steps = --steps`. The
-trainer state is saved only at the end (`state_every = --steps`), so no run pays for an optimizer
-save the others skip. After a run, its final checkpoint is scored here on the evaluator's
-held-out problems (eval.seed, eval.prompts, greedy pass@1, as evaluator/jobs.py does).
+Each run is the shipped Procfile under ops/honcho, as `./ops/run` starts it (ops/bench/shipped.py:
+redis, producer, one generator, trainer; no evaluator) on the demo configuration
+(`configs/demo.toml`: the default model on the arithmetic task, every seed 0), with
+`rollout.max_staleness` and `trainer.correction` set, in its own directory under --out with its
+own Redis port, stopped by `trainer.max_steps = --steps`. The trainer state is saved only at the
+end (`state_every = --steps`), so no run pays for an optimizer save the others skip. After a run,
+its final checkpoint is scored here on the evaluator's held-out problems (eval.seed, eval.prompts,
+greedy pass@1, as evaluator/jobs.py does).
 
 Each finished run appends one JSON line to --out/results.jsonl (reward over the last 10 steps,
 pass@1, mean staleness, mismatch, masked share, seconds) and the Markdown table of every line so
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -36,37 +36,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-PY = sys.executable
 LAST = 10  # reward is averaged over the last this many steps
 
 
 def run_pipeline(*, staleness: int, correction: str, steps: int, tmp: Path, extra: list[str] = ()) -> list[dict]:
     """The trainer's metrics of one honcho run."""
-    from tests.harness.metrics import read_steps
-    from tests.harness.servers import free_port
+    from common.audit import read_steps
+    from ops.bench.shipped import honcho_command, process_env
 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    port = free_port()
-    (tmp / "Procfile").write_text("\n".join([
-        # ops/redis-last: Redis outlives the generator finishing its prompts at the last step
-        f"redis: mkdir -p redis && exec {PY} {ROOT / 'ops' / 'redis-last'} redis-server --port ${{REDIS_PORT}} "
-        "--bind 127.0.0.1 --appendonly yes --dir redis --save ''",
-        f"producer: exec {PY} -m producers",
-        f"generator: exec {PY} -m generators",
-        f"trainer: exec {PY} -m trainer",
-    ]) + "\n")
-    (tmp / ".env").write_text("\n".join([
-        f"REDIS_PORT={port}", f"ROLLOUTS_REDIS_URL=redis://127.0.0.1:{port}/0",
-        f"ROLLOUTS_CONFIG={ROOT / 'configs' / 'demo.toml'}", f"ROLLOUTS_OUTPUT_DIR={tmp / 'run'}",
-        f"ROLLOUTS_TRAINER__MAX_STEPS={steps}", f"ROLLOUTS_TRAINER__STATE_EVERY={steps}",
-        f"ROLLOUTS_ROLLOUT__MAX_STALENESS={staleness}", f"ROLLOUTS_TRAINER__LOSS__CORRECTION={correction}",
-        "ROLLOUTS_EVAL__EVERY=0", f"PYTHONPATH={ROOT}",
-        "PYTHONUNBUFFERED=1", "TOKENIZERS_PARALLELISM=false", "HF_HUB_OFFLINE=1", *extra,
-    ]) + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-    honcho = [str(Path(PY).parent / "honcho"), "start", "-f", str(tmp / "Procfile"), "-e", str(tmp / ".env"),
-              "-d", str(tmp)]
+    # The shipped Procfile (ops/bench/shipped.py), without the evaluator: ops/redis-last keeps Redis
+    # up while the generator finishes its prompts at the last step.
+    honcho = honcho_command(tmp, env={
+        "ROLLOUTS_CONFIG": str(ROOT / "configs" / "demo.toml"), "ROLLOUTS_OUTPUT_DIR": str(tmp / "run"),
+        "ROLLOUTS_TRAINER__MAX_STEPS": str(steps), "ROLLOUTS_TRAINER__STATE_EVERY": str(steps),
+        "ROLLOUTS_ROLLOUT__MAX_STALENESS": str(staleness), "ROLLOUTS_TRAINER__LOSS__CORRECTION": correction,
+        "ROLLOUTS_EVAL__EVERY": "0", **dict(e.split("=", 1) for e in extra)},
+        processes=("redis", "producer", "generator", "trainer"))
+    env = process_env()
     with open(tmp / "honcho.log", "w") as log:
         proc = subprocess.Popen(honcho, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:

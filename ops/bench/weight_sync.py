@@ -128,8 +128,8 @@ def bench_model(name: str, model_dir: Path, *, engine: str, generators: int, ver
 
     from common.config import TrainerConfig
     from common.keys import GENERATORS_GROUP, Keys
+    from common.localredis import free_port, start_redis
     from common.streams import ensure_group
-    from tests.harness.servers import free_port, start_redis
     from trainer.checkpoints import load_model, publish
 
     tmp.mkdir(parents=True)
@@ -197,11 +197,12 @@ transfer_host = "127.0.0.1"
         wait("every generator's first group", lambda: sum(
             beat is not None and (idle or beat.groups > 0) for beat in heartbeats(r, keys, generators)) == generators)
         if transfer != "disk":
+            from common.transfer import listening_members
             from trainer.transfer import Sender
 
             sender = Sender(r, keys, TrainerConfig(weight_transfer=transfer, transfer_host="127.0.0.1"),
                             device=torch.device("cpu"))
-            wait("every generator listening", lambda: r.hlen(keys.transfer_members) == generators)
+            wait("every generator listening", lambda: len(listening_members(r, keys)) == generators)
             extra_sender = {"sender": sender}
         else:
             extra_sender = {}

@@ -80,6 +80,13 @@ def correction_of(cfg: LossConfig) -> CorrectionConfig:
     return cfg.correction if isinstance(cfg, ClippedLoss) else BehaviourClip()
 
 
+def takes_proximal(cfg: LossConfig) -> bool:
+    """Whether `cfg` takes its PPO ratio against the proximal policy (the weights at the step's
+    start), so that the step runs a no-grad pass for it (LossInputs.prox_logp): every correction
+    but behaviour_clip, whose ratio is against the behaviour policy (the sampler's log-probs)."""
+    return not isinstance(correction_of(cfg), BehaviourClip)
+
+
 def kl_coef_of(cfg: LossConfig) -> float:
     """`cfg`'s KL coefficient; above 0 the trainer keeps a frozen reference model."""
     return cfg.kl_coef if isinstance(cfg, ClippedLoss) else 0.0

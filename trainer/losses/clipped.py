@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from common.config import ClippedLoss
-from trainer.losses import LossInputs, LossStats
+from trainer.losses import LossInputs, LossStats, takes_proximal
 from trainer.losses.corrections import behaviour_weight
 from trainer.losses.kl import kl_penalty
 
@@ -34,12 +34,12 @@ def prepare(x: LossInputs, cfg: ClippedLoss) -> Prepared:
         "differ")
     assert x.advantages.shape == x.logp.shape[:1], f"advantages {tuple(x.advantages.shape)} vs batch {x.logp.shape[0]}"
     assert x.total_tokens > 0, f"total_tokens must be > 0, got {x.total_tokens}"
-    behaviour_clip = cfg.correction.type == "behaviour_clip"
-    assert behaviour_clip or x.prox_logp is not None, f"correction {cfg.correction.type!r} needs prox_logp"
+    proximal = takes_proximal(cfg)
+    assert not proximal or x.prox_logp is not None, f"correction {cfg.correction.type!r} needs prox_logp"
     mask = x.mask.float()
     behaviour = x.behaviour_logp.float()
     prox = None if x.prox_logp is None else x.prox_logp.float().detach()
-    old = behaviour if behaviour_clip or prox is None else prox
+    old = prox if proximal and prox is not None else behaviour
     lengths = mask.sum(dim=1).clamp(min=1.0)  # (B,)
     log_ratio = (x.logp - old) * mask  # (B, T)
     weight = torch.ones_like(x.logp) if prox is None else behaviour_weight(prox, behaviour, mask, cfg.correction)
