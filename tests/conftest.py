@@ -53,6 +53,10 @@ def checkout(tmp_path) -> Path:
     stamp = ROOT / ".venv" / f".rollouts-installed-{digest}"
     if not stamp.exists():
         pytest.fail(f"{ROOT / '.venv'} was installed for another pyproject.toml: ./ops/test installs it again")
+    locks = [hashlib.sha256(path.read_bytes()).hexdigest()[:16] for path in (ROOT / "ops").glob("constraints-*.txt")]
+    if not any((ROOT / ".venv" / f".rollouts-locked-{digest}").exists() for digest in locks):
+        pytest.fail(f"{ROOT / '.venv'} was installed from another lock (ops/constraints-*.txt): ./ops/test installs "
+                    "it again")
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, check=True).stdout.decode().split("\0")
     dest = tmp_path / "rollouts"
