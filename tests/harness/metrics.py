@@ -3,29 +3,8 @@ metrics to write where a test needs one."""
 
 from __future__ import annotations
 
-import json
-from collections import Counter
-from pathlib import Path
-
+from common.audit import last_trained, read_steps, trained_twice  # noqa: F401 (the harness's)
 from common.metrics import PolicyStats, StepMetrics
-
-
-def read_steps(path: Path) -> list[dict]:
-    """Each line of a trainer's metrics.jsonl as written, oldest first; [] before the first step."""
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
-def last_trained(path: Path) -> dict[int, list[str]]:
-    """{step: the group ids it trained}, as last trained: a step trained again after a restart is
-    written again, and its last record is the one that counts."""
-    return {m["step"]: m["group_ids"] for m in read_steps(path)}
-
-
-def trained_twice(path: Path) -> list[str]:
-    """Group ids trained in more than one step."""
-    seen = Counter(g for ids in last_trained(path).values() for g in ids)
-    return sorted(g for g, n in seen.items() if n > 1)
-
 
 POLICY = PolicyStats(loss=0.1, kl=0.0, clip_low=0.0, clip_high=0.01, clip_region=0.01, ratio=1.0, tis=1.0)
 STEP = StepMetrics(step=1, version=1, reward_mean=0.1, reward_std=0.2, accuracy=0.1, frac_reward_zero_std=0.0,

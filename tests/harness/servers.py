@@ -6,42 +6,15 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import sys
-import time
+import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import redis
-
+from common.localredis import PORT_LOCKS, PORT_RANGE, free_port, start_redis  # noqa: F401 (the harness's)
 from tests.harness.processes import ROOT, process_env, stop, wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(tmp: Path, port: int, *extra: str) -> subprocess.Popen:
-    exe = shutil.which("redis-server")
-    assert exe, "redis-server is not installed: run ./ops/test, or apt-get install redis-server"
-    tmp.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp), "--appendonly", "yes",
-         "--save", "", "--daemonize", "no", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            return proc
-        except redis.exceptions.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"redis-server did not start on port {port}")
 
 
 @contextlib.contextmanager
@@ -54,10 +27,13 @@ def vllm_server(model: Path, tmp: Path, *, extension: bool = True, start_timeout
     from engines.vllm_worker import EXTENSION
 
     tmp.mkdir(parents=True, exist_ok=True)
+    # vLLM's processes meet on Unix sockets under TMPDIR, whose paths may not pass 107 characters: a
+    # short directory of its own, not under `tmp` (a pytest-xdist worker's tmp_path is ten longer).
+    sockets = Path(tempfile.mkdtemp(prefix="vllm-"))
     port = free_port()
     env = process_env({"VLLM_SERVER_DEV_MODE": "1", "TORCH_COMPILE_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                        "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
-                       "VLLM_CACHE_ROOT": str(tmp / "cache"), "TMPDIR": str(tmp)})
+                       "VLLM_CACHE_ROOT": str(tmp / "cache"), "TMPDIR": str(sockets)})
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm", "--load-format", "safetensors", "--seed", "0", "--max-num-seqs", "64",
@@ -78,3 +54,4 @@ def vllm_server(model: Path, tmp: Path, *, extension: bool = True, start_timeout
     finally:
         stop(proc, timeout=60)  # SIGKILL if it does not stop by then
         log.close()
+        shutil.rmtree(sockets, ignore_errors=True)
