@@ -33,11 +33,17 @@ virtualenv through a .pth file, so torch and transformers are the very same and 
 what TRL needs beyond them (minutes the first time); the project's virtualenv is never written.
 The sides run one after the other (never at once: they would share the two cores), TRL first.
 
-`--minutes N` (time to accuracy): each side runs N minutes from its launch and is then stopped.
-TRL saves the model every `--keep-every` steps (and at its stop); the seconds its saves took are
-taken out of its clock, so its curve is what it would be without them. rollouts publishes every
-step as it always does; the bench keeps every `--keep-every`-th published checkpoint (hard links,
-out of the trainer's pruning) and its time is when the trainer's step line came. Neither side runs
+`--minutes N` (time to accuracy): each side runs N minutes from its launch and is then stopped
+(not before its `--min-steps`-th step, default 0). TRL saves the model every `--keep-every` steps
+(or, with `--keep-seconds S`, at its first step S, 2S, ... seconds after launch; and at its stop);
+the seconds its saves took are taken out of its clock, so its curve is what it would be without
+them. rollouts publishes every step as it always does; the bench keeps every `--keep-every`-th
+published checkpoint (with `--keep-seconds S`, the newest one at S, 2S, ... seconds after launch,
+and the last at the stop; hard links, out of the trainer's pruning) and its time is when the
+trainer's step line came. `--device cuda` trains TRL's side on the GPU (rollouts' processes take
+the GPU wherever CUDA is: ops/gpu_learn.py runs this bench on a GPU host); `--trl-python PATH`
+runs TRL's side with an interpreter that already imports TRL (on PYTHONPATH, say) instead of
+`--venv`. Neither side runs
 an evaluator meanwhile. Afterwards, with nothing else running, the model both start from (their
 point at 0 s) and every kept checkpoint of both sides are scored by the evaluator's own code
 (evaluator/jobs.py `evaluate`, with the engine and dtype the demo's evaluator uses) on the same
@@ -66,6 +72,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -137,11 +144,13 @@ def _imports_trl(py: Path) -> bool:
 # --------------------------------------------------------------------------- TRL's side (in its venv)
 
 
-def trl_worker(out: Path, job: dict, *, steps: int, minutes: float, keep_every: int, model_dir: str) -> None:
-    """Train with `trl.GRPOTrainer` for `steps` optimizer steps, or until `minutes` have passed since
-    this process began (saving the model every `keep_every` steps and at the stop), writing one JSON
-    line per step (its end in seconds since this process began, its mean reward) and one per save
-    (its step, directory and the seconds it took)."""
+def trl_worker(out: Path, job: dict, *, steps: int, minutes: float, keep_every: int, model_dir: str,
+               device: str = "cpu", min_steps: int = 0, keep_seconds: float = 0) -> None:
+    """Train with `trl.GRPOTrainer` on `device` for `steps` optimizer steps, or until `minutes`
+    have passed since this process began and `min_steps` are done (saving the model every
+    `keep_every` steps, or at the first step past each `keep_seconds` mark, and at the stop),
+    writing one JSON line per step (its end in seconds since this process began, its mean reward
+    and mean completion length) and one per save (its step, directory and the seconds it took)."""
     t0 = time.monotonic()
     import torch
     import trl
@@ -154,7 +163,10 @@ def trl_worker(out: Path, job: dict, *, steps: int, minutes: float, keep_every: 
 
     torch.set_num_threads(THREADS)
     source = source_config(**job["source"])
-    want = (steps or int(minutes * 60)) * job["prompts"] * 2  # more than a run can use (a step takes over 1 s)
+    # With `minutes`, more steps than a run can take (20 a second: a GPU's are well under 1 s, a
+    # CPU's over 1 s), so that the time, never max_steps, ends it, with the save at its stop.
+    budget = steps or int(minutes * 60 * 20)
+    want = budget * job["prompts"]  # one pass at most
     problems = []
     for i in itertools.count():
         p = synthetic_prompt(source, seed=job["seed"], index=i, prompt_id=str(i))
@@ -177,14 +189,19 @@ def trl_worker(out: Path, job: dict, *, steps: int, minutes: float, keep_every: 
 
     class Record(TrainerCallback):
         ended = 0.0
+        mark = keep_seconds  # the next keep_seconds mark
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
-                write(step=state.global_step, t=self.ended, reward=logs["reward"])
+                write(step=state.global_step, t=self.ended, reward=logs["reward"],
+                      length=logs.get("completions/mean_length"))
 
         def on_step_end(self, args, state, control, **kw):
             self.ended = time.monotonic() - t0
-            if minutes and self.ended >= minutes * 60:
+            if keep_seconds and self.ended >= self.mark:
+                control.should_save = True
+                self.mark = (self.ended // keep_seconds + 1) * keep_seconds
+            if minutes and self.ended >= minutes * 60 and state.global_step >= min_steps:
                 control.should_save = control.should_training_stop = True
 
         def on_save(self, args, state, control, **kw):
@@ -192,34 +209,39 @@ def trl_worker(out: Path, job: dict, *, steps: int, minutes: float, keep_every: 
                   t=self.ended, save_s=time.monotonic() - t0 - self.ended)
 
     config = trl.GRPOConfig(
-        output_dir=str(out.parent / "trl-out"), max_steps=steps or int(minutes * 60),
+        output_dir=str(out.parent / "trl-out"), max_steps=budget,
         per_device_train_batch_size=job["prompts"] * job["group"], gradient_accumulation_steps=1,
         num_generations=job["group"], max_completion_length=job["new_tokens"], temperature=job["temperature"],
         learning_rate=job["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=job["weight_decay"],
         max_grad_norm=job["max_grad_norm"], beta=job["kl"], epsilon=job["clip_low"], epsilon_high=job["clip_high"],
-        loss_type="dapo", scale_rewards="group", num_iterations=1, use_vllm=False, use_cpu=True, bf16=job["bf16"],
-        fp16=False, logging_steps=1, report_to=[], seed=0, shuffle_dataset=False, disable_tqdm=True,
-        dataloader_num_workers=0, save_strategy="steps" if minutes else "no", save_steps=keep_every,
+        loss_type="dapo", scale_rewards="group", num_iterations=1, use_vllm=False, use_cpu=device == "cpu",
+        bf16=job["bf16"], fp16=False, logging_steps=1, report_to=[], seed=0, shuffle_dataset=False, disable_tqdm=True,
+        dataloader_num_workers=0, save_strategy="steps" if minutes and not keep_seconds else "no",
+        save_steps=keep_every,
         save_only_model=True)
     trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=correct, args=config, train_dataset=data,
                               callbacks=[Record()])
-    print(f"trl {trl.__version__}, torch {torch.__version__} on {torch.get_num_threads()} threads", flush=True)
+    print(f"trl {trl.__version__}, torch {torch.__version__} on {device} ({torch.get_num_threads()} threads)",
+          flush=True)
     trainer.train()
     log.close()
 
 
 def run_trl(py: Path, job: dict, *, steps: int, minutes: float, keep_every: int, model_dir: Path,
-            tmp: Path) -> tuple[float, list[dict], list[dict]]:
+            tmp: Path, device: str = "cpu", min_steps: int = 0,
+            keep_seconds: float = 0) -> tuple[float, list[dict], list[dict]]:
     """(launch time, per-step records, saves) of TRL's run in `py`; times on the monotonic clock,
     a save's `t` with the seconds of the saves before it taken out."""
     tmp.mkdir(parents=True)
     out = tmp / "trl.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))  # and the caller's
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": str(THREADS), "PYTHONWARNINGS": "ignore"}
     launched = time.monotonic()
     with open(tmp / "trl.log", "w") as log:
         argv = [str(py), __file__, "--trl-worker", str(out), "--job", json.dumps(job), "--steps", str(steps),
-                "--minutes", str(minutes), "--keep-every", str(keep_every), "--model-dir", str(model_dir)]
+                "--minutes", str(minutes), "--keep-every", str(keep_every), "--model-dir", str(model_dir),
+                "--device", device, "--min-steps", str(min_steps), "--keep-seconds", str(keep_seconds)]
         rc = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     tail = (tmp / "trl.log").read_text()[-4000:]
     assert rc == 0, f"TRL's run failed ({rc}):\n{tail}"
@@ -255,65 +277,88 @@ def run_rollouts(*, steps: int, tmp: Path, engine: str, extra: dict[str, str]) -
                       for t, m in zip(arrivals, metrics, strict=True)]
 
 
-def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
-                     extra: dict[str, str]) -> tuple[float, list[dict], list[dict]]:
+def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str, extra: dict[str, str],
+                     min_steps: int = 0, keep_seconds: float = 0) -> tuple[float, list[dict], list[dict]]:
     """(launch time, per-step records, kept checkpoints) of `honcho start` of the Procfile's
-    redis, producer, generator and trainer on the job, stopped (Ctrl-C) `minutes` after launch.
-    Every `keep_every`-th published checkpoint is hard-linked out of the trainer's pruning."""
+    redis, producer, generator and trainer on the job, stopped (Ctrl-C) `minutes` after launch
+    once `min_steps` steps are done. Every `keep_every`-th published checkpoint is hard-linked out
+    of the trainer's pruning; with `keep_seconds`, the newest one at each `keep_seconds` mark
+    after launch, and the last one at the stop."""
+    from common.audit import read_steps
     from ops.bench.end_to_end import TRAINER_STEP, honcho_run
-    from tests.harness.metrics import read_steps
+    from ops.bench.shipped import process_env
 
     run, kept = tmp / "run", tmp / "kept"
     # eval.every: the producer keeps the held-out split out of training only while evaluation is
     # on; no version reaches this one, and no evaluator runs beside the sides.
     honcho = honcho_run(tmp, env={**rollouts_env(engine, extra), "ROLLOUTS_EVAL__EVERY": "1000000000",
                                   "ROLLOUTS_TRAINER__MAX_STEPS": "0"}, evaluator=False)
-    stop = threading.Event()
+    stop, stopping = threading.Event(), threading.Event()
+    arrivals: dict[int, float] = {}
+
+    def link(d: Path) -> None:  # hard links of checkpoint d in kept/, complete or not at all
+        part = kept / f".{d.name}"
+        shutil.rmtree(part, ignore_errors=True)
+        part.mkdir(parents=True)
+        try:
+            for f in d.iterdir():
+                os.link(f, part / f.name)
+        except FileNotFoundError:  # pruned meanwhile
+            return
+        part.rename(kept / d.name)
+
+    def newest() -> Path | None:  # the newest checkpoint whose step line came before the stop
+        done = [d for d in (run / "checkpoints").glob("step_*") if int(d.name.split("_")[1]) in arrivals]
+        return max(done, key=lambda d: int(d.name.split("_")[1]), default=None)
 
     def keep() -> None:  # the trainer renames a complete step_N into place, then publishes it
+        mark = keep_seconds
         while not stop.wait(0.2):
+            if keep_seconds:
+                if time.monotonic() - launched >= mark and (d := newest()) and not (kept / d.name).exists():
+                    link(d)
+                    mark = ((time.monotonic() - launched) // keep_seconds + 1) * keep_seconds
+                continue
             for d in (run / "checkpoints").glob("step_*"):
-                n = int(d.name.split("_")[1])
-                if n % keep_every or (kept / d.name).exists():
-                    continue
-                part = kept / f".{d.name}"
-                shutil.rmtree(part, ignore_errors=True)
-                part.mkdir(parents=True)
-                try:
-                    for f in d.iterdir():
-                        os.link(f, part / f.name)
-                except FileNotFoundError:  # pruned meanwhile
-                    continue
-                part.rename(kept / d.name)
+                if not (int(d.name.split("_")[1]) % keep_every or (kept / d.name).exists()):
+                    link(d)
 
     watcher = threading.Thread(target=keep, daemon=True)
-    watcher.start()
-    arrivals: dict[int, float] = {}
     launched = time.monotonic()
-    timer = None
+
+    def stop_when_due(proc: subprocess.Popen) -> None:  # Ctrl-C once the time is up and min_steps done
+        while not stop.wait(0.2):
+            if time.monotonic() - launched >= minutes * 60 and len(arrivals) >= min_steps:
+                stopping.set()
+                proc.send_signal(signal.SIGINT)
+                return
+
     with open(tmp / "honcho.log", "w") as log:
-        proc = subprocess.Popen(honcho, cwd=tmp, env={k: v for k, v in os.environ.items()
-                                                      if not k.startswith("ROLLOUTS_")},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        timer = threading.Timer(minutes * 60, proc.send_signal, args=(signal.SIGINT,))
+        proc = subprocess.Popen(honcho, cwd=tmp, env=process_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        watcher.start()
+        timer = threading.Thread(target=stop_when_due, args=(proc,), daemon=True)
         timer.start()
         try:
             for line in proc.stdout:
                 log.write(line)
-                if (m := TRAINER_STEP.search(line)) and time.monotonic() - launched < minutes * 60:
+                late = stopping.is_set() or (time.monotonic() - launched >= minutes * 60 and len(arrivals) >= min_steps)
+                if (m := TRAINER_STEP.search(line)) and not late:
                     arrivals[int(m.group(1))] = time.monotonic()
                     print(f"  rollouts {arrivals[int(m.group(1))] - launched:5.0f} s: {line.rstrip()}", flush=True)
             proc.wait(timeout=120)
         finally:
-            timer.cancel()
             stop.set()
+            timer.join()
             watcher.join()
+            if keep_seconds and (d := newest()) and not (kept / d.name).exists():
+                link(d)  # the last one, at the stop
             if proc.poll() is None:
                 proc.kill()
     metrics = {m["step"]: m for m in read_steps(run / "metrics.jsonl")}
     assert arrivals, f"no trainer step in {minutes} minutes:\n{(tmp / 'honcho.log').read_text()[-4000:]}"
-    records = [{"step": n, "t": t, "reward": metrics[n]["reward"], "metrics": metrics[n]}
-               for n, t in sorted(arrivals.items())]
+    records = [{"step": n, "t": t, "reward": metrics[n]["reward"], "length": metrics[n].get("completions/mean_length"),
+                "metrics": metrics[n]} for n, t in sorted(arrivals.items())]
     checkpoints = [{"step": n, "t": arrivals[n], "path": str(kept / f"step_{n}")}
                    for n in sorted(arrivals) if (kept / f"step_{n}").is_dir()]
     # The run's own checkpoints and trainer states (1.6 GB each for the default model) are not
@@ -365,22 +410,31 @@ def time_to_accuracy(points: dict[str, list[dict]]) -> dict:
     return {"final": final, "reach": reach, "ratio": ratio}
 
 
-def time_mode(args, config, extra: dict[str, str], model_dir: Path, py: Path | None, tmp: Path) -> dict:
+def time_mode(args, config, extra: dict[str, str], model_dir: Path, py: Path | None, tmp: Path,
+              progress: Callable[[dict], None] | None = None) -> dict:
+    """Each of `args.sides` for `args.minutes` from its launch, one after the other, then every kept
+    checkpoint scored; `progress` (if given) gets {"steps", "checkpoints"} after each side."""
     points: dict[str, list[dict]] = {}
     checkpoints: list[dict] = []
     steps: dict[str, list[dict]] = {}
+    how = {"min_steps": args.min_steps, "keep_seconds": args.keep_seconds}
     for side in args.sides:
         print(f"--- {side}: {args.minutes} minutes", flush=True)
         if side == "trl":
             launched, records, kept = run_trl(py, trl_job(config), steps=0, minutes=args.minutes,
-                                              keep_every=args.keep_every, model_dir=model_dir, tmp=tmp / "trl")
+                                              keep_every=args.keep_every, model_dir=model_dir, tmp=tmp / "trl",
+                                              device=args.device, **how)
         else:
             launched, records, kept = run_rollouts_for(minutes=args.minutes, keep_every=args.keep_every,
-                                                       tmp=tmp / side, engine=engine_of(side, args), extra=extra)
-        steps[side] = [{"step": r["step"], "s": round(r["t"] - launched, 1), "reward": r["reward"]} for r in records]
+                                                       tmp=tmp / side, engine=engine_of(side, args), extra=extra,
+                                                       **how)
+        steps[side] = [{"step": r["step"], "s": round(r["t"] - launched, 1), "reward": r["reward"],
+                        "length": r.get("length")} for r in records]
         print(f"{side}: {len(records)} steps, the last {records[-1]['t'] - launched:.0f} s after launch; "
               f"{len(kept)} checkpoints kept", flush=True)
         checkpoints += [{**c, "side": side, "s": round(c["t"] - launched, 1)} for c in kept]
+        if progress:
+            progress({"steps": steps, "checkpoints": checkpoints})
     # The model both sides start from, at their launch.
     checkpoints.insert(0, {"side": "start", "step": 0, "s": 0.0, "path": str(model_dir)})
     print(f"--- scoring {len(checkpoints)} checkpoints on {args.eval_prompts} held-out problems", flush=True)
@@ -466,6 +520,11 @@ def main() -> None:
     how.add_argument("--steps", type=int, default=0, help="throughput: optimizer steps per side")
     ap.add_argument("--skip", type=int, default=2, help="steps left out of the median s/step (--steps)")
     ap.add_argument("--keep-every", type=int, default=5, help="keep every this many steps' checkpoint (--minutes)")
+    ap.add_argument("--keep-seconds", type=float, default=0,
+                    help="instead, keep the newest checkpoint every this many seconds from launch, and the last")
+    ap.add_argument("--min-steps", type=int, default=0, help="stop a side (--minutes) not before this many steps")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="TRL's side trains on this")
+    ap.add_argument("--trl-python", type=Path, help="an interpreter that imports TRL (default: --venv's)")
     ap.add_argument("--eval-prompts", type=int, default=128, help="held-out problems a checkpoint is scored on")
     ap.add_argument("--sides", nargs="+", choices=["trl", "rollouts", "rollouts-hf"], default=["trl", "rollouts"],
                     help="rollouts: its generator on --engine; rollouts-hf: on HF generate, as TRL's")
@@ -485,7 +544,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.trl_worker is not None:
         trl_worker(args.trl_worker, json.loads(args.job), steps=args.steps, minutes=args.minutes,
-                   keep_every=args.keep_every, model_dir=args.model_dir)
+                   keep_every=args.keep_every, model_dir=args.model_dir, device=args.device,
+                   min_steps=args.min_steps, keep_seconds=args.keep_seconds)
         return
     if not (args.minutes or args.steps):
         ap.error("give --minutes N (time to accuracy) or --steps N (throughput)")
@@ -498,7 +558,7 @@ def main() -> None:
     from common.models import resolve_model_path
 
     model_dir = resolve_model_path(config.model.path)
-    py = trl_python(args.venv, args.trl) if "trl" in args.sides else None
+    py = (args.trl_python or trl_python(args.venv, args.trl)) if "trl" in args.sides else None
     tmp = args.work or Path(tempfile.mkdtemp(prefix="rollouts-vs-trl-"))
     if args.work:
         shutil.rmtree(args.work, ignore_errors=True)
