@@ -34,12 +34,11 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.audit import accounting, unaccounted  # noqa: E402
+from common.audit import accounting, last_trained, trained_twice, unaccounted  # noqa: E402
 from common.keys import Keys  # noqa: E402
+from common.localredis import free_port, start_redis  # noqa: E402
 from common.progress import read_trainer  # noqa: E402
 from common.tiny import build_tiny_model, tiny_run_config  # noqa: E402
-from tests.harness.metrics import last_trained, trained_twice  # noqa: E402
-from tests.harness.servers import free_port, start_redis  # noqa: E402
 
 RUN = "chaos"
 KINDS = ("generator", "trainer", "producer", "evaluator", "redis")

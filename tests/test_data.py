@@ -297,7 +297,7 @@ def test_the_readme_own_data_example_works(tmp_path, monkeypatch):
     from tests.harness.processes import ROOT
 
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Train on your own data", 1)[1]
+    section = readme.split("## Bring your own model, data and reward", 1)[1]
     toml = section.split("```toml\n", 1)[1].split("```", 1)[0]
     (tmp_path / "data").mkdir()
     write_jsonl(tmp_path / "data" / "train.jsonl", [{"question": "Tom has 3 apples and buys 4?",

@@ -1,5 +1,6 @@
 """The docs against the repository: the README's counts of tests against the suite as pytest
-collects it, and every link and path the README and docs/*.md name against the files there are.
+collects it, the README short and linking every docs page, and every link and path the README and
+docs/*.md name against the files there are.
 A figure measured by a benchmark is not checked here (docs/benchmarks.md gives its command); a
 count is, so that adding tests or moving a file cannot leave the docs saying what is no longer so."""
 
@@ -48,6 +49,18 @@ def test_the_readmes_test_counts_are_the_suites():
     assert said(r"over \d+ tests, (\d+) of them skipped without a GPU", text, "README 'Tests'") == gpu, \
         f"{gpu} tests are marked gpu"
     assert said(r"runs the (\d+) slow checks", text, "README 'Tests'") == slow, f"{slow} tests are marked slow"
+
+
+README_LINES = 300  # a page or two: what it is, the two commands, what you see; the reference is in docs/
+
+
+def test_the_readme_is_a_page_or_two_and_sends_the_reader_on_to_every_docs_page():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_LINES, \
+        f"README.md has {len(text.splitlines())} lines: move reference into a docs/ page and link it"
+    linked = {(ROOT / target.split("#")[0]).resolve() for target in LINK.findall(text)}
+    unlinked = [str(d.relative_to(ROOT)) for d in DOCS if d.parent.name == "docs" and d.resolve() not in linked]
+    assert not unlinked, f"docs pages the README does not link to: {unlinked}"
 
 
 def references(doc: Path) -> list[tuple[str, Path]]:

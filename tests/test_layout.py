@@ -1,7 +1,7 @@
 """The code's shape: process packages side by side, never importing one another, and no import
 cycle anywhere (a late import inside a function counts: it is a cycle all the same); readers of a
 run's data see it through common/'s types only; test modules share the harness, never one another,
-and ops/ uses the harness, not the tests."""
+and ops/ imports nothing from tests/ (what both need lives below both, in common/)."""
 
 from __future__ import annotations
 
@@ -206,9 +206,16 @@ def imported_names(path: Path) -> list[tuple[str, int]]:
     return out
 
 
+# Benchmark drivers that still build their models, groups, servers or processes with the test
+# harness (tests/harness/models.py, groups.py, servers.py, processes.py); each one's import of it
+# is a debt, not a rule: what it needs is to move below both, as common/localredis.py did for Redis.
+OPS_ON_THE_HARNESS = {"ops/bench/scale.py", "ops/bench/server_logprobs.py", "ops/bench/trainer_efficiency.py"}
+
+
 def harness_violations(root: Path) -> list[str]:
-    """A test module importing another test module, and anything under ops/ importing a test
-    module or the tests' conftest (both go through tests/harness)."""
+    """A test module importing another test module, and anything under ops/ importing anything
+    under tests/ (the harness included: a command of ops/ must run from a checkout without the
+    tests), but the benchmark drivers of OPS_ON_THE_HARNESS importing the harness."""
     def found(path: Path, pattern: str) -> list[str]:
         hits = {(line, m.group()) for name, line in imported_names(path) if (m := re.match(pattern, name))}
         return [f"{path.relative_to(root)}:{line}: imports {module}" for line, module in sorted(hits)]
@@ -218,7 +225,8 @@ def harness_violations(root: Path) -> list[str]:
         problems += found(path, r"tests\.test_\w+")
     for path in sorted((root / "ops").rglob("*")):
         if path.suffix == ".py" or path.is_file() and b"python" in path.read_bytes()[:100].split(b"\n")[0]:
-            problems += found(path, r"tests\.(test_\w+|conftest)")
+            owed = str(path.relative_to(root)) in OPS_ON_THE_HARNESS
+            problems += found(path, r"tests\.(test_\w+|conftest)" if owed else r"tests(\.\w+)?")
     return problems
 
 
@@ -231,12 +239,18 @@ def test_a_test_importing_another_and_ops_importing_the_tests_are_caught(tmp_pat
              "tests/test_b.py": "def f():\n    import tests.test_a\n",
              "tests/test_c.py": "from tests import test_a\nfrom tests import reward_fixtures\n",
              "ops/bench/x.py": "from tests.conftest import free_port\nfrom tests.harness.servers import start_redis\n",
-             "ops/tool": "#!/usr/bin/env python3\nfrom tests.test_a import helper\n"}
+             "ops/bench/scale.py": "from tests.harness.processes import spawn\nfrom tests.test_a import helper\n",
+             "ops/tool": "#!/usr/bin/env python3\nfrom tests.test_a import helper\n",
+             "ops/chaos.py": "def main():\n    import tests.harness.metrics\n    from tests import harness\n"}
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert harness_violations(tmp_path) == ["tests/test_a.py:1: imports tests.test_b",
                                             "tests/test_b.py:2: imports tests.test_a",
                                             "tests/test_c.py:1: imports tests.test_a",
+                                            "ops/bench/scale.py:2: imports tests.test_a",
                                             "ops/bench/x.py:1: imports tests.conftest",
+                                            "ops/bench/x.py:2: imports tests.harness",
+                                            "ops/chaos.py:2: imports tests.harness",
+                                            "ops/chaos.py:3: imports tests.harness",
                                             "ops/tool:2: imports tests.test_a"]

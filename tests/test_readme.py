@@ -1,10 +1,12 @@
-"""The README as an executable spec: every fenced command and config block of README.md and
-docs/operations.md runs here as written, in a scratch copy of the checkout, or is listed in
-NOT_RUN with the reason it cannot run on this machine. A block added to either file without
-either fails `test_every_block_runs_here_or_says_why_not`.
+"""The README as an executable spec: every fenced command and config block of README.md and of
+the docs pages it sends a reader on to for the reference (DOCS) runs here as written, in a scratch
+copy of the checkout, or is listed in NOT_RUN with the reason it cannot run on this machine. A
+block is found by its text wherever it is in those pages, so moving it from one page to another
+keeps its test; a block added to any of them without either, or a page of the README's reference
+left out of DOCS, fails `test_every_block_runs_here_or_says_why_not`.
 
 What stands in for what this machine lacks, and nothing else:
-- the model: `ROLLOUTS_MODEL__PATH` (README "Then bring your own") names a tiny model built in the
+- the model: `ROLLOUTS_MODEL__PATH` (README "Bring your own model") names a tiny model built in the
   test, in place of the built-in or a hub model; a command that sets it itself keeps its own;
 - a hub data set: a local directory of the same name and GSM8K's layout (`openai/gsm8k/main/...`,
   which `datasets.load_dataset` reads before the hub) holds a few hundred GSM8K-shaped problems;
@@ -39,7 +41,11 @@ from tests.harness.metrics import read_steps
 from tests.harness.processes import ROOT, Shell, run_once, wait_for
 from tests.harness.servers import free_port, start_redis
 
-DOCS = ("README.md", "docs/operations.md")
+# The README and the reference it links to: docs/benchmarks.md, gpu.md, offpolicy.md and reliability.md
+# are records of measurements (each block there a command whose figures the page gives), not run here.
+DOCS = ("README.md", "docs/configuration.md", "docs/generators.md", "docs/operations.md", "docs/rewards-and-data.md",
+        "docs/scaling.md", "docs/training.md", "docs/watching-a-run.md")
+RECORDS = ("docs/benchmarks.md", "docs/gpu.md", "docs/offpolicy.md", "docs/reliability.md", "docs/tests.md")
 FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
 
 
@@ -143,6 +149,9 @@ NOT_RUN = {
 
 
 def test_every_block_runs_here_or_says_why_not():
+    pages = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")}
+    assert pages == set(DOCS[1:]) | set(RECORDS), \
+        f"docs pages neither run here (DOCS) nor records (RECORDS): {sorted(pages - set(DOCS) - set(RECORDS))}"
     keys = [k for b in blocks() for k in b.keys]
     missing = [k for k in keys if k not in RUN and k not in NOT_RUN]
     assert not missing, f"blocks of {DOCS} that no test runs and NOT_RUN does not explain: {missing}"
@@ -150,6 +159,8 @@ def test_every_block_runs_here_or_says_why_not():
     assert not stale, f"listed here but in no block of {DOCS} any more: {stale}"
     tests = {name for name in globals() if name.startswith("test_")}
     assert set(RUN.values()) <= tests, set(RUN.values()) - tests
+    twice = sorted({k for k in RUN if keys.count(k) > 1})
+    assert not twice, f"blocks run by their text that are in more than one place of {DOCS}: {twice}"
 
 
 def config_block(key: str) -> str:
@@ -318,7 +329,7 @@ def test_the_one_gpu_command_runs_the_gsm8k_config(checkout, user_env, tmp_path,
 
 @pytest.mark.parametrize("launcher", ["./ops/run", ".venv/bin/honcho start"])
 def test_a_variable_set_when_calling_the_launcher_wins_over_dotenv(checkout, user_env, tmp_path, launcher):
-    """README "Configuration": ROLLOUTS_CONFIG set when calling ./ops/run or plain honcho wins over
+    """docs/configuration.md: ROLLOUTS_CONFIG set when calling ./ops/run or plain honcho wins over
     .env, so the processes run that config's run; under ./ops/run the environment wins for every
     name .env sets too (plain honcho lets .env win for those, which is why .env sets no other)."""
     write_gsm8k(checkout)
@@ -360,10 +371,10 @@ def test_the_eight_gpu_split_runs_on_cpu_processes(checkout, user_env, tmp_path,
 
 
 def test_your_own_data_a_trl_reward_and_an_evaluation_source(checkout, user_env, tmp_path):
-    """"Train on your own data", "Evaluation" and "Agents": the README's blocks added to the demo's
-    config (your data with the TRL reward, mixed with the calculator's episodes as a second source,
-    and an evaluation source), its file layout (question, answer ending in `#### 42`), its TRL
-    reward function from its comment."""
+    """README "Bring your own model, data and reward" and docs/rewards-and-data.md's "Agents" and
+    "Evaluation": their blocks added to the demo's config (your data with the TRL reward, mixed with
+    the calculator's episodes as a second source, and an evaluation source), the README's file
+    layout (question, answer ending in `#### 42`), its TRL reward function from its comment."""
 
     from common.keys import PAYLOAD, Keys
     from common.messages import decode_group

@@ -1,5 +1,6 @@
 """`rollouts status` against a real Redis holding a run's state."""
 
+import json
 import os
 import re
 import subprocess
@@ -49,12 +50,16 @@ def test_status_shows_trainer_timing_and_marks_a_dead_generator(tmp_path, r, red
     assert "generator  gone  DEAD" in capsys.readouterr().out
 
 
-def test_resolved_config_is_written_without_the_password(tmp_path, r, redis_url):
-    url = redis_url.replace("redis://", "redis://:s3cret@")
-    config = config_from_dict({"run": "rc", "redis_url": url, "output_dir": str(tmp_path),
-                               "trainer": {"lr": 3e-6}})
+def test_resolved_config_is_written_with_the_password_masked(tmp_path, r, redis_url):
+    """docs/watching-a-run.md: `config.json` is the resolved config, "the Redis password masked":
+    the URL is there, user, host, port and database as given, the password as ***; nowhere else in
+    the file."""
+    host = redis_url.removeprefix("redis://")
+    config = config_from_dict({"run": "rc", "redis_url": f"redis://rollouts-rc:s3cret@{host}",
+                               "output_dir": str(tmp_path), "trainer": {"lr": 3e-6}})
     Tracker(r, config)
     written = (tmp_path / "config.json").read_text()
+    assert json.loads(written)["redis_url"] == f"redis://rollouts-rc:***@{host}", written
     assert "s3cret" not in written
     assert '"lr": 3e-06' in written and '"max_staleness"' in written  # defaults filled in
 

@@ -1,6 +1,9 @@
 """The trainer keeps every tensor of a step on the model's device, and its collectives on the
-process group's: checked without a GPU by a dry run on the `meta` device, where a tensor left on
-the CPU makes an op raise "... is not on the expected device meta"."""
+process group's: checked without a GPU by a dry run on the `meta` device. A tensor left on the CPU
+makes many ops raise "... is not on the expected device meta", but not all (an embedding looks up
+CPU ids in meta weights without a word, where CUDA refuses), so every op is watched: none may mix
+the model's device with another, as CUDA would refuse (a 0-dim CPU tensor, a scalar, is allowed
+there too). Tensors built on the host and then moved are fine; an op computing on both is not."""
 
 import random
 
@@ -34,6 +37,34 @@ class ReadsOffMetaAreZero(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class MixedDevices(TorchDispatchMode):
+    """Every op called with a tensor on the meta device and another elsewhere (but a 0-dim CPU
+    scalar), as (op, device, shape) of the other; and how many ops computed on meta at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.mixed: list[tuple[str, str, tuple[int, ...]]] = []
+        self.on_meta = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(t.is_meta for t in tensors):
+            self.on_meta += 1
+            self.mixed += [(str(func), str(t.device), tuple(t.shape)) for t in tensors
+                           if not t.is_meta and not (t.device.type == "cpu" and t.dim() == 0)]
+        return func(*args, **(kwargs or {}))
+
+
+def assert_stepped_on_meta(model, opt, watch: MixedDevices) -> None:
+    """The step ran on the model's device end to end: no op mixed devices, and the optimizer
+    updated every parameter, its moments on meta beside them."""
+    assert not watch.mixed, f"ops given tensors off the model's device: {sorted(set(watch.mixed))[:10]}"
+    assert all(p.is_meta for p in model.parameters()), "the step moved the model off its device"
+    params = list(model.parameters())
+    assert len(opt.state) == len(params) and all(opt.state[p]["exp_avg"].is_meta for p in params), \
+        "the optimizer did not step every parameter on the model's device"
+
+
 @pytest.fixture
 def meta_run(tiny_model):
     torch.set_num_threads(1)
@@ -54,20 +85,26 @@ def test_a_grpo_step_builds_every_tensor_on_the_models_device(meta_run):
     groups, on_meta = meta_run
     model, ref = on_meta(), on_meta().eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with ReadsOffMetaAreZero():
+    with ReadsOffMetaAreZero(), MixedDevices() as watch:
         train_step(model, opt, groups, ref_model=ref, step=1, how=GrpoOptions(
             loss=GrpoLoss(correction={"type": "decoupled", "tis_cap": 2.0}, kl_coef=0.1), temperature=0.7, top_k=4,
             top_p=0.9, estimator="grpo", overlong="none", overlong_penalty=0.0, micro_batch_size=4,
             micro_batch_tokens=0, updates=2, max_grad_norm=1.0))
-    assert all(p.is_meta for p in model.parameters()), "the step moved the model off its device"
+    assert_stepped_on_meta(model, opt, watch)
 
 
 def test_an_sft_step_builds_every_tensor_on_the_models_device(meta_run):
+    """The SFT step end to end (forward over every micro-batch, backward, clipping, AdamW) on meta:
+    no op mixes devices, every loss-masked token is trained, every parameter updated."""
     groups, on_meta = meta_run
     model = on_meta()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with ReadsOffMetaAreZero():
-        sft_step(model, opt, groups, micro_batch_size=4, micro_batch_tokens=0, max_grad_norm=1.0)
+    with ReadsOffMetaAreZero(), MixedDevices() as watch:
+        stats = sft_step(model, opt, groups, micro_batch_size=4, micro_batch_tokens=0, max_grad_norm=1.0)
+    trained = sum(len(c.ids) if c.loss_mask is None else int(sum(c.loss_mask)) for g in groups for c in g.completions)
+    assert stats.tokens_trained == trained > 0, (stats, trained)
+    assert watch.on_meta > 0 and stats.skipped == 0, (watch.on_meta, stats)
+    assert_stepped_on_meta(model, opt, watch)
 
 
 class CollectiveDevices(TorchDispatchMode):

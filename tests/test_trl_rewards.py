@@ -240,9 +240,10 @@ def test_log_callables_are_not_passed_and_a_function_that_reads_one_says_so():
 
 
 def readme_example() -> tuple[str, str, str]:
-    """From README.md's "Train on your own data": the source table, the reward block's config
-    lines and the reward module's code, as written there (TOML text, TOML text, Python)."""
-    section = README.read_text().split("## Train on your own data", 1)[1].split("\n## ", 1)[0]
+    """From README.md's "Bring your own model, data and reward": the source table, the reward
+    block's config lines and the reward module's code, as written there (TOML text, TOML text,
+    Python)."""
+    section = README.read_text().split("## Bring your own model, data and reward", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```toml\n(.*?)```", section, re.S)
     source = blocks[0]
     (rewards_block,) = [b for b in blocks if "reward_funcs" in b]

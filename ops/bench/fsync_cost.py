@@ -15,7 +15,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.harness.servers import free_port, start_redis  # noqa: E402
+from common.localredis import free_port, start_redis  # noqa: E402
 
 
 def rate(mode: str, n: int) -> float:

@@ -123,9 +123,9 @@ def main() -> None:
 
     from common.config import load_config
     from common.keys import Keys
+    from common.localredis import free_port, start_redis
     from common.models import resolve_model_path
     from engines.choice import open_for_settings
-    from tests.harness.servers import free_port, start_redis
 
     model_dir = resolve_model_path(args.model)
     tmp = Path(tempfile.mkdtemp(prefix="rollouts-bench-"))

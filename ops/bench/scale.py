@@ -303,12 +303,12 @@ def run_size(n: int, *, seconds: float, processes: int, sample_s: float, claim_i
 
     from common.audit import accounting, unaccounted
     from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
+    from common.localredis import free_port, start_redis
     from common.messages import decode_group
     from common.progress import read_status, read_trainer
     from common.streams import group_backlog
     from tests.harness.configs import write_config
     from tests.harness.processes import spawn, stop
-    from tests.harness.servers import free_port, start_redis
 
     tmp.mkdir(parents=True)
     port = free_port()

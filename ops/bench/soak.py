@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from common.keys import Keys  # noqa: E402
+from common.localredis import free_port  # noqa: E402
 from common.progress import read_trainer  # noqa: E402
 from common.tiny import build_tiny_model, tiny_run_config  # noqa: E402
-from tests.harness.servers import free_port  # noqa: E402
 
 RUN = "soak"
 

@@ -92,8 +92,9 @@ def bare_worker(groups_file: Path, *, redis_url: str, steps: int, lr: float) -> 
 
     from common.config import GrpoLoss as LossOptions
     from common.messages import decode_group
-    from trainer.checkpoints import adamw, load_model
+    from trainer.checkpoints import adamw
     from trainer.devices import trainer_device
+    from trainer.loading import load_model
     from trainer.parallel import finish, init_distributed, parallelize
     from trainer.step import GrpoOptions, train_step
 
@@ -161,9 +162,9 @@ def run_world(blobs: list[bytes], groups_file: Path, *, model_dir: Path, world: 
     import redis
     from proc_cpu import cpu_seconds
 
+    from common.audit import read_steps
     from common.keys import PAYLOAD, Keys
-    from tests.harness.metrics import read_steps
-    from tests.harness.servers import free_port, start_redis
+    from common.localredis import free_port, start_redis
 
     tmp.mkdir(parents=True)
     port = free_port()

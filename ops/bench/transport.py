@@ -172,7 +172,7 @@ def main() -> None:
                     help="what the group handed to encode holds: numpy arrays (as engines hand them) or lists")
     ap.add_argument("--code", type=Path, default=ROOT, help="checkout whose codec and trainer are measured")
     args = ap.parse_args()
-    from tests.harness.servers import free_port, start_redis  # this checkout's, whatever --code is
+    from common.localredis import free_port, start_redis  # this checkout's, whatever --code is
 
     sys.path.insert(0, str(args.code.resolve()))
     import torch
