@@ -159,7 +159,7 @@ def no_permission(process: str, url: str, err: Exception) -> str:
     if piped:
         said = f"{piped[3]} ({piped[1]}{piped[2] or ''})"
     return (f"{process}: Redis at {redacted(url)} refused a command: {said} (the ACL user lacks that "
-            "permission: give it the run's keys and commands, see README 'Running across machines safely')")
+            "permission: give it the run's keys and commands, see docs/operations.md, 'Security')")
 
 
 
