@@ -14,6 +14,7 @@ that what the modules that loading imports cost is not counted.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import threading
@@ -70,6 +71,12 @@ def main() -> None:
         same = {k: bool(k in full and torch.equal(v.to(torch.float32), full[k].cpu())) for k, v in want.items()}
         (out / "weights.json").write_text(json.dumps({"same": same, "model": sorted(full)}))
     finish()  # as the trainer does: a rank leaving with the group still open can abort in gloo's threads
+    # Everything this rank reports is written. Leave without the interpreter's teardown: gloo's threads
+    # can still abort the process at exit after the group is destroyed ("terminate called without an
+    # active exception", seen once in a fresh-clone run with another test beside it).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
