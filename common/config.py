@@ -777,6 +777,12 @@ class TrainerConfig(_Section):
     # attention taking a packed mask (sdpa, eager, flex_attention) and no sliding window; other
     # models take right-padded rows, as false does.
     pack_sequences: bool = True
+    # The attention packed micro-batches compute with. "sdpa": the model's own SDPA with a dense
+    # (L, L) document mask, no compiling. "flex_attention" (CUDA only): a BlockMask computing
+    # only the blocks each sequence sees, in kernels torch.compile builds for each new shape: on
+    # one H200 (docs/gpu.md) the first two steps on varying lengths took 40 s and 20 s of compiling,
+    # then 0.3 s each; a run of the built-in model did not finish its first step in 2 minutes.
+    attention: Literal["sdpa", "flex_attention"] = "sdpa"
     # Completions whose advantage is 0 (every one of a group that scored alike) add nothing to the
     # update of a built-in loss without a KL term: leave them out of the forward and backward
     # passes. The loss is still normalised by every trained token, so the update is the same; the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -154,3 +155,22 @@ def test_a_dry_run_of_both_sides_scores_trl_beside_rollouts(tmp_path, tiny_model
         check_side(data, side)
     assert "trl 1.16.0" in (tmp_path / "out" / "trl.log").read_text()
     assert md.count("| trl |") >= 3 and md.count("| rollouts |") >= 3, md
+
+
+def test_the_procfile_finds_the_checkout_with_an_interpreter_that_lacks_rollouts(tmp_path, monkeypatch):
+    """A GPU host's python has no rollouts installed and the sitting puts its wheels on PYTHONPATH:
+    the Procfile's processes still find the checkout's packages (the .env's PYTHONPATH, which
+    ops/honcho gives way to the shell's, must not be shadowed by the caller's)."""
+    from ops.bench.shipped import honcho_command
+    from ops.bench.shipped import process_env as shipped_env
+
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    run = tmp_path / "run"
+    honcho_command(run, env={})
+    dotenv = dict(line.split("=", 1) for line in (run / ".env").read_text().splitlines() if line)
+    env = {**dotenv, **shipped_env()}  # ops/honcho: the shell's variables win over the file's
+    base = getattr(sys, "_base_executable", sys.executable)  # an interpreter without the editable install
+    found = subprocess.run([base, "-c", "import importlib.util as u; print(u.find_spec('generators').origin)"],
+                           env=env, cwd=run, capture_output=True, text=True, timeout=60)
+    assert found.stdout.strip() == str(ROOT / "generators" / "__init__.py"), found.stderr[-2000:]
+    assert str(tmp_path / "site") in env["PYTHONPATH"].split(os.pathsep)  # the caller's wheels still there

@@ -140,3 +140,35 @@ def test_the_targets_are_judged_as_issue_40_states_them():
     oom = ran("qwen3-4b", "packed16k", 3_800, None) | {"status": "out of memory"}
     big = bench.targets([oom], device="NVIDIA H200", dry_run=False)
     assert big[1]["met"] is True and big[-1]["met"] is None
+
+
+def test_the_varying_lengths_bench_times_every_step_of_fresh_lengths(tmp_path):
+    """ops/bench/varying_lengths.py's dry run: each step is timed, none is warm-up, and the steps'
+    groups really differ in length (what makes a per-shape compile show)."""
+    from ops.bench import varying_lengths as vary
+
+    assert vary.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "varying_lengths.json").read_text())
+    (run,) = data["runs"]
+    assert run["attention"] == "sdpa" and run["implementation"] == "sdpa" and not run["stopped"]
+    assert len(run["seconds"]) == 3 and all(t > 0 for t in run["seconds"])
+    assert all(math.isfinite(x) for x in run["losses"])
+    lengths = [sorted(len(c.ids) + len(g.prompt_ids) for g in vary.groups(s, vocab=64) for c in g.completions)
+               for s in range(3)]
+    assert len({tuple(x) for x in lengths}) == 3
+
+
+def test_flex_attention_is_refused_off_cuda_by_name():
+    """trainer.attention = 'flex_attention' on a CPU trainer: refused before a model is read, the
+    setting and the way out named."""
+    import torch
+
+    from common.config import ConfigError, load_config
+    from trainer.devices import attention_implementation
+
+    assert load_config(bench.GSM8K, env={}).trainer.attention == "sdpa"  # the default: no compiling
+    assert attention_implementation(torch.device("cpu"), "sdpa") is None
+    with pytest.raises(ConfigError, match=r"trainer.attention = 'flex_attention' needs CUDA.*use 'sdpa'"):
+        attention_implementation(torch.device("cpu"), "flex_attention")
+    with pytest.raises(ConfigError, match="attention"):
+        load_config(bench.GSM8K, env={"ROLLOUTS_TRAINER__ATTENTION": "flash"})

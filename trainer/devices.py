@@ -15,6 +15,8 @@ from typing import TypeVar
 
 import torch
 
+from common.config import ConfigError
+
 T = TypeVar("T")
 
 
@@ -40,14 +42,20 @@ def backend_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def attention_implementation(device: torch.device) -> str | None:
-    """The attention the trainer's models compute with on `device` (None: the model's own, SDPA
-    where transformers has it). CUDA: flex attention, whose
-    BlockMask of a packed micro-batch (trainer/logprobs.py `Packed.attention`) computes only the
-    blocks each document sees, with fused kernels, where a dense (L, L) mask keeps SDPA off its
-    flash kernel and grows quadratically. Elsewhere SDPA with the dense mask: eager flex attention
-    has no backward on the CPU, and SDPA's fused CPU kernel takes the mask."""
-    return "flex_attention" if device.type == "cuda" else None
+def attention_implementation(device: torch.device, attention: str = "sdpa") -> str | None:
+    """The attention the trainer's models compute with on `device` (`trainer.attention`; None: the
+    model's own, SDPA where transformers has it, with the dense mask of a packed micro-batch).
+    "flex_attention" on CUDA only: its BlockMask (trainer/logprobs.py `Packed.attention`) computes
+    only the blocks each document sees, in kernels compiled for each new shape; eager flex
+    attention has no backward on the CPU."""
+    if attention == "sdpa":
+        return None
+    if attention != "flex_attention":
+        raise ValueError(f"trainer.attention must be 'sdpa' or 'flex_attention', got {attention!r}")
+    if device.type != "cuda":
+        raise ConfigError(f"trainer.attention = 'flex_attention' needs CUDA; this trainer runs on {device.type}: "
+                          "use 'sdpa'")
+    return "flex_attention"
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -82,6 +90,7 @@ class Placement:
     dtype: torch.dtype  # model.dtype: forward and backward run in it; checkpoints are published in it
     master_fp32: bool  # keep float32 weights and AdamW state under a lower dtype (mixed precision)
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
+    attention: str = "sdpa"  # trainer.attention: what packed micro-batches compute attention with
 
     @property
     def weights_dtype(self) -> torch.dtype:
@@ -89,8 +98,11 @@ class Placement:
         return torch.float32 if self.master_fp32 else self.dtype
 
 
-def placement(*, dtype: str, master_fp32: bool, activation_checkpointing: bool) -> Placement:
-    """This process's placement: its device (trainer_device) and the config's precision."""
+def placement(*, dtype: str, master_fp32: bool, activation_checkpointing: bool,
+              attention: str = "sdpa") -> Placement:
+    """This process's placement: its device (trainer_device) and the config's precision and attention."""
     assert dtype in DTYPES, f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}"
-    return Placement(device=trainer_device(), dtype=DTYPES[dtype], master_fp32=master_fp32,
-                     activation_checkpointing=activation_checkpointing)
+    device = trainer_device()
+    attention_implementation(device, attention)  # refused here, before any model is read
+    return Placement(device=device, dtype=DTYPES[dtype], master_fp32=master_fp32,
+                     activation_checkpointing=activation_checkpointing, attention=attention)

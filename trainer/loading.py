@@ -50,9 +50,9 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
 
 
-def with_attention(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """`model` computing attention as the trainer does on `device` (devices.attention_implementation)."""
-    impl = attention_implementation(device)
+def with_attention(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
+    """`model` computing attention as the trainer does where `where` says (devices.attention_implementation)."""
+    impl = attention_implementation(where.device, where.attention)
     if impl is not None:
         model.set_attn_implementation(impl)
     return model
@@ -63,7 +63,7 @@ def placed_model(path: Path, where: Placement) -> torch.nn.Module:
     the ranks under torchrun), each rank reading only its own shards."""
     if distributed():
         safetensors_only(path)
-        return with_attention(sharded_from_meta(path, where), where.device)  # sharded as it is built
+        return with_attention(sharded_from_meta(path, where), where)  # sharded as it is built
     if where.device.type == "cuda":
         from transformers import AutoModelForCausalLM
 
@@ -72,7 +72,7 @@ def placed_model(path: Path, where: Placement) -> torch.nn.Module:
                                                      device_map={"": where.device})
     else:
         model = load_model(path, where.weights_dtype)
-    return parallelize(with_attention(model, where.device), device=where.device, compute_dtype=where.dtype,
+    return parallelize(with_attention(model, where), device=where.device, compute_dtype=where.dtype,
                        activation_checkpointing=where.activation_checkpointing)
 
 

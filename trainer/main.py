@@ -94,7 +94,7 @@ def start(config: Config) -> tuple[Run, Shutdown]:
     r = connect(config.redis_url, process="trainer")
     ensure_group(r, keys.samples, TRAINER_GROUP)
     where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32,
-                      activation_checkpointing=cfg.activation_checkpointing)
+                      activation_checkpointing=cfg.activation_checkpointing, attention=cfg.attention)
     model, optimizer, scheduler, step = resume(
         r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps,

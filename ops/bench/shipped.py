@@ -28,9 +28,11 @@ def honcho_command(tmp: Path, *, env: dict[str, str], processes: Sequence[str] =
     if not (tmp / ".venv").exists():
         if (ROOT / ".venv" / "bin" / "python").exists():
             (tmp / ".venv").symlink_to(ROOT / ".venv")
-        else:  # the Procfile's .venv/bin/python: this interpreter
+        else:  # the Procfile's .venv/bin/python: this interpreter (exec'd, not linked: a link to a
+            # virtual environment's python leaves that environment's packages behind)
             (tmp / ".venv" / "bin").mkdir(parents=True)
-            (tmp / ".venv" / "bin" / "python").symlink_to(sys.executable)
+            (tmp / ".venv" / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+            (tmp / ".venv" / "bin" / "python").chmod(0o755)
     (tmp / ".env").write_text("\n".join([
         f"REDIS_PORT={free_port()}",
         f"PYTHONPATH={os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH', '')]))}",
@@ -43,5 +45,8 @@ def honcho_command(tmp: Path, *, env: dict[str, str], processes: Sequence[str] =
 
 def process_env() -> dict[str, str]:
     """The environment to run `honcho_command` with: this one's without the variables the run's
-    .env sets (ops/honcho lets the shell's win over the file's)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_") and k != "REDIS_PORT"}
+    .env sets (ops/honcho lets the shell's win over the file's). PYTHONPATH too: the .env's puts the
+    checkout before this one's, and an interpreter without rollouts installed (a GPU host's) finds
+    its packages only there."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_") and k != "REDIS_PORT"}
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}

@@ -279,7 +279,7 @@ def build_model(shape: Shape, where: Placement, *, compile_backend: str | None) 
     model.to_empty(device=where.device)
     model.tie_weights()  # to_empty makes the head a tensor of its own
     model.initialize_weights()
-    model = place(with_attention(model, where.device), where)
+    model = place(with_attention(model, where), where)
     if compile_backend is not None:
         for layer in model.get_decoder().layers:
             layer.compile(backend=compile_backend)
@@ -358,7 +358,7 @@ def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, steps: int, compile_backend: str,
-                dtype: str | None = None) -> None:
+                dtype: str | None = None, attention: str | None = None) -> None:
     """One row into `out`: the trainer's steps, then the bare loop's on the same model with a fresh
     AdamW (each side's figures in `out` as soon as it is done: a bare loop that runs out of memory
     leaves the trainer's). `dtype`: model.dtype instead of configs/gsm8k.toml's (bfloat16)."""
@@ -370,10 +370,11 @@ def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, ste
     shape, layout = SHAPES[s.shape], LAYOUTS[s.layout]
     config = load_config(GSM8K, env={}, overrides={"trainer": {
         "activation_checkpointing": s.ac, "micro_batch_tokens": s.mb_tokens, "micro_batch_size": s.mb_size,
-        "master_fp32": s.master_fp32}, **({"model": {"dtype": dtype}} if dtype else {})})
+        "master_fp32": s.master_fp32, **({"attention": attention} if attention else {})},
+        **({"model": {"dtype": dtype}} if dtype else {})})
     cfg, cuda = config.trainer, device.type == "cuda"
     where = Placement(device=device, dtype=DTYPES[config.model.dtype], master_fp32=cfg.master_fp32,
-                      activation_checkpointing=cfg.activation_checkpointing)
+                      activation_checkpointing=cfg.activation_checkpointing, attention=cfg.attention)
     groups = synthetic_groups(layout, vocab=shape.vocab)
     model = build_model(shape, where, compile_backend=compile_backend if s.compile else None)
     out.update(attention=model.config._attn_implementation, precision=f"{config.model.dtype}" + (
@@ -524,7 +525,7 @@ def targets(rows: list[dict], *, device: str, dry_run: bool) -> list[dict]:
 
 def sweep(plan: list[Setting], *, device: torch.device, peak: float | None, warmup: int, steps: int,
           max_seconds: float, compile_backend: str, started: float, report: Callable[[list[dict]], None],
-          dtype: str | None = None) -> list[dict]:
+          dtype: str | None = None, attention: str | None = None) -> list[dict]:
     """Each setting of `plan` run (or skipped, with the reason) in turn; `report(rows)` after each."""
     import torch
 
@@ -548,7 +549,7 @@ def sweep(plan: list[Setting], *, device: torch.device, peak: float | None, warm
             t0 = time.monotonic()
             try:
                 run_setting(s, row, device=device, warmup=warmup, steps=steps, compile_backend=compile_backend,
-                            dtype=dtype)
+                            dtype=dtype, attention=attention)
             except torch.cuda.OutOfMemoryError as err:
                 side = "the bare loop" if "trainer" in row else "the trainer"
                 row.update(status="out of memory", reason=f"{side}: {str(err).splitlines()[0][:160]}")
@@ -594,6 +595,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, for a GPU ops/gpu_check.py lacks")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
                    help="model.dtype (default configs/gsm8k.toml's bfloat16; dry run float32: bf16 is slow on a CPU)")
+    p.add_argument("--attention", choices=["sdpa", "flex_attention"], default=None,
+                   help="trainer.attention (default configs/gsm8k.toml's); flex_attention on CUDA only")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for compile=on rows")
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="sweep these instead of the default plan")
     p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["packed16k"])
@@ -640,6 +643,7 @@ def sweep_and_report(args: argparse.Namespace, *, device: torch.device, started:
     def report(rows: list[dict], met: list[dict] | None = None) -> None:
         data = {"host": info, "peak_flops": peak, "argv": args.argv_line, "warmup": args.warmup, "steps": args.steps,
                 "dtype": args.dtype or "configs/gsm8k.toml's",
+                "attention": args.attention or "configs/gsm8k.toml's",
                 "max_seconds": args.max_seconds, "elapsed_s": time.monotonic() - started,
                 "layouts": {k: asdict(v) | {"row": v.row, "tokens": v.tokens} for k, v in LAYOUTS.items()},
                 "rows": rows, "targets": met, "fastest": fastest(rows)}
@@ -649,7 +653,8 @@ def sweep_and_report(args: argparse.Namespace, *, device: torch.device, started:
     print(f"trainer_gpu: {len(plan)} rows on {info['device']} ({device.type}), {args.warmup} warm-up + "
           f"{args.steps} timed steps a side, --max-seconds {args.max_seconds:g}", flush=True)
     rows = sweep(plan, device=device, peak=peak, warmup=args.warmup, steps=args.steps, max_seconds=args.max_seconds,
-                 compile_backend=args.compile_backend, started=started, report=report, dtype=args.dtype)
+                 compile_backend=args.compile_backend, started=started, report=report, dtype=args.dtype,
+                 attention=args.attention)
     met = targets(rows, device=info["device"], dry_run=args.dry_run)
     report(rows, met)
     print()
