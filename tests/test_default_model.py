@@ -44,3 +44,23 @@ def test_default_model_trains_two_steps(tmp_path, redis_url):
         assert max(moved.values()) >= lr / 2, moved
     else:
         assert max(moved.values()) == 0, moved
+
+
+def test_processes_preparing_the_model_at_once_get_one_whole_checkpoint(tmp_path):
+    """A generator and a trainer started together on a fresh cache both convert the GGUF: one
+    converts, the other waits for it, and both get the same whole checkpoint (with one scratch
+    folder between them, one removed the other's files mid-write)."""
+    import subprocess
+    import sys
+
+    code = "from common.models import prepare_default_model as p; print(p())"
+    env = {**__import__("os").environ, "ROLLOUTS_CACHE": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-2000:] for _, e in outs]
+    (path,) = {o.strip().splitlines()[-1] for o, _ in outs}
+    assert sum("converting" in o for o, _ in outs) == 1, outs  # one conversion, the others waited for it
+    weights = load_file(f"{path}/model.safetensors")
+    assert weights and all(t.isfinite().all() for t in weights.values())
+    assert not [p.name for p in (tmp_path / "cache" / "models").iterdir() if ".tmp" in p.name]
