@@ -27,7 +27,7 @@ from trainer.losses.grpo import loss as grpo_loss
 from trainer.losses.kl import kl_penalty
 from trainer.main import objective, train
 from trainer.run import Run
-from trainer.samples import Collected, cross_rank_duplicates
+from trainer.samples import Collected, cross_rank_duplicates, group_tokens
 from trainer.schedule import build_scheduler
 from trainer.step import GrpoOptions, train_step
 
@@ -249,11 +249,37 @@ def test_a_group_read_by_two_ranks_trains_once():
 
     ranks = [Collected(groups=[group("a"), group("b")], entry_ids=[b"1-0", b"2-0"]),
              Collected(groups=[group("b"), group("c")], entry_ids=[b"3-0", b"4-0"])]
-    everyone, mine = cross_rank_duplicates(ranks, rank=1)
+    everyone, _ = cross_rank_duplicates(ranks, rank=1)
     assert [[g.id for g in c.groups] for c in everyone] == [["a", "b"], ["c"]]
     assert everyone[1].duplicate == 1 and everyone[1].entry_ids == [b"3-0", b"4-0"]  # still acknowledged
-    assert [g.id for g in mine] == ["b", "c"]  # rank 1 keeps its rows for the collectives ...
-    assert all(sum(row.mask) == 0 for row in group_rows(mine[0]))  # ... but trains nothing of its copy
+    mine = [cross_rank_duplicates(ranks, rank=n)[1] for n in (0, 1)]
+    assert [len(m) for m in mine] == [2, 2]  # each rank keeps as many groups as it read, for the collectives ...
+    trained = [g.id for m in mine for g in m if any(sum(row.mask) for row in group_rows(g))]
+    assert sorted(trained) == ["a", "b", "c"]  # ... and the copy of b trains nothing
+    assert sorted(g.id for m in mine for g in m) == ["a", "b", "b", "c"]
+
+
+def test_the_steps_groups_are_dealt_to_the_ranks_by_tokens():
+    """Rank 0 read the two long groups, rank 1 the two short ones: each trains one of each, so that
+    neither waits for the other; each as many groups as it read, every group once, the same deal
+    on every rank."""
+
+    def group(gid: str, n: int) -> SampleGroup:
+        comps = [Completion(ids=[1] * n, logprobs=[-1.0] * n, reward=float(i % 2), rewards={}, finish="stop",
+                            text="") for i in range(2)]
+        return SampleGroup(id=gid, prompt_id=gid, prompt_ids=[1, 2], version=0, generator="t", engine="hf",
+                           completions=comps)
+
+    ranks = [Collected(groups=[group("long1", 300), group("long2", 280)]),
+             Collected(groups=[group("short1", 10), group("short2", 12)])]
+    mine = [cross_rank_duplicates(ranks, rank=n)[1] for n in (0, 1)]
+    assert [sorted(g.id for g in m) for m in mine] == [["long1", "short1"], ["long2", "short2"]]
+    tokens = [sum(group_tokens(g) for g in m) for m in mine]
+    assert max(tokens) - min(tokens) <= max(group_tokens(g) for c in ranks for g in c.groups)
+    assert mine == [cross_rank_duplicates(ranks, rank=n)[1] for n in (0, 1)]  # the same deal each time
+    three = ranks + [Collected(groups=[group("mid", 100)])]
+    dealt = [cross_rank_duplicates(three, rank=n)[1] for n in range(3)]
+    assert [len(m) for m in dealt] == [2, 2, 1]
 
 
 # --------------------------------------------------------------------------- configurations

@@ -192,16 +192,39 @@ def cross_rank_duplicates(everyone: list[Collected], rank: int) -> tuple[list[Co
     """Two copies of one group (two generators raced on a reclaimed prompt) read by two ranks in
     the same step: `everyone` with each group id kept at its first rank only (each dropped copy
     counts as a duplicate; its entry stays, to be acknowledged), and the groups rank `rank` trains
-    on, where a dropped copy stays with nothing to train on (every loss mask 0), so that every rank
-    keeps its rows for the step's collectives."""
+    on: every rank's groups dealt again by tokens (`balanced`), a dropped copy kept with nothing to
+    train on (every loss mask 0), so that every rank keeps as many groups as it read."""
     seen: set[str] = set()
-    out, mine = [], []
-    for n, got in enumerate(everyone):
+    out, trained = [], []
+    for got in everyone:
         keep = [g for g in got.groups if g.id not in seen]
         seen.update(g.id for g in keep)
         out.append(replace(got, groups=keep, duplicate=got.duplicate + len(got.groups) - len(keep)))
-        if n == rank:
-            kept = {id(g) for g in keep}
-            mine = [g if id(g) in kept else replace(g, completions=[
-                replace(c, loss_mask=[0] * len(c.ids)) for c in g.completions]) for g in got.groups]
-    return out, mine
+        kept = {id(g) for g in keep}
+        trained.append([g if id(g) in kept else replace(g, completions=[
+            replace(c, loss_mask=[0] * len(c.ids)) for c in g.completions]) for g in got.groups])
+    return out, balanced(trained)[rank]
+
+
+def group_tokens(group: SampleGroup) -> int:
+    """Positions `group` puts through the model: its prompt once, then its completions."""
+    return len(group.prompt_ids) + sum(len(c.ids) for c in group.completions)
+
+
+def balanced(read: list[list[SampleGroup]]) -> list[list[SampleGroup]]:
+    """The step's groups dealt to the ranks by tokens: each rank as many groups as it read (so that
+    every rank's mini-batches and passes line up), the longest group first to the rank with the
+    fewest tokens so far that still has room. The loss is normalised by the global token count, so
+    which rank trains a group does not change the update; what it changes is how long the slowest
+    rank takes. Every rank computes the same deal from the same gathered lists, in their order."""
+    if len(read) == 1:
+        return read
+    pool = sorted((g for groups in read for g in groups), key=group_tokens, reverse=True)  # stable: read order
+    room, tokens = [len(groups) for groups in read], [0] * len(read)
+    out: list[list[SampleGroup]] = [[] for _ in read]
+    for g in pool:
+        n = min((n for n in range(len(read)) if room[n]), key=lambda n: (tokens[n], n))
+        out[n].append(g)
+        room[n] -= 1
+        tokens[n] += group_tokens(g)
+    return out
