@@ -6,6 +6,7 @@ count is, so that adding tests or moving a file cannot leave the docs saying wha
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.marker_counts import PREFIX
 from tests.harness.processes import ROOT
 
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -23,14 +25,16 @@ TOP = ("common", "tasks", "engines", "envs", "producers", "generators", "trainer
 SLACK = 50  # "over N tests" stays true as tests are added; past N + SLACK it says too little
 
 
-def collected(marker: str) -> tuple[int, int]:
-    """(tests selected by `-m marker`, tests in the whole suite), as pytest collects them."""
+def collected() -> dict[str, int]:
+    """How many tests the whole suite holds ("total") and how many carry each marker, as pytest
+    collects them (one collection: tests/harness/marker_counts.py; `-m ""` lifts pyproject's
+    `-m 'not slow'`)."""
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          "-m", marker, "tests"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    tail = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
-    m = re.match(r"(\d+)(?:/(\d+))? tests? collected", tail)
-    assert out.returncode == 0 and m, f"pytest --collect-only -m {marker!r}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
-    return int(m[1]), int(m[2] or m[1])
+                          "-m", "", "-p", "tests.harness.marker_counts", "tests"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = [x for x in out.stdout.splitlines() if x.startswith(PREFIX)]
+    assert out.returncode == 0 and len(lines) == 1, f"pytest --collect-only:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+    return json.loads(lines[0][len(PREFIX):])
 
 
 def said(pattern: str, text: str, where: str) -> int:
@@ -41,9 +45,9 @@ def said(pattern: str, text: str, where: str) -> int:
 
 def test_the_readmes_test_counts_are_the_suites():
     text = (ROOT / "README.md").read_text()
-    slow, total = collected("slow")
-    gpu, _ = collected("gpu")
-    default = total - slow
+    counts = collected()
+    slow, gpu = counts.get("slow", 0), counts.get("gpu", 0)
+    default = counts["total"] - slow
     over = said(r"over (\d+) tests, \d+ of them skipped without a GPU", text, "README 'Tests'")
     assert over < default <= over + SLACK, f"the README says over {over} tests; the default suite has {default}"
     assert said(r"over \d+ tests, (\d+) of them skipped without a GPU", text, "README 'Tests'") == gpu, \

@@ -204,6 +204,7 @@ def written(r) -> set[str]:
     return {decode_group(fields[PAYLOAD]).prompt_id for _, fields in r.xrange(KEYS.samples)}
 
 
+@pytest.mark.slow  # two whole runs under ops/honcho (over a minute): the slow checks
 def test_ops_honcho_stopped_with_ctrl_c_and_started_again_resumes_the_run(tmp_path, tiny_model):
     steps = 8
     port = free_port()

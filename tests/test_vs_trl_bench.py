@@ -50,6 +50,7 @@ def test_times_to_accuracy_and_the_ratio_are_read_off_the_curves():
     assert vs_trl.time_to_accuracy(points)["ratio"] == {"rollouts": None}  # never reached TRL's final
 
 
+@pytest.mark.slow  # a timed run of the whole pipeline and its scoring (over a minute): the slow checks
 def test_a_short_run_of_rollouts_side_is_scored_from_its_launch(tmp_path, tiny_model):
     out = tmp_path / "result.json"
     proc = subprocess.run(
