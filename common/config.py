@@ -110,7 +110,8 @@ class _Task(_Section):
     # ... and each synthetic task's options, as its tasks/<name>.py `Options` declares them (TaskConfig).
 
 
-_REWARD_NAME = r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+# "module:function", or "model:PATH": a reward model's directory (common/reward_models.py).
+_REWARD_NAME = r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$|^model:.+$"
 
 
 # ---------------------------------------------------------------------- sources
@@ -145,7 +146,9 @@ class _Sampled(_Source):
     reward: str = Field("", pattern=_REWARD_NAME)
     # Several reward functions instead of `reward`, as TRL's GRPOConfig lists them: "module:function"
     # each, TRL's signature (prompts, completions, completion_ids, **columns -> list of float or
-    # None) or the per-completion one (common/rewards.py); the reward is their weighted sum.
+    # None) or the per-completion one (common/rewards.py); the reward is their weighted sum. An
+    # entry "model:PATH" is a reward model: a local sequence-classification model whose logits[:, 0]
+    # on prompt + completion is its value, as in TRL (common/reward_models.py).
     reward_funcs: list[Annotated[str, Field(pattern=_REWARD_NAME)]] = Field([])
     # One weight per reward_funcs entry; empty = 1.0 each (TRL's reward_weights).
     reward_weights: list[float] = Field([])

@@ -45,7 +45,11 @@ of the sum (TRL's rule), and of the components. The built-ins live beside their 
 e.g. "tasks.gsm8k:reward"). A function that raises or returns anything else (NaN, a string, a
 bool, a list of the wrong length) scores the completions it was given 0 with the error.
 
-The generator runs them in worker processes with a timeout (generators/scoring.py).
+An entry "model:PATH" is a reward model (common/reward_models.py): a sequence-classification model
+whose logits[:, 0] on prompt + completion is the reward, called as a TRL function is, once per group.
+
+The generator runs the functions in worker processes with a timeout, and its reward models itself
+(generators/scoring.py).
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from common import reward_models
 
 if TYPE_CHECKING:
     from common.messages import PromptTask
@@ -107,8 +113,11 @@ def conversational(source: Any) -> bool:
     return bool(getattr(source, "messages_column", "")) and bool(getattr(source, "chat", True))
 
 
-def load(name: str) -> RewardFn:
-    """The reward function `name` ("module:function") refers to; ValueError if there is none."""
+def load(name: str, *, dtype: str = "float32") -> RewardFn:
+    """The reward function `name` ("module:function") refers to, or the reward model of a "model:PATH"
+    (not loaded yet; its weights in `dtype` once they are); ValueError if there is none."""
+    if reward_models.is_model(name):
+        return reward_models.RewardModel(name, dtype=dtype)
     module_name, _, attr = name.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
@@ -145,14 +154,14 @@ def _refused(name: str, fn: RewardFn) -> str | None:
     return None
 
 
-def load_all(funcs: list[tuple[str, float]]) -> list[RewardFunc]:
-    """A source's reward functions from [("module:function", weight), ...]; ValueError naming the
-    one that does not load or needs an argument we do not pass, or two that would log under the
-    same name."""
+def load_all(funcs: list[tuple[str, float]], *, dtype: str = "float32") -> list[RewardFunc]:
+    """A source's reward functions from [("module:function" or "model:PATH", weight), ...]; ValueError
+    naming the one that does not load or needs an argument we do not pass, or two that would log
+    under the same name. `dtype`: its reward models' (`load`)."""
     assert funcs, "a source needs at least one reward function"
     loaded = []
     for name, weight in funcs:
-        fn = load(name)
+        fn = load(name, dtype=dtype)
         batched = is_batched(fn)
         why = _refused(name, fn) if batched else None
         if why is not None:
@@ -239,9 +248,9 @@ def _values(f: RewardFunc, values: Any, n: int) -> list[float | None] | str:
     return [None if v is None else float(v) for v in values]
 
 
-def _call_group(funcs: list[RewardFunc], *, prompt: str, messages: list[dict[str, str]] | None,
-                completions: list[tuple[str, list[int]]], meta: dict[str, Any],
-                state: TrainerState) -> dict[str, list[float | None] | str]:
+def call_group(funcs: list[RewardFunc], *, prompt: str, messages: list[dict[str, str]] | None,
+               completions: list[tuple[str, list[int]]], meta: dict[str, Any],
+               state: TrainerState) -> dict[str, list[float | None] | str]:
     """{name: value per completion (None: it has none for it), or the error} of the TRL functions
     among `funcs`: each called once, the async ones then awaited together."""
     out: dict[str, Any] = {}
@@ -258,14 +267,18 @@ def _call_group(funcs: list[RewardFunc], *, prompt: str, messages: list[dict[str
 
 
 def score_group(funcs: list[RewardFunc], *, prompt: str, messages: list[dict[str, str]] | None,
-                completions: list[tuple[str, list[int]]], meta: dict[str, Any],
-                state: TrainerState) -> Iterator[Result]:
+                completions: list[tuple[str, list[int]]], meta: dict[str, Any], state: TrainerState,
+                given: dict[str, list[float | None] | str] | None = None) -> Iterator[Result]:
     """(reward, components, error) per completion, in order, as each is scored: TRL functions are
     called once, before the first; per-completion ones for each completion. `messages`: the prompt's
     messages when its source is conversational (`conversational`), else None: TRL functions then
-    get `prompt` and the completions as text. `state`: TRL's `trainer_state`."""
-    group = _call_group([f for f in funcs if f.batched], prompt=prompt, messages=messages, completions=completions,
-                        meta=meta, state=state)
+    get `prompt` and the completions as text. `state`: TRL's `trainer_state`. `given`: the values
+    (`call_group`'s) of those TRL functions already called elsewhere, by name, which are not called
+    again: the generator's reward models, run in the generator beside its reward workers."""
+    given = given or {}
+    group = call_group([f for f in funcs if f.batched and f.name not in given], prompt=prompt, messages=messages,
+                       completions=completions, meta=meta, state=state)
+    group.update(given)
     for i, (text, ids) in enumerate(completions):
         reward, components, errors = 0.0, {}, []
         for f in funcs:

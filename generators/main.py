@@ -107,7 +107,7 @@ def run(config: Config, *, generator_id: str) -> None:
         open_engine_for, config, seed=gen.seed + zlib.crc32(generator_id.encode())).result()
     check_templates(engine, specs)
     rewards = RewardRunner(names, timeout_s=gen.reward_timeout_s, workers=gen.reward_workers,
-                           conversational=conversational_sources(config))
+                           conversational=conversational_sources(config), dtype=config.model.dtype)
     envs = EnvRunner([s.name for s in specs.values()], workers=gen.env_workers) if specs else None
     state = State()
     print(f"{name}: {engine.name} engine on {engine.path}{f' (GPU {gpu})' if gpu else ''}, "

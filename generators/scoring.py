@@ -9,18 +9,28 @@ started goes too), and replaced; the completion gets reward 0.0 with the error
 
 Protocol, one duplex pipe per worker: the worker says ("ready", None) once it has loaded its
 reward functions (or ("failed", why)); then the parent sends one prompt's group as
-(source, prompt, messages, meta, [(text, ids), ...], version) and the worker answers one (reward,
+(source, prompt, messages, meta, [(text, ids), ...], version, given) and the worker answers one (reward,
 components, error) per completion, in order, as each is scored. Each completion has its own budget
 of `timeout_s`, counted from when the worker could start on it: the request sent, or the previous
 result received. A source with a TRL reward function (called once for the whole group, before the
 first result) gives the first result the group's budget, `timeout_s` x (completions + 1); when that
 runs out, every completion left gets the timeout error. A worker's start-up (imports) is not counted.
+`given` holds the group's reward-model values (below), {name: value per completion, or the error}.
 
 The functions are loaded in the workers from their "module:function" names and weights, which come
 from the config at start-up; a request only says which source's reward to use. Whether TRL functions
 get a source's prompt and completions as messages or as text is the source's format
 (`conversational_sources`, common/rewards.py says why): the runner sends a prompt's messages only
 for a conversational source, and the weight version the group was sampled with.
+
+Reward models ("model:PATH" entries, common/reward_models.py) run in the generator itself, not in
+the workers: one copy per generator on its device, loaded on the first group that needs it, one
+thread running them, each group in one batch before its functions are sent to a worker (their
+values travel with the request, so the worker sums them with the functions'). A model's call has
+the group's budget, `timeout_s` x (completions + 1), its loading not counted; past it, or when it
+raises or cannot be loaded, every completion of the group gets the error, as a TRL function's
+failure gives. A call that overran cannot be killed (it is the generator's own thread): the next
+group's model call waits for it.
 
 Workers are daemonic (they end with the generator; a reward cannot itself start multiprocessing
 children, subprocesses are fine), run in their own process group (a Ctrl-C at the terminal reaches
@@ -32,12 +42,14 @@ RewardRunner keeps its work under `if __name__ == "__main__":`; `python -m gener
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from common import rewards
+from common import reward_models, rewards
 from generators import processes
 
 if TYPE_CHECKING:
@@ -83,31 +95,36 @@ def trl_formats(config: Config) -> list[str]:
     """One line per source with TRL reward functions: what they get, messages or text, and why."""
     lines = []
     for source in config.sources:
-        trl = [n for n, _ in source.reward_functions if rewards.is_batched(rewards.load(n))]
+        models = [n for n, _ in source.reward_functions if reward_models.is_model(n)]
+        trl = [n for n, _ in source.reward_functions if n not in models and rewards.is_batched(rewards.load(n))]
         if trl:
             how = ("as messages (its rows hold messages)" if rewards.conversational(source) else
                    "as text (its prompt is text; a messages_column source gives messages)")
             lines.append(f"source {source.name}: TRL reward functions {', '.join(trl)} get prompts and "
                          f"completions {how}")
+        if models:
+            how = ("the conversation under each model's chat template" if rewards.conversational(source) else
+                   "prompt + completion as text")
+            lines.append(f"source {source.name}: reward models {', '.join(models)} score {how}")
     return lines
 
 
 # ---------------------------------------------------------------------- the worker process
 
 
-def _load(names: Names) -> dict[str, list[rewards.RewardFunc]]:
-    return {source: rewards.load_all(_funcs(spec)) for source, spec in names.items()}
+def _load(names: Names, dtype: str = "float32") -> dict[str, list[rewards.RewardFunc]]:
+    return {source: rewards.load_all(_funcs(spec), dtype=dtype) for source, spec in names.items()}
 
 
 def _serve(fns: dict[str, list[rewards.RewardFunc]], conn: Connection) -> None:
     """Score groups until the pipe closes."""
     while True:
         try:
-            source, prompt, messages, meta, completions, version = conn.recv()
+            source, prompt, messages, meta, completions, version, given = conn.recv()
         except EOFError:  # the generator closed the pipe, or is gone
             return
         for result in rewards.score_group(fns[source], prompt=prompt, messages=messages, completions=completions,
-                                          meta=meta, state=rewards.TrainerState(global_step=version)):
+                                          meta=meta, state=rewards.TrainerState(global_step=version), given=given):
             conn.send(result)
 
 
@@ -130,18 +147,21 @@ class RewardRunner:
     """
 
     def __init__(self, names: Names, *, timeout_s: float, workers: int,
-                 conversational: frozenset[str] = frozenset()) -> None:
+                 conversational: frozenset[str] = frozenset(), dtype: str = "float32") -> None:
         """names: {source name: "module:function" or [("module:function", weight), ...]}.
         conversational: the sources whose TRL functions get messages (`conversational_sources`).
         workers=0: run in this process, no timeout (for tests and debugging). A name that does not
-        load raises ValueError; a worker that cannot load them raises RuntimeError."""
+        load raises ValueError; a worker that cannot load them raises RuntimeError. dtype: the
+        reward models' ("model:PATH" entries, run in this process), the generator's model dtype."""
         assert timeout_s > 0, f"timeout_s must be positive, got {timeout_s}"
         assert workers >= 0, f"workers must be >= 0, got {workers}"
         self._names = dict(names)
         self._conversational = frozenset(conversational)
-        self._fns = _load(self._names)  # loaded here too, to fail fast
+        self._fns = _load(self._names, dtype)  # loaded here too, to fail fast; its reward models run here
         self._timeout_s = timeout_s
         self._in_process = workers == 0
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-model") if any(
+            self._models(key) for key in self._fns) else None
         self._closed = False
         self._pool = processes.WorkerPool(_worker, (self._names,), workers=workers, kind="reward",
                                           loads="its rewards")
@@ -174,14 +194,17 @@ class RewardRunner:
             return []
         if key not in self._conversational:
             messages = None
-        if self._in_process:
+        state = rewards.TrainerState(global_step=version)
+        given = self._model_values(key, prompt=prompt, messages=messages, completions=completions, meta=meta,
+                                   state=state)
+        if self._in_process or len(given) == len(self._fns[key]):  # nothing left for a worker: models only
             return [Scored(*r) for r in rewards.score_group(self._fns[key], prompt=prompt, messages=messages,
-                                                            completions=completions, meta=meta,
-                                                            state=rewards.TrainerState(global_step=version))]
+                                                            completions=completions, meta=meta, state=state,
+                                                            given=given)]
         slot = _Slot(self._pool.take())  # blocks while every worker is busy
         try:
             return self._run(slot, key, prompt=prompt, messages=messages, completions=completions, meta=meta,
-                             version=version)
+                             version=version, given=given)
         finally:
             self._pool.give(slot.worker)
 
@@ -189,6 +212,8 @@ class RewardRunner:
         """Kill every worker. Call it once no `score` is running; `score` afterwards is an error."""
         self._closed = True
         self._pool.close()
+        if self._model_thread is not None:
+            self._model_thread.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> RewardRunner:
         return self
@@ -198,12 +223,44 @@ class RewardRunner:
 
     # ------------------------------------------------------------------ internals
 
+    def _models(self, source: str) -> list[rewards.RewardFunc]:
+        return [f for f in self._fns[source] if isinstance(f.fn, reward_models.RewardModel)]
+
+    def _model_values(self, source: str, *, prompt: str, messages: list[dict[str, str]] | None,
+                      completions: list[tuple[str, list[int]]], meta: dict[str, Any],
+                      state: rewards.TrainerState) -> dict[str, list[float | None] | str]:
+        """{name: value per completion, or the error} of the source's reward models, each run on the
+        whole group in this process's model thread within the group's budget (no budget in-process)."""
+        out: dict[str, list[float | None] | str] = {}
+        for f in self._models(source):
+            assert isinstance(f.fn, reward_models.RewardModel)
+            try:
+                f.fn.load()  # the first group's wait for the weights is not counted in its budget
+            except RuntimeError as err:
+                out[f.name] = str(err)
+                continue
+            call = partial(rewards.call_group, [f], prompt=prompt, messages=messages, completions=completions,
+                           meta=meta, state=state)
+            if self._in_process:
+                out.update(call())
+                continue
+            assert self._model_thread is not None
+            budget = self._timeout_s * (len(completions) + 1)
+            future = self._model_thread.submit(call)
+            try:
+                out.update(future.result(timeout=budget))
+            except FutureTimeout:
+                future.cancel()  # still queued behind an overrunning call: never run it
+                out[f.name] = f"{f.name}: timeout after {budget:g} s"
+        return out
+
     def _run(self, slot: _Slot, source: str, *, prompt: str, messages: list[dict[str, str]] | None,
-             completions: list[tuple[str, list[int]]], meta: dict[str, Any], version: int) -> list[Scored]:
+             completions: list[tuple[str, list[int]]], meta: dict[str, Any], version: int,
+             given: dict[str, list[float | None] | str]) -> list[Scored]:
         """The group's results from the slot's worker, replacing it when it times out or dies and
-        going on with the rest of the group on the replacement."""
+        going on with the rest of the group on the replacement. `given`: the reward models' values."""
         results: list[Scored] = []
-        batched = any(f.batched for f in self._fns[source])
+        batched = any(f.batched and f.name not in given for f in self._fns[source])
         while len(results) < len(completions):
             worker = slot.worker
             failed = self._pool.await_ready(worker)
@@ -211,7 +268,8 @@ class RewardRunner:
                 slot.worker = self._pool.replace(worker)
                 return results + [Scored(0.0, {}, failed) for _ in completions[len(results):]]
             try:
-                worker.conn.send((source, prompt, messages, meta, completions[len(results):], version))
+                rest = {name: v if isinstance(v, str) else v[len(results):] for name, v in given.items()}
+                worker.conn.send((source, prompt, messages, meta, completions[len(results):], version, rest))
             except OSError:  # it died while idle (killed from outside): a fresh one takes the group
                 slot.worker = self._pool.replace(worker)
                 continue
