@@ -201,7 +201,7 @@ def test_gpu_memory_is_read_by_gpu_and_by_process_from_nvidia_smi(tmp_path):
 # What the GPU hosts this project is lent hold of rollouts' dependencies (docs/gpu.md): the kit
 # brings the rest.
 HOST_HAS = {"torch", "transformers", "safetensors", "accelerate", "peft", "numpy", "matplotlib", "xxhash", "msgpack",
-            "jinja2"}
+            "jinja2", "pyarrow"}
 
 
 def test_ops_gpu_kit_brings_every_dependency_such_a_host_lacks_and_a_redis_server_that_serves(tmp_path):

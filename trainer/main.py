@@ -5,7 +5,8 @@ where the newest saved state left off (`resume` in trainer/checkpoints.py). Each
 this rank's share of groups (trainer/samples.py), updates the policy on them (trainer/step.py),
 publishes the weights every `sync_every` steps, saving the trainer state and acknowledging the
 groups trained since every `state_every` (trainer/publishing.py, trainer/checkpoints.py), and
-records the step's metrics (trainer/metrics.py, written out by trainer/tracking.py). Before a step
+records the step's metrics (trainer/metrics.py, written out by trainer/tracking.py); rank 0 keeps
+the step's groups in the run's history (common/history.py, written by its own thread). Before a step
 and while it waits for groups, the trainer puts right what went wrong around it (trainer/repairs.py).
 
 With `trainer.objective = "sft"` the steps are supervised instead: cross-entropy on the loss-masked
@@ -26,6 +27,7 @@ admit against `version`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -34,12 +36,14 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from common.config import Config, ConfigError, RolloutConfig, TrainerConfig
+from common.history import HistoryWriter, history_dir
 from common.keys import TRAINER_GROUP, Keys
 from common.messages import SampleGroup
 from common.models import resolve_model_path
 from common.process import stop_grace_s
 from common.progress import count_skipped, read_gone_back, read_trainer
 from common.quarantine import read_quarantines
+from common.shaping import completion_advantages
 from common.streams import connect, ensure_group
 from trainer.checkpoints import remove_unfinished, resume
 from trainer.devices import Placement, placement
@@ -107,12 +111,23 @@ def start(config: Config) -> tuple[Run, Shutdown]:
               tracker=Tracker(r, config) if rank == 0 else None, record=record,
               judge=Judge(cfg.quarantine, bound_of(cfg.quarantine, config.model.dtype))
               if rank == 0 and cfg.quarantine.after and cfg.objective != "sft" else None,
-              sender=Sender(r, keys, cfg, device=where.device) if rank == 0 and cfg.weight_transfer != "disk" else None)
+              sender=Sender(r, keys, cfg, device=where.device) if rank == 0 and cfg.weight_transfer != "disk" else None,
+              history=HistoryWriter(history_dir(config.output_dir), advantages=advantages_of(cfg))
+              if rank == 0 else None)
     note_going_back(run)
     say(f"trainer: run {config.run!r}, model {source_dir}, step {run.step}, "
         f"{rollout.prompts_per_step} groups per step, {world} rank(s) on {where.device.type}, "
         f"{config.model.dtype}{' (float32 master weights)' if where.weights_dtype != where.dtype else ''}")
     return run, shutdown
+
+
+def advantages_of(cfg: TrainerConfig) -> Callable[[SampleGroup], list[float | None]]:
+    """Each completion's advantage as the step computes it (trainer/batch.py), for the history;
+    sft steps have none."""
+    if cfg.objective == "sft":
+        return lambda group: [None] * len(group.completions)
+    return partial(completion_advantages, estimator=cfg.advantage, overlong=cfg.overlong,
+                   overlong_penalty=cfg.overlong_penalty)
 
 
 def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, where: Placement) -> Update:
@@ -159,6 +174,8 @@ def take_step(run: Run, shutdown: Shutdown) -> bool:
     publish_if_due(run, last=any_rank(shutdown.requested) or (max_steps > 0 and run.step >= max_steps))
     publish_s = time.monotonic() - t_publish
     shutdown.step_ended()
+    if run.history is not None:  # written by its own thread, off the step's path
+        run.history.add(run.step, all_groups)
     if run.tracker is not None:
         metrics = step_record(run.r, run.keys, everyone, stats, step=run.step, version=run.version, lr=lr,
                               staleness=staleness, sft=run.sft, t_step=t_step, train_s=train_s, publish_s=publish_s,
@@ -209,5 +226,9 @@ def wind_up(run: Run) -> None:
         run.tracker.close()
     if run.sender is not None:
         run.sender.close()
+    if run.history is not None:
+        run.history.close()
+        if run.history.lost:
+            say(f"trainer: the groups of {run.history.lost} step(s) are not kept in {run.history.root}")
     say(f"trainer: stopped at step {run.step}")
     finish()

@@ -11,6 +11,7 @@ import redis
 import torch
 
 from common.config import Config
+from common.history import HistoryWriter
 from common.keys import Keys
 from trainer.quarantine import Judge
 from trainer.record import Record
@@ -50,6 +51,7 @@ class Run:
     record: Record = field(default_factory=lambda: Record(step=0, version=0, state_step=0, groups_trained=0))
     judge: Judge | None = None  # rank 0's judgement of the generators (None: other ranks, or no quarantine)
     sender: Sender | None = None  # rank 0's end of the weights broadcast (trainer.weight_transfer; None: disk)
+    history: HistoryWriter | None = None  # rank 0's keeper of every trained group (common/history.py); None: others
 
     @property
     def sft(self) -> bool:

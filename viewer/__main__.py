@@ -1,6 +1,7 @@
-"""`rollouts view [--config FILE ...] [--port N] [--recording FILE] [--metrics FILE]`: serve a local
-page over the run's sample groups (its samples stream, or a recording), each completion's tokens
-coloured by advantage or behaviour log-prob, until Ctrl-C."""
+"""`rollouts view [--config FILE ...] [--port N] [--recording FILE] [--metrics FILE] [--history DIR]`:
+serve a local page over the run's sample groups (its samples stream and the history of every group
+it trained, or a recording), each completion's tokens coloured by advantage or behaviour log-prob,
+until Ctrl-C."""
 
 import argparse
 import signal
@@ -23,6 +24,8 @@ def flags(parser: argparse.ArgumentParser) -> None:
                         help="show the groups of a recording (`rollouts record`) instead of the samples stream")
     parser.add_argument("--metrics", metavar="FILE",
                         help="the trainer's metrics.jsonl, for the steps (default: the config's output_dir's)")
+    parser.add_argument("--history", metavar="DIR",
+                        help="the trainer's history of trained groups (default: the config's output_dir/history)")
     parser.add_argument("--newest", type=int, default=1000, metavar="N",
                         help="entries of the samples stream read, newest first (default: 1000)")
 
@@ -67,6 +70,7 @@ def main(config: Config, args: argparse.Namespace) -> None:
     import redis
     import uvicorn
 
+    from common.history import history_dir
     from common.keys import Keys
     from common.recording import RecordingError, read_recording
     from common.streams import connect, redacted
@@ -81,7 +85,7 @@ def main(config: Config, args: argparse.Namespace) -> None:
             loaded = from_recording(Path(args.recording), limits=config.limits)
         except RecordingError as err:
             raise Stop(str(err)) from None
-        load, run, recorded = (lambda: loaded), header.run, header.model
+        load, run, recorded, history = (lambda: loaded), header.run, header.model, None
     else:
         try:
             r = connect(config.redis_url, wait_s=2.0, retry_s=5.0)
@@ -93,8 +97,10 @@ def main(config: Config, args: argparse.Namespace) -> None:
         keys = Keys(config.run)
         load, run, recorded = (lambda: from_stream(r, keys, newest=args.newest, limits=config.limits)), config.run, None
         load()  # Redis reachable, the run's stream readable: said now, not on the first request
+        history = Path(args.history) if args.history else history_dir(config.output_dir)
     metrics = Path(args.metrics) if args.metrics else config.metrics_path
-    app = make_app(load=load, tokenizer=tokenizer_of(config, recorded), how=how, metrics=metrics, run=run)
+    app = make_app(load=load, tokenizer=tokenizer_of(config, recorded), how=how, metrics=metrics, run=run,
+                   history=history)
 
     sock = listening(args.host, args.port)  # before the address is printed: a request sent at once waits
 

@@ -1,9 +1,12 @@
 """The page: one Starlette route rendering a Jinja2 template, its filters as query parameters.
 
-    GET /?step=N&version=N&generator=NAME&min_reward=X&max_reward=X&limit=N&colour=advantage|logprob
+    GET /?step=N&min_step=N&max_step=N&version=N&generator=NAME&min_reward=X&max_reward=X&limit=N
+         &colour=advantage|logprob
 
-Each request reads the groups afresh (a live run's stream moves on; a recording is read once) and
-the trainer's metrics.jsonl where there is one (the steps, and which groups each trained).
+Each request reads the groups afresh (a live run's stream moves on; a recording is read once), the
+run's history of trained groups where there is one (those the stream no longer holds, read with the
+filters applied), and the trainer's metrics.jsonl where there is one (the steps, and which groups
+each trained).
 """
 
 from __future__ import annotations
@@ -21,7 +24,17 @@ from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 
 from common.metrics import StepMetrics, read_metrics
-from viewer.groups import Advantages, Filters, GroupView, Loaded, chosen, group_view, legend, trained_steps
+from viewer.groups import (
+    Advantages,
+    Filters,
+    GroupView,
+    Loaded,
+    chosen,
+    group_view,
+    legend,
+    trained_steps,
+    with_history,
+)
 
 TEMPLATES = Path(__file__).parent / "templates"
 COLOURS = ("advantage", "logprob")  # what tokens are coloured by
@@ -60,7 +73,8 @@ def filters(query: dict[str, str]) -> Filters:
     limit = number("limit", int)
     if limit is not None and limit < 1:
         raise BadQuery(f"limit={limit}: expected at least 1")
-    return Filters(step=number("step", int), version=number("version", int),
+    return Filters(step=number("step", int), min_step=number("min_step", int), max_step=number("max_step", int),
+                   version=number("version", int),
                    generator=query.get("generator", "").strip() or None, min_reward=number("min_reward", float),
                    max_reward=number("max_reward", float), limit=limit or Filters.limit)
 
@@ -78,9 +92,10 @@ def metrics_of(path: Path | None) -> tuple[list[StepMetrics], str | None]:
 
 
 def make_app(*, load: Callable[[], Loaded], tokenizer: Any, how: Advantages, metrics: Path | None,
-             run: str) -> Starlette:
-    """The viewer's web app: `load` gives the groups (called once per request), `tokenizer` decodes
-    them (None: tokens shown by id), `how` is how the trainer computes advantages."""
+             run: str, history: Path | None = None) -> Starlette:
+    """The viewer's web app: `load` gives the groups (called once per request), `history` the run's
+    trained groups beyond them (common/history.py; None: none), `tokenizer` decodes them (None:
+    tokens shown by id), `how` is how the trainer computes advantages."""
     templates = Jinja2Templates(directory=TEMPLATES)
     views = Views()
 
@@ -95,8 +110,10 @@ def make_app(*, load: Callable[[], Loaded], tokenizer: Any, how: Advantages, met
             loaded = load()
         except redis.exceptions.ConnectionError as err:  # Redis went away while the page is up
             return PlainTextResponse(f"rollouts view: cannot read the samples stream: {err}\n", status_code=503)
+        if history is not None:
+            loaded = with_history(loaded, history, f)
         steps, no_steps = metrics_of(metrics)
-        trained = trained_steps(steps)
+        trained = {**trained_steps(steps), **loaded.steps}
         shown = [(views.of(eid, g, tokenizer=tokenizer, how=how), trained.get(g.id))
                  for eid, g in chosen(loaded.groups, f, trained)]
         return templates.TemplateResponse(request, "page.html", {

@@ -1,8 +1,8 @@
-"""A run's sample groups as the page shows them: where they are read from (the samples stream, a
-recording), which of them a filter keeps, and each one laid out for the page: its completions'
-tokens decoded one by one, the advantage each completion trains with (common.shaping, as the
-trainer computes it), an episode split into the model's turns and the environment's, and the
-colour of every token.
+"""A run's sample groups as the page shows them: where they are read from (the samples stream, the
+run's history of trained groups once the stream has moved on, a recording), which of them a filter
+keeps, and each one laid out for the page: its completions' tokens decoded one by one, the
+advantage each completion trains with (common.shaping, as the trainer computes it), an episode
+split into the model's turns and the environment's, and the colour of every token.
 
 A run stores no per-token log-probs of the trainer: the behaviour log-probs (the generator's) are
 on every completion, and the trainer's mismatch against them is a per-step figure
@@ -12,13 +12,14 @@ log-prob; the mismatch is shown per step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
 
 from common.config import LimitsConfig
+from common.history import mean_reward, read_history
 from common.keys import PAYLOAD, Keys
 from common.messages import MessageError, SampleGroup, token_versions
 from common.metrics import StepMetrics
@@ -33,6 +34,7 @@ class Loaded:
     groups: list[tuple[str, SampleGroup]]  # (entry id, group), oldest first
     undecodable: int  # entries that did not decode as a group (the trainer dead-letters them)
     source: str  # what they were read from, as the page names it
+    steps: dict[str, int] = field(default_factory=dict)  # group id -> the step that trained it, as the history says
 
 
 def from_stream(r: redis.Redis, keys: Keys, *, newest: int, limits: LimitsConfig) -> Loaded:
@@ -62,6 +64,23 @@ def from_recording(path: Path, *, limits: LimitsConfig) -> Loaded:
     return Loaded(groups=groups, undecodable=bad, source=f"recording {path}")
 
 
+HISTORY_ENTRY = "history"  # the entry of a group read from the history: the stream no longer holds it
+
+
+def with_history(loaded: Loaded, root: Path, f: Filters) -> Loaded:
+    """`loaded` (the stream's newest entries) and, before them, the newest `f.limit` groups of the
+    run's history under `root` (common/history.py) that pass `f` and are not in `loaded`: every
+    group the trainer trained is found once the stream has been trimmed of it."""
+    present = {g.id for _, g in loaded.groups}
+    lo = max([x for x in (f.step, f.min_step) if x is not None], default=None)
+    hi = min([x for x in (f.step, f.max_step) if x is not None], default=None)
+    kept = read_history(root, min_step=lo, max_step=hi, version=f.version, generator=f.generator,
+                        min_reward=f.min_reward, max_reward=f.max_reward, newest=f.limit, skip=present)
+    return Loaded(groups=[(HISTORY_ENTRY, t.group) for t in kept] + loaded.groups, undecodable=loaded.undecodable,
+                  source=f"{loaded.source} and the run's history in {root}" if kept else loaded.source,
+                  steps={t.group.id: t.step for t in kept})
+
+
 def trained_steps(steps: list[StepMetrics]) -> dict[str, int]:
     """Group id -> the trainer step that trained it (metrics.jsonl's group_ids)."""
     return {gid: m.step for m in steps for gid in m.group_ids}
@@ -72,7 +91,9 @@ def trained_steps(steps: list[StepMetrics]) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Filters:
-    step: int | None = None  # trained in this trainer step (needs the metrics)
+    step: int | None = None  # trained in this trainer step (needs the metrics or the history)
+    min_step: int | None = None  # trained in this step or later
+    max_step: int | None = None  # ... in this step or earlier
     version: int | None = None  # sampled with this weight version
     generator: str | None = None  # written by this generator
     min_reward: float | None = None  # the group's mean reward at least this
@@ -80,15 +101,14 @@ class Filters:
     limit: int = 20  # newest groups shown
 
 
-def mean_reward(group: SampleGroup) -> float:
-    return sum(c.reward for c in group.completions) / len(group.completions)
-
-
 def chosen(groups: list[tuple[str, SampleGroup]], f: Filters, steps: dict[str, int]) -> list[tuple[str, SampleGroup]]:
     """The newest `f.limit` groups that pass every filter set, newest first."""
     out = []
     for eid, g in reversed(groups):
-        if ((f.step is None or steps.get(g.id) == f.step) and (f.version is None or g.version == f.version)
+        step = steps.get(g.id)
+        if ((f.step is None or step == f.step) and (f.min_step is None or (step is not None and step >= f.min_step))
+                and (f.max_step is None or (step is not None and step <= f.max_step))
+                and (f.version is None or g.version == f.version)
                 and (f.generator is None or g.generator == f.generator)
                 and (f.min_reward is None or mean_reward(g) >= f.min_reward)
                 and (f.max_reward is None or mean_reward(g) <= f.max_reward)):
