@@ -15,6 +15,30 @@ from tests.harness.processes import ROOT
 from tests.harness.servers import free_port, start_redis
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_process_group_left_behind():
+    """An in-process vLLM engine makes this process a one-rank torch.distributed group and leaves
+    it: a later module on the same worker would then see the trainer's code sharding at world size
+    1 (DTensors where a test expects plain tensors). Each module's group, whoever made it, goes
+    with the module (after its own fixtures: this one is set up first, so torn down last)."""
+    yield
+    import sys
+
+    if "torch" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if "vllm" in sys.modules:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def redis_url(tmp_path):
     """URL of a fresh, real redis-server (appendonly on) that lives for one test."""
