@@ -110,8 +110,9 @@ class _Task(_Section):
     # ... and each synthetic task's options, as its tasks/<name>.py `Options` declares them (TaskConfig).
 
 
-# "module:function", or "model:PATH": a reward model's directory (common/reward_models.py).
-_REWARD_NAME = r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$|^model:.+$"
+# "module:function", "model:PATH": a reward model's directory (common/reward_models.py), or
+# "judge:PATH?parser=...": an LLM judge (common/judges.py).
+_REWARD_NAME = r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$|^model:.+$|^judge:.+$"
 
 
 # ---------------------------------------------------------------------- sources
@@ -148,7 +149,9 @@ class _Sampled(_Source):
     # each, TRL's signature (prompts, completions, completion_ids, **columns -> list of float or
     # None) or the per-completion one (common/rewards.py); the reward is their weighted sum. An
     # entry "model:PATH" is a reward model: a local sequence-classification model whose logits[:, 0]
-    # on prompt + completion is its value, as in TRL (common/reward_models.py).
+    # on prompt + completion is its value, as in TRL (common/reward_models.py). An entry
+    # "judge:PATH?parser=yesno|score10|boxed[&template=NAME_OR_FILE]" is an LLM judge: a local
+    # causal LM's greedy answer about each completion, parsed (common/judges.py).
     reward_funcs: list[Annotated[str, Field(pattern=_REWARD_NAME)]] = Field([])
     # One weight per reward_funcs entry; empty = 1.0 each (TRL's reward_weights).
     reward_weights: list[float] = Field([])

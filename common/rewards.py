@@ -47,6 +47,9 @@ bool, a list of the wrong length) scores the completions it was given 0 with the
 
 An entry "model:PATH" is a reward model (common/reward_models.py): a sequence-classification model
 whose logits[:, 0] on prompt + completion is the reward, called as a TRL function is, once per group.
+An entry "judge:PATH?parser=..." is an LLM judge (common/judges.py): a causal LM's greedy answer
+about each completion, parsed into its value, called once per group too; an answer that does not
+parse is that completion's error.
 
 The generator runs the functions in worker processes with a timeout, and its reward models itself
 (generators/scoring.py).
@@ -62,7 +65,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from common import reward_models
+from common import judges, reward_models
 
 if TYPE_CHECKING:
     from common.messages import PromptTask
@@ -118,6 +121,8 @@ def load(name: str, *, dtype: str = "float32") -> RewardFn:
     (not loaded yet; its weights in `dtype` once they are); ValueError if there is none."""
     if reward_models.is_model(name):
         return reward_models.RewardModel(name, dtype=dtype)
+    if judges.is_judge(name):
+        return judges.Judge(name, dtype=dtype)
     module_name, _, attr = name.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
@@ -238,20 +243,22 @@ def _group_kwargs(f: RewardFunc, *, prompt: str, messages: list[dict[str, str]] 
     return kwargs
 
 
-def _values(f: RewardFunc, values: Any, n: int) -> list[float | None] | str:
-    """A TRL function's value per completion, or why what it returned is not that."""
+def _values(f: RewardFunc, values: Any, n: int) -> list[float | None | str] | str:
+    """A TRL function's value per completion, or why what it returned is not that. A judge's value may
+    be a string: that completion's error (its answer did not parse; common/judges.py)."""
     if isinstance(values, BaseException):
         return _error(values, f.name)
+    errors = getattr(f.fn, "errors_per_completion", False)
     if not isinstance(values, list | tuple) or len(values) != n or not all(
-            v is None or _finite_number(v) for v in values):
+            v is None or _finite_number(v) or (errors and isinstance(v, str)) for v in values):
         return f"{f.name} returned {values!r:.200}, expected a list of {n} finite numbers or None"
-    return [None if v is None else float(v) for v in values]
+    return [v if v is None or isinstance(v, str) else float(v) for v in values]
 
 
 def call_group(funcs: list[RewardFunc], *, prompt: str, messages: list[dict[str, str]] | None,
                completions: list[tuple[str, list[int]]], meta: dict[str, Any],
-               state: TrainerState) -> dict[str, list[float | None] | str]:
-    """{name: value per completion (None: it has none for it), or the error} of the TRL functions
+               state: TrainerState) -> dict[str, list[float | None | str] | str]:
+    """{name: value per completion (None: it has none for it; a string: its error), or the error} of the TRL functions
     among `funcs`: each called once, the async ones then awaited together."""
     out: dict[str, Any] = {}
     for f in funcs:
@@ -268,7 +275,7 @@ def call_group(funcs: list[RewardFunc], *, prompt: str, messages: list[dict[str,
 
 def score_group(funcs: list[RewardFunc], *, prompt: str, messages: list[dict[str, str]] | None,
                 completions: list[tuple[str, list[int]]], meta: dict[str, Any], state: TrainerState,
-                given: dict[str, list[float | None] | str] | None = None) -> Iterator[Result]:
+                given: dict[str, list[float | None | str] | str] | None = None) -> Iterator[Result]:
     """(reward, components, error) per completion, in order, as each is scored: TRL functions are
     called once, before the first; per-completion ones for each completion. `messages`: the prompt's
     messages when its source is conversational (`conversational`), else None: TRL functions then
@@ -284,8 +291,8 @@ def score_group(funcs: list[RewardFunc], *, prompt: str, messages: list[dict[str
         for f in funcs:
             if f.batched:
                 values = group[f.name]
-                if isinstance(values, str):
-                    errors.append(values)
+                if isinstance(values, str) or isinstance(values[i], str):  # the group's or this one's error
+                    errors.append(values if isinstance(values, str) else values[i])
                     continue
                 parts = {} if values[i] is None else {f.name: values[i]}
             else:

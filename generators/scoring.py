@@ -31,6 +31,9 @@ the group's budget, `timeout_s` x (completions + 1), its loading not counted; pa
 raises or cannot be loaded, every completion of the group gets the error, as a TRL function's
 failure gives. A call that overran cannot be killed (it is the generator's own thread): the next
 group's model call waits for it.
+LLM judges ("judge:PATH?parser=..." entries, common/judges.py) run the same way, one batched
+`generate` per group; an answer that does not parse is that completion's error alone (a string
+among the judge's values).
 
 Workers are daemonic (they end with the generator; a reward cannot itself start multiprocessing
 children, subprocesses are fine), run in their own process group (a Ctrl-C at the terminal reaches
@@ -49,7 +52,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from common import reward_models, rewards
+from common import judges, reward_models, rewards
 from generators import processes
 
 if TYPE_CHECKING:
@@ -96,7 +99,9 @@ def trl_formats(config: Config) -> list[str]:
     lines = []
     for source in config.sources:
         models = [n for n, _ in source.reward_functions if reward_models.is_model(n)]
-        trl = [n for n, _ in source.reward_functions if n not in models and rewards.is_batched(rewards.load(n))]
+        judged = [n for n, _ in source.reward_functions if judges.is_judge(n)]
+        trl = [n for n, _ in source.reward_functions
+               if n not in models + judged and rewards.is_batched(rewards.load(n))]
         if trl:
             how = ("as messages (its rows hold messages)" if rewards.conversational(source) else
                    "as text (its prompt is text; a messages_column source gives messages)")
@@ -106,6 +111,9 @@ def trl_formats(config: Config) -> list[str]:
             how = ("the conversation under each model's chat template" if rewards.conversational(source) else
                    "prompt + completion as text")
             lines.append(f"source {source.name}: reward models {', '.join(models)} score {how}")
+        if judged:
+            lines.append(f"source {source.name}: LLM judges {', '.join(judged)} read each completion's text in their "
+                         f"template (for messages: with the last user message as the prompt)")
     return lines
 
 
@@ -224,16 +232,16 @@ class RewardRunner:
     # ------------------------------------------------------------------ internals
 
     def _models(self, source: str) -> list[rewards.RewardFunc]:
-        return [f for f in self._fns[source] if isinstance(f.fn, reward_models.RewardModel)]
+        return [f for f in self._fns[source] if isinstance(f.fn, reward_models.RewardModel | judges.Judge)]
 
     def _model_values(self, source: str, *, prompt: str, messages: list[dict[str, str]] | None,
                       completions: list[tuple[str, list[int]]], meta: dict[str, Any],
-                      state: rewards.TrainerState) -> dict[str, list[float | None] | str]:
+                      state: rewards.TrainerState) -> dict[str, list[float | None | str] | str]:
         """{name: value per completion, or the error} of the source's reward models, each run on the
         whole group in this process's model thread within the group's budget (no budget in-process)."""
-        out: dict[str, list[float | None] | str] = {}
+        out: dict[str, list[float | None | str] | str] = {}
         for f in self._models(source):
-            assert isinstance(f.fn, reward_models.RewardModel)
+            assert isinstance(f.fn, reward_models.RewardModel | judges.Judge)
             try:
                 f.fn.load()  # the first group's wait for the weights is not counted in its budget
             except RuntimeError as err:
@@ -256,7 +264,7 @@ class RewardRunner:
 
     def _run(self, slot: _Slot, source: str, *, prompt: str, messages: list[dict[str, str]] | None,
              completions: list[tuple[str, list[int]]], meta: dict[str, Any], version: int,
-             given: dict[str, list[float | None] | str]) -> list[Scored]:
+             given: dict[str, list[float | None | str] | str]) -> list[Scored]:
         """The group's results from the slot's worker, replacing it when it times out or dies and
         going on with the rest of the group on the replacement. `given`: the reward models' values."""
         results: list[Scored] = []
