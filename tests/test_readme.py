@@ -192,6 +192,7 @@ def line_pattern(example: str) -> str:
 # ---------------------------------------------------------------------- the demo
 
 
+@pytest.mark.slow  # two whole demo runs (about two minutes): the slow checks, to keep the default suite short
 def test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it(checkout, user_env,
                                                                                         tmp_path):
     (example,) = block("text: trainer.1   | step   24 | reward 0.500 | acc 0.500 | len  16.7 | stale 1.0/1 | "
@@ -370,6 +371,7 @@ def test_the_eight_gpu_split_runs_on_cpu_processes(checkout, user_env, tmp_path,
 # ---------------------------------------------------------------------- your own data
 
 
+@pytest.mark.slow  # a whole run with an evaluator (about two minutes): the slow checks
 def test_your_own_data_a_trl_reward_and_an_evaluation_source(checkout, user_env, tmp_path):
     """README "Bring your own model, data and reward" and docs/rewards-and-data.md's "Agents" and
     "Evaluation": their blocks added to the demo's config (your data with the TRL reward, mixed with
