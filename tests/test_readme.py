@@ -302,14 +302,20 @@ def long_tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-long") / "model", max_positions=1024)
 
 
+# configs/gsm8k.toml's step is 32 prompts x 8 completions of up to 512 tokens: on the CPU, with the
+# tiny model (which seldom stops early), two steps of it took 6-8 minutes of the slow checks. The
+# runs below keep the config's run, sources, engine and evaluation, at 8 prompts of up to 128 tokens.
+CPU_SIZED_GSM8K = {"ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP": "8", "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": "128"}
+
+
 @pytest.mark.slow
 def test_the_one_gpu_command_runs_the_gsm8k_config(checkout, user_env, tmp_path, long_tiny_model):
     """The environment wins over .env: the command trains configs/gsm8k.toml's run, not the demo, and
     the evaluator scores its [[eval.sources]] (GSM8K's test split) with pass@1 and pass@4. What a
     CPU forces besides the model and the data: an evaluation at version 2 of 16 problems (the
-    config: every 10th, 256)."""
+    config: every 10th, 256), and steps of 8 prompts of up to 128 tokens (CPU_SIZED_GSM8K)."""
     write_gsm8k(checkout)
-    env = {**user_env, "ROLLOUTS_MODEL__PATH": str(long_tiny_model), "ROLLOUTS_EVAL__EVERY": "2",
+    env = {**user_env, **CPU_SIZED_GSM8K, "ROLLOUTS_MODEL__PATH": str(long_tiny_model), "ROLLOUTS_EVAL__EVERY": "2",
            "ROLLOUTS_EVAL__PROMPTS": "16"}
     run = Shell(block("ROLLOUTS_CONFIG=configs/gsm8k.toml ./ops/run").text, cwd=checkout, env=env,
                 log=tmp_path / "run.log")
@@ -354,7 +360,8 @@ def test_the_eight_gpu_split_runs_on_cpu_processes(checkout, user_env, tmp_path,
     write_gsm8k(checkout)
     script = block("export ROLLOUTS_CONFIG=configs/gsm8k.toml").text
     script = script.replace("-c generator=4", "-c generator=2").replace("--nproc-per-node 4", "--nproc-per-node 2")
-    env = {**user_env, "ROLLOUTS_MODEL__PATH": str(long_tiny_model), "ROLLOUTS_TRAINER__MAX_STEPS": "2"}
+    env = {**user_env, **CPU_SIZED_GSM8K, "ROLLOUTS_MODEL__PATH": str(long_tiny_model),
+           "ROLLOUTS_TRAINER__MAX_STEPS": "2"}
     # torchrun returns once the trainer reaches max_steps; then the honcho half is stopped.
     run = Shell(script + "\necho torchrun exited $?\nkill -TERM %1; wait %1", cwd=checkout, env=env,
                 log=tmp_path / "run.log")

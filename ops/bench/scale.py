@@ -417,11 +417,13 @@ def run_size(n: int, *, seconds: float, processes: int, sample_s: float, claim_i
                 elif got[0]["consumer"].decode() != killed["ids"][0]:
                     claimed.setdefault(entry, now)
             time.sleep(0.05)
-        written = groups_written(r, keys, killed["prompts"], decode_group, PAYLOAD)
+        fate = fates(r, keys, killed["prompts"], decode_group, PAYLOAD)
+        written = sum(f in ("trained", "in_samples") for f in fate.values())
         eligible = [killed["at"] + max(claim_idle_s - idle.get(e, 0.0), 0.0) for e in killed["entries"]]
         result["reclaim"] = {
             "generator": killed["ids"][0], "prompts": len(killed["entries"]),
-            "completed": len(done), "groups_written": written,
+            "completed": len(done), "groups_written": written, "fates": fate,
+            "accounting_then": accounting(r, keys),
             "claimed_s": max((claimed[e] - killed["at"] for e in claimed), default=math.nan),
             "claimed_after_idle_s": max((claimed[e] - t for e, t in zip(killed["entries"], eligible, strict=True)
                                          if e in claimed), default=math.nan),
@@ -503,14 +505,18 @@ def pending_idle(r, keys, consumer: str) -> dict[str, float]:
             for e in r.xpending_range(keys.prompts, GENERATORS_GROUP, "-", "+", 10_000, consumername=consumer)}
 
 
-def groups_written(r, keys, prompt_ids: list[str], decode_group, payload: bytes) -> int:
-    """How many of `prompt_ids` have a group: trained (the trainer's dedup set) or in the samples stream."""
-    found = {gid for gid in prompt_ids if r.zscore(keys.trained, gid) is not None}
+def fates(r, keys, prompt_ids: list[str], decode_group, payload: bytes) -> dict[str, str]:
+    """Where each of `prompt_ids` is: "trained" (the trainer's dedup set), "in_samples" (a group in
+    the samples stream), "outstanding" (admitted, nothing settled it) or "dropped" (settled without
+    training: too stale, dead-lettered, zero variance)."""
+    out = {gid: "trained" for gid in prompt_ids if r.zscore(keys.trained, gid) is not None}
     for _, fields in r.xrange(keys.samples):
         group = decode_group(fields[payload])
         if group.prompt_id in prompt_ids:
-            found.add(group.prompt_id)
-    return len(found)
+            out.setdefault(group.prompt_id, "in_samples")
+    for gid in prompt_ids:
+        out.setdefault(gid, "outstanding" if r.sismember(keys.outstanding, gid) else "dropped")
+    return out
 
 
 def wait_killed(status: Path, timeout: float = 30) -> dict[str, Any]:

@@ -296,27 +296,48 @@ def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
     stop, stopping = threading.Event(), threading.Event()
     arrivals: dict[int, float] = {}
 
-    def link(d: Path) -> None:  # hard links of checkpoint d in kept/, complete or not at all
-        part = kept / f".{d.name}"
+    def link(d: Path, into: Path = kept) -> None:  # hard links of checkpoint d in `into`, whole or not at all
+        part = into / f".{d.name}"
         shutil.rmtree(part, ignore_errors=True)
         part.mkdir(parents=True)
         try:
             for f in d.iterdir():
                 os.link(f, part / f.name)
         except FileNotFoundError:  # pruned meanwhile
+            shutil.rmtree(part, ignore_errors=True)
+            print(f"  rollouts: {d.name} was pruned before it could be kept", flush=True)
             return
-        part.rename(kept / d.name)
+        part.rename(into / d.name)
+
+    # With keep_seconds, each checkpoint is hard-linked into arrived/ as its step line is read (the
+    # trainer publishes step_N before it prints the line), so the trainer's pruning cannot take the
+    # one a mark or the stop then keeps: after the stop is decided it may still publish a few
+    # steps (not counted), and keep_checkpoints of those would prune the last counted one.
+    arrived = tmp / "arrived"
+    lock = threading.Lock()
+
+    def arrive(step: int) -> None:
+        with lock:
+            link(run / "checkpoints" / f"step_{step}", into=arrived)
 
     def newest() -> Path | None:  # the newest checkpoint whose step line came before the stop
-        done = [d for d in (run / "checkpoints").glob("step_*") if int(d.name.split("_")[1]) in arrivals]
+        done = [d for d in arrived.glob("step_*") if int(d.name.split("_")[1]) in arrivals]
         return max(done, key=lambda d: int(d.name.split("_")[1]), default=None)
+
+    def keep_newest() -> None:  # the newest arrived one into kept/; the older arrived links go
+        with lock:
+            if (d := newest()) and not (kept / d.name).exists():
+                link(d)
+            for old in arrived.glob("step_*"):
+                if d is None or int(old.name.split("_")[1]) < int(d.name.split("_")[1]):
+                    shutil.rmtree(old, ignore_errors=True)
 
     def keep() -> None:  # the trainer renames a complete step_N into place, then publishes it
         mark = keep_seconds
         while not stop.wait(0.2):
             if keep_seconds:
-                if time.monotonic() - launched >= mark and (d := newest()) and not (kept / d.name).exists():
-                    link(d)
+                if time.monotonic() - launched >= mark:
+                    keep_newest()
                     mark = ((time.monotonic() - launched) // keep_seconds + 1) * keep_seconds
                 continue
             for d in (run / "checkpoints").glob("step_*"):
@@ -345,14 +366,17 @@ def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
                 late = stopping.is_set() or (time.monotonic() - launched >= minutes * 60 and len(arrivals) >= min_steps)
                 if (m := TRAINER_STEP.search(line)) and not late:
                     arrivals[int(m.group(1))] = time.monotonic()
+                    if keep_seconds:
+                        arrive(int(m.group(1)))
                     print(f"  rollouts {arrivals[int(m.group(1))] - launched:5.0f} s: {line.rstrip()}", flush=True)
             proc.wait(timeout=120)
         finally:
             stop.set()
             timer.join()
             watcher.join()
-            if keep_seconds and (d := newest()) and not (kept / d.name).exists():
-                link(d)  # the last one, at the stop
+            if keep_seconds:
+                keep_newest()  # the last one, at the stop
+                shutil.rmtree(arrived, ignore_errors=True)
             if proc.poll() is None:
                 proc.kill()
     metrics = {m["step"]: m for m in read_steps(run / "metrics.jsonl")}
