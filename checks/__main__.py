@@ -1,7 +1,8 @@
 """`rollouts check [--config FILE ...] [--section.field VALUE ...] [--prompts N]`: draw a few
 prompts from the run's sources, sample and score their groups (or play their episodes) as a
 generator does, recompute each token's log-prob as the trainer does, compare each episode with the
-chat template applied to its whole conversation, measure the trainer's memory, and say whether
+chat template applied to its whole conversation, measure the trainer's memory, print the settings
+the trainer would resolve on this host's device (activation checkpointing, with why), and say whether
 they agree (exit 0) or what is wrong (exit 1)."""
 
 import argparse

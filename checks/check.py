@@ -2,8 +2,9 @@
 as a generator makes them (a source with an environment: its episodes played, checks/episodes.py),
 every sampled token's log-prob recomputed as the trainer computes it, each episode's tokens
 against the chat template applied to its whole conversation, one micro-batch's forward and
-backward measured for the trainer's memory (checks/memory.py), and one verdict with the figures
-behind it.
+backward measured for the trainer's memory (checks/memory.py), the settings the trainer resolves
+at start-up on this host's device (trainer/memory.py: activation checkpointing), and one verdict
+with the figures behind it.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from producers.data import Skipped, choose
 from producers.main import sources_at
 from trainer.batch import MicroBatch
 from trainer.checkpoints import load_model, place
-from trainer.devices import placement
+from trainer.devices import placement, trainer_device
 from trainer.logprobs import sequence_logprobs
 from trainer.lora import apply_lora
+from trainer.memory import Choice, Estimate
+from trainer.memory import choose as choose_checkpointing
 from trainer.step import log_probs, step_batches
 
 POSITION_BUCKETS = ((0, 15), (16, 63), (64, None))  # completion token positions, inclusive
@@ -125,12 +128,11 @@ def sample_groups(config: Config, engine: Engine, engine_thread: concurrent.futu
 # ---------------------------------------------------------------------- the trainer's side
 
 
-def open_trainer_model(config: Config) -> torch.nn.Module:
+def open_trainer_model(config: Config, *, checkpointing: bool) -> torch.nn.Module:
     """model.path as the trainer loads and places it (model.dtype, master weights, LoRA's adapters,
-    activation checkpointing), in eval mode."""
+    activation checkpointing as resolved: `checkpointing`), in eval mode."""
     cfg = config.trainer
-    where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32,
-                      activation_checkpointing=cfg.activation_checkpointing)
+    where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32, activation_checkpointing=checkpointing)
     model = load_model(resolve_model_path(config.model.path), where.weights_dtype)
     if cfg.lora.rank:
         model = apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
@@ -252,8 +254,19 @@ def measure_memory(config: Config, model: torch.nn.Module, groups: list[SampleGr
                           prompt_tokens=max(len(g.prompt_ids) for g in groups), completion_tokens=longest)
 
 
+def defaults_line(config: Config, choice: Choice, peak: Estimate | None) -> str:
+    """The "trainer" line: the settings the trainer resolves at start-up on this host's device
+    (trainer/memory.py), with why."""
+    cfg = config.trainer
+    tokens = f"micro_batch_tokens {cfg.micro_batch_tokens}" if cfg.micro_batch_tokens else \
+        f"micro_batch_tokens 0 (no limit: micro_batch_size {cfg.micro_batch_size} rows)"
+    planned = f" (estimated at micro-batches of {peak.positions} positions)" if peak is not None else ""
+    return (f"trainer    {choice.line()}, {tokens}{planned}, attention {cfg.attention}, "
+            f"{'packed' if cfg.pack_sequences else 'padded'} micro-batches")
+
+
 def figure_lines(config: Config, sampled: Sampled, mismatch: Mismatch, *, template: Template | None,
-                 memory: Memory | None, ranks: int) -> list[str]:
+                 memory: Memory | None, ranks: int, defaults: str) -> list[str]:
     """The figures behind the verdict."""
     lr, groups = mismatch.log_ratio, sampled.groups
     completions = [c for g in groups for c in g.completions]
@@ -279,7 +292,8 @@ def figure_lines(config: Config, sampled: Sampled, mismatch: Mismatch, *, templa
               f"trainer forward {per_forward:.3g} s/group",
               f"estimate   at prompts_per_step {steps}: sampling {per_sample * steps:.3g} s per step on one "
               f"generator, trainer forward {per_forward * steps:.3g} s (a step's forward and backward: about 3x)",
-              memory_line(memory, ranks=ranks) if memory is not None else "memory     not measured: no group to pass"]
+              memory_line(memory, ranks=ranks) if memory is not None else "memory     not measured: no group to pass",
+              defaults]
     return lines
 
 
@@ -340,7 +354,9 @@ def run(config: Config, *, prompts: int, engine_model: str | None = None, engine
         for line in template_problems(template)[0]:
             print(f"check: FAILED: {line}")
         return 1
-    model = open_trainer_model(config)
+    choice, peak = choose_checkpointing(config, source_dir=resolve_model_path(config.model.path),
+                                        device=trainer_device(), ranks=ranks, local_ranks=ranks)
+    model = open_trainer_model(config, checkpointing=choice.on)
     mismatch = trainer_mismatch(config, model, sampled.groups, temperature=config.rollout.temperature)
     fitted = None
     bound, max_ratio = BOUNDS[config.model.dtype]
@@ -352,7 +368,8 @@ def run(config: Config, *, prompts: int, engine_model: str | None = None, engine
           f"{sampled.engine} engine at temperature {temperature:g}"
           f"{f' on {Path(engine_model)}' if engine_model else ''}; trainer {config.model.dtype} on "
           f"{next(model.parameters()).device.type} at rollout.temperature {config.rollout.temperature:g}", flush=True)
-    for line in figure_lines(config, sampled, mismatch, template=template, memory=memory, ranks=ranks):
+    for line in figure_lines(config, sampled, mismatch, template=template, memory=memory, ranks=ranks,
+                             defaults=defaults_line(config, choice, peak)):
         print(line)
     problems = mismatch_problems(mismatch, fitted=fitted, temperature=config.rollout.temperature,
                                  dtype=config.model.dtype)

@@ -42,7 +42,7 @@ def _generator_lines(r, keys, now: float) -> list[str]:
     for name, g in beats.items():
         troubles = [f"{label} {n}" for n, label in (
             (g.reward_errors, "reward errors"), (g.dropped_zero_variance, "dropped (zero variance)"),
-            (g.weights_refused, "weights refused")) if n]
+            (g.weights_refused, "weights refused"), (g.teacher_errors, "teacher errors")) if n]
         lines.append(f"generator  {name}  {g.engine}  v{g.version}  {g.tokens_per_s:.1f} tok/s  "
                      f"in flight {g.in_flight}  heartbeat {now - g.last_seen:.0f}s ago"
                      + "".join(f"  {t}" for t in troubles))

@@ -112,7 +112,9 @@ class _Task(_Section):
 
 # "module:function", "model:PATH": a reward model's directory (common/reward_models.py), or
 # "judge:PATH?parser=...": an LLM judge (common/judges.py).
-_REWARD_NAME = r"^$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$|^model:.+$|^judge:.+$"
+# "none": no reward function at all, distillation alone (allowed only with a [teacher]).
+_REWARD_NAME = r"^$|^none$|^[A-Za-z_][\w.]*:[A-Za-z_]\w*$|^model:.+$|^judge:.+$"
+NO_REWARD = "none"  # a source's `reward` that names no reward function (common/teacher.py: no_reward)
 
 
 # ---------------------------------------------------------------------- sources
@@ -143,15 +145,19 @@ class _Sampled(_Source):
     """A source whose prompts the generators sample and score."""
 
     # Reward of this source's prompts, "module:function"; "" = the kind's built-in
-    # (a synthetic task's own `reward`; dataset: final answer; verifiers: the taskset's hooks).
+    # (a synthetic task's own `reward`; dataset: final answer; verifiers: the taskset's hooks);
+    # "none" = no reward function, every completion's reward 0: distillation alone (needs [teacher]).
     reward: str = Field("", pattern=_REWARD_NAME)
     # Several reward functions instead of `reward`, as TRL's GRPOConfig lists them: "module:function"
     # each, TRL's signature (prompts, completions, completion_ids, **columns -> list of float or
     # None) or the per-completion one (common/rewards.py); the reward is their weighted sum. An
     # entry "model:PATH" is a reward model: a local sequence-classification model whose logits[:, 0]
-    # on prompt + completion is its value, as in TRL (common/reward_models.py). An entry
+    # on prompt + completion is its value, as in TRL (common/reward_models.py);
+    # "model:PATH?tokenizer=TOKPATH" scores with that tokenizer (TRL's reward_processing_classes). An entry
     # "judge:PATH?parser=yesno|score10|boxed[&template=NAME_OR_FILE]" is an LLM judge: a local
-    # causal LM's greedy answer about each completion, parsed (common/judges.py).
+    # causal LM's greedy answer about each completion, parsed (common/judges.py); with a URL for
+    # PATH, "judge:http://host:8000/v1?model=NAME&parser=...", a chat model served there
+    # (common/served_judges.py).
     reward_funcs: list[Annotated[str, Field(pattern=_REWARD_NAME)]] = Field([])
     # One weight per reward_funcs entry; empty = 1.0 each (TRL's reward_weights).
     reward_weights: list[float] = Field([])
@@ -195,6 +201,8 @@ class _Sampled(_Source):
         """[("module:function", weight), ...] of this source's rewards."""
         if self.reward_funcs:
             return list(zip(self.reward_funcs, self.reward_weights or [1.0] * len(self.reward_funcs), strict=True))
+        if self.reward == NO_REWARD:
+            return [("common.teacher:no_reward", 1.0)]
         return [(self.reward or self.default_reward(), 1.0)]
 
 
@@ -758,8 +766,12 @@ class TrainerConfig(_Section):
     # updates much smaller than a weight's bf16 spacing are lost, as lr 1e-6 often is).
     master_fp32: bool = True
     # Recompute each transformer block's activations in the backward pass instead of keeping them:
-    # less memory for longer sequences, about a third more compute.
-    activation_checkpointing: bool = False
+    # less memory for longer sequences, about a third more compute (up to 2.3x the step's time on
+    # one H200, docs/gpu.md). "auto", resolved once at start-up (trainer/memory.py): off where the
+    # step's estimated peak with it off fits in 0.8 of the GPU's memory, less
+    # generator.gpu_memory_utilization when a vLLM generator shares the GPU; on otherwise; off on
+    # the CPU. The trainer's first lines and `rollouts check` say what it chose and why.
+    activation_checkpointing: Literal["auto"] | bool = "auto"
     # Log-probs and entropy take the model's head over this many (sequence x position) rows at a
     # time: a (rows x vocabulary) float32 tensor is the largest the head makes, never the batch's.
     logits_chunk_tokens: int = Field(1024, ge=1)
@@ -915,6 +927,33 @@ class LimitsConfig(_Section):
         return decode_prompt(blob, max_bytes=self.max_message_bytes, max_n=self.max_group_size)
 
 
+class TeacherConfig(_Section):
+    # On-policy distillation (common/teacher.py): the teacher's model, a local causal-LM directory
+    # (as save_pretrained writes it) sharing the student's tokenizer; "" = no teacher (off). Each
+    # generator scores every sampled token under it after the rewards, and the trainer subtracts
+    # distill_weight x (log pi_behaviour - log pi_teacher) from each token's advantage.
+    path: str = ""
+    # What runs it: "hf" (transformers, in the generator's process, on its device, in model.dtype).
+    engine: Literal["hf"] = "hf"
+    # Seconds one group's teacher pass may run (its first load not counted); past it, or when the
+    # teacher fails, the group is written without teacher log-probs (reward-only) and counted.
+    timeout_s: float = Field(60.0, gt=0.0)
+    # Weight of the per-token reverse KL to the teacher in the advantage: A_t = A - distill_weight * k_t.
+    distill_weight: float = Field(1.0, ge=0.0)
+    # The teacher's name in each group and the logs; "" = its directory's name.
+    name: str = ""
+
+    @property
+    def on(self) -> bool:
+        """Whether the run has a teacher."""
+        return bool(self.path)
+
+    @property
+    def label(self) -> str:
+        """The teacher's name as groups record it."""
+        return self.name or Path(self.path).name
+
+
 class Config(_Section):
     # Run name: every Redis key of the run starts with `rollouts:{run}:`.
     run: str = Field("demo", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
@@ -932,6 +971,18 @@ class Config(_Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+
+    @model_validator(mode="after")
+    def _check_teacher(self) -> Config:
+        none = [f"data.sources.{i}.reward" for i, s in enumerate(self.data.sources)
+                if getattr(s, "reward", "") == NO_REWARD and not getattr(s, "reward_funcs", [])]
+        if none and not self.teacher.on:
+            raise ValueError(f"{none[0]} = 'none' (no reward function) needs a teacher to learn from: set "
+                             "[teacher] path (on-policy distillation), or name a reward")
+        if self.teacher.on and self.trainer.objective == "sft":
+            raise ValueError("teacher: distillation trains the GRPO-family loss; trainer.objective = 'sft' takes none")
+        return self
 
     @model_validator(mode="after")
     def _check_redis_url(self) -> Config:
@@ -1197,7 +1248,8 @@ def config_from_args(prog: str, description: str, argv: list[str] | None = None,
 def _document_fields() -> None:
     """Give every field of the config the comment above it in this file as its description."""
     for cls in (Config, ModelConfig, TaskConfig, *SOURCES.values(), DataConfig, RolloutConfig, GeneratorConfig,
-                TrainerConfig, LoraConfig, EvalConfig, LimitsConfig, *CORRECTIONS.values(), *LOSSES.values()):
+                TrainerConfig, LoraConfig, EvalConfig, LimitsConfig, TeacherConfig, *CORRECTIONS.values(),
+                *LOSSES.values()):
         _document(cls)
     for cls in LOSSES.values():  # the list of corrections, from the registry (a comment would go stale)
         if (field := cls.model_fields.get("correction")) is not None and field.description:

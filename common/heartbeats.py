@@ -32,6 +32,7 @@ class Heartbeat:
     last_refusal: str = ""  # why the last one was refused ("" none)
     env_errors: int = 0  # environment steps that raised, timed out (the worker killed) or killed their worker
     engine_errors: int = 0  # engine requests that failed (a server that never answered); their prompts let go
+    teacher_errors: int = 0  # groups written without teacher log-probs: the teacher failed or overran ([teacher])
     last_seen: float = field(default_factory=time.time)  # Unix time of this beat
 
 

@@ -19,6 +19,9 @@ reward. A timeout, an exception or a model that cannot be loaded is every comple
 
 At start-up the entry is checked without torch: its query, parser and template, and a directory whose
 config.json names a causal LM (`*ForCausalLM`, `*LMHeadModel`); else a ValueError naming the entry.
+
+A judge whose PATH is a URL ("judge:http://host:8000/v1?model=M&parser=P") is a chat model served
+there: common/served_judges.py.
 """
 
 from __future__ import annotations
@@ -27,14 +30,15 @@ import json
 import math
 import re
 import string
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
+from common import loaded_models
+from common.loaded_models import DTYPES
+
 PREFIX = "judge:"  # a reward_funcs entry that starts with it is an LLM judge
-DTYPES = ("float32", "bfloat16", "float16")
 KEYS = ("parser", "template", "max_new_tokens", "name")
 EXCERPT = 80  # characters of an unreadable answer shown in its error
 
@@ -86,12 +90,24 @@ def parse(parser: str, answer: str) -> float:
     return PARSERS[parser](answer)
 
 
+def question(template: str, prompt: Any, completion: Any) -> str:
+    """`template` filled with a prompt and a completion, each text or messages (TRL's conversational
+    form: the prompt's last user message, the completion's last message's content)."""
+    if isinstance(prompt, list):
+        users = [m["content"] for m in prompt if m.get("role") == "user"]
+        prompt = users[-1] if users else (prompt[-1]["content"] if prompt else "")
+    if isinstance(completion, list):
+        completion = completion[-1]["content"] if completion else ""
+    return template.format(prompt=prompt, completion=completion)
+
+
 def is_judge(name: str) -> bool:
     """Whether a reward entry names an LLM judge ("judge:PATH?...")."""
     return name.startswith(PREFIX)
 
 
-def _template(name: str, value: str) -> str:
+def template(name: str, value: str) -> str:
+    """The template `value` names (a built-in or a file), checked; ValueError naming the entry `name`."""
     if value in TEMPLATES:
         text = TEMPLATES[value]
     else:
@@ -148,12 +164,8 @@ def check(name: str) -> dict[str, Any]:
     component = opts.get("name") or path.resolve().name
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", component):
         raise ValueError(f"reward {name!r}: name {component!r} may hold only letters, digits, '_', '.', '-'")
-    return {"path": path.resolve(), "parser": parser, "template": _template(name, opts.get("template", parser)),
+    return {"path": path.resolve(), "parser": parser, "template": template(name, opts.get("template", parser)),
             "max_new_tokens": max_new_tokens, "name": component}
-
-
-_loading = threading.Lock()
-_loaded: dict[tuple[Path, str, str], tuple[Any, Any] | str] = {}  # (path, device, dtype): (model, tokenizer) or why not
 
 
 class Judge:
@@ -183,28 +195,14 @@ class Judge:
     def load(self) -> tuple[Any, Any]:
         """(model, tokenizer), loaded on the first call in this process; RuntimeError naming the entry
         when they cannot be (every later call says the same, without trying again)."""
-        import torch
-
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        key = (self.path, device, self.dtype)
-        with _loading:
-            if key not in _loaded:
-                _loaded[key] = _load(self.path, device=device, dtype=self.dtype)
-            loaded = _loaded[key]
-        if isinstance(loaded, str):
-            raise RuntimeError(f"judge {self.entry!r} cannot be loaded: {loaded}")
-        return loaded
+        return loaded_models.load(f"judge {self.entry!r}", self.path, head="causal", device=self.device,
+                                  dtype=self.dtype)
 
     def questions(self, prompts: list[Any], completions: list[Any], tokenizer: Any) -> list[str]:
         """The judge's input per completion: the template filled, under its chat template if any."""
         out = []
         for p, c in zip(prompts, completions, strict=True):
-            if isinstance(p, list):  # conversational: the last user message, the assistant's content
-                users = [m["content"] for m in p if m.get("role") == "user"]
-                p = users[-1] if users else (p[-1]["content"] if p else "")
-            if isinstance(c, list):
-                c = c[-1]["content"] if c else ""
-            text = self.template.format(prompt=p, completion=c)
+            text = question(self.template, p, c)
             if tokenizer.chat_template:
                 text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                                      add_generation_prompt=True)
@@ -233,20 +231,3 @@ class Judge:
                 values.append(f"judge {self.__name__}: parser {self.parser!r}: {why}, in the answer "
                               f"{answer.strip()[:EXCERPT]!r}")
         return values
-
-
-def _load(path: Path, *, device: str, dtype: str) -> tuple[Any, Any] | str:
-    """The judge and its tokenizer, ready to generate a padded batch; or why they cannot be loaded."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        if tokenizer.pad_token_id is None:
-            return f"{path}: its tokenizer has neither a pad nor an eos token to pad a batch with"
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-        return model.eval().to(device), tokenizer
-    except Exception as err:  # a broken checkpoint, a device out of memory: the reward's recorded error
-        return f"{type(err).__name__}: {err}"[:500]

@@ -2,8 +2,9 @@
 
 Each stream entry carries one MessagePack map under the field `keys.PAYLOAD`. Every map has
 `v` (schema version) and `t` (message type). Token ids travel as packed little-endian int32,
-log-probs as packed little-endian float32, loss masks as packed uint8, a completion's weight
-versions as packed int32 (token index, version) pairs; nothing is pickle.
+log-probs (the behaviour's, and a teacher's where a group carries them) as packed little-endian
+float32, loss masks as packed uint8, a completion's weight versions as packed int32 (token index,
+version) pairs; nothing is pickle.
 
 A group to encode may hold its ids, log-probs and masks as lists, numpy arrays or array.arrays;
 a decoded group holds read-only numpy arrays (int32 ids, float32 log-probs, bool masks), views
@@ -79,6 +80,10 @@ class Completion:
     # strictly ascending (a completion that went on under newer weights, generator.inflight_updates).
     # None: every token was sampled with the group's `version`.
     versions: list[tuple[int, int]] | None = None
+    # The teacher's log-prob of each sampled id over the same prefix (on-policy distillation,
+    # common/teacher.py), 0 where loss_mask is 0 (an environment's tokens are not scored); None:
+    # no teacher scored it (none configured, or it failed: the group is then reward-only).
+    teacher_logprobs: Floats | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Completion):
@@ -100,6 +105,10 @@ class SampleGroup:
     # weights the trainer published under that number before it went back from those it published
     # since (common/progress.py:GoneBack). 0: not said (a writer from before, a recording).
     published_at: float = 0.0
+    # The teacher whose log-probs its completions carry (TeacherConfig.label); "": none. Where the
+    # teacher failed on this group, `teacher_error` says why (and no completion carries log-probs).
+    teacher: str = ""
+    teacher_error: str = ""
 
     @property
     def newest_version(self) -> int:
@@ -145,6 +154,8 @@ def _completion_map(c: Completion, what: str) -> dict[str, Any]:
         d["reward_error"] = c.reward_error
     if c.versions is not None:  # (token index, version) pairs, flat
         d["versions"] = pack_ids([x for pair in c.versions for x in pair], f"{what}.versions")
+    if c.teacher_logprobs is not None:  # absent without a teacher: older groups read the same
+        d["teacher_logprobs"] = pack_logprobs(c.teacher_logprobs, f"{what}.teacher_logprobs")
     return d
 
 
@@ -159,6 +170,10 @@ def encode(msg: PromptTask | SampleGroup | WeightVersion) -> bytes:
              "generator": msg.generator, "engine": msg.engine, "timings": msg.timings}
         if msg.published_at:  # unsaid (0) is absent: a recording's bytes stay what they were
             d["published_at"] = msg.published_at
+        if msg.teacher:  # no teacher: absent, as published_at
+            d["teacher"] = msg.teacher
+        if msg.teacher_error:
+            d["teacher_error"] = msg.teacher_error
         d["completions"] = [_completion_map(c, f"group {msg.id}.completions[{i}]")
                             for i, c in enumerate(msg.completions)]
         return _dump(d)
@@ -341,8 +356,24 @@ def _completions(raw: list, w: str, *, max_tokens: int) -> tuple[list[Completion
         i = _first_bad(views, lambda x: bool((x > 1).any()))
         raise MessageError(f"{w}.completions[{i}]: loss_mask must be 0/1 with one entry per id")
     completions = [Completion(ids=ids[a:b], logprobs=lps[a:b], loss_mask=None if m is None else m.view(np.bool_),
-                              **p[3]) for (a, b), m, p in zip(spans, views, parts, strict=True)]
+                              teacher_logprobs=_teacher_logprobs(c, f"{w}.completions[{i}]", tokens=b - a), **p[3])
+                   for i, ((a, b), m, p, c) in enumerate(zip(spans, views, parts, raw, strict=True))]
     return completions, ids
+
+
+def _teacher_logprobs(c: dict[str, Any], cw: str, *, tokens: int) -> np.ndarray | None:
+    """A completion's teacher log-probs (read-only float32, one per id), checked; None where absent."""
+    blob = c.get("teacher_logprobs")
+    if blob is None:
+        return None
+    if not isinstance(blob, bytes):
+        raise MessageError(f"{cw}.teacher_logprobs: expected packed float32, got {type(blob).__name__}")
+    out = np.frombuffer(_packed(blob, LOGPROBS, f"{cw}.teacher_logprobs"), LOGPROBS)
+    if out.size != tokens:
+        raise MessageError(f"{cw}: {tokens} ids but {out.size} teacher_logprobs")
+    if not (np.isfinite(out).all() and (out <= 1e-4).all()):
+        raise MessageError(f"{cw}: teacher_logprobs must be finite and <= 0")
+    return out
 
 
 def _decode_versions(blob: Any, cw: str, *, tokens: int) -> list[tuple[int, int]] | None:
@@ -411,10 +442,12 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size:
     published_at = _finite(d.get("published_at", 0.0), f"{w}.published_at")
     if published_at < 0:
         raise MessageError(f"{w}: negative published_at {published_at}")
+    teacher = _get(d, "teacher", str, w) if "teacher" in d else ""
+    teacher_error = _get(d, "teacher_error", str, w) if "teacher_error" in d else ""
     return SampleGroup(id=gid, prompt_id=_get(d, "prompt_id", str, w), prompt_ids=prompt_ids,
                        version=version, generator=_get(d, "generator", str, w),
                        engine=_get(d, "engine", str, w), completions=completions, timings=timings,
-                       published_at=published_at)
+                       published_at=published_at, teacher=teacher, teacher_error=teacher_error)
 
 
 def decode_weights(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> WeightVersion:

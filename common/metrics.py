@@ -38,6 +38,9 @@ class PolicyStats:
     masked: float = 0.0  # share of trained tokens the correction's weight dropped (token_mask, sequence_mask)
     # staleness -> mean |log pi_prox - log pi_behav| of the tokens sampled that many steps ago
     mismatch_by_staleness: dict[str, float] = field(default_factory=dict)
+    # mean per-token reverse KL to the teacher, log pi_behav - log pi_teacher, over the trained tokens a
+    # teacher scored (on-policy distillation; 0 without a teacher)
+    teacher_kl: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +149,7 @@ POLICY_NAMES = {  # PolicyStats field -> the name it is written under
     "clip_region": "clip_ratio/region_mean", "ratio": "ratio/mean", "tis": "tis/mean",
     "clip_dual": "clip_ratio/dual_mean", "mismatch_mean": "mismatch/abs_log_ratio_mean",
     "mismatch_max": "mismatch/abs_log_ratio_max", "masked": "mismatch/masked",
-    "mismatch_by_staleness": "mismatch/by_staleness",
+    "mismatch_by_staleness": "mismatch/by_staleness", "teacher_kl": "teacher_kl",
 }
 _DEFAULTED = {f.name for cls in (PolicyStats, StepMetrics) for f in fields(cls)  # may be absent from an entry
               if f.name not in ("group_ids",) and (f.default is not MISSING or f.default_factory is not MISSING)}

@@ -2,7 +2,10 @@
 + completion, and its `logits[:, 0]` is the reward.
 
 A source names one among its `reward_funcs` as "model:PATH" (PATH a local model directory, as
-`save_pretrained` writes it; there is no hub download), weighted by `reward_weights` like any
+`save_pretrained` writes it; there is no hub download), or "model:PATH?tokenizer=TOKPATH" to score
+with the tokenizer in the directory TOKPATH instead of PATH's own (TRL's `reward_processing_classes`,
+the list parallel to `reward_funcs`: an entry given is that model's tokenizer and chat template;
+one left None is AutoTokenizer of the model's path), weighted by `reward_weights` like any
 function. It is a reward component named after the directory (TRL names it after the model id's
 last part), logged as rewards/<name>/mean and /std.
 
@@ -10,31 +13,35 @@ What TRL does, done here the same way (its `_calculate_rewards`): the texts are 
 as strings for a text source, or for a conversational one (`common.rewards.conversational`) the
 prompt's messages with the completion as the assistant's message, rendered by the reward model's
 own chat template (`apply_chat_template(..., tokenize=False)`); they are tokenized by the model's
-own tokenizer (TRL's default `reward_processing_classes`: AutoTokenizer of the model), padded on the
-right, without special tokens, in one batch for the whole group; the model is loaded with
-`num_labels=1` and its config's pad token set to the tokenizer's (its eos when it has none), so
-that it reads the last real token of each row.
+own tokenizer (TRL's default `reward_processing_classes`: AutoTokenizer of the model) or the one
+the entry names (its chat template too), padded on the right, without special tokens, in one batch
+for the whole group; the model is loaded with `num_labels=1` and its config's pad token set to the
+tokenizer's (its eos when it has none, as TRL sets it), so that it reads the last real token of
+each row. A tokenizer with more tokens than the model has embeddings is refused when they load
+(TRL does not check: a token past the table fails the forward, on a GPU as a device-side assert).
 
 At start-up a "model:PATH" entry is checked from its config.json alone (no weights read, no torch):
-a directory whose architecture is a `*ForSequenceClassification` with one label, else a ValueError
-naming the entry. The weights are loaded on the first group that needs them, once per process
-(several sources naming one directory share it), on the process's device (its visible GPU, else
-the CPU) in the dtype the generator's model runs in. The generator runs reward models itself, not
-in its reward workers (generators/scoring.py): one copy per generator, on its GPU.
+a directory whose architecture is a `*ForSequenceClassification` with one label, and TOKPATH a
+directory with a tokenizer's files, else a ValueError naming the entry. The weights are loaded on
+the first group that needs them, once per process (several sources naming one directory share it),
+on the process's device (its visible GPU, else the CPU) in the dtype the generator's model runs in.
+The generator runs reward models itself, not in its reward workers (generators/scoring.py): one
+copy per generator, on its GPU.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl
+
+from common import loaded_models
+from common.loaded_models import DTYPES
 
 PREFIX = "model:"  # a reward_funcs entry that starts with it is a reward model's directory
-DTYPES = ("float32", "bfloat16", "float16")
-
-_loading = threading.Lock()
-_loaded: dict[tuple[Path, str, str], tuple[Any, Any] | str] = {}  # (path, device, dtype): (model, tokenizer) or why not
+KEYS = ("tokenizer",)  # its options, after a "?"
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def is_model(name: str) -> bool:
@@ -42,10 +49,19 @@ def is_model(name: str) -> bool:
     return name.startswith(PREFIX)
 
 
-def check(name: str) -> Path:
-    """The directory a "model:PATH" entry names, resolved; ValueError naming the entry when it is
-    not a sequence-classification model with one label (read from its config.json)."""
-    path = Path(name.removeprefix(PREFIX)).expanduser()
+def check(name: str) -> tuple[Path, Path]:
+    """The model's and the tokenizer's directories a "model:PATH[?tokenizer=TOKPATH]" entry names,
+    resolved; ValueError naming the entry when PATH is not a sequence-classification model with one
+    label (read from its config.json), or TOKPATH holds no tokenizer."""
+    path_text, _, query = name.removeprefix(PREFIX).partition("?")
+    try:
+        opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+    except ValueError:
+        raise ValueError(f"reward {name!r}: its query {query!r} is not key=value&...") from None
+    unknown = sorted(set(opts) - set(KEYS))
+    if unknown:
+        raise ValueError(f"reward {name!r}: unknown {', '.join(unknown)} (a reward model takes {', '.join(KEYS)})")
+    path = Path(path_text).expanduser()
     if not str(path) or not path.is_dir():
         raise ValueError(f"reward {name!r}: no directory {str(path)!r} (a reward model is a local directory "
                          f"with config.json, as save_pretrained writes it)")
@@ -63,7 +79,13 @@ def check(name: str) -> Path:
     if labels != 1:
         raise ValueError(f"reward {name!r}: {path} has {labels} labels; a reward model has one "
                          f"(TRL loads it with num_labels=1)")
-    return path.resolve()
+    if "tokenizer" not in opts:
+        return path.resolve(), path.resolve()
+    tokenizer = Path(opts["tokenizer"]).expanduser()
+    if not opts["tokenizer"] or not any((tokenizer / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"reward {name!r}: tokenizer {opts['tokenizer']!r} is no directory holding a tokenizer "
+                         f"(one of {', '.join(TOKENIZER_FILES)}, as save_pretrained writes them)")
+    return path.resolve(), tokenizer.resolve()
 
 
 class RewardModel:
@@ -75,7 +97,7 @@ class RewardModel:
         device: None = the process's visible GPU, else the CPU."""
         assert dtype in DTYPES, f"dtype must be one of {DTYPES}, got {dtype!r}"
         self.entry = name
-        self.path = check(name)
+        self.path, self.tokenizer = check(name)  # the tokenizer's directory: the model's own unless named
         self.__name__ = self.path.name  # its component, as TRL names it (the model id's last part)
         self.dtype = dtype
         self.device = device
@@ -86,17 +108,8 @@ class RewardModel:
     def load(self) -> tuple[Any, Any]:
         """(model, tokenizer), loaded on the first call in this process; RuntimeError naming the
         entry when they cannot be (every later call says the same, without trying again)."""
-        import torch
-
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        key = (self.path, device, self.dtype)
-        with _loading:
-            if key not in _loaded:
-                _loaded[key] = _load(self.path, device=device, dtype=self.dtype)
-            loaded = _loaded[key]
-        if isinstance(loaded, str):
-            raise RuntimeError(f"reward model {self.entry!r} cannot be loaded: {loaded}")
-        return loaded
+        return loaded_models.load(f"reward model {self.entry!r}", self.path, head="classifier", device=self.device,
+                                  dtype=self.dtype, tokenizer=self.tokenizer)
 
     def texts(self, prompts: list[Any], completions: list[Any], tokenizer: Any) -> list[str]:
         """What the model reads, as TRL's trainer makes it: prompt + completion, or for messages the
@@ -117,23 +130,3 @@ class RewardModel:
         with torch.inference_mode():
             logits = model(**inputs).logits[:, 0]
         return [float(v) for v in logits.float().cpu()]
-
-
-def _load(path: Path, *, device: str, dtype: str) -> tuple[Any, Any] | str:
-    """The model and its tokenizer, ready as TRL readies them; or why they cannot be loaded."""
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if tokenizer.pad_token_id is None:  # TRL pads with eos then
-            tokenizer.pad_token = tokenizer.eos_token
-        if tokenizer.pad_token_id is None:
-            return f"{path}: its tokenizer has neither a pad nor an eos token to pad a batch with"
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
-        # the model scores the last token that is not padding: padding is the tokenizer's
-        model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
-        model.config.pad_token_id = tokenizer.pad_token_id
-        return model.eval().to(device), tokenizer
-    except Exception as err:  # a broken checkpoint, a device out of memory: the reward's recorded error
-        return f"{type(err).__name__}: {err}"[:500]

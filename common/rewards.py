@@ -49,7 +49,8 @@ An entry "model:PATH" is a reward model (common/reward_models.py): a sequence-cl
 whose logits[:, 0] on prompt + completion is the reward, called as a TRL function is, once per group.
 An entry "judge:PATH?parser=..." is an LLM judge (common/judges.py): a causal LM's greedy answer
 about each completion, parsed into its value, called once per group too; an answer that does not
-parse is that completion's error.
+parse is that completion's error. An entry "judge:http(s)://...?model=...&parser=..." is a judge served
+at an OpenAI-compatible URL (common/served_judges.py), its failed requests each completion's error too.
 
 The generator runs the functions in worker processes with a timeout, and its reward models itself
 (generators/scoring.py).
@@ -65,7 +66,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from common import judges, reward_models
+from common import judges, reward_models, served_judges
 
 if TYPE_CHECKING:
     from common.messages import PromptTask
@@ -121,6 +122,8 @@ def load(name: str, *, dtype: str = "float32") -> RewardFn:
     (not loaded yet; its weights in `dtype` once they are); ValueError if there is none."""
     if reward_models.is_model(name):
         return reward_models.RewardModel(name, dtype=dtype)
+    if served_judges.is_served(name):
+        return served_judges.ServedJudge(name)
     if judges.is_judge(name):
         return judges.Judge(name, dtype=dtype)
     module_name, _, attr = name.partition(":")

@@ -15,6 +15,7 @@ import trio
 from common.messages import Completion, SampleGroup
 from common.rewards import prompt_text
 from common.shaping import zero_variance
+from common.teacher import Teacher
 from engines.base import Engine, Finished, Sampled, episode_prompt_ids
 from envs.base import Spec
 from generators.environments import EnvRunner
@@ -39,7 +40,8 @@ async def score_and_publish(g: Generator, state: State, done: Finished, held: He
     `capacity` goes back to the intake."""
     try:
         group, errors = await trio.to_thread.run_sync(partial(  # a stop that gives up leaves the scoring
-            make_group, g.engine, g.rewards, held, done, generator_id=g.id), abandon_on_cancel=True)
+            make_group, g.engine, g.rewards, held, done, generator_id=g.id, teacher=g.teacher),
+            abandon_on_cancel=True)
         drop = drops(g, group)
         await trio.to_thread.run_sync(partial(
             drop_group if drop else publish, g.r, keys=g.keys, entry_id=held.entry_id, group=group))
@@ -52,6 +54,8 @@ def drops(g: Generator, group: SampleGroup) -> bool:
     """Whether dynamic sampling drops the group: it is on, and the group teaches nothing under the
     rewards the trainer learns from (common.shaping.zero_variance: the overlong penalty applied,
     completions whose reward failed left out). Sampled and played groups alike."""
+    if group.teacher and g.distill_weight > 0:  # its tokens' KL to the teacher teaches, whatever the rewards
+        return False
     return g.settings.drop_zero_variance and zero_variance(
         group, overlong=g.trainer.overlong, overlong_penalty=g.trainer.overlong_penalty)
 
@@ -64,6 +68,10 @@ def written(g: Generator, state: State, held: Held, group: SampleGroup, errors: 
     tokens = sum(len(c.ids) if c.loss_mask is None else sum(c.loss_mask) for c in group.completions)
     state.produced.append((time.monotonic(), tokens))
     state.reward_errors += len(errors)
+    if group.teacher_error:
+        state.teacher_errors += 1
+        print(f"{g.name}: teacher error (group {group.id} written without teacher log-probs, "
+              f"{state.teacher_errors} so far): {group.teacher_error}", file=sys.stderr, flush=True)
     if drop:
         state.dropped_zero_variance += 1
     else:
@@ -77,8 +85,9 @@ def written(g: Generator, state: State, held: Held, group: SampleGroup, errors: 
 
 
 def make_group(engine: Engine, rewards: RewardRunner, held: Held, done: Finished, *,
-               generator_id: str) -> tuple[SampleGroup, list[str]]:
-    """The scored SampleGroup of one finished prompt, and its reward errors."""
+               generator_id: str, teacher: Teacher | None = None) -> tuple[SampleGroup, list[str]]:
+    """The scored SampleGroup of one finished prompt (with its teacher's log-probs, when it has
+    one: `with_teacher`), and its reward errors."""
     task = held.task
     t0 = time.perf_counter()
     texts = [engine.decode(s.ids) for s in done.samples]
@@ -94,7 +103,24 @@ def make_group(engine: Engine, rewards: RewardRunner, held: Held, done: Finished
         generator=generator_id, engine=engine.name, completions=completions,
         timings={"queue": held.added_at - held.taken_at, "generate": t0 - held.added_at,
                  "reward": time.perf_counter() - t0}, published_at=held.published_at)
-    return group, [f"prompt {task.id}: {sc.error}" for sc in scored if sc.error is not None]
+    return with_teacher(group, teacher), [f"prompt {task.id}: {sc.error}" for sc in scored if sc.error is not None]
+
+
+def with_teacher(group: SampleGroup, teacher: Teacher | None) -> SampleGroup:
+    """`group` with its teacher's log-prob of each sampled token over the same prefix (0 where the
+    loss_mask is 0: an episode's environment tokens), the teacher named; where the teacher failed or
+    overran its budget, `group` as it was with the error in `teacher_error` (the trainer takes it as
+    reward-only). Blocking (the teacher's thread, within its timeout); no teacher: `group` itself."""
+    if teacher is None:
+        return group
+    t0 = time.perf_counter()
+    scores = teacher.score(group.prompt_ids, [(c.ids, c.loss_mask) for c in group.completions])
+    timings = {**group.timings, "teacher": time.perf_counter() - t0}
+    if scores.logprobs is None:
+        return dataclasses.replace(group, timings=timings, teacher_error=scores.error or "teacher failed")
+    completions = [dataclasses.replace(c, teacher_logprobs=lp)
+                   for c, lp in zip(group.completions, scores.logprobs, strict=True)]
+    return dataclasses.replace(group, completions=completions, timings=timings, teacher=teacher.name)
 
 
 async def episodes(g: Generator, state: State) -> None:
@@ -115,6 +141,7 @@ async def play_and_publish(g: Generator, state: State, held: Held) -> None:
                                    generator_id=g.id)
         # weights are not loaded while episodes play: what the state says of its version holds
         group = dataclasses.replace(group, published_at=state.published.get(group.newest_version, 0.0))
+        group = await trio.to_thread.run_sync(with_teacher, group, g.teacher, abandon_on_cancel=True)
         drop = drops(g, group)
         await trio.to_thread.run_sync(partial(
             drop_group if drop else publish, g.r, keys=g.keys, entry_id=held.entry_id, group=group))

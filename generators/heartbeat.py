@@ -62,7 +62,8 @@ def heartbeat(state: State, engine: Engine) -> Heartbeat:
     return Heartbeat(engine=engine.name, version=engine.version, tokens_per_s=state.tokens_per_s(),
                      in_flight=len(state.held), groups=state.groups, reward_errors=state.reward_errors,
                      dropped_zero_variance=state.dropped_zero_variance, weights_refused=state.weights_refused,
-                     last_refusal=state.last_refusal, env_errors=state.env_errors, engine_errors=state.engine_errors)
+                     last_refusal=state.last_refusal, env_errors=state.env_errors, engine_errors=state.engine_errors,
+                     teacher_errors=state.teacher_errors)
 
 
 async def signals(g: Generator, state: State, everything: trio.CancelScope) -> None:

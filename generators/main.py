@@ -64,6 +64,7 @@ from common.config import Config
 from common.heartbeats import clear_heartbeat, count_engine_stall
 from common.keys import GENERATORS_GROUP, Keys
 from common.quarantine import lift_quarantine
+from common.teacher import Teacher
 from engines.base import Engine, Finished, SamplingSettings, turn_ids
 from engines.choice import engine_kind, open_for_settings
 from envs.base import Spec
@@ -91,6 +92,7 @@ def run(config: Config, *, generator_id: str) -> None:
 
     # ------------------------------------------------------------------ start-up
     names = reward_names(config)  # a reward name that does not load fails before the model does
+    teacher = teacher_for(config, name=name)  # so does a teacher path that is no causal LM
     specs = environment_specs(config)  # so does an environment's
     r = streams.connect(config.redis_url, process=name)
     streams.ensure_group(r, keys.prompts, GENERATORS_GROUP)
@@ -117,7 +119,7 @@ def run(config: Config, *, generator_id: str) -> None:
     try:
         trio.run(partial(serve, config, state, r=r, keys=keys, engine=engine, engine_thread=engine_thread,
                          rewards=rewards, envs=envs, specs=specs, generator_id=generator_id, host=host,
-                         gpu=gpu))
+                         gpu=gpu, teacher=teacher))
     except BaseExceptionGroup as group:  # a task's error: raise it as itself, for __main__'s handlers
         leaves = leaf_errors(group)
         if len(leaves) == 1:
@@ -133,6 +135,8 @@ def run(config: Config, *, generator_id: str) -> None:
         if server:
             devices.release_server(r, keys, url=gen.server_url, owner=generator_id)
         rewards.close()
+        if teacher is not None:
+            teacher.close()
         if envs is not None:
             envs.close()
         engine_thread.shutdown(wait=False)
@@ -163,6 +167,24 @@ def check_templates(engine: Engine, specs: dict[str, Spec]) -> None:
                               f"{err}") from None
 
 
+def teacher_for(config: Config, *, name: str) -> Teacher | None:
+    """The run's teacher ([teacher]), its path checked and said on the console (`name`: this
+    generator's); None without one. A path that is no causal LM is a ConfigError naming it."""
+    from common.config import ConfigError
+
+    t = config.teacher
+    if not t.on:
+        return None
+    try:
+        teacher = Teacher(t.path, name=t.label, timeout_s=t.timeout_s, temperature=config.rollout.temperature,
+                          dtype=config.model.dtype)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    print(f"{name}: teacher {teacher.name} ({teacher.path}) scores every sampled token, {t.timeout_s:g} s a group",
+          flush=True)
+    return teacher
+
+
 def open_engine_for(config: Config, *, seed: int) -> Engine:
     from common.models import resolve_model_path
 
@@ -174,7 +196,7 @@ def open_engine_for(config: Config, *, seed: int) -> Engine:
 async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, engine: Engine,
                 engine_thread: concurrent.futures.Executor, rewards: RewardRunner, generator_id: str,
                 host: str, gpu: str | None, envs: EnvRunner | None = None,
-                specs: dict[str, Spec] | None = None) -> None:
+                specs: dict[str, Spec] | None = None, teacher: Teacher | None = None) -> None:
     """Wire the stages together and run them: the pipeline until every taken prompt is written."""
     gen, rollout = config.generator, config.rollout
     arrived_send, arrived = trio.open_memory_channel[Held](math.inf)
@@ -191,7 +213,7 @@ async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, eng
         capacity=trio.Semaphore(gen.max_in_flight), intake_scope=trio.CancelScope(),
         fetch_dir=Path(config.output_dir) / "fetched", envs=envs, specs=specs, episode_limits=limits,
         episodes_send=episodes_send, episodes_in=episodes_in,
-        weights=Watcher(r, keys),
+        weights=Watcher(r, keys), teacher=teacher, distill_weight=config.teacher.distill_weight,
         received=Receiver(r, keys, generator_id=generator_id)
         if config.trainer.weight_transfer != "disk" and engine_kind(gen.engine).receives else None)
     # A generator started again (its config or host fixed) is judged afresh (common/quarantine.py).

@@ -33,7 +33,9 @@ failure gives. A call that overran cannot be killed (it is the generator's own t
 group's model call waits for it.
 LLM judges ("judge:PATH?parser=..." entries, common/judges.py) run the same way, one batched
 `generate` per group; an answer that does not parse is that completion's error alone (a string
-among the judge's values).
+among the judge's values). A judge at a URL ("judge:http://...", common/served_judges.py) runs in
+that thread too, its group's requests sent at once from threads of its own; a request that fails
+for good is that completion's error alone.
 
 Workers are daemonic (they end with the generator; a reward cannot itself start multiprocessing
 children, subprocesses are fine), run in their own process group (a Ctrl-C at the terminal reaches
@@ -52,7 +54,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from common import judges, reward_models, rewards
+from common import judges, reward_models, rewards, served_judges
 from generators import processes
 
 if TYPE_CHECKING:
@@ -65,6 +67,9 @@ class Scored:
     rewards: dict[str, float]  # named components; {} on error
     error: str | None          # why the reward failed (raised, timed out, bad return), else None
 
+
+# the rewards the generator runs itself, in its model thread, not in its reward workers
+_RUN_HERE = reward_models.RewardModel | judges.Judge | served_judges.ServedJudge
 
 Names = dict[str, str | list[tuple[str, float]]]  # {source: "module:function" or [(name, weight), ...]}
 
@@ -232,7 +237,7 @@ class RewardRunner:
     # ------------------------------------------------------------------ internals
 
     def _models(self, source: str) -> list[rewards.RewardFunc]:
-        return [f for f in self._fns[source] if isinstance(f.fn, reward_models.RewardModel | judges.Judge)]
+        return [f for f in self._fns[source] if isinstance(f.fn, _RUN_HERE)]
 
     def _model_values(self, source: str, *, prompt: str, messages: list[dict[str, str]] | None,
                       completions: list[tuple[str, list[int]]], meta: dict[str, Any],
@@ -241,7 +246,7 @@ class RewardRunner:
         whole group in this process's model thread within the group's budget (no budget in-process)."""
         out: dict[str, list[float | None | str] | str] = {}
         for f in self._models(source):
-            assert isinstance(f.fn, reward_models.RewardModel | judges.Judge)
+            assert isinstance(f.fn, _RUN_HERE)
             try:
                 f.fn.load()  # the first group's wait for the weights is not counted in its budget
             except RuntimeError as err:

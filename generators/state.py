@@ -20,6 +20,7 @@ from common.config import GeneratorConfig, LimitsConfig, TrainerConfig
 from common.keys import Keys
 from common.messages import PromptTask
 from common.quarantine import Quarantine
+from common.teacher import Teacher
 from engines.base import Engine, Finished, Sampled, SamplingSettings
 from envs.base import Spec
 from generators.environments import EnvRunner
@@ -93,6 +94,7 @@ class State:
     groups: int = 0
     dropped_zero_variance: int = 0
     reward_errors: int = 0
+    teacher_errors: int = 0  # groups written without teacher log-probs: the teacher failed or overran
     weights_refused: int = 0
     last_refusal: str = ""
     produced: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens) per group
@@ -152,6 +154,8 @@ class Generator:
     fetch_dir: Path  # where versions fetched over HTTP land (settings.weights_url)
     weights: Watcher  # the newest version announced on the weights stream
     received: Receiver | None = None  # the trainer's weights broadcast, when it has one (trainer.weight_transfer)
+    teacher: Teacher | None = None  # on-policy distillation's teacher ([teacher]); None: none
+    distill_weight: float = 0.0  # [teacher]'s: above 0 a group with teacher log-probs is never dropped as zero-variance
 
     @property
     def name(self) -> str:

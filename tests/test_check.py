@@ -72,6 +72,13 @@ def test_a_right_config_passes_with_its_figures(tmp_path, tiny_model):
     assert found, memory
     assert all(float(found[i]) > 0 for i in (1, 3, 4, 6, 8, 10, 11)), memory
     assert int(found[11]) == 8 * int(found[3])  # 8 rows of the longest prompt and max_new_tokens
+    # the settings the trainer resolves at start-up on this host: "auto" checkpointing is off on a CPU
+    [trainer] = [line for line in lines if line.startswith("trainer    ")]
+    found = re.fullmatch(r"trainer    activation checkpointing off \(auto: off on the cpu; about ([\d.e+-]+) GiB "
+                         r"without it\), micro_batch_tokens 0 \(no limit: micro_batch_size 8 rows\) \(estimated "
+                         r"at micro-batches of (\d+) positions\), attention sdpa, packed micro-batches", trainer)
+    assert found and float(found[1]) > 0, trainer
+    assert int(found[2]) == 8 * 2 * 16  # 8 rows of twice max_new_tokens (a prompt up to as long)
     assert lines[-1].startswith("check: ok (mean |log-ratio| ")
     assert failures(done.stdout) == []
 

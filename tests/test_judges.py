@@ -5,7 +5,6 @@ start-up by its field and entry."""
 
 import json
 import re
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,8 @@ from common import judges
 from common.config import ConfigError, config_from_dict
 from common.judges import Judge, parse
 from generators.scoring import RewardRunner, Scored, reward_names
+from tests.harness.models import one_layer_llama
+from tests.harness.overruns import held_back
 
 FIX = "tests.reward_fixtures"
 PROMPT = "What is 6 * 7?"
@@ -57,7 +58,7 @@ def build_judge(path: Path, tokenizer_from: Path, *, answer: str, trigger: int |
     that token is answered so; any other gets the end token at once (an empty answer). Saved without
     a chat template, so that the question is the template's text as is."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     tokenizer.chat_template = None
@@ -67,11 +68,8 @@ def build_judge(path: Path, tokenizer_from: Path, *, answer: str, trigger: int |
     chain = tokenizer(answer, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(chain) == answer and len(set(chain)) == len(chain), chain
     eos = tokenizer.eos_token_id
-    hidden = 32
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, eos_token_id=eos, pad_token_id=eos, bos_token_id=None,
-        tie_word_embeddings=False))
+    model = LlamaForCausalLM(one_layer_llama(tokenizer, pad_token_id=eos, tie_word_embeddings=False))
+    hidden = model.config.hidden_size
     # next token after each token: its own direction in the embedding; every other token shares direction 0
     after = {**dict(zip(chain, chain[1:] + [eos], strict=True))}
     default = eos if trigger is not None else chain[0]
@@ -167,20 +165,9 @@ def test_a_random_judges_garbage_answers_are_each_completions_error_naming_parse
 
 
 def test_a_judge_past_the_groups_budget_is_its_timeout_error(tiny_model, monkeypatch):
-    release = threading.Event()
-    original = Judge.answers
-
-    def stuck(self, prompts, completions):
-        release.wait(timeout=120)  # until the test lets it go (a guard against a hang): it overran its budget
-        return original(self, prompts, completions)
-
-    monkeypatch.setattr(Judge, "answers", stuck)
     names = {"s": [(f"judge:{tiny_model}?parser=yesno&max_new_tokens=2", 1.0), (f"{FIX}:half", 1.0)]}
-    with RewardRunner(names, timeout_s=0.2, workers=1) as runner:
-        try:
-            out = runner.score("s", prompt=PROMPT, meta={}, completions=completions("a", "b"))
-        finally:
-            release.set()
+    with RewardRunner(names, timeout_s=0.2, workers=1) as runner, held_back(monkeypatch, Judge, "answers"):
+        out = runner.score("s", prompt=PROMPT, meta={}, completions=completions("a", "b"))
     assert out == [Scored(0.0, {}, f"{tiny_model.name}: timeout after 0.6 s")] * 2
 
 

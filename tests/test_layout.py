@@ -1,7 +1,7 @@
 """The code's shape: process packages side by side, never importing one another, and no import
 cycle anywhere (a late import inside a function counts: it is a cycle all the same); readers of a
 run's data see it through common/'s types only; test modules share the harness, never one another,
-and ops/ imports nothing from tests/ (what both need lives below both, in common/)."""
+and ops/ imports nothing from tests/ (what both need lives below both, in common/ or ops/lib/)."""
 
 from __future__ import annotations
 
@@ -206,32 +206,34 @@ def imported_names(path: Path) -> list[tuple[str, int]]:
     return out
 
 
-# Benchmark drivers that still build their models, groups, servers or processes with the test
-# harness (tests/harness/models.py, groups.py, servers.py, processes.py); each one's import of it
-# is a debt, not a rule: what it needs is to move below both, as common/localredis.py did for Redis.
-OPS_ON_THE_HARNESS = {"ops/bench/scale.py", "ops/bench/server_logprobs.py", "ops/bench/trainer_efficiency.py"}
+def found(root: Path, path: Path, pattern: str) -> list[str]:
+    """'file:line: imports MODULE' for each import in `path` whose dotted name starts with `pattern`."""
+    hits = {(line, m.group()) for name, line in imported_names(path) if (m := re.match(pattern, name))}
+    return [f"{path.relative_to(root)}:{line}: imports {module}" for line, module in sorted(hits)]
 
 
 def harness_violations(root: Path) -> list[str]:
-    """A test module importing another test module, and anything under ops/ importing anything
-    under tests/ (the harness included: a command of ops/ must run from a checkout without the
-    tests), but the benchmark drivers of OPS_ON_THE_HARNESS importing the harness."""
-    def found(path: Path, pattern: str) -> list[str]:
-        hits = {(line, m.group()) for name, line in imported_names(path) if (m := re.match(pattern, name))}
-        return [f"{path.relative_to(root)}:{line}: imports {module}" for line, module in sorted(hits)]
+    """A test module importing another test module (what they share is the harness's)."""
+    return [hit for path in sorted((root / "tests").glob("test_*.py")) for hit in found(root, path, r"tests\.test_\w+")]
 
+
+def ops_violations(root: Path) -> list[str]:
+    """Anything under ops/ (a .py file, or a script run by python) importing anything of tests/, the
+    harness included: a command of ops/ must run from a checkout without the tests. What a benchmark
+    and a test both use lives below both (common/, ops/lib/)."""
     problems = []
-    for path in sorted((root / "tests").glob("test_*.py")):
-        problems += found(path, r"tests\.test_\w+")
     for path in sorted((root / "ops").rglob("*")):
         if path.suffix == ".py" or path.is_file() and b"python" in path.read_bytes()[:100].split(b"\n")[0]:
-            owed = str(path.relative_to(root)) in OPS_ON_THE_HARNESS
-            problems += found(path, r"tests\.(test_\w+|conftest)" if owed else r"tests(\.\w+)?")
+            problems += found(root, path, r"tests(?!\w)(\.\w+)?")
     return problems
 
 
 def test_tests_share_the_harness_and_never_import_one_another():
     assert harness_violations(ROOT) == []
+
+
+def test_ops_imports_nothing_from_the_tests():
+    assert ops_violations(ROOT) == []
 
 
 def test_a_test_importing_another_and_ops_importing_the_tests_are_caught(tmp_path):
@@ -240,6 +242,7 @@ def test_a_test_importing_another_and_ops_importing_the_tests_are_caught(tmp_pat
              "tests/test_c.py": "from tests import test_a\nfrom tests import reward_fixtures\n",
              "ops/bench/x.py": "from tests.conftest import free_port\nfrom tests.harness.servers import start_redis\n",
              "ops/bench/scale.py": "from tests.harness.processes import spawn\nfrom tests.test_a import helper\n",
+             "ops/lib/processes.py": "from testsuite import x\nimport tests\n",
              "ops/tool": "#!/usr/bin/env python3\nfrom tests.test_a import helper\n",
              "ops/chaos.py": "def main():\n    import tests.harness.metrics\n    from tests import harness\n"}
     for name, text in files.items():
@@ -247,10 +250,12 @@ def test_a_test_importing_another_and_ops_importing_the_tests_are_caught(tmp_pat
         (tmp_path / name).write_text(text)
     assert harness_violations(tmp_path) == ["tests/test_a.py:1: imports tests.test_b",
                                             "tests/test_b.py:2: imports tests.test_a",
-                                            "tests/test_c.py:1: imports tests.test_a",
-                                            "ops/bench/scale.py:2: imports tests.test_a",
-                                            "ops/bench/x.py:1: imports tests.conftest",
-                                            "ops/bench/x.py:2: imports tests.harness",
-                                            "ops/chaos.py:2: imports tests.harness",
-                                            "ops/chaos.py:3: imports tests.harness",
-                                            "ops/tool:2: imports tests.test_a"]
+                                            "tests/test_c.py:1: imports tests.test_a"]
+    assert ops_violations(tmp_path) == ["ops/bench/scale.py:1: imports tests.harness",
+                                        "ops/bench/scale.py:2: imports tests.test_a",
+                                        "ops/bench/x.py:1: imports tests.conftest",
+                                        "ops/bench/x.py:2: imports tests.harness",
+                                        "ops/chaos.py:2: imports tests.harness",
+                                        "ops/chaos.py:3: imports tests.harness",
+                                        "ops/lib/processes.py:2: imports tests",
+                                        "ops/tool:2: imports tests.test_a"]

@@ -14,7 +14,7 @@ import pytest
 
 from tests.harness.configs import write_config
 from tests.harness.needs import skip_without_root
-from tests.harness.processes import _start, stop, wait_for
+from tests.harness.processes import start, stop, wait_for
 
 RUN = "nn"
 PASSWORD, USER, USER_PASSWORD = "nn-default-pw", "rollouts-nn", "nn-acl-pw"
@@ -60,7 +60,7 @@ def test_a_generator_on_another_host_trains_the_run_over_its_address(tmp_path, t
     logs.mkdir()
 
     def on(host: str, name: str, argv: list[str], **env: str) -> subprocess.Popen:
-        return _start(["ip", "netns", "exec", host, *argv], cwd=tmp_path, env=env, log=logs / f"{name}.log")
+        return start(["ip", "netns", "exec", host, *argv], cwd=tmp_path, env=env, log=logs / f"{name}.log")
 
     redis_server = on(a, "redis", [shutil.which("redis-server"), "--port", str(port), "--bind", address,
                                    "--dir", str(tmp_path), "--appendonly", "yes", "--save", "",
@@ -132,7 +132,7 @@ def test_two_trainer_hosts_that_do_not_share_the_output_directory_are_refused_at
         argv = ["ip", "netns", "exec", host, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                 "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", address, "--master-port", "29511",
                 "-m", "trainer", "--config", str(tmp_path / "run.toml"), "--output_dir", str(tmp_path / out)]
-        ranks[host] = _start(argv, cwd=tmp_path, env={"GLOO_SOCKET_IFNAME": veth(host)}, log=logs / f"{out}.log")
+        ranks[host] = start(argv, cwd=tmp_path, env={"GLOO_SOCKET_IFNAME": veth(host)}, log=logs / f"{out}.log")
     try:
         codes = [p.wait(timeout=300) for p in ranks.values()]
     finally:

@@ -8,7 +8,6 @@ beside a reward function."""
 import json
 import re
 import shutil
-import threading
 import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,11 +16,14 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError, config_from_dict
-from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import PromptTask, decode_group, encode
+from common.keys import Keys
+from common.messages import PromptTask
 from common.reward_models import RewardModel
 from generators.scoring import RewardRunner, Scored, reward_names
-from tests.harness.processes import spawn, stop, wait_for
+from tests.harness.groups import read_groups
+from tests.harness.models import one_layer_llama
+from tests.harness.overruns import held_back
+from tests.harness.pipeline import generate_groups, generator_toml
 
 FIX = "tests.reward_fixtures"
 PROMPT = "What is 6 * 7?"
@@ -34,15 +36,12 @@ def build_reward_model(path: Path, tokenizer_from: Path) -> Path:
     texts score far apart) with the tiny model's tokenizer and chat template; its config names no
     pad token, as many reward models' do not (the scorer must give it the tokenizer's)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     tokenizer.save_pretrained(path)
     torch.manual_seed(0)
-    model = LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_labels=1, pad_token_id=None, bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id))
+    model = LlamaForSequenceClassification(one_layer_llama(tokenizer, num_labels=1, pad_token_id=None))
     with torch.no_grad():
         model.score.weight.normal_(0.0, 1.0)
     model.save_pretrained(path, safe_serialization=True)
@@ -158,20 +157,9 @@ def test_a_reward_model_that_cannot_load_is_every_completions_recorded_error(rew
 
 
 def test_a_reward_model_past_the_groups_budget_is_its_timeout_error(reward_model, monkeypatch):
-    release = threading.Event()
-    original = RewardModel.__call__
-
-    def stuck(self, prompts, completions):
-        release.wait(timeout=120)  # until the test lets it go (a guard against a hang): it overran its budget
-        return original(self, prompts, completions)
-
-    monkeypatch.setattr(RewardModel, "__call__", stuck)
     names = {"s": [(f"model:{reward_model}", 1.0), (f"{FIX}:half", 1.0)]}
-    with RewardRunner(names, timeout_s=0.2, workers=1) as runner:
-        try:
-            out = runner.score("s", prompt=PROMPT, meta={}, completions=completions("a", "b"))
-        finally:
-            release.set()
+    with RewardRunner(names, timeout_s=0.2, workers=1) as runner, held_back(monkeypatch, RewardModel, "__call__"):
+        out = runner.score("s", prompt=PROMPT, meta={}, completions=completions("a", "b"))
     # the group's budget, 0.2 s x (2 + 1), as a TRL function's; every completion gets the error
     assert out == [Scored(0.0, {}, "tiny-rm: timeout after 0.6 s")] * 2
 
@@ -179,18 +167,7 @@ def test_a_reward_model_past_the_groups_budget_is_its_timeout_error(reward_model
 def test_a_generator_scores_its_groups_with_a_reward_model_beside_a_function(tiny_model, reward_model, tmp_path,
                                                                               redis_url, r):
     config = tmp_path / "run.toml"
-    config.write_text(f"""
-run = "rm"
-redis_url = "{redis_url}"
-[model]
-path = "{tiny_model}"
-[rollout]
-max_new_tokens = 4
-[generator]
-engine = "hf"
-threads = 1
-reward_timeout_s = 30.0
-[[data.sources]]
+    config.write_text(generator_toml(run="rm", redis_url=redis_url, model=tiny_model) + f"""[[data.sources]]
 name = "calc"
 kind = "arithmetic"
 reward_funcs = ["model:{reward_model}", "{FIX}:half"]
@@ -198,20 +175,83 @@ reward_weights = [0.5, 2.0]
 """)
     config_from_dict(tomllib.loads(config.read_text()))  # the table as a user writes it
     keys = Keys("rm")
-    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
-    r.xadd(keys.prompts, {PAYLOAD: encode(PromptTask(id="calc:0:0", messages=None, text=PROMPT, meta={"answer": "42"},
-                                                     n=3, admitted_at=0, source="calc"))})
-    log = tmp_path / "generator.log"
-    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(config)}, log=log)
-    try:
-        wait_for(lambda: r.xlen(keys.samples) >= 1, timeout=180, what="the group", procs=[proc])
-    finally:
-        code = stop(proc)
-    assert code == 0, log.read_text()
-    assert f"source calc: reward models model:{reward_model} score prompt + completion as text" in log.read_text()
-    (group,) = [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
+    task = PromptTask(id="calc:0:0", messages=None, text=PROMPT, meta={"answer": "42"}, n=3, admitted_at=0,
+                      source="calc")
+    said = generate_groups(r, keys, [task], config=config, groups=1, cwd=tmp_path)
+    assert f"source calc: reward models model:{reward_model} score prompt + completion as text" in said
+    (group,) = read_groups(r, keys)
     for c in group.completions:
         v = logit(reward_model, PROMPT + c.text)
         assert c.reward_error is None, c.reward_error
         assert c.rewards == {"tiny-rm": pytest.approx(v, abs=1e-4), "half": 0.5}
         assert c.reward == pytest.approx(0.5 * v + 1.0, abs=1e-4)
+
+
+# ---------------------------------------------------------------------- TRL's reward_processing_classes
+
+
+def tokenizer_dir(path: Path, tokenizer_from: Path, *, chat_template: str, extra_tokens: int = 0) -> Path:
+    """The tokenizer of `tokenizer_from` with its own chat template and no pad token, plus
+    `extra_tokens` added tokens, saved alone in `path`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    tokenizer.chat_template = chat_template
+    tokenizer.pad_token = None
+    tokenizer.add_tokens([f"<extra-{i}>" for i in range(extra_tokens)])
+    tokenizer.save_pretrained(path)
+    assert AutoTokenizer.from_pretrained(path).pad_token_id is None  # the scorer must pad with eos, as TRL does
+    return path
+
+
+def test_a_tokenizer_named_with_the_model_is_its_reward_processing_class(reward_model, tmp_path):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    weights = tmp_path / "weights-only"  # the reward model without a tokenizer of its own
+    weights.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(reward_model / name, weights / name)
+    tok = tokenizer_dir(tmp_path / "tok", reward_model,
+                        chat_template="{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}")
+    entry = f"model:{weights}?tokenizer={tok}"
+    with RewardRunner({"s": [(entry, 1.0)]}, timeout_s=30, workers=0, conversational=frozenset({"s"})) as runner:
+        out = runner.score("s", prompt=PROMPT, messages=CHAT, meta={}, completions=completions(*TEXTS))
+    # each completion alone, unpadded, rendered and tokenized by the named tokenizer (its chat template)
+    tokenizer = AutoTokenizer.from_pretrained(tok)
+    model = AutoModelForSequenceClassification.from_pretrained(weights).eval()
+    expected = []
+    for t in TEXTS:
+        text = tokenizer.apply_chat_template([*CHAT, {"role": "assistant", "content": t}], tokenize=False)
+        assert text.startswith(f"<system> {CHAT[0]['content']}\n"), text
+        with torch.inference_mode():
+            expected.append(float(model(**tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0]))
+    assert [o.error for o in out] == [None] * 3
+    assert [o.rewards for o in out] == [{"weights-only": pytest.approx(v, abs=1e-5)} for v in expected]
+    assert len({round(v, 3) for v in expected}) == 3, expected  # the texts do score apart: the check can fail
+    # without the option, the tokenizer is the model directory's own (TRL's default), and it has none
+    with RewardRunner({"s": [(f"model:{weights}", 1.0)]}, timeout_s=30, workers=0) as runner:
+        (alone,) = runner.score("s", prompt=PROMPT, meta={}, completions=completions("42"))
+    assert alone.error is not None and f"reward model 'model:{weights}' cannot be loaded" in alone.error, alone
+
+
+def test_a_bad_tokenizer_is_refused_at_start_up_or_when_it_loads_naming_it(reward_model, tmp_path):
+    source = {"name": "s", "kind": "arithmetic"}
+    nowhere = tmp_path / "nowhere"
+    for entry, why in [(f"model:{reward_model}?tokenizer={nowhere}", "is no directory holding a tokenizer"),
+                       (f"model:{reward_model}?tokenizer=", "is no directory holding a tokenizer"),
+                       (f"model:{reward_model}?tokeniser={reward_model}", "unknown tokeniser")]:
+        config = config_from_dict({"data": {"sources": [{**source, "reward_funcs": [f"{FIX}:half", entry]}]}})
+        with pytest.raises(ConfigError, match=rf"data\.sources\.0\.reward_funcs: {re.escape(f'reward {entry!r}: ')}"
+                                              rf".*{re.escape(why)}"):
+            reward_names(config)
+    # a tokenizer with more tokens than the model has embeddings: every completion's error, not a crash
+    big = tokenizer_dir(tmp_path / "big-tok", reward_model, chat_template="", extra_tokens=8)
+    entry = f"model:{reward_model}?tokenizer={big}"
+    with RewardRunner({"s": [(entry, 1.0), (f"{FIX}:half", 1.0)]}, timeout_s=30, workers=0) as runner:
+        out = runner.score("s", prompt=PROMPT, meta={}, completions=completions("a", "b"))
+    rows = json.loads((reward_model / "config.json").read_text())["vocab_size"]
+    for o in out:
+        assert (o.reward, o.rewards) == (0.0, {}), o
+        assert o.error == (f"reward model {entry!r} cannot be loaded: the tokenizer at {big} has {rows + 8} tokens, "
+                           f"more than the {rows} embeddings of the model at {reward_model}"), o.error

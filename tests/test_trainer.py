@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,9 @@ def test_trainer_trains_publishes_and_dead_letters(tmp_path, redis_url, r, tiny_
 
     proc = train_groups(tmp_path, redis_url, tiny_model, run=RUN)
     assert len([line for line in proc.stdout.splitlines() if line.startswith("step ")]) == 3
+    # trainer.activation_checkpointing "auto" resolved at start-up, said with its figures: off on a CPU
+    assert re.search(r"^trainer: activation checkpointing off \(auto: off on the cpu; about [\d.e+-]+ GiB without "
+                     r"it\)$", proc.stdout, re.M), proc.stdout[:2000]
 
     # Malformed entries are dead letters whose reason names the problem.
     reasons = [fields[b"reason"].decode() for _, fields in r.xrange(KEYS.samples_dead)]

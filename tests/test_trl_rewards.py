@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError, config_from_dict
-from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import Completion, PromptTask, SampleGroup, decode_group, encode
+from common.keys import Keys
+from common.messages import Completion, PromptTask, SampleGroup
 from common.rewards import TrainerState, prompt_text
 from generators.scoring import RewardRunner, Scored, conversational_sources, reward_names
 from tasks import rows
 from tests import reward_fixtures
-from tests.harness.processes import spawn, stop, wait_for
+from tests.harness.groups import read_groups
+from tests.harness.pipeline import generate_groups, generator_toml
 from trainer.metrics import step_metrics
 
 FIX = "tests.reward_fixtures"
@@ -287,34 +288,15 @@ def test_a_generator_runs_the_readmes_trl_example_on_the_readmes_source(tiny_mod
                                                                          monkeypatch):
     monkeypatch.chdir(tmp_path)  # the README's path is relative, as the generator's cwd
     config = tmp_path / "run.toml"
-    config.write_text(f"""
-run = "trl"
-redis_url = "{redis_url}"
-[model]
-path = "{tiny_model}"
-[rollout]
-max_new_tokens = 4
-[generator]
-engine = "hf"
-threads = 1
-reward_timeout_s = 30.0
-""" + readme_setup(tmp_path))
+    config.write_text(generator_toml(run="trl", redis_url=redis_url, model=tiny_model) + readme_setup(tmp_path))
     parsed = config_from_dict(tomllib.loads(config.read_text()))
     (source,) = parsed.sources
     keys = Keys("trl")
-    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    tasks = []
     for i, row in enumerate(rows.load(source, field="data.sources.0")):
         p = rows.row_prompt(row, source=source, prompt_id=f"{source.name}:0:{i}")
-        r.xadd(keys.prompts, {PAYLOAD: encode(PromptTask(id=p.id, messages=p.messages, text=p.text, meta=p.meta,
-                                                         n=2, admitted_at=0))})
-    log = tmp_path / "generator.log"
-    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(config)}, log=log)
-    try:
-        wait_for(lambda: r.xlen(keys.samples) >= 2, timeout=180, what="both groups", procs=[proc])
-    finally:
-        code = stop(proc)
-    assert code == 0, log.read_text()
-    said = log.read_text()
+        tasks.append(PromptTask(id=p.id, messages=p.messages, text=p.text, meta=p.meta, n=2, admitted_at=0))
+    said = generate_groups(r, keys, tasks, config=config, groups=2, cwd=tmp_path)
     assert "source mine: TRL reward functions my_rewards:reward_func get prompts and completions as text" in said
-    completions = [c for _, f in r.xrange(keys.samples) for c in decode_group(f[PAYLOAD]).completions]
+    completions = [c for group in read_groups(r, keys) for c in group.completions]
     assert [(c.reward_error, sorted(c.rewards)) for c in completions] == [(None, ["format", "reward_func"])] * 4

@@ -40,6 +40,8 @@ class Row:
     versions: np.ndarray | None = None  # (len(ids),) the weight version that sampled each completion
     # token; None: version 0 everywhere
     group: int = -1  # the index of its group among the step's (this rank's) groups
+    teacher: np.ndarray | None = None  # (len(ids),) float32: the teacher's log-prob of each completion token;
+    # None: no teacher scored it (on-policy distillation: common/teacher.py)
 
     @property
     def length(self) -> int:
@@ -84,6 +86,11 @@ class MicroBatch:
     packed: Packed | None = None
     # (B,) host array: each row's group, its index among the step's groups (Row.group; -1: none)
     group_of: np.ndarray | None = None
+    # On-policy distillation (rows with teacher log-probs), else None: (B, T) float32 the per-token
+    # reverse-KL sample k = behaviour_logp - teacher log-prob on the trained tokens a teacher scored,
+    # 0 elsewhere; and (B, T) float32 1 on those tokens.
+    teacher_kl: Tensor | None = None
+    teacher_at: Tensor | None = None
 
 
 def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: str = "none",
@@ -117,9 +124,10 @@ def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: s
             trained = np.ones(len(ids), dtype=bool)
         else:
             trained = np.asarray(c.loss_mask, dtype=bool)
+        teacher = None if c.teacher_logprobs is None else np.asarray(c.teacher_logprobs, dtype=np.float32)
         rows.append(Row(prompt=prompt, ids=ids, trained=trained, logprobs=np.asarray(c.logprobs, dtype=np.float32),
                         advantage=float(adv),
-                        versions=token_versions(c, group_version=group.version), group=index))
+                        versions=token_versions(c, group_version=group.version), group=index, teacher=teacher))
     return rows
 
 
@@ -132,6 +140,8 @@ def collate(rows: list[Row]) -> MicroBatch:
     attention = np.zeros(shape, dtype=np.int64)
     mask, logp = np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32)
     versions = np.zeros(shape, dtype=np.int64)
+    taught = any(row.teacher is not None for row in rows)
+    kl, at = (np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32)) if taught else (None, None)
     for i, row in enumerate(rows):
         p, end = len(row.prompt), row.length  # completion token j is the target at position p - 1 + j
         input_ids[i, :p] = row.prompt
@@ -144,12 +154,17 @@ def collate(rows: list[Row]) -> MicroBatch:
         if row.versions is not None:  # prompt positions: the first token's version; padding: the last's
             versions[i, :p - 1], versions[i, p - 1:end], versions[i, end:] = \
                 row.versions[0], row.versions, row.versions[-1]
+        if row.teacher is not None and kl is not None and at is not None:  # on the trained tokens only: an
+            at[i, p - 1:end] = row.trained  # episode's environment tokens have no teacher log-prob
+            kl[i, p - 1:end] = np.where(row.trained, row.logprobs - row.teacher, np.float32(0.0))
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention),
         targets=torch.from_numpy(targets), mask=torch.from_numpy(mask), behaviour_logp=torch.from_numpy(logp),
         advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
         versions=torch.from_numpy(versions), trained_at=torch.from_numpy(np.flatnonzero(mask)),
         group_of=np.array([row.group for row in rows], dtype=np.int64),
+        teacher_kl=None if kl is None else torch.from_numpy(kl),
+        teacher_at=None if at is None else torch.from_numpy(at),
     )
 
 

@@ -92,6 +92,11 @@ class Placement:
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
     attention: str = "sdpa"  # trainer.attention: what packed micro-batches compute attention with
 
+    def __post_init__(self) -> None:
+        assert isinstance(self.activation_checkpointing, bool), (
+            f"Placement.activation_checkpointing must be resolved to true or false (trainer/memory.py `choose` "
+            f"resolves 'auto'), got {self.activation_checkpointing!r}")
+
     @property
     def weights_dtype(self) -> torch.dtype:
         """The dtype the trained weights (and so AdamW's moments) are held in."""

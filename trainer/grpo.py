@@ -15,6 +15,19 @@ from trainer.stats import Mismatch
 TRUNCATED_LOGP = -1e4  # log-prob of a token the sampler's truncation cut (probability 0)
 
 
+def token_advantages(advantages: Tensor, teacher_kl: Tensor | None, distill_weight: float) -> Tensor:
+    """Each token's advantage under on-policy distillation: A_t = A - distill_weight * k_t, with
+    k_t = log pi_behaviour - log pi_teacher of the sampled token (the per-token reverse KL to the
+    teacher, as slime and prime-rl take it, on the student's sampling log-probs), 0 where no teacher
+    scored it: (B,), (B, T) -> (B, T). Without a teacher (None) or at weight 0, `advantages` (B,)
+    as they are: every loss expands them over the tokens itself (losses/clipped.py: prepare)."""
+    if teacher_kl is None or distill_weight == 0:
+        return advantages
+    assert teacher_kl.shape[:1] == advantages.shape, \
+        f"teacher_kl {tuple(teacher_kl.shape)} vs advantages {tuple(advantages.shape)}"
+    return advantages.float().unsqueeze(1) - distill_weight * teacher_kl.float()  # (B, T)
+
+
 def token_logprobs(logits: Tensor, targets: Tensor, temperature: float, *, top_k: int = 0,
                    top_p: float = 1.0) -> Tensor:
     """log_softmax(logits / temperature) at each target id: (B, T, V), (B, T) -> (B, T).

@@ -46,10 +46,11 @@ from common.quarantine import read_quarantines
 from common.shaping import completion_advantages
 from common.streams import connect, ensure_group
 from trainer.checkpoints import remove_unfinished, resume
-from trainer.devices import Placement, placement
+from trainer.devices import Placement, placement, trainer_device
 from trainer.judging import judge_generators, quarantining
 from trainer.loading import placed_model
 from trainer.losses import kl_coef_of
+from trainer.memory import choose as choose_checkpointing
 from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, init_distributed, is_main, say, unshared
 from trainer.publishing import checkpoint, publish_if_due, republish_if_gone
@@ -97,15 +98,19 @@ def start(config: Config) -> tuple[Run, Shutdown]:
     shutdown = Shutdown(grace_s=stop_grace_s())
     r = connect(config.redis_url, process="trainer")
     ensure_group(r, keys.samples, TRAINER_GROUP)
+    checkpointing, _ = choose_checkpointing(config, source_dir=source_dir, device=trainer_device(), ranks=world)
+    say(f"trainer: {checkpointing.line()}")  # "auto" resolved here, once, from the estimate (trainer/memory.py)
     where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32,
-                      activation_checkpointing=cfg.activation_checkpointing, attention=cfg.attention)
+                      activation_checkpointing=checkpointing.on, attention=cfg.attention)
     model, optimizer, scheduler, step = resume(
         r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps,
         lora=cfg.lora)
     record = Record.of(read_trainer(r, keys), read_gone_back(r, keys))  # what Redis holds, as `resume` left it
     run = Run(config=config, r=r, keys=keys, model=model, optimizer=optimizer, scheduler=scheduler,
-              update=objective(cfg, rollout, source_dir=source_dir, where=where), source_dir=source_dir,
+              update=objective(cfg, rollout, source_dir=source_dir, where=where,
+                               distill_weight=config.teacher.distill_weight if config.teacher.on else 0.0),
+              source_dir=source_dir,
               state_root=state_root, step=step, version=step, rank=rank, world=world,
               updates=1 if cfg.objective == "sft" else cfg.updates_per_batch,
               tracker=Tracker(r, config) if rank == 0 else None, record=record,
@@ -130,7 +135,8 @@ def advantages_of(cfg: TrainerConfig) -> Callable[[SampleGroup], list[float | No
                    overlong_penalty=cfg.overlong_penalty)
 
 
-def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, where: Placement) -> Update:
+def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, where: Placement,
+              distill_weight: float = 0.0) -> Update:
     """The update of `cfg.objective` with its options bound; for grpo with a KL term, the frozen
     reference (the initial model) is loaded here, in the model's dtype (no master weights: it is
     never trained), placed and sharded like the policy. The GRPO family's log-probs are those of
@@ -142,7 +148,7 @@ def objective(cfg: TrainerConfig, rollout: RolloutConfig, *, source_dir: Path, w
     if kl_coef_of(cfg.loss) > 0:  # the frozen reference: the initial model
         frozen = replace(where, master_fp32=False, activation_checkpointing=False)
         ref_model = placed_model(source_dir, frozen).eval().requires_grad_(False)
-    return partial(train_step, how=GrpoOptions.of(cfg, rollout), ref_model=ref_model)
+    return partial(train_step, how=GrpoOptions.of(cfg, rollout, distill_weight=distill_weight), ref_model=ref_model)
 
 
 def take_step(run: Run, shutdown: Shutdown) -> bool:

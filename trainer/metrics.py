@@ -80,7 +80,8 @@ def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: St
     all_groups = [g for c in everyone for g in c.groups]
     policy = None if sft or stats.policy is None else PolicyStats(
         loss=stats.loss, **asdict(stats.policy), mismatch_mean=stats.mismatch_mean, mismatch_max=stats.mismatch_max,
-        masked=stats.masked, mismatch_by_staleness={str(s): v for s, v in stats.mismatch_by_staleness.items()})
+        masked=stats.masked, mismatch_by_staleness={str(s): v for s, v in stats.mismatch_by_staleness.items()},
+        teacher_kl=stats.teacher_kl)
     beats = read_heartbeats(r, keys).values()
     return StepMetrics(
         step=step, version=version, **step_metrics(all_groups, staleness=staleness, rewarded=not sft, overlong=overlong,

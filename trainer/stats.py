@@ -49,3 +49,6 @@ class StepStats:
     # mean |log pi_prox - log pi_behav| of each of this rank's groups, in the order they were given
     # (nan: a group with no trained token): what the quarantine judges generators by
     group_mismatch: tuple[float, ...] = ()
+    # mean k = log pi_behav - log pi_teacher over the trained tokens a teacher scored (0: none): the
+    # per-token reverse KL to the teacher (on-policy distillation)
+    teacher_kl: float = 0.0

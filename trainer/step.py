@@ -22,7 +22,7 @@ from common.config import CorrectionConfig, LossConfig, RolloutConfig, TrainerCo
 from common.messages import SampleGroup
 from trainer.batch import PACK, SHARE_PROMPTS, MicroBatch, mini_batches, with_mask
 from trainer.devices import model_device, to_device
-from trainer.grpo import Estimator, mismatch_stats
+from trainer.grpo import Estimator, mismatch_stats, token_advantages
 from trainer.logprobs import sequence_logprobs
 from trainer.losses import (
     Loss,
@@ -127,6 +127,8 @@ class Sums:
     loss: float = 0.0  # this rank's part of the applied updates' losses
     grad_norm: float = 0.0  # the applied updates' norms, each divided by the world size
     skipped: float = 0.0  # updates skipped, each 1 / world size
+    teacher_kl: float = 0.0  # k = log pi_behav - log pi_teacher summed over the trained tokens a teacher scored
+    teacher_tokens: float = 0.0  # ... and their count (plain sums, divided at the end)
     # (groups, 2): |log pi_prox - log pi_behav| summed over each of this rank's groups' trained
     # tokens, and their count (rank-local: never summed over ranks)
     by_group: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))
@@ -144,14 +146,14 @@ class Sums:
         stale = [self.mismatch.by_staleness.get(s, (0.0, 0.0)) for s in range(oldest + 1)]
         mine = [getattr(self.loss_stats, f.name) for f in fields(LossStats)] + [
             self.mismatch.gap, self.mismatch.masked, *(x for pair in stale for x in pair),
-            self.entropy, self.loss, self.grad_norm, self.skipped]
+            self.entropy, self.loss, self.grad_norm, self.skipped, self.teacher_kl, self.teacher_tokens]
         total = all_sum(mine)
         n = len(fields(LossStats))
         gap, masked, rest = total[n], total[n + 1], total[n + 2:]
         by_staleness = {s: (rest[2 * s], rest[2 * s + 1]) for s in range(oldest + 1)}
-        entropy, loss, grad_norm, skipped = rest[2 * (oldest + 1):]
+        entropy, loss, grad_norm, skipped, teacher_kl, teacher_tokens = rest[2 * (oldest + 1):]
         return Sums(loss_stats=LossStats(*total[:n]), entropy=entropy, loss=loss, grad_norm=grad_norm,
-                    skipped=skipped, by_group=self.by_group,
+                    skipped=skipped, by_group=self.by_group, teacher_kl=teacher_kl, teacher_tokens=teacher_tokens,
                     mismatch=Mismatch(gap=gap, gap_max=max(gather(self.mismatch.gap_max)), masked=masked,
                                       by_staleness=by_staleness))
 
@@ -177,16 +179,20 @@ class GrpoOptions:
     share_prompts: bool = SHARE_PROMPTS  # each prompt through the model once per micro-batch, however many completions
     pack: bool = PACK  # micro-batches packed end to end, no padding (trainer.pack_sequences)
     skip_zero_advantage: bool = SKIP_ZERO_ADVANTAGE  # rows of advantage 0 left out of the passes where they add nothing
+    # On-policy distillation ([teacher] distill_weight; 0: none): each token's advantage less this
+    # times its reverse KL to the teacher (grpo.token_advantages)
+    distill_weight: float = 0.0
 
     @classmethod
-    def of(cls, cfg: TrainerConfig, rollout: RolloutConfig) -> GrpoOptions:
-        """The options a run's config gives."""
+    def of(cls, cfg: TrainerConfig, rollout: RolloutConfig, *, distill_weight: float = 0.0) -> GrpoOptions:
+        """The options a run's config gives (`distill_weight`: its [teacher]'s, 0 without one)."""
         return cls(loss=cfg.loss, estimator=cfg.advantage, overlong=cfg.overlong, overlong_penalty=cfg.overlong_penalty,
                    micro_batch_size=cfg.micro_batch_size, micro_batch_tokens=cfg.micro_batch_tokens,
                    updates=cfg.updates_per_batch, skip_zero_advantage=cfg.skip_zero_advantage,
                    max_grad_norm=cfg.max_grad_norm, temperature=rollout.temperature,
                    top_k=rollout.top_k, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens,
-                   chunk_tokens=cfg.logits_chunk_tokens, share_prompts=cfg.share_prompts, pack=cfg.pack_sequences)
+                   chunk_tokens=cfg.logits_chunk_tokens, share_prompts=cfg.share_prompts, pack=cfg.pack_sequences,
+                   distill_weight=distill_weight)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
@@ -208,7 +214,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                          estimator=how.estimator, overlong=how.overlong, overlong_penalty=how.overlong_penalty,
                          parts=how.updates, device=model_device(model), share_prompts=how.share_prompts, pack=how.pack,
                          hidden_size=int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0),
-                         skip_zero=how.skip_zero_advantage and zero_advantage_adds_nothing(how.loss))
+                         skip_zero=how.skip_zero_advantage and zero_advantage_adds_nothing(how.loss)
+                         and how.distill_weight == 0)  # a token's KL to the teacher teaches at advantage 0
     total_tokens, world = sum(m.tokens for m in minis), world_size()
     if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
         return StepStats(policy=LossStats())
@@ -233,7 +240,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
         optimizer.zero_grad(set_to_none=True)
         mini_loss = backward_mini(model, mini, mini_prox, mini_ref, sums, loss_fn=loss_fn, correction=correction,
                                   forward=forward, step=step, total_tokens=sum(m.computed for m in minis),
-                                  max_new_tokens=how.max_new_tokens)
+                                  max_new_tokens=how.max_new_tokens, distill_weight=how.distill_weight)
         grad_norm = clip_and_step(model, optimizer, max_grad_norm=how.max_grad_norm,
                                   loss_finite=math.isfinite(mini_loss))
         if math.isfinite(grad_norm):  # the same on every rank
@@ -249,6 +256,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                      mismatch_mean=out.mismatch.gap, mismatch_max=out.mismatch.gap_max, masked=out.mismatch.masked,
                      mismatch_by_staleness={s: gap / tokens for s, (gap, tokens) in out.mismatch.by_staleness.items()
                                             if tokens > 0},
+                     teacher_kl=out.teacher_kl / out.teacher_tokens if out.teacher_tokens > 0 else 0.0,
                      group_mismatch=tuple(float(gap / tokens) if tokens > 0 else math.nan
                                           for gap, tokens in out.by_group))
 
@@ -263,16 +271,19 @@ def log_probs(forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], 
 def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Tensor | None],
                   ref: list[torch.Tensor | None], sums: Sums, *, loss_fn: Loss, correction: CorrectionConfig,
                   forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], step: int, total_tokens: int,
-                  max_new_tokens: int) -> float:
+                  max_new_tokens: int, distill_weight: float = 0.0) -> float:
     """The loss of one mini-batch, backward micro-batch by micro-batch (the gradients accumulate),
     its stats added to `sums` as shares of `total_tokens`, the step's trained tokens through the
-    model (`StepBatches.computed`). Returns its loss (this rank's part)."""
+    model (`StepBatches.computed`). With a teacher's log-probs the advantages are per token, less
+    `distill_weight` times each token's KL to the teacher (grpo.token_advantages). Returns its loss
+    (this rank's part)."""
     # the loss's stats are shares of the mini-batch's trained tokens (its normaliser), all of which
     # went through the model unless rows of advantage 0 were left out (`computed` < `tokens`)
     share, mini_loss, world = mini.tokens / total_tokens, 0.0, world_size()
     for mb, prox_logp, ref_logp in zip(mini.batches, prox, ref, strict=True):
         logp, entropy = log_probs(forward, model, mb, entropy=True)
-        out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=mb.advantages,
+        advantages = token_advantages(mb.advantages, mb.teacher_kl, distill_weight)
+        out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=advantages,
                                  mask=mb.mask, total_tokens=mini.tokens, total_seqs=mini.seqs,
                                  norm_tokens=mini.rows * max_new_tokens, prox_logp=prox_logp, ref_logp=ref_logp))
         (out.loss * world).backward()
@@ -281,6 +292,10 @@ def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Te
         sums.add(out.stats, mismatch(measured, mb, correction, step=step, total_tokens=mini.tokens), share=share)
         add_by_group(sums.by_group, measured, mb)
         sums.entropy += (entropy * mb.mask).sum().item() / total_tokens
+        if mb.teacher_kl is not None and mb.teacher_at is not None:
+            taught = mb.teacher_at * mb.mask  # trained tokens a teacher scored (an empty pad: none)
+            sums.teacher_kl += (mb.teacher_kl * taught).sum().item()
+            sums.teacher_tokens += taught.sum().item()
     return mini_loss
 
 

@@ -307,8 +307,8 @@ def run_size(n: int, *, seconds: float, processes: int, sample_s: float, claim_i
     from common.messages import decode_group
     from common.progress import read_status, read_trainer
     from common.streams import group_backlog
-    from tests.harness.configs import write_config
-    from tests.harness.processes import spawn, stop
+    from ops.lib.configs import write_config
+    from ops.lib.processes import spawn, stop
 
     tmp.mkdir(parents=True)
     port = free_port()

@@ -10,10 +10,11 @@ they arrive; the rounds after the first, and a request's n completions, read the
 the prefix cache, as a GRPO group does). Each sampled token's log-prob is compared with the
 trainer's (float32, the sequence alone, `trainer.grpo.token_logprobs`, as
 tests/test_server_engine.py computes it), and the table gives the largest and the mean
-|difference| over the shape's tokens: on the served weights, then on each perturbed copy (the
-tests' `perturbed_copy`, seed 1, noise of each of `--scales`) reloaded through the engine. Without
---url it starts a `vllm serve` of the tiny model with tied embeddings (tests/harness/servers.py,
-float32) and stops it after; with --url, --model is the directory the server serves.
+|difference| over the shape's tokens: on the served weights, then on each perturbed copy
+(ops/lib/models.py's `perturbed_copy`, as the tests make one: seed 1, noise of each of `--scales`)
+reloaded through the engine. Without --url it starts a `vllm serve` of the tiny model with tied
+embeddings (ops/lib/servers.py, float32) and stops it after; with --url, --model is the directory
+the server serves.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def measure(url: str, model: Path, scratch: Path, *, requests: list[int], n: lis
 
     from engines.base import SamplingSettings
     from engines.openai_engine import OpenAIEngine
-    from tests.harness.groups import ask
-    from tests.harness.models import perturbed_copy, reference_logprobs
+    from ops.lib.groups import ask
+    from ops.lib.models import perturbed_copy, reference_logprobs
 
     engine = OpenAIEngine(url, model)
     rows = []
@@ -84,8 +85,8 @@ def main() -> None:
             rows = measure(args.url, args.model, Path(tmp), **settings)
         else:
             from common.tiny import build_tiny_model
-            from tests.harness.models import tied_variant
-            from tests.harness.servers import vllm_server
+            from ops.lib.models import tied_variant
+            from ops.lib.servers import vllm_server
 
             model = tied_variant(build_tiny_model(Path(tmp) / "tiny"), Path(tmp) / "tied")
             with vllm_server(model, Path(tmp) / "server") as url:

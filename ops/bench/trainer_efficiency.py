@@ -58,13 +58,13 @@ GROUP = 4  # completions per group (the demo's group_size)
 
 
 def encoded_groups(model_dir: Path, count: int, *, seed: int = 0) -> list[bytes]:
-    """`count` encoded harness groups (tests.harness.groups.make_group) of demo-like shapes: random
+    """`count` encoded harness groups (ops/lib/groups.py's make_group) of demo-like shapes: random
     tokens whose behaviour log-probs are the model's own."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from common.messages import encode
-    from tests.harness.groups import make_group
+    from ops.lib.groups import make_group
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rng = random.Random(seed)

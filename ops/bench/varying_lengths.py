@@ -65,7 +65,8 @@ def run(attention: str, *, shape: str, dtype: str, steps: int, deadline: float, 
     config = load_config(DEMO, env={}, overrides={"trainer": {"attention": attention}, "model": {"dtype": dtype}})
     cfg = config.trainer
     where = Placement(device=device, dtype=DTYPES[dtype], master_fp32=cfg.master_fp32,
-                      activation_checkpointing=cfg.activation_checkpointing, attention=cfg.attention)
+                      activation_checkpointing=cfg.activation_checkpointing is True,  # "auto" taken as off here
+                      attention=cfg.attention)
     torch.manual_seed(0)
     model = tg.build_model(tg.SHAPES[shape], where, compile_backend=None)
     how = GrpoOptions.of(cfg, config.rollout)

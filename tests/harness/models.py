@@ -1,17 +1,16 @@
 """Weights a test makes of the tiny model (moved as a trainer step would, perturbed and saved as a
-checkpoint), published as the trainer does, and how close an engine's log-probs must be to the
-trainer's."""
+checkpoint: ops/lib/models.py, which the benchmarks use too), published as the trainer does, and how
+close an engine's log-probs must be to the trainer's."""
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from common.keys import PAYLOAD, Keys
 from common.messages import WeightVersion, encode
+from ops.lib.models import perturbed_copy, reference_logprobs, tied_variant  # noqa: F401 (the harness's)
 
 # fp32, one sequence: the engine's log-prob of each sampled token against the trainer's
 # log_softmax(logits / T) over a plain forward pass. Measured in tests/test_engines.py (2026-11-23):
@@ -20,56 +19,15 @@ from common.messages import WeightVersion, encode
 LOGPROB_TOL = 5e-6
 
 
-def reference_logprobs(model_dir: Path) -> Callable[[list[int], list[int], float], torch.Tensor]:
-    """The trainer's log-probs under the checkpoint at `model_dir`, loaded once: of `ids` after
-    `prompt` at `temperature`, float32, one sequence, `trainer.grpo.token_logprobs` -> (T,)."""
-    from transformers import AutoModelForCausalLM
+def one_layer_llama(tokenizer, **fields: object):
+    """The config of a one-layer Llama (hidden size 32, two heads) over `tokenizer`'s vocabulary, its
+    eos the tokenizer's, no bos: a tiny model a test builds to score with (a reward model, a judge),
+    whose behaviour it sets; `fields` set the rest."""
+    from transformers import LlamaConfig
 
-    from trainer.grpo import token_logprobs
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def logprobs(prompt: list[int], ids: list[int], temperature: float) -> torch.Tensor:
-        prompt, ids = [int(x) for x in prompt], [int(x) for x in ids]  # a decoded group holds arrays
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + ids])).logits[:, len(prompt) - 1:-1]  # (1, T, V)
-        return token_logprobs(logits, torch.tensor([ids]), temperature)[0]  # (T,)
-
-    return logprobs
-
-
-def perturbed_copy(src: Path, dst: Path, *, seed: int, scale: float = 0.5) -> Path:
-    """An HF checkpoint like the trainer publishes: `src`'s weights plus noise, via save_pretrained.
-    Noise of `scale` 0.5 makes the tiny model's activations large, and every engine's log-probs
-    drift from the trainer's by up to 1e-4 and more; at 0.05 they agree as on its own weights
-    (docs/benchmarks.md 9.3), and the greedy tokens still change."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    model.save_pretrained(dst, safe_serialization=True)
-    for f in src.iterdir():
-        if "token" in f.name or f.name == "chat_template.jinja":
-            shutil.copy(f, dst / f.name)
-    return dst
-
-
-def tied_variant(tiny_model: Path, dst: Path) -> Path:
-    """The tiny model's shape with tied embeddings (as SmolLM2 and Qwen2.5-0.5B/1.5B have), random
-    weights (seed 0), its tokenizer; save_pretrained leaves the lm_head out, as theirs do."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(tiny_model)
-    cfg.tie_word_embeddings = True
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(dst, safe_serialization=True)
-    for f in tiny_model.iterdir():
-        if "token" in f.name or f.name == "chat_template.jinja":
-            shutil.copy(f, dst / f.name)
-    return dst
+    return LlamaConfig(**{"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
+                          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+                          "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, **fields})
 
 
 def trained(tiny_model: Path, *, seed: int) -> torch.nn.Module:

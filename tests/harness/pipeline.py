@@ -1,6 +1,7 @@
 """The real processes of a run: the trainer run to its end on what a test wrote to Redis (one
-process, or ranks under torchrun), and the whole pipeline (producer, generators, trainer), each
-process restartable, waited on until the trainer's last step."""
+process, or ranks under torchrun), a generator alone on the prompts a test wrote, and the whole
+pipeline (producer, generators, trainer), each process restartable, waited on until the trainer's
+last step."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.keys import Keys
+from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
+from common.messages import PromptTask, encode
 from tests.harness.configs import write_config
 from tests.harness.metrics import last_trained, read_steps
 from tests.harness.processes import process_env, spawn, stop, wait_for
@@ -60,6 +62,42 @@ def run_ranks(tmp_path: Path, run_name: str, redis_url: str, model_dir: Path, np
                                    "pack_sequences": pack_sequences,
                                    **QUARANTINE_OFF})
     return run_trainer(config, cwd=tmp_path, nproc=nproc).stdout
+
+
+# ---------------------------------------------------------------------- a generator alone
+
+
+def generator_toml(*, run: str, redis_url: str, model: Path) -> str:
+    """A run's TOML for one HF generator of `model` (4 new tokens, one thread, 30 s a reward), to
+    which a test adds its sources as TOML text."""
+    return f"""
+run = "{run}"
+redis_url = "{redis_url}"
+[model]
+path = "{model}"
+[rollout]
+max_new_tokens = 4
+[generator]
+engine = "hf"
+threads = 1
+reward_timeout_s = 30.0
+"""
+
+
+def generate_groups(r, keys: Keys, tasks: list[PromptTask], *, config: Path, groups: int, cwd: Path) -> str:
+    """The generator process (id g1) on `config` in `cwd`, fed `tasks` through the run's prompts
+    stream, until `groups` groups are in its samples stream; it must then stop with 0. Its log."""
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    for task in tasks:
+        r.xadd(keys.prompts, {PAYLOAD: encode(task)})
+    log = cwd / "generator.log"
+    proc = spawn("generators", "--id", "g1", cwd=cwd, env={"ROLLOUTS_CONFIG": str(config)}, log=log)
+    try:
+        wait_for(lambda: r.xlen(keys.samples) >= groups, timeout=180, what=f"{groups} group(s)", procs=[proc])
+    finally:
+        code = stop(proc)
+    assert code == 0, log.read_text()
+    return log.read_text()
 
 
 # ---------------------------------------------------------------------- the whole pipeline

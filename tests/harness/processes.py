@@ -1,5 +1,6 @@
 """Running the project's processes for real: spawned as OS processes (or typed into a shell),
-waited for, stopped."""
+waited for, stopped. What the benchmarks use too (spawn, wait_for, stop) lives in
+ops/lib/processes.py."""
 
 from __future__ import annotations
 
@@ -10,62 +11,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: what the processes run from
-
-
-def spawn(module: str, *args: str, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
-    """Start `python -m module` as its own OS process, output to `log`."""
-    return _start([sys.executable, "-m", module, *args], cwd=cwd, env=env, log=log)
+from ops.lib.processes import ROOT, process_env, spawn, start, stop, wait_for  # noqa: F401 (the harness's)
 
 
 def spawn_ops_honcho(procfile: Path, *names: str, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
     """Start honcho on `procfile` (only the processes `names`, if any) as ./ops/run does (through
     ops/honcho), output to `log`."""
-    return _start([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(cwd), "start",
-                   *names], cwd=cwd, env=env, log=log)
-
-
-def process_env(env: dict[str, str]) -> dict[str, str]:
-    """The environment of a process of ours: this one's without its ROLLOUTS_ settings, this
-    checkout importable (before what PYTHONPATH held: packages installed with `pip install --target`,
-    as ops/gpu-check's kit is), no hub, then `env`."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_")}
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    full_env.update(PYTHONPATH=path, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
-                    HF_HUB_OFFLINE="1", **env)
-    return full_env
-
-
-def _start(argv: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
-    out = open(log, "ab")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(argv, cwd=cwd, env=process_env(env), stdout=out, stderr=subprocess.STDOUT)
-
-
-def wait_for(cond: Callable[[], object], *, timeout: float, what: str, procs=(), poll: float = 0.2):
-    """Poll `cond` until truthy; fail naming `what` (and any process that died) on timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        for p in procs:
-            if p.poll() not in (None, 0):
-                raise AssertionError(f"{what}: process {p.args} exited with {p.returncode}")
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
+    return start([sys.executable, str(ROOT / "ops" / "honcho"), "-f", str(procfile), "-d", str(cwd), "start",
+                  *names], cwd=cwd, env=env, log=log)
 
 
 class Shell:

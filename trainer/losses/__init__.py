@@ -27,7 +27,8 @@ class LossInputs:
 
     logp: Tensor  # (B, T) the policy's log-probs of the sampled tokens, with gradient; 0 off the mask
     behaviour_logp: Tensor  # (B, T) the generator's: the policy that sampled the tokens
-    advantages: Tensor  # (B,) one per completion
+    advantages: Tensor  # (B,) one per completion; (B, T) one per token under on-policy distillation
+    # (trainer/grpo.py: token_advantages), which a custom loss given a teacher must take too
     mask: Tensor  # (B, T) 1 where a token is trained
     total_tokens: int  # trained tokens of the whole (mini-)batch, every micro-batch and rank
     total_seqs: int = 0  # its sequences with a trained token (a per-sequence mean divides by it)

@@ -23,7 +23,7 @@ class Prepared:
     old: Tensor  # (B, T) the ratio's denominator: behaviour (behaviour_clip) or proximal log-probs
     log_ratio: Tensor  # (B, T) logp - old, 0 off the mask: padding gives ratio 1, never exp(large) = inf
     lengths: Tensor  # (B,) trained tokens per sequence, at least 1
-    adv: Tensor  # (B, 1)
+    adv: Tensor  # (B, 1), or (B, T) where each token has its own (on-policy distillation)
     weight: Tensor  # (B, T) the correction's no-gradient behaviour weight (1 without a proximal pass)
 
 
@@ -32,7 +32,8 @@ def prepare(x: LossInputs, cfg: ClippedLoss) -> Prepared:
     assert x.logp.shape == x.behaviour_logp.shape == x.mask.shape, (
         f"logp {tuple(x.logp.shape)}, behaviour_logp {tuple(x.behaviour_logp.shape)}, mask {tuple(x.mask.shape)} "
         "differ")
-    assert x.advantages.shape == x.logp.shape[:1], f"advantages {tuple(x.advantages.shape)} vs batch {x.logp.shape[0]}"
+    assert x.advantages.shape in (x.logp.shape[:1], x.logp.shape), \
+        f"advantages {tuple(x.advantages.shape)} vs batch {tuple(x.logp.shape)}"
     assert x.total_tokens > 0, f"total_tokens must be > 0, got {x.total_tokens}"
     proximal = takes_proximal(cfg)
     assert not proximal or x.prox_logp is not None, f"correction {cfg.correction.type!r} needs prox_logp"
@@ -43,8 +44,14 @@ def prepare(x: LossInputs, cfg: ClippedLoss) -> Prepared:
     lengths = mask.sum(dim=1).clamp(min=1.0)  # (B,)
     log_ratio = (x.logp - old) * mask  # (B, T)
     weight = torch.ones_like(x.logp) if prox is None else behaviour_weight(prox, behaviour, mask, cfg.correction)
-    return Prepared(mask=mask, old=old, log_ratio=log_ratio, lengths=lengths, adv=x.advantages.float().unsqueeze(1),
+    return Prepared(mask=mask, old=old, log_ratio=log_ratio, lengths=lengths, adv=token_adv(x.advantages),
                     weight=weight)
+
+
+def token_adv(advantages: Tensor) -> Tensor:
+    """The advantages as the tokens take them: (B,) -> (B, 1), one per completion broadcast over its
+    tokens; (B, T), each token's own (trainer/grpo.py: token_advantages), as they are."""
+    return advantages.float().unsqueeze(1) if advantages.dim() == 1 else advantages.float()
 
 
 def clipped_objective(ratio: Tensor, adv: Tensor, mask: Tensor, *, clip_low: float, clip_high: float,

@@ -1,0 +1,191 @@
+"""On-policy distillation's teacher: the log-prob a teacher model gives each token the student sampled.
+
+`[teacher] path` names a local causal LM (as `save_pretrained` writes it; there is no hub download)
+that shares the student's tokenizer: the same token ids mean the same text, which is checked only
+as far as its vocabulary holding every id it is asked about. For each sampled completion the
+teacher reads the group's prompt ids and the completion's ids in one forward pass (the whole group
+right-padded into one batch), and each completion token's log-prob is `log_softmax(logits /
+temperature)` at the position before it: the same prefix the student sampled it from, at the
+sampler's temperature (`rollout.temperature`, as the behaviour log-probs). The sampler's top-k /
+top-p truncation is not applied on the teacher's side (a token the teacher's truncation cut would
+have log-prob -inf). Tokens whose loss_mask is 0 (an environment's tokens in a multi-turn episode)
+are not the student's: they get 0 and the trainer leaves them out.
+
+Where it runs, and why (the design's choice): inside each generator, after sampling and scoring,
+as the reward models and LLM judges do (common/reward_models.py, common/judges.py,
+generators/scoring.py): one copy per generator on its device (its GPU, else the CPU), in the
+model's dtype, loaded on the first group that needs it, run on one thread of its own with a budget
+of `timeout_s` per group (the load not counted). A process of its own between the samples stream
+and the trainer would need a second consumer group, its own re-delivery and exactly-once logic, and
+a second write of every group; in the generator the group is written once, by the MULTI/EXEC that
+acknowledges its prompt, as before. Its cost is the teacher's memory on each generator's device
+(a teacher too large for that is a later vLLM / OpenAI-compatible engine: `engine`).
+
+A teacher that fails (cannot be loaded, raises, overruns its budget) never loses the prompt: the
+group is written without teacher log-probs, its `teacher_error` saying why, counted by the
+generator, and the trainer treats it as reward-only (k = 0 on its tokens). Leaving the prompt for a
+retry would loop on a teacher that is broken for good and hold a prompt the producer has admitted;
+a reward-only group is still a valid on-policy group (in distillation alone its advantage is 0: it
+teaches nothing, but it is delivered exactly once and the run goes on). A call that overran cannot
+be killed (it is the generator's own thread): the next group's call waits for it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+_loading = threading.Lock()
+_loaded: dict[tuple[Path, str, str], Any] = {}  # (path, device, dtype): the model, or why it cannot be loaded
+
+
+def no_reward(*, prompt: str, completion: str, completion_ids: list[int], meta: dict[str, Any]) -> dict[str, float]:
+    """The reward of a source with `reward = "none"` (distillation alone): no component, so 0 for
+    every completion."""
+    return {}
+
+
+def check(path: str) -> Path:
+    """`[teacher] path` resolved; ValueError naming it when it is no causal-LM directory (read from
+    its config.json alone: no torch, no weights)."""
+    where = Path(path).expanduser()
+    if not path or not where.is_dir():
+        raise ValueError(f"teacher.path {path!r}: no such directory (a teacher is a local causal-LM directory "
+                         f"with config.json, as save_pretrained writes it)")
+    try:
+        config = json.loads((where / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"teacher.path {path!r}: no readable config.json, so it is no model directory "
+                         f"({type(err).__name__}: {err})") from None
+    architectures = [str(a) for a in config.get("architectures") or []]
+    if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        raise ValueError(f"teacher.path {path!r} holds {', '.join(architectures) or 'no architecture'}, not a "
+                         f"causal LM (AutoModelForCausalLM)")
+    return where.resolve()
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    """The teacher's answer for one group: a float32 array per completion (one log-prob per id, 0
+    where its loss_mask is 0), or the error that stood in for them all."""
+
+    logprobs: list[np.ndarray] | None
+    error: str | None = None
+
+
+class Teacher:
+    """A teacher model run on one thread of its own, each group within `timeout_s`. Its state: where
+    the model is, how to run it, and that thread (the loaded model is the process's, shared)."""
+
+    def __init__(self, path: str, *, name: str, timeout_s: float, temperature: float = 1.0,
+                 dtype: str = "float32", device: str | None = None) -> None:
+        """path: the teacher's directory (checked: `check`). name: its label in groups and logs.
+        timeout_s: one group's budget. temperature: the sampler's. dtype: the generator's model dtype.
+        device: None = the process's visible GPU, else the CPU."""
+        assert dtype in DTYPES, f"dtype must be one of {DTYPES}, got {dtype!r}"
+        assert timeout_s > 0 and temperature > 0, f"timeout_s {timeout_s} and temperature {temperature} must be > 0"
+        self.path = check(path)
+        self.name = name
+        self.timeout_s = timeout_s
+        self.temperature = temperature
+        self.dtype = dtype
+        self.device = device
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher")
+
+    def __repr__(self) -> str:
+        return f"Teacher({str(self.path)!r})"
+
+    def load(self) -> Any:
+        """The model, loaded on the first call in this process; RuntimeError naming the teacher when
+        it cannot be (every later call says the same, without trying again)."""
+        import torch
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        key = (self.path, device, self.dtype)
+        with _loading:
+            if key not in _loaded:
+                _loaded[key] = _load(self.path, device=device, dtype=self.dtype)
+            loaded = _loaded[key]
+        if isinstance(loaded, str):
+            raise RuntimeError(f"teacher {self.name!r} ({self.path}) cannot be loaded: {loaded}")
+        return loaded
+
+    def logprobs(self, prompt_ids: Sequence[int], completions: list[tuple[Sequence[int], Sequence[bool] | None]],
+                 ) -> list[np.ndarray]:
+        """The teacher's log-prob of each completion id after the prompt and the completion's earlier
+        ids, at the sampler's temperature; 0 where the completion's mask (None: all) is 0. The group
+        in one right-padded batch, in this thread (no budget)."""
+        import torch
+
+        model = self.load()
+        prompt = [int(x) for x in prompt_ids]
+        rows = [prompt + [int(x) for x in ids] for ids, _ in completions]
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        top = max(max(row) for row in rows)
+        if top >= vocab or min(min(row) for row in rows) < 0:
+            raise ValueError(f"token id {top} is outside the teacher's vocabulary of {vocab}: it must share the "
+                             f"student's tokenizer")
+        width = max(len(row) for row in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = torch.tensor(row)
+            attention[i, :len(row)] = 1
+        with torch.inference_mode():
+            logits = model(input_ids=ids.to(model.device), attention_mask=attention.to(model.device)).logits
+        out = []
+        p = len(prompt)
+        for i, (cids, mask) in enumerate(completions):
+            n = len(cids)
+            # completion token j is predicted at position p - 1 + j
+            scaled = logits[i, p - 1:p - 1 + n].float() / self.temperature  # (n, V)
+            lp = torch.log_softmax(scaled, dim=-1).gather(-1, ids[i, p:p + n].to(scaled.device).unsqueeze(-1))
+            values = lp.squeeze(-1).cpu().numpy().astype(np.float32)
+            if mask is not None:
+                values = np.where(np.asarray(mask, dtype=bool), values, np.float32(0.0)).astype(np.float32)
+            out.append(np.minimum(values, np.float32(0.0)))
+        return out
+
+    def score(self, prompt_ids: Sequence[int], completions: list[tuple[Sequence[int], Sequence[bool] | None]],
+              ) -> Scores:
+        """`logprobs` on the teacher's thread within `timeout_s` (its first load not counted); a load
+        failure, an exception or an overrun is the group's error, never raised. Thread-safe."""
+        if not completions:
+            return Scores([])
+        try:
+            self.load()
+        except RuntimeError as err:
+            return Scores(None, str(err))
+        future = self._thread.submit(self.logprobs, prompt_ids, completions)
+        try:
+            return Scores(future.result(timeout=self.timeout_s))
+        except FutureTimeout:
+            future.cancel()  # still queued behind an overrunning call: never run it
+            return Scores(None, f"teacher {self.name!r}: timeout after {self.timeout_s:g} s")
+        except Exception as err:  # noqa: BLE001 - a teacher's failure is the group's recorded error
+            return Scores(None, f"teacher {self.name!r}: {type(err).__name__}: {err}"[:500])
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _load(path: Path, *, device: str, dtype: str) -> Any:
+    """The model, in eval mode on `device`; or why it cannot be loaded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        return model.eval().to(device)
+    except Exception as err:  # a broken checkpoint, a device out of memory: the group's recorded error
+        return f"{type(err).__name__}: {err}"[:500]
