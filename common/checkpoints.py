@@ -32,6 +32,38 @@ if TYPE_CHECKING:
 
 CHUNK = 16 << 20  # bytes per write (and per hash update)
 WEIGHTS_FILE = "model.safetensors"  # the one weights file a published checkpoint has
+# A published LoRA adapter (trainer.lora.publish = "adapter"): peft's two files, nothing else.
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# WeightVersion.format: full HF weights, or a LoRA adapter of the run's base model.
+FULL_FORMAT = "safetensors"
+ADAPTER_FORMAT = "lora_adapter"
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """Whether the checkpoint directory `path` holds a LoRA adapter (peft's format) rather than full weights."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def _adapter_field(path: str | Path, field: str, kind: type) -> Any:
+    try:
+        value = json.loads((Path(path) / ADAPTER_CONFIG).read_text()).get(field)
+    except (OSError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"adapter {path}: {ADAPTER_CONFIG} could not be read: {err}") from None
+    if not isinstance(value, kind) or not value:
+        raise CheckpointError(f"adapter {path}: {ADAPTER_CONFIG} has no {field}")
+    return value
+
+
+def adapter_base(path: str | Path) -> str:
+    """The base model the LoRA adapter in the directory `path` was trained on (its
+    adapter_config.json's base_model_name_or_path); CheckpointError if it names none."""
+    return _adapter_field(path, "base_model_name_or_path", str)
+
+
+def adapter_rank(path: str | Path) -> int:
+    """The rank (`r`) of the LoRA adapter in the directory `path`; CheckpointError if it has none."""
+    return _adapter_field(path, "r", int)
 
 
 class CheckpointError(ValueError):

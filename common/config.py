@@ -571,7 +571,7 @@ class QuarantineConfig(_Section):
 
 class LoraConfig(_Section):
     # LoRA adapter rank; 0 trains every weight (no LoRA). With LoRA the trainer trains the adapters
-    # only and publishes merged full weights (needs `pip install peft`).
+    # only and publishes them as `publish` says (needs `pip install peft`).
     rank: int = Field(0, ge=0)
     # Scale of the adapter's update: alpha / rank.
     alpha: float = Field(16.0, gt=0.0)
@@ -579,6 +579,12 @@ class LoraConfig(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # Names of the modules to adapt (peft's target_modules: suffixes of module names).
     target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    # What a published version holds: "merged", full weights with each adapter folded in (any
+    # engine loads them); "adapter", the adapter alone in peft's format (adapter_model.safetensors
+    # + adapter_config.json, a few MB), which the engines apply to the base model they loaded once
+    # (HF through peft, vLLM as a LoRARequest per version). "adapter" needs generator.engine "hf"
+    # or "vllm" (vLLM without generator.inflight_updates) and trainer.weight_transfer = "disk".
+    publish: Literal["merged", "adapter"] = "merged"
 
 
 # ---------------------------------------------------------------------- the loss
@@ -862,6 +868,13 @@ class TrainerConfig(_Section):
     quarantine: QuarantineConfig = Field(default_factory=QuarantineConfig)
 
     @model_validator(mode="after")
+    def _check_lora_publish(self) -> TrainerConfig:
+        if self.lora.rank > 0 and self.lora.publish == "adapter" and self.weight_transfer != "disk":
+            raise ValueError("trainer.lora.publish = \"adapter\" is written to disk only: set "
+                             "trainer.weight_transfer = \"disk\" (or trainer.lora.publish = \"merged\")")
+        return self
+
+    @model_validator(mode="after")
     def _check_state_every(self) -> TrainerConfig:
         if self.state_every and self.state_every % self.sync_every:
             raise ValueError(f"state_every ({self.state_every}) must be a multiple of sync_every ({self.sync_every})")
@@ -933,8 +946,14 @@ class TeacherConfig(_Section):
     # generator scores every sampled token under it after the rewards, and the trainer subtracts
     # distill_weight x (log pi_behaviour - log pi_teacher) from each token's advantage.
     path: str = ""
-    # What runs it: "hf" (transformers, in the generator's process, on its device, in model.dtype).
-    engine: Literal["hf"] = "hf"
+    # What runs it: "hf" (transformers, in the generator's process on its device, in model.dtype),
+    # "vllm" (an in-process vLLM engine of its own reading each completion's prompt log-probs;
+    # common/teacher_vllm.py) or "openai" (an OpenAI-compatible server at `url` that returns prompt
+    # log-probs, as `vllm serve` does; `path` is then the model's name there: common/teacher_openai.py).
+    # "vllm" and "openai" score at temperature 1 only (rollout.temperature must be 1).
+    engine: Literal["hf", "vllm", "openai"] = "hf"
+    # The server of engine "openai": http(s)://host:port (a trailing /v1 is allowed); "" otherwise.
+    url: str = ""
     # Seconds one group's teacher pass may run (its first load not counted); past it, or when the
     # teacher fails, the group is written without teacher log-probs (reward-only) and counted.
     timeout_s: float = Field(60.0, gt=0.0)
@@ -982,6 +1001,13 @@ class Config(_Section):
                              "[teacher] path (on-policy distillation), or name a reward")
         if self.teacher.on and self.trainer.objective == "sft":
             raise ValueError("teacher: distillation trains the GRPO-family loss; trainer.objective = 'sft' takes none")
+        if self.teacher.on and self.teacher.engine != "hf" and self.rollout.temperature != 1.0:
+            raise ValueError(f"teacher.engine = {self.teacher.engine!r} scores at temperature 1 only (vLLM's prompt "
+                             f"log-probs skip temperature) and rollout.temperature is {self.rollout.temperature:g}: "
+                             "use teacher.engine = 'hf'")
+        if self.teacher.on and (self.teacher.engine == "openai") != bool(self.teacher.url):
+            raise ValueError("teacher.url is the server of teacher.engine = 'openai' (http(s)://host:port), and "
+                             f"only of it: engine {self.teacher.engine!r} with url {self.teacher.url!r}")
         return self
 
     @model_validator(mode="after")

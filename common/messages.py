@@ -126,7 +126,7 @@ class WeightVersion:
     version: int  # optimizer steps behind these weights
     step: int  # trainer step that published them
     path: str  # HF-format safetensors checkpoint directory
-    format: str  # "safetensors"
+    format: str  # "safetensors" (full weights) or "lora_adapter" (peft's adapter alone): common/checkpoints.py
     checksums: dict[str, str]  # file name -> "ALGORITHM:HEX" (common/checkpoints.py), for every file in `path`
     created_at: float  # unix seconds; within a run it never goes back, even when the version does
     # The trainer's last go-back (common/progress.py:GoneBack) before this publish: weights a generator

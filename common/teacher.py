@@ -19,7 +19,8 @@ of `timeout_s` per group (the load not counted). A process of its own between th
 and the trainer would need a second consumer group, its own re-delivery and exactly-once logic, and
 a second write of every group; in the generator the group is written once, by the MULTI/EXEC that
 acknowledges its prompt, as before. Its cost is the teacher's memory on each generator's device
-(a teacher too large for that is a later vLLM / OpenAI-compatible engine: `engine`).
+(`engine = "vllm"` runs it on an in-process vLLM engine instead, common/teacher_vllm.py; a teacher
+too large for the generator's device is a later OpenAI-compatible server engine: one more module).
 
 A teacher that fails (cannot be loaded, raises, overruns its budget) never loses the prompt: the
 group is written without teacher log-probs, its `teacher_error` saying why, counted by the
@@ -44,9 +45,14 @@ from typing import Any
 import numpy as np
 
 DTYPES = ("float32", "bfloat16", "float16")
+# What runs the teacher: "hf" (transformers, here), "vllm" (common/teacher_vllm.py: prompt log-probs
+# of an in-process vLLM engine) or "openai" (common/teacher_openai.py: a vLLM server's prompt
+# log-probs at `url`). Another engine is one more module like those two.
+ENGINES = ("hf", "vllm", "openai")
+AT_TEMPERATURE_1 = ("vllm", "openai")  # engines whose prompt log-probs skip the sampler's temperature
 
 _loading = threading.Lock()
-_loaded: dict[tuple[Path, str, str], Any] = {}  # (path, device, dtype): the model, or why it cannot be loaded
+_loaded: dict[tuple[Path, str, str, str], Any] = {}  # (path, engine, device, dtype): the model, or why not
 
 
 def no_reward(*, prompt: str, completion: str, completion_ids: list[int], meta: dict[str, Any]) -> dict[str, float]:
@@ -88,13 +94,35 @@ class Teacher:
     the model is, how to run it, and that thread (the loaded model is the process's, shared)."""
 
     def __init__(self, path: str, *, name: str, timeout_s: float, temperature: float = 1.0,
-                 dtype: str = "float32", device: str | None = None) -> None:
+                 dtype: str = "float32", device: str | None = None, engine: str = "hf", url: str = "") -> None:
         """path: the teacher's directory (checked: `check`). name: its label in groups and logs.
         timeout_s: one group's budget. temperature: the sampler's. dtype: the generator's model dtype.
-        device: None = the process's visible GPU, else the CPU."""
+        device: None = the process's visible GPU, else the CPU (hf; vLLM takes the GPU when there is
+        one). engine: one of ENGINES; ValueError naming teacher.engine for another, or for "vllm" or
+        "openai" at a temperature other than 1 (vLLM's prompt log-probs are at temperature 1:
+        common/teacher_vllm.py). url: the server of engine "openai", whose `path` is its model's
+        name there (not checked here: nothing connects before the first group)."""
         assert dtype in DTYPES, f"dtype must be one of {DTYPES}, got {dtype!r}"
         assert timeout_s > 0 and temperature > 0, f"timeout_s {timeout_s} and temperature {temperature} must be > 0"
-        self.path = check(path)
+        if engine not in ENGINES:
+            raise ValueError(f"teacher.engine {engine!r} is no teacher engine: one of {', '.join(ENGINES)}")
+        if engine in AT_TEMPERATURE_1 and temperature != 1.0:
+            raise ValueError(f"teacher.engine {engine!r} scores at temperature 1 only (vLLM's prompt log-probs "
+                             f"skip temperature), and rollout.temperature is {temperature:g}: use teacher.engine 'hf'")
+        self.engine = engine
+        self.url = ""
+        if engine == "openai":
+            from common.teacher_openai import check_url
+
+            if not url:
+                raise ValueError("teacher.url is needed with teacher.engine 'openai': the http(s)://host:port of an "
+                                 "OpenAI-compatible server that returns prompt log-probs (vllm serve)")
+            if not path:
+                raise ValueError("teacher.path names the teacher's model on the server (teacher.engine 'openai')")
+            self.url = check_url(url)
+            self.path = Path(path)
+        else:
+            self.path = check(path)
         self.name = name
         self.timeout_s = timeout_s
         self.temperature = temperature
@@ -110,11 +138,20 @@ class Teacher:
         it cannot be (every later call says the same, without trying again)."""
         import torch
 
+        if self.engine == "openai":  # nothing to load: each group's request is made afresh
+            from common.teacher_openai import Server
+
+            return Server(self.url, str(self.path), self.timeout_s)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        key = (self.path, device, self.dtype)
+        key = (self.path, self.engine, device, self.dtype)
         with _loading:
             if key not in _loaded:
-                _loaded[key] = _load(self.path, device=device, dtype=self.dtype)
+                if self.engine == "vllm":
+                    from common import teacher_vllm
+
+                    _loaded[key] = teacher_vllm.load(self.path, dtype=self.dtype)
+                else:
+                    _loaded[key] = _load(self.path, device=device, dtype=self.dtype)
             loaded = _loaded[key]
         if isinstance(loaded, str):
             raise RuntimeError(f"teacher {self.name!r} ({self.path}) cannot be loaded: {loaded}")
@@ -124,37 +161,31 @@ class Teacher:
                  ) -> list[np.ndarray]:
         """The teacher's log-prob of each completion id after the prompt and the completion's earlier
         ids, at the sampler's temperature; 0 where the completion's mask (None: all) is 0. The group
-        in one right-padded batch, in this thread (no budget)."""
-        import torch
-
+        in one batch (hf: right-padded; vllm: one generate call), in this thread (no budget)."""
         model = self.load()
         prompt = [int(x) for x in prompt_ids]
-        rows = [prompt + [int(x) for x in ids] for ids, _ in completions]
-        vocab = int(model.get_output_embeddings().weight.shape[0])
+        ids = [[int(x) for x in cids] for cids, _ in completions]
+        if self.engine == "openai":  # the server checks its vocabulary (an id outside it: HTTP 400)
+            from common import teacher_openai
+
+            raw = teacher_openai.token_logprobs(model, prompt, ids)
+            return _masked(raw, completions)
+        if self.engine == "vllm":
+            from common import teacher_vllm
+
+            vocab = teacher_vllm.vocab_size(model)
+        else:
+            vocab = int(model.get_output_embeddings().weight.shape[0])
+        rows = [prompt + row for row in ids]
         top = max(max(row) for row in rows)
         if top >= vocab or min(min(row) for row in rows) < 0:
             raise ValueError(f"token id {top} is outside the teacher's vocabulary of {vocab}: it must share the "
                              f"student's tokenizer")
-        width = max(len(row) for row in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, :len(row)] = torch.tensor(row)
-            attention[i, :len(row)] = 1
-        with torch.inference_mode():
-            logits = model(input_ids=ids.to(model.device), attention_mask=attention.to(model.device)).logits
-        out = []
-        p = len(prompt)
-        for i, (cids, mask) in enumerate(completions):
-            n = len(cids)
-            # completion token j is predicted at position p - 1 + j
-            scaled = logits[i, p - 1:p - 1 + n].float() / self.temperature  # (n, V)
-            lp = torch.log_softmax(scaled, dim=-1).gather(-1, ids[i, p:p + n].to(scaled.device).unsqueeze(-1))
-            values = lp.squeeze(-1).cpu().numpy().astype(np.float32)
-            if mask is not None:
-                values = np.where(np.asarray(mask, dtype=bool), values, np.float32(0.0)).astype(np.float32)
-            out.append(np.minimum(values, np.float32(0.0)))
-        return out
+        if self.engine == "vllm":
+            raw = teacher_vllm.token_logprobs(model, prompt, ids)
+        else:
+            raw = _hf_logprobs(model, rows, len(prompt), [len(row) for row in ids], self.temperature)
+        return _masked(raw, completions)
 
     def score(self, prompt_ids: Sequence[int], completions: list[tuple[Sequence[int], Sequence[bool] | None]],
               ) -> Scores:
@@ -177,6 +208,40 @@ class Teacher:
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _masked(raw: list[np.ndarray], completions: list[tuple[Sequence[int], Sequence[bool] | None]],
+            ) -> list[np.ndarray]:
+    """Each completion's log-probs with 0 where its mask (None: all) is 0, none above 0."""
+    out = []
+    for values, (_, mask) in zip(raw, completions, strict=True):
+        if mask is not None:
+            values = np.where(np.asarray(mask, dtype=bool), values, np.float32(0.0)).astype(np.float32)
+        out.append(np.minimum(values, np.float32(0.0)))
+    return out
+
+
+def _hf_logprobs(model: Any, rows: list[list[int]], p: int, lengths: list[int], temperature: float,
+                 ) -> list[np.ndarray]:
+    """Each row's log-probs of its last lengths[i] ids (those after the p prompt ids) under the HF
+    model at `temperature`: the rows right-padded into one forward pass."""
+    import torch
+
+    width = max(len(row) for row in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+        attention[i, :len(row)] = 1
+    with torch.inference_mode():
+        logits = model(input_ids=ids.to(model.device), attention_mask=attention.to(model.device)).logits
+    out = []
+    for i, n in enumerate(lengths):
+        # completion token j is predicted at position p - 1 + j
+        scaled = logits[i, p - 1:p - 1 + n].float() / temperature  # (n, V)
+        lp = torch.log_softmax(scaled, dim=-1).gather(-1, ids[i, p:p + n].to(scaled.device).unsqueeze(-1))
+        out.append(lp.squeeze(-1).cpu().numpy().astype(np.float32))
+    return out
 
 
 def _load(path: Path, *, device: str, dtype: str) -> Any:

@@ -19,12 +19,27 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 
-from common.checkpoints import CheckpointError, check_fits, copy_into, shapes_fit
+from common.checkpoints import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
+    CheckpointError,
+    check_fits,
+    copy_into,
+    is_adapter_dir,
+    shapes_fit,
+    tensor_shapes,
+)
 from common.config import GeneratorConfig
 from common.messages import PromptTask
 from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ADAPTER = "default"  # peft's name of the one adapter the engine holds
+
+
+def _peft_name(key: str) -> str:
+    """An adapted model's state-dict name as peft saves it: the adapter's name dropped."""
+    return key.replace(f".lora_A.{_ADAPTER}.", ".lora_A.").replace(f".lora_B.{_ADAPTER}.", ".lora_B.")
 
 
 @dataclass(eq=False)
@@ -78,6 +93,7 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype], use_safetensors=True).eval()
         self.model.to("cuda" if torch.cuda.is_available() else "cpu")  # the process's visible GPU (its lease)
         self.version = 0  # weight version loaded: 0 = the initial checkpoint
+        self.adapter: tuple | None = None  # (rank, alpha, target modules) of the LoRA adapter in use, if any
         torch.manual_seed(seed)  # generate() samples from torch's global generator
         model_eos = self.model.generation_config.eos_token_id
         model_eos = model_eos if isinstance(model_eos, list) else [model_eos]
@@ -197,8 +213,15 @@ class HFEngine:
 
     @torch.no_grad()
     def load_weights(self, path: str | Path, *, version: int) -> None:
-        """Load an HF-format safetensors checkpoint in place; raise CheckpointError (model
+        """Load an HF-format safetensors checkpoint in place, or a LoRA adapter in peft's format
+        (trainer.lora.publish = "adapter": `load_adapter`); raise CheckpointError (model
         unchanged) when its tensors do not fit the model."""
+        if is_adapter_dir(path):
+            self.load_adapter(path, version=version)
+            return
+        if self.adapter is not None:
+            raise CheckpointError(f"checkpoint {path}: full weights, but this engine samples with LoRA adapters "
+                                  f"on its base model (trainer.lora.publish = \"adapter\"): restart it to load them")
         own = self.model.state_dict()
         tied = {"lm_head.weight"} if self.model.config.get_text_config().tie_word_embeddings else set()
         check_fits(path, {k: tuple(v.shape) for k, v in own.items()}, tied=tied)  # headers only
@@ -208,6 +231,43 @@ class HFEngine:
         if missing:  # its file gone since the headers were read: nothing was copied from it
             raise CheckpointError(f"checkpoint {path}: {len(missing)} tensors (e.g. {sorted(missing)[0]}) were not "
                                   "there to load: removed or replaced after it was checked")
+        self.version = version
+
+    @torch.no_grad()
+    def load_adapter(self, path: str | Path, *, version: int) -> None:
+        """Sample from now on with the LoRA adapter at `path` (peft's adapter_model.safetensors and
+        adapter_config.json) on the base model loaded once: the first adapter wraps the model in
+        peft's LoRA layers (merge-free: each adapted layer adds x A^T B^T * alpha / r to the
+        frozen base's output); each later one is copied into those layers in place. CheckpointError,
+        the adapter in use unchanged, when its config or tensors do not fit."""
+        from peft import LoraConfig, get_peft_model
+
+        try:
+            config = LoraConfig.from_pretrained(str(path))
+        except (OSError, ValueError, TypeError) as err:
+            raise CheckpointError(f"adapter {path}: {ADAPTER_CONFIG} is not a readable peft LoRA config: "
+                                  f"{err}") from None
+        shape = (config.r, config.lora_alpha, sorted(config.target_modules or []))
+        if self.adapter is not None and shape != self.adapter:
+            raise CheckpointError(f"adapter {path}: rank, alpha, target_modules {shape} differ from the adapter "
+                                  f"in use {self.adapter}: restart the engine to change them")
+        if self.adapter is None:
+            config.inference_mode = True
+            try:
+                self.model = get_peft_model(self.model, config, adapter_name=_ADAPTER).eval()
+            except ValueError as err:  # e.g. no module matches target_modules
+                raise CheckpointError(f"adapter {path}: {err}") from None
+            for module in self.model.modules():  # B starts at zero: the base model's outputs until loaded
+                if hasattr(module, "lora_B") and _ADAPTER in module.lora_B:
+                    module.lora_B[_ADAPTER].weight.zero_()
+            self.adapter = shape
+        own = {_peft_name(k): v for k, v in self.model.state_dict().items() if ".lora_" in k}
+        shapes_fit(tensor_shapes(path), {k: tuple(v.shape) for k, v in own.items()}, tied=set(),
+                   what=f"adapter {path}")
+        missing = set(own) - copy_into(path, own)
+        if missing:
+            raise CheckpointError(f"adapter {path}: {len(missing)} tensors (e.g. {sorted(missing)[0]}) were not "
+                                  f"there to load from {ADAPTER_FILE}: removed or replaced after it was checked")
         self.version = version
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], *, version: int) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.checkpoints import check_fits, shapes_fit, tensor_shapes
+from common.checkpoints import CheckpointError, check_fits, is_adapter_dir, shapes_fit, tensor_shapes
 from common.config import GeneratorConfig
 from common.messages import PromptTask
 from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
@@ -59,16 +59,19 @@ class VLLMEngine:
 
     @classmethod
     def for_settings(cls, path: str | Path, *, settings: GeneratorConfig, dtype: str, seed: int,
-                     max_running: int) -> VLLMEngine:
-        """The engine a generator runs, its memory and parallelism as generator.* sets them."""
+                     max_running: int, lora_rank: int = 0) -> VLLMEngine:
+        """The engine a generator runs, its memory and parallelism as generator.* sets them;
+        `lora_rank` > 0: it loads LoRA adapters of that rank (trainer.lora.publish = "adapter")."""
         return cls(path, dtype=dtype, seed=seed, kv_cache_gib=settings.kv_cache_gib,
                    gpu_memory_utilization=settings.gpu_memory_utilization, max_num_seqs=max_running,
                    threads=settings.threads, tensor_parallel_size=settings.tensor_parallel_size,
-                   max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager)
+                   max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
+                   lora_rank=lora_rank)
 
     def __init__(self, path: str | Path, *, dtype: str = "float32", seed: int = 0, kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, threads: int = 0,
-                 tensor_parallel_size: int = 1, max_model_len: int = 0, enforce_eager: bool = False) -> None:
+                 tensor_parallel_size: int = 1, max_model_len: int = 0, enforce_eager: bool = False,
+                 lora_rank: int = 0) -> None:
         assert dtype in DTYPES, f"dtype must be one of {DTYPES}, got {dtype!r}"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -95,7 +98,10 @@ class VLLMEngine:
                        gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                        load_format="safetensors",  # never a pickled .bin
                        async_scheduling=False,  # a step's tokens are sampled with the weights it ran
-                       use_tqdm_on_load=False)
+                       use_tqdm_on_load=False, **_lora_options(lora_rank))
+        self.lora_rank = lora_rank
+        self._lora = None  # the LoRARequest of the adapter in use (load_adapter), None: the weights alone
+        self._lora_ids = 0  # vLLM's id of each adapter loaded: versions repeat after a go-back, these never
         self._engine = self.llm.llm_engine
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
         self._tied = ({"lm_head.weight"} if self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
@@ -120,7 +126,8 @@ class VLLMEngine:
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings) -> None:
         assert prompt_ids, f"request {request_id}: empty prompt"
         assert request_id not in self._rows, f"request {request_id} is already in flight"
-        self._engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, self._params(sampling))
+        self._engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, self._params(sampling),
+                                 lora_request=self._lora)
         self._rows[request_id] = [Row() for _ in range(sampling.n)]
 
     def has_unfinished(self) -> bool:
@@ -179,7 +186,7 @@ class VLLMEngine:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                  SamplingParams(n=1, temperature=0.0, max_tokens=max_new_tokens,
                                                 stop_token_ids=self.eos_ids, detokenize=False),
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=self._lora)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def decode(self, ids: list[int]) -> str:
@@ -188,7 +195,14 @@ class VLLMEngine:
     def load_weights(self, path: str | Path, *, version: int) -> None:
         """Reload an HF-format safetensors checkpoint in place (vLLM `reload_weights`), between
         steps; raise CheckpointError, weights unchanged, when its tensors do not fit the model.
-        Requests in flight go on under the new weights from their tokens so far (see the module)."""
+        Requests in flight go on under the new weights from their tokens so far (see the module).
+        A LoRA adapter (peft's format, trainer.lora.publish = "adapter") goes to `load_adapter`."""
+        if is_adapter_dir(path):
+            self.load_adapter(path, version=version)
+            return
+        if self._lora is not None:
+            raise CheckpointError(f"checkpoint {path}: full weights, but this engine samples with LoRA adapters "
+                                  "(trainer.lora.publish = \"adapter\"): restart it to load them")
         check_fits(path, self._shapes, tied=self._tied)
         # Layers with no tensor of their own in a checkpoint keep what they had, and vLLM warns
         # "Failed to load weights" for each on every reload: the rotary cache, and a tied lm_head
@@ -202,6 +216,29 @@ class VLLMEngine:
                                    "weights are no longer whole, so the generator stops (a launcher starts it "
                                    "again on the newest weights)") from err
         self._reloaded(version)
+
+    def load_adapter(self, path: str | Path, *, version: int) -> None:
+        """Sample every request added from now on with the LoRA adapter at `path`: a LoRARequest of
+        its own, loaded into vLLM now (so a bad adapter is refused here, CheckpointError, the one in
+        use unchanged), the previous adapter removed. Loaded with no request in flight (the
+        generator refuses in-flight updates with adapters: a running request keeps its adapter)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_rank:
+            raise CheckpointError(f"adapter {path}: this vLLM engine was started without LoRA (trainer.lora.publish "
+                                  "= \"adapter\" opens it with enable_lora)")
+        if self._rows:
+            raise CheckpointError(f"adapter {path}: requests are in flight under the adapter in use")
+        self._lora_ids += 1
+        request = LoRARequest(f"v{version}-{self._lora_ids}", self._lora_ids, str(path))
+        try:
+            self._engine.add_lora(request)
+        except Exception as err:  # vLLM raises its own errors for an adapter it cannot load
+            raise CheckpointError(f"adapter {path}: vLLM could not load it ({type(err).__name__}: {err})") from None
+        if self._lora is not None:
+            self._engine.remove_lora(self._lora.lora_int_id)
+        self._lora = request
+        self.version = version
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], *, version: int) -> None:
         """load_weights from tensors in memory under the checkpoint's names (trainer.weight_transfer),
@@ -244,3 +281,14 @@ def _without_reload_warnings(layers: set[str]) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(keep)
+
+
+def _lora_options(rank: int) -> dict:
+    """vLLM's options for LoRA adapters of `rank` (none for 0): one adapter at a time, its rank
+    rounded up to one vLLM allows."""
+    if rank <= 0:
+        return {}
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    if rank > allowed[-1]:
+        raise ValueError(f"trainer.lora.rank {rank}: vLLM loads adapters of rank {allowed[-1]} at most")
+    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": next(r for r in allowed if r >= rank)}

@@ -23,7 +23,7 @@ import torch
 from rq import get_current_job
 
 from common import rewards
-from common.checkpoints import verify_dir
+from common.checkpoints import adapter_base, adapter_rank, is_adapter_dir, verify_dir
 from common.config import GeneratorConfig, SourceConfig, source_config
 from common.evals import EvalRequest, EvalResult, read_request, record_eval
 from common.keys import Keys
@@ -53,17 +53,26 @@ def engine_for(req: EvalRequest) -> Engine:
     """The loaded engine (the request's, opened as a generator opens it from the same [generator]
     table) with the weights of the checkpoint it names in it."""
     name = engine_name(req.engine)
+    adapter = is_adapter_dir(req.path)  # trainer.lora.publish = "adapter": loaded onto its base model
+    if adapter and name not in ("hf", "vllm"):
+        raise ValueError(f"evaluator: checkpoint {req.path} is a LoRA adapter (trainer.lora.publish = \"adapter\") "
+                         f"and the {name} engine cannot load adapters: set eval.engine = \"hf\" or \"vllm\"")
     engine = _ENGINE.get(name)
+    if engine is not None and adapter and name == "vllm" and not getattr(engine, "lora_rank", 0):
+        _ENGINE.clear()  # opened on full weights, without LoRA: opened again for adapters
+        engine = None
     if engine is None:
         _ENGINE.clear()  # one engine in memory: a run whose engine changed gets the new one alone
         settings = GeneratorConfig.model_validate({**req.engine_settings, "inflight_updates": False})
-        engine = _ENGINE[name] = open_for_settings(name, req.path, settings=settings, dtype=req.dtype, seed=0,
-                                                   max_running=CHUNK * max(req.pass_k, 1))
-        engine.version = req.version
+        opened_on = adapter_base(req.path) if adapter else req.path
+        engine = _ENGINE[name] = open_for_settings(name, opened_on, settings=settings, dtype=req.dtype, seed=0,
+                                                   max_running=CHUNK * max(req.pass_k, 1),
+                                                   lora_rank=adapter_rank(req.path) if adapter else 0)
+        engine.version = 0 if adapter else req.version
         threads = torch.get_num_threads()  # the generators' generator.threads, or torch's default
-        print(f"evaluator: the {name} engine ({req.dtype}, {threads} thread{'s' * (threads > 1)}) on {req.path}",
+        print(f"evaluator: the {name} engine ({req.dtype}, {threads} thread{'s' * (threads > 1)}) on {opened_on}",
               flush=True)
-    elif engine.version != req.version:
+    if engine.version != req.version:
         engine.load_weights(req.path, version=req.version)
     return engine
 

@@ -92,6 +92,7 @@ def run(config: Config, *, generator_id: str) -> None:
 
     # ------------------------------------------------------------------ start-up
     names = reward_names(config)  # a reward name that does not load fails before the model does
+    check_lora_publish(config)  # so does an adapter publish for an engine that cannot load adapters
     teacher = teacher_for(config, name=name)  # so does a teacher path that is no causal LM
     specs = environment_specs(config)  # so does an environment's
     r = streams.connect(config.redis_url, process=name)
@@ -177,20 +178,42 @@ def teacher_for(config: Config, *, name: str) -> Teacher | None:
         return None
     try:
         teacher = Teacher(t.path, name=t.label, timeout_s=t.timeout_s, temperature=config.rollout.temperature,
-                          dtype=config.model.dtype)
+                          dtype=config.model.dtype, engine=t.engine, url=t.url)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    print(f"{name}: teacher {teacher.name} ({teacher.path}) scores every sampled token, {t.timeout_s:g} s a group",
-          flush=True)
+    print(f"{name}: teacher {teacher.name} ({teacher.path}, {teacher.engine}) scores every sampled token, "
+          f"{t.timeout_s:g} s a group", flush=True)
     return teacher
+
+
+def check_lora_publish(config: Config) -> None:
+    """Refuse trainer.lora.publish = "adapter" for an engine that cannot load LoRA adapters (the
+    server engine): it would sample with the base model, never the trained one; and vLLM's with
+    in-flight updates (a running vLLM request keeps the adapter it started with)."""
+    from common.config import ConfigError
+    from engines.choice import engine_name
+
+    lora = config.trainer.lora
+    if lora.rank > 0 and lora.publish == "adapter":
+        name = engine_name(config.generator.engine)
+        if name not in ("hf", "vllm"):
+            raise ConfigError(f"trainer.lora.publish = \"adapter\": the {name} engine (generator.engine = "
+                              f"{config.generator.engine!r}) cannot load LoRA adapters; set generator.engine = "
+                              "\"hf\" or \"vllm\", or trainer.lora.publish = \"merged\"")
+        if name == "vllm" and config.generator.inflight_updates:
+            raise ConfigError("trainer.lora.publish = \"adapter\": the vllm engine cannot move a running request "
+                              "to a newer adapter; set generator.inflight_updates = false (or "
+                              "trainer.lora.publish = \"merged\")")
 
 
 def open_engine_for(config: Config, *, seed: int) -> Engine:
     from common.models import resolve_model_path
 
     gen = config.generator
+    lora = config.trainer.lora
     return open_for_settings(gen.engine, resolve_model_path(config.model.path), settings=gen, dtype=config.model.dtype,
-                             seed=seed, max_running=gen.max_in_flight * config.rollout.group_size)
+                             seed=seed, max_running=gen.max_in_flight * config.rollout.group_size,
+                             lora_rank=lora.rank if lora.publish == "adapter" else 0)
 
 
 async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, engine: Engine,

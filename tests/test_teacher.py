@@ -8,7 +8,6 @@ import dataclasses
 import random
 import shutil
 import threading
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -16,18 +15,17 @@ import pytest
 import torch
 
 from common.config import ConfigError, config_from_dict
-from common.heartbeats import read_heartbeat
-from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import MessageError, PromptTask, decode_group, encode
+from common.keys import PAYLOAD, Keys
+from common.messages import MessageError, decode_group, encode
 from common.teacher import Teacher
 from generators.groups import with_teacher
 from tests.harness.groups import completion, hand_group, make_group
 from tests.harness.models import perturbed_copy, reference_logprobs
 from tests.harness.processes import spawn, stop, wait_for
+from tests.harness.teacher_runs import run_generator
 from trainer.batch import collate, group_rows
 from trainer.grpo import token_advantages
 
-PROMPT = "What is 6 * 7?"
 TOL = 1e-5  # the teacher's batched, padded pass against one plain sequence (float32)
 
 
@@ -199,47 +197,6 @@ def test_a_teacher_that_cannot_load_or_overruns_leaves_the_group_reward_only_wit
 
 
 # ------------------------------------------------------------------ the generator
-
-
-def run_generator(tmp_path: Path, redis_url: str, r, *, model: Path, teacher: Path, run: str,
-                  teacher_errors: int = 0) -> tuple[str, list]:
-    """The generator's log and the groups it wrote of one prompt, its heartbeat counting `teacher_errors`."""
-    config = tmp_path / "run.toml"
-    config.write_text(f"""
-run = "{run}"
-redis_url = "{redis_url}"
-[model]
-path = "{model}"
-[rollout]
-max_new_tokens = 4
-temperature = 0.7
-[generator]
-engine = "hf"
-threads = 1
-[teacher]
-path = "{teacher}"
-name = "tiny-teacher"
-[[data.sources]]
-name = "calc"
-kind = "arithmetic"
-reward = "none"
-""")
-    config_from_dict(tomllib.loads(config.read_text()))  # the table as a user writes it
-    keys = Keys(run)
-    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
-    r.xadd(keys.prompts, {PAYLOAD: encode(PromptTask(id="calc:0:0", messages=None, text=PROMPT, meta={"answer": 42},
-                                                     n=3, admitted_at=0, source="calc"))})
-    log = tmp_path / "generator.log"
-    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(config)}, log=log)
-    try:
-        wait_for(lambda: r.xlen(keys.samples) >= 1, timeout=180, what="the group", procs=[proc])
-        wait_for(lambda: (beat := read_heartbeat(r, keys, "g1")) is not None and beat.teacher_errors == teacher_errors,
-                 timeout=60, what=f"a heartbeat counting {teacher_errors} teacher errors", procs=[proc])
-    finally:
-        code = stop(proc)
-    assert code == 0, log.read_text()
-    assert r.xpending(keys.prompts, GENERATORS_GROUP)["pending"] == 0  # the prompt acknowledged: not lost, not retried
-    return log.read_text(), [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
 
 
 def test_a_generator_carries_the_teachers_logprobs_of_every_sampled_token(tiny_model, teacher_model, tmp_path,

@@ -25,7 +25,17 @@ from pathlib import Path
 import redis
 import torch
 
-from common.checkpoints import WEIGHTS_FILE, checksum_dir, prune_steps, verify_dir, write_safetensors
+from common.checkpoints import (
+    ADAPTER_FILE,
+    ADAPTER_FORMAT,
+    FULL_FORMAT,
+    WEIGHTS_FILE,
+    checksum_dir,
+    is_adapter_dir,
+    prune_steps,
+    verify_dir,
+    write_safetensors,
+)
 from common.config import LoraConfig
 from common.keys import TRAINER_GROUP, Keys
 from common.messages import WeightVersion
@@ -34,7 +44,16 @@ from common.streams import announce_weights, latest_weights
 from common.trim import trim_acknowledged
 from trainer.devices import Placement
 from trainer.loading import load_model, placed_model  # load_model: the whole model on the host (LoRA, tools)
-from trainer.lora import apply_lora, hf_model, is_lora, merged_state_dict, scale_of
+from trainer.lora import (
+    adapter_state_dict,
+    apply_lora,
+    hf_model,
+    is_lora,
+    load_adapter,
+    merged_state_dict,
+    scale_of,
+    write_adapter_config,
+)
 from trainer.parallel import full_state_dict, is_main, parallelize, say
 from trainer.schedule import build_scheduler
 from trainer.state import load_state, save_state, state_dir
@@ -94,10 +113,14 @@ def save_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, 
 
 
 def checkpoint_tensors(model: torch.nn.Module, state_dict: dict[str, torch.Tensor] | None,
-                       dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+                       dtype: torch.dtype | None, *, adapter: bool = False) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint of `model` holds (`state_dict`: its gathered weights when sharded),
-    under the checkpoint's names, on the CPU in `dtype`: what is written, and what is broadcast."""
+    under the checkpoint's names, on the CPU in `dtype`: what is written, and what is broadcast.
+    `adapter` (an adapted model, trainer.lora.publish = "adapter"): the adapter alone, peft's names."""
     state_dict = model.state_dict() if state_dict is None else state_dict
+    if adapter:
+        assert is_lora(model), "an adapter is published only from a model with LoRA adapters"
+        return in_dtype(adapter_state_dict(state_dict), dtype)
     if is_lora(model):  # merged full weights under the base model's names: every engine loads them as they are
         state_dict = merged_state_dict(state_dict, scale=scale_of(model))
     return hf_tensors(hf_model(model), state_dict, dtype)
@@ -105,19 +128,25 @@ def checkpoint_tensors(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
 
 def write_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, source_dir: Path,
                      state_dict: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
-                     timing: dict[str, float] | None = None,
-                     tensors: dict[str, torch.Tensor] | None = None) -> tuple[Path, dict[str, str]]:
+                     timing: dict[str, float] | None = None, tensors: dict[str, torch.Tensor] | None = None,
+                     adapter: bool = False) -> tuple[Path, dict[str, str]]:
     """`save_checkpoint`, also returning the checksum of every file in the directory: the weights'
     hashed as they are written (common.checkpoints.write_safetensors), never read back.
     `timing`, if given, gets write_safetensors' "write" and "checksum" seconds. `tensors`: what
-    checkpoint_tensors gave for these weights already."""
+    checkpoint_tensors gave for these weights already. `adapter`: the directory holds the LoRA
+    adapter alone, in peft's format (adapter_model.safetensors, adapter_config.json naming
+    `source_dir` as its base model), in place of the complete HF directory."""
     tmp = checkpoint_dir / f".step_{step}.tmp"
     final = checkpoint_dir / f"step_{step}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     hf = hf_model(model)
     if tensors is None:
-        tensors = checkpoint_tensors(model, state_dict, dtype)
+        tensors = checkpoint_tensors(model, state_dict, dtype, adapter=adapter)
+    if adapter:
+        sums = {ADAPTER_FILE: write_safetensors(tmp / ADAPTER_FILE, tensors, timing=timing)}
+        write_adapter_config(model, tmp, base_model=str(source_dir))
+        return _rename(tmp, final), checksum_dir(final, known=sums)
     sums = {WEIGHTS_FILE: write_safetensors(tmp / WEIGHTS_FILE, tensors, timing=timing)}
     floating = {t.dtype for t in tensors.values() if t.is_floating_point()}
     hf.config.save_pretrained(tmp)
@@ -129,10 +158,15 @@ def write_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int,
     if hf.can_generate() and getattr(hf, "generation_config", None) is not None:
         hf.generation_config.save_pretrained(tmp)
     copy_tokenizer_files(source_dir, tmp)
+    return _rename(tmp, final), checksum_dir(final, known=sums)
+
+
+def _rename(tmp: Path, final: Path) -> Path:
+    """`tmp` renamed `final`, the resolved path."""
     if final.exists():  # written by a run that crashed before publishing it, or by one before a restart
         shutil.rmtree(final)
     os.rename(tmp, final)
-    return final.resolve(), checksum_dir(final, known=sums)
+    return final.resolve()
 
 
 def hf_tensors(hf: torch.nn.Module, state_dict: dict[str, torch.Tensor],
@@ -188,7 +222,7 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
             state_root: Path, source_dir: Path, keep: int, save_state_now: bool, entry_ids: list[bytes],
             group_ids: list[str], dedup_window: int, dtype: torch.dtype | None = None,
             timing: dict[str, float] | None = None, gone_back: GoneBack | None = None,
-            sender: Sender | None = None) -> WeightVersion | None:
+            sender: Sender | None = None, adapter: bool = False) -> WeightVersion | None:
     """Checkpoint and trainer state on disk, then in one transaction: announce it and
     acknowledge the groups it holds (every rank's: `entry_ids` and `group_ids` are global).
 
@@ -198,8 +232,11 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
     of them, the "checksum" (write_safetensors). `gone_back`: the trainer's last start below a
     version it had published: the announcement says so, and is created no earlier than it.
     `sender` (rank 0's, trainer.weight_transfer): the weights also go over its collective to the
-    generators listening, beside the write; the announcement names their digest.
+    generators listening, beside the write; the announcement names their digest. `adapter`
+    (trainer.lora.publish = "adapter"): the version is the LoRA adapter alone, announced as such
+    (format "lora_adapter"), on disk only.
     """
+    assert sender is None or not adapter, "an adapter is published on disk only (trainer.weight_transfer = 'disk')"
     weights = full_state_dict(model)
     if is_main():
         # Room first: the oldest checkpoint goes before the new one is written (the newest stay, so
@@ -209,11 +246,11 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
         prune_steps(checkpoint_dir, keep=keep - 1, newest=step - 1, spare=source_dir)
     path, sums, digest = None, {}, ""
     if is_main():
-        tensors = checkpoint_tensors(model, weights, dtype)
+        tensors = checkpoint_tensors(model, weights, dtype, adapter=adapter)
         sending = sender.start(tensors, version=step) if sender is not None else None
         try:
             path, sums = write_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
-                                          dtype=dtype, timing=timing, tensors=tensors)
+                                          dtype=dtype, timing=timing, tensors=tensors, adapter=adapter)
         finally:  # bounded by the transfer's timeout; a failed broadcast is "" (the files serve)
             digest = sending.result() if sending is not None else ""
     assert save_state_now or not entry_ids, "groups are acknowledged only with a saved trainer state"
@@ -222,7 +259,8 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
     if not is_main():
         return None
     gone = gone_back or GoneBack(step=0, upto=0, at=0.0)
-    wv = WeightVersion(version=step, step=step, path=str(path), format="safetensors", checksums=sums,
+    wv = WeightVersion(version=step, step=step, path=str(path), checksums=sums,
+                       format=ADAPTER_FORMAT if adapter else FULL_FORMAT,
                        created_at=max(time.time(), gone.at), gone_back_step=gone.step, gone_back_at=gone.at,
                        transfer_digest=digest)
     pipe = r.pipeline(transaction=True)
@@ -283,8 +321,14 @@ def resume(r: redis.Redis, keys: Keys, *, where: Placement, source_dir: Path, st
     step, weights = resume_point(r, keys, source_dir=source_dir, state_root=state_root)
     adapted = lora is not None and lora.rank > 0
     if adapted:  # peft adapts a loaded model: every rank holds the whole base model once
-        model = apply_lora(load_model(weights, where.weights_dtype), rank=lora.rank, alpha=lora.alpha,
-                           dropout=lora.dropout, target_modules=lora.target_modules)
+        published_adapter = is_adapter_dir(weights)  # trainer.lora.publish = "adapter": onto the base
+        model = apply_lora(load_model(source_dir if published_adapter else weights, where.weights_dtype),
+                           rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
+        if published_adapter:
+            load_adapter(model, weights)
+    elif is_adapter_dir(weights):
+        raise ValueError(f"trainer: run {keys.run!r} resumes from the LoRA adapter {weights}, but trainer.lora.rank "
+                         "is 0: resume it with its [trainer.lora] settings")
     if is_main():  # the newest published weights (the initial ones are 0); going back, the highest published
         had = read_trainer(r, keys)
         above = max(had.version_max, had.version)

@@ -1,5 +1,7 @@
-"""LoRA: the trainer trains low-rank adapters on the frozen model (peft) and publishes merged full
-weights, so every engine loads a plain HF checkpoint as it does without LoRA.
+"""LoRA: the trainer trains low-rank adapters on the frozen model (peft) and publishes either merged
+full weights (trainer.lora.publish = "merged"), so every engine loads a plain HF checkpoint as it
+does without LoRA, or the adapter alone in peft's format ("adapter": `adapter_state_dict`,
+`write_adapter_config`), which peft's PeftModel.from_pretrained and the HF engine load onto the base.
 
 Only the adapter's parameters take gradients: AdamW holds state for them alone, and the trainer
 state saves them alone (trainer/state.py skips frozen parameters). Publishing gathers the adapted
@@ -8,6 +10,8 @@ the base model's own parameter names.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -62,3 +66,49 @@ def merged_state_dict(state: dict[str, torch.Tensor], *, scale: float) -> dict[s
 def scale_of(model: torch.nn.Module) -> float:
     config = model.peft_config[_ADAPTER]
     return config.lora_alpha / config.r
+
+
+def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter alone of an adapted model's state dict (`state`, peft's names), under the names
+    peft saves it with: `base_model.model.<module path>.lora_A.weight` (the adapter's name dropped)."""
+    out = {}
+    for key, value in state.items():
+        for part in ("lora_A", "lora_B"):
+            mid = f".{part}.{_ADAPTER}."
+            if mid in key:
+                out[key.replace(mid, f".{part}.")] = value
+    assert out, "no LoRA adapter weights in the model's state dict"
+    return out
+
+
+def write_adapter_config(model: torch.nn.Module, dest, *, base_model: str) -> None:
+    """`dest/adapter_config.json`: the adapter's peft config, naming `base_model` as its base."""
+    import copy
+
+    config = copy.copy(model.peft_config[_ADAPTER])
+    config.base_model_name_or_path = base_model
+    config.inference_mode = True
+    config.save_pretrained(str(dest))
+
+
+def load_adapter(model: torch.nn.Module, path) -> None:
+    """Copy the published adapter in the directory `path` (peft's format) into the adapted `model`;
+    ValueError naming what does not fit (the model unchanged)."""
+    from safetensors.torch import load_file
+
+    from common.checkpoints import ADAPTER_FILE
+
+    own = model.state_dict()
+    theirs = {}
+    for key, value in load_file(str(Path(path) / ADAPTER_FILE)).items():
+        for part in ("lora_A", "lora_B"):
+            key = key.replace(f".{part}.weight", f".{part}.{_ADAPTER}.weight")
+        theirs[key] = value
+    wanted = {k for k in own if ".lora_" in k}
+    wrong = sorted(k for k in theirs if k in own and tuple(own[k].shape) != tuple(theirs[k].shape))
+    if wanted != set(theirs) or wrong:
+        raise ValueError(f"adapter {path} does not fit the model: missing {sorted(wanted - set(theirs))[:3]}, "
+                         f"unexpected {sorted(set(theirs) - wanted)[:3]}, wrong shapes {wrong[:3]}")
+    with torch.no_grad():
+        for key, value in theirs.items():
+            own[key].copy_(value)

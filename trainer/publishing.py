@@ -41,7 +41,8 @@ def checkpoint(run: Run, *, save: bool) -> WeightVersion | None:
                      keep=cfg.keep_checkpoints, save_state_now=save,
                      entry_ids=run.unacked_entries if save else [], group_ids=run.unacked_ids if save else [],
                      dedup_window=cfg.dedup_window, dtype=DTYPES[config.model.dtype],
-                     gone_back=run.record.gone_back[-1] if run.record.gone_back else None, sender=run.sender)
+                     gone_back=run.record.gone_back[-1] if run.record.gone_back else None, sender=run.sender,
+                     adapter=cfg.lora.rank > 0 and cfg.lora.publish == "adapter")
     except OSError as err:  # a full disk, most often: nothing was announced
         raise publish_failed(run, err) from err
     run.record.published(wv, step=run.step, saved=save, group_ids=run.unacked_ids if save else [],
