@@ -33,7 +33,6 @@ import string
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl
 
 from common import loaded_models
 from common.loaded_models import DTYPES
@@ -130,13 +129,7 @@ def check(name: str) -> dict[str, Any]:
     """{path, parser, template, max_new_tokens, name} of a "judge:PATH?..." entry, checked (PATH from
     its config.json alone); ValueError naming the entry when any is wrong."""
     path_text, _, query = name.removeprefix(PREFIX).partition("?")
-    try:
-        opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
-    except ValueError:
-        raise ValueError(f"reward {name!r}: its query {query!r} is not key=value&...") from None
-    unknown = sorted(set(opts) - set(KEYS))
-    if unknown:
-        raise ValueError(f"reward {name!r}: unknown {', '.join(unknown)} (a judge takes {', '.join(KEYS)})")
+    opts = loaded_models.entry_options(name, query, KEYS, "a judge")
     parser = opts.get("parser", "")
     if parser not in PARSERS:
         raise ValueError(f"reward {name!r}: parser {parser!r} is not one of {', '.join(PARSERS)} "

@@ -9,9 +9,23 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qsl
 
 DTYPES = ("float32", "bfloat16", "float16")
 Head = Literal["causal", "classifier"]  # AutoModelForCausalLM, AutoModelForSequenceClassification (one label)
+
+def entry_options(name: str, query: str, keys: tuple[str, ...], what: str) -> dict[str, str]:
+    """The `key=value&...` options after a reward entry's "?"; ValueError naming the entry when the
+    query does not parse or holds a key outside `keys` (`what`: "a judge", "a reward model", ...)."""
+    try:
+        opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+    except ValueError:
+        raise ValueError(f"reward {name!r}: its query {query!r} is not key=value&...") from None
+    unknown = sorted(set(opts) - set(keys))
+    if unknown:
+        raise ValueError(f"reward {name!r}: unknown {', '.join(unknown)} ({what} takes {', '.join(keys)})")
+    return opts
+
 
 _loading = threading.Lock()
 # (path, head, device, dtype, tokenizer's path): (model, tokenizer), or why they cannot be loaded

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl
 
 from common import loaded_models
 from common.loaded_models import DTYPES
@@ -54,13 +53,7 @@ def check(name: str) -> tuple[Path, Path]:
     resolved; ValueError naming the entry when PATH is not a sequence-classification model with one
     label (read from its config.json), or TOKPATH holds no tokenizer."""
     path_text, _, query = name.removeprefix(PREFIX).partition("?")
-    try:
-        opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
-    except ValueError:
-        raise ValueError(f"reward {name!r}: its query {query!r} is not key=value&...") from None
-    unknown = sorted(set(opts) - set(KEYS))
-    if unknown:
-        raise ValueError(f"reward {name!r}: unknown {', '.join(unknown)} (a reward model takes {', '.join(KEYS)})")
+    opts = loaded_models.entry_options(name, query, KEYS, "a reward model")
     path = Path(path_text).expanduser()
     if not str(path) or not path.is_dir():
         raise ValueError(f"reward {name!r}: no directory {str(path)!r} (a reward model is a local directory "

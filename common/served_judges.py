@@ -42,9 +42,9 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
-from common import judges
+from common import judges, loaded_models
 
 SCHEMES = ("http://", "https://")
 KEYS = ("model", "parser", "template", "max_new_tokens", "name", "timeout_s", "retries", "api_key_env")
@@ -84,13 +84,7 @@ def check(name: str) -> dict[str, Any]:
         _ = parts.port  # raises on a port that is no number
     except ValueError as err:
         raise ValueError(f"reward {name!r}: {url!r}: {err}") from None
-    try:
-        opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
-    except ValueError:
-        raise ValueError(f"reward {name!r}: its query {query!r} is not key=value&...") from None
-    unknown = sorted(set(opts) - set(KEYS))
-    if unknown:
-        raise ValueError(f"reward {name!r}: unknown {', '.join(unknown)} (a judge at a URL takes {', '.join(KEYS)})")
+    opts = loaded_models.entry_options(name, query, KEYS, "a judge at a URL")
     model = opts.get("model", "")
     if not model:
         raise ValueError(f"reward {name!r}: no model (the name the server serves it under: "
