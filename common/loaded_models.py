@@ -2,11 +2,13 @@
 classifier, common/reward_models.py; an LLM judge's causal LM, common/judges.py), with their
 tokenizers: each loaded on the first call in the process and shared by every entry naming the same
 directory, head, device and dtype; one that cannot be loaded is remembered with why, and every later
-call says the same without trying again."""
+call says the same without trying again. A teacher's model (common/teacher.py) is remembered here
+too (`remembered`)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import parse_qsl
@@ -28,8 +30,18 @@ def entry_options(name: str, query: str, keys: tuple[str, ...], what: str) -> di
 
 
 _loading = threading.Lock()
-# (path, head, device, dtype, tokenizer's path): (model, tokenizer), or why they cannot be loaded
-_loaded: dict[tuple[Path, Head, str, str, Path], tuple[Any, Any] | str] = {}
+# (path, head or engine, device, dtype, ...): what was loaded (a model, with its tokenizer for a
+# reward entry), or why it cannot be
+_loaded: dict[tuple, Any] = {}
+
+
+def remembered(key: tuple, load_once: Callable[[], Any]) -> Any:
+    """What `load_once()` returned the first time `key` was asked for in this process (a model, or
+    the string saying why it cannot be loaded), without calling it again."""
+    with _loading:
+        if key not in _loaded:
+            _loaded[key] = load_once()
+        return _loaded[key]
 
 
 def load(what: str, path: Path, *, head: Head, device: str | None, dtype: str,
@@ -43,11 +55,8 @@ def load(what: str, path: Path, *, head: Head, device: str | None, dtype: str,
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = tokenizer or path
-    key = (path, head, device, dtype, tokenizer)
-    with _loading:
-        if key not in _loaded:
-            _loaded[key] = _load(path, head=head, device=device, dtype=dtype, tokenizer_path=tokenizer)
-        loaded = _loaded[key]
+    loaded = remembered((path, head, device, dtype, tokenizer),
+                        lambda: _load(path, head=head, device=device, dtype=dtype, tokenizer_path=tokenizer))
     if isinstance(loaded, str):
         raise RuntimeError(f"{what} cannot be loaded: {loaded}")
     return loaded

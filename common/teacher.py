@@ -34,7 +34,6 @@ be killed (it is the generator's own thread): the next group's call waits for it
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -44,15 +43,14 @@ from typing import Any
 
 import numpy as np
 
+from common.loaded_models import remembered
+
 DTYPES = ("float32", "bfloat16", "float16")
 # What runs the teacher: "hf" (transformers, here), "vllm" (common/teacher_vllm.py: prompt log-probs
 # of an in-process vLLM engine) or "openai" (common/teacher_openai.py: a vLLM server's prompt
 # log-probs at `url`). Another engine is one more module like those two.
 ENGINES = ("hf", "vllm", "openai")
 AT_TEMPERATURE_1 = ("vllm", "openai")  # engines whose prompt log-probs skip the sampler's temperature
-
-_loading = threading.Lock()
-_loaded: dict[tuple[Path, str, str, str], Any] = {}  # (path, engine, device, dtype): the model, or why not
 
 
 def no_reward(*, prompt: str, completion: str, completion_ids: list[int], meta: dict[str, Any]) -> dict[str, float]:
@@ -78,6 +76,35 @@ def check(path: str) -> Path:
         raise ValueError(f"teacher.path {path!r} holds {', '.join(architectures) or 'no architecture'}, not a "
                          f"causal LM (AutoModelForCausalLM)")
     return where.resolve()
+
+
+def check_vocabulary(path: Path, student: Path) -> None:
+    """ValueError naming the teacher at `path` when it cannot score the token ids of the student at
+    `student`: a token of the student's tokenizer with another id in the teacher's (where the
+    teacher's directory has a tokenizer), or more student tokens than the teacher has embeddings.
+    A teacher may know tokens the student does not (a bigger model of the same family)."""
+    from transformers import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(student)
+    try:
+        theirs = AutoTokenizer.from_pretrained(path).get_vocab()
+    except (OSError, ValueError, TypeError):  # no tokenizer files: the embeddings alone are checked
+        theirs = None
+    if theirs is not None:
+        moved = sorted((t, i) for t, i in ours.get_vocab().items() if theirs.get(t) != i)
+        if moved:
+            token, i = moved[0]
+            there = f"id {theirs[token]}" if token in theirs else "no id"
+            raise ValueError(f"teacher.path {str(path)!r}: its tokenizer is not the student's ({student}): "
+                             f"{len(moved)} of the student's tokens have other ids, e.g. {token!r} is id {i} "
+                             f"in the student's and has {there} in the teacher's; a teacher scores the "
+                             "student's token ids, so it must share the student's tokenizer")
+    config = json.loads((path / "config.json").read_text())
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if vocab is not None and int(vocab) < len(ours):
+        raise ValueError(f"teacher.path {str(path)!r}: its model has {vocab} token embeddings, fewer than the "
+                         f"{len(ours)} tokens of the student's tokenizer ({student}); a teacher scores the "
+                         "student's token ids, so it must share the student's tokenizer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,16 +170,14 @@ class Teacher:
 
             return Server(self.url, str(self.path), self.timeout_s)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        key = (self.path, self.engine, device, self.dtype)
-        with _loading:
-            if key not in _loaded:
-                if self.engine == "vllm":
-                    from common import teacher_vllm
+        if self.engine == "vllm":
+            from common import teacher_vllm
 
-                    _loaded[key] = teacher_vllm.load(self.path, dtype=self.dtype)
-                else:
-                    _loaded[key] = _load(self.path, device=device, dtype=self.dtype)
-            loaded = _loaded[key]
+            loaded = remembered((self.path, "teacher:vllm", device, self.dtype),
+                                lambda: teacher_vllm.load(self.path, dtype=self.dtype))
+        else:
+            loaded = remembered((self.path, "teacher:hf", device, self.dtype),
+                                lambda: _load(self.path, device=device, dtype=self.dtype))
         if isinstance(loaded, str):
             raise RuntimeError(f"teacher {self.name!r} ({self.path}) cannot be loaded: {loaded}")
         return loaded

@@ -64,7 +64,7 @@ from common.config import Config
 from common.heartbeats import clear_heartbeat, count_engine_stall
 from common.keys import GENERATORS_GROUP, Keys
 from common.quarantine import lift_quarantine
-from common.teacher import Teacher
+from common.teacher import Teacher, check_vocabulary
 from engines.base import Engine, Finished, SamplingSettings, turn_ids
 from engines.choice import engine_kind, open_for_settings
 from envs.base import Spec
@@ -170,8 +170,10 @@ def check_templates(engine: Engine, specs: dict[str, Spec]) -> None:
 
 def teacher_for(config: Config, *, name: str) -> Teacher | None:
     """The run's teacher ([teacher]), its path checked and said on the console (`name`: this
-    generator's); None without one. A path that is no causal LM is a ConfigError naming it."""
+    generator's); None without one. A path that is no causal LM, or whose tokenizer is not the
+    student's, is a ConfigError naming it."""
     from common.config import ConfigError
+    from common.models import resolve_model_path
 
     t = config.teacher
     if not t.on:
@@ -179,6 +181,8 @@ def teacher_for(config: Config, *, name: str) -> Teacher | None:
     try:
         teacher = Teacher(t.path, name=t.label, timeout_s=t.timeout_s, temperature=config.rollout.temperature,
                           dtype=config.model.dtype, engine=t.engine, url=t.url)
+        if teacher.engine != "openai":  # a served teacher's tokenizer is the server's to know
+            check_vocabulary(teacher.path, resolve_model_path(config.model.path))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     print(f"{name}: teacher {teacher.name} ({teacher.path}, {teacher.engine}) scores every sampled token, "

@@ -6,6 +6,7 @@ or overruns never loses the prompt: its group is written once, reward-only, the 
 
 import dataclasses
 import random
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -171,6 +172,36 @@ def test_a_teacher_path_that_is_no_causal_lm_is_refused_naming_it(tmp_path):
         Teacher(str(tmp_path), name="t", timeout_s=1)
     with pytest.raises(ValueError, match=r"teacher\.path .* no such directory"):
         Teacher(str(tmp_path / "missing"), name="t", timeout_s=1)
+
+
+def test_a_teacher_whose_tokenizer_is_not_the_students_is_refused_at_start_naming_a_token(
+        tiny_model, teacher_model, tmp_path):
+    import json
+
+    from generators.main import teacher_for
+
+    def config(teacher: Path):
+        return config_from_dict({"model": {"path": str(tiny_model)}, "teacher": {"path": str(teacher)}})
+
+    assert teacher_for(config(teacher_model), name="g").path == teacher_model.resolve()  # same tokenizer: taken
+    swapped = Path(shutil.copytree(teacher_model, tmp_path / "swapped"))
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]  # two merged tokens trade ids
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ConfigError, match=rf"teacher\.path .*swapped.*tokenizer is not the student's.*2 of the "
+                                          rf"student's tokens have other ids, e\.g\. {re.escape(repr(min(a, b)))}"):
+        teacher_for(config(swapped), name="g")
+
+    small = Path(shutil.copytree(teacher_model, tmp_path / "small"))  # no tokenizer, fewer embeddings
+    for f in small.glob("*token*"):
+        f.unlink()
+    cfg = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "vocab_size": cfg["vocab_size"] - 1}))
+    n = cfg["vocab_size"]  # the student's tokenizer, all of it
+    with pytest.raises(ConfigError, match=rf"teacher\.path .*small.* {n - 1} token embeddings, fewer than the {n} "):
+        teacher_for(config(small), name="g")
 
 
 # ------------------------------------------------------------------ a teacher that fails
