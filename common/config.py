@@ -1005,6 +1005,13 @@ class Config(_Section):
             raise ValueError(f"teacher.engine = {self.teacher.engine!r} scores at temperature 1 only (vLLM's prompt "
                              f"log-probs skip temperature) and rollout.temperature is {self.rollout.temperature:g}: "
                              "use teacher.engine = 'hf'")
+        if self.teacher.on and (self.rollout.top_k > 0 or self.rollout.top_p < 1.0):
+            # Under truncation a token outside the teacher's own kept set has log-prob -inf: an
+            # unbounded KL. Both sides score the full distribution at the sampler's temperature.
+            raise ValueError(f"teacher: rollout.top_k = {self.rollout.top_k} and rollout.top_p = "
+                             f"{self.rollout.top_p:g} truncate the sampler, and a teacher scores the whole "
+                             "distribution (a sampled token outside its own top-k/top-p would have an infinite "
+                             "KL): set rollout.top_k = 0 and rollout.top_p = 1 with a [teacher]")
         if self.teacher.on and (self.teacher.engine == "openai") != bool(self.teacher.url):
             raise ValueError("teacher.url is the server of teacher.engine = 'openai' (http(s)://host:port), and "
                              f"only of it: engine {self.teacher.engine!r} with url {self.teacher.url!r}")

@@ -164,6 +164,9 @@ def test_distillation_alone_needs_a_teacher_and_is_refused_without_one(tmp_path)
     assert config.teacher.on and config.teacher.label == tmp_path.name and config.teacher.distill_weight == 1.0
     assert config.sources[0].reward_functions == [("common.teacher:no_reward", 1.0)]
     assert not config_from_dict({}).teacher.on  # off by default
+    for cut in ({"top_k": 5}, {"top_p": 0.9}):  # the teacher scores the whole distribution: no truncation
+        with pytest.raises(ConfigError, match=r"teacher: rollout\.top_k = .* truncate the sampler.*set rollout"):
+            config_from_dict({**source_config("none", teacher=str(tmp_path)), "rollout": cut})
 
 
 def test_a_teacher_path_that_is_no_causal_lm_is_refused_naming_it(tmp_path):
