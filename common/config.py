@@ -961,6 +961,9 @@ class TeacherConfig(_Section):
     distill_weight: float = Field(1.0, ge=0.0)
     # The teacher's name in each group and the logs; "" = its directory's name.
     name: str = ""
+    # engine "openai": how many times a request that may pass (no connection, no answer in time,
+    # HTTP 429 or 5xx) is tried again, after 0.5 s, 1 s, ..., within the group's timeout_s.
+    retries: int = Field(2, ge=0, le=10)
 
     @property
     def on(self) -> bool:

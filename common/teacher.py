@@ -121,14 +121,16 @@ class Teacher:
     the model is, how to run it, and that thread (the loaded model is the process's, shared)."""
 
     def __init__(self, path: str, *, name: str, timeout_s: float, temperature: float = 1.0,
-                 dtype: str = "float32", device: str | None = None, engine: str = "hf", url: str = "") -> None:
+                 dtype: str = "float32", device: str | None = None, engine: str = "hf", url: str = "",
+                 retries: int = 2) -> None:
         """path: the teacher's directory (checked: `check`). name: its label in groups and logs.
         timeout_s: one group's budget. temperature: the sampler's. dtype: the generator's model dtype.
         device: None = the process's visible GPU, else the CPU (hf; vLLM takes the GPU when there is
         one). engine: one of ENGINES; ValueError naming teacher.engine for another, or for "vllm" or
         "openai" at a temperature other than 1 (vLLM's prompt log-probs are at temperature 1:
         common/teacher_vllm.py). url: the server of engine "openai", whose `path` is its model's
-        name there (not checked here: nothing connects before the first group)."""
+        name there (not checked here: nothing connects before the first group); `retries`: how many
+        times its failed request is tried again within the group's `timeout_s`."""
         assert dtype in DTYPES, f"dtype must be one of {DTYPES}, got {dtype!r}"
         assert timeout_s > 0 and temperature > 0, f"timeout_s {timeout_s} and temperature {temperature} must be > 0"
         if engine not in ENGINES:
@@ -152,6 +154,7 @@ class Teacher:
             self.path = check(path)
         self.name = name
         self.timeout_s = timeout_s
+        self.retries = retries
         self.temperature = temperature
         self.dtype = dtype
         self.device = device
@@ -168,7 +171,7 @@ class Teacher:
         if self.engine == "openai":  # nothing to load: each group's request is made afresh
             from common.teacher_openai import Server
 
-            return Server(self.url, str(self.path), self.timeout_s)
+            return Server(self.url, str(self.path), self.timeout_s, self.retries)
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.engine == "vllm":
             from common import teacher_vllm

@@ -13,18 +13,25 @@ OpenAI API itself has no such field): a choice without them is the group's error
 
 Nothing is loaded and nothing connects at start-up: every group's request is made afresh, so a
 server down for a while costs those groups' teacher log-probs (each recorded as its `teacher_error`)
-and the run goes on. The request's own timeout is the teacher's `timeout_s`.
+and the run goes on. A request that may pass if tried again (no connection, no answer in time, HTTP
+429 and 5xx, as for a served judge: common/served_judges.py) is tried again up to `[teacher] retries`
+times, after 0.5 s, 1 s, ..., all within the group's `timeout_s`; any other HTTP status (a model the
+server does not serve) is the group's error at once.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from common.served_judges import BACKOFF_S, RETRIED
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +40,8 @@ class Server:
 
     url: str
     model: str
-    timeout_s: float
+    timeout_s: float  # one group's budget, every try of its request included
+    retries: int = 2  # tries after the first, of a request that may pass if tried again
 
 
 def check_url(url: str) -> str:
@@ -53,14 +61,7 @@ def token_logprobs(server: Server, prompt: list[int], completions: list[list[int
     failed request or an answer without them."""
     body = {"model": server.model, "prompt": [prompt + ids for ids in completions], "max_tokens": 1,
             "temperature": 1.0, "prompt_logprobs": 0}
-    request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=server.timeout_s) as response:
-            answer: dict[str, Any] = json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        raise RuntimeError(f"{server.url}/v1/completions answered {err.code}: "
-                           f"{err.read()[:300].decode(errors='replace')}") from None
+    answer = _answer(server, body)
     choices = sorted(answer.get("choices") or [], key=lambda c: int(c.get("index", 0)))
     if len(choices) != len(completions):
         raise RuntimeError(f"{server.url} returned {len(choices)} choices for {len(completions)} completions")
@@ -75,3 +76,30 @@ def token_logprobs(server: Server, prompt: list[int], completions: list[list[int
         result.append(np.array([float(entries[p + j][str(t)]["logprob"]) for j, t in enumerate(ids)],
                                dtype=np.float32))
     return result
+
+
+def _answer(server: Server, body: dict[str, Any]) -> dict[str, Any]:
+    """The server's JSON answer to `body` on /v1/completions, tried again (`server.retries` times,
+    within `server.timeout_s` from now) where it may pass; RuntimeError saying why there is none."""
+    where, deadline = server.url + "/v1/completions", time.monotonic() + server.timeout_s
+    why = ""
+    for attempt in range(server.retries + 1):
+        if attempt:
+            time.sleep(min(BACKOFF_S * 2 ** (attempt - 1), max(0.0, deadline - time.monotonic())))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"{where}: {why} ({attempt} attempts within {server.timeout_s:g} s)")
+        request = urllib.request.Request(where, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=left) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            why = f"answered {err.code}: {err.read()[:300].decode(errors='replace')}"
+            if err.code not in RETRIED:
+                raise RuntimeError(f"{where} {why}") from None
+        except (TimeoutError, urllib.error.URLError, http.client.HTTPException, OSError) as err:
+            reason = getattr(err, "reason", err)
+            why = (f"no answer within {left:.3g} s" if isinstance(reason, TimeoutError)
+                   else f"{type(reason).__name__}: {reason}")
+    raise RuntimeError(f"{where}: {why} ({server.retries + 1} attempts)")

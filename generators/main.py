@@ -180,7 +180,7 @@ def teacher_for(config: Config, *, name: str) -> Teacher | None:
         return None
     try:
         teacher = Teacher(t.path, name=t.label, timeout_s=t.timeout_s, temperature=config.rollout.temperature,
-                          dtype=config.model.dtype, engine=t.engine, url=t.url)
+                          dtype=config.model.dtype, engine=t.engine, url=t.url, retries=t.retries)
         if teacher.engine != "openai":  # a served teacher's tokenizer is the server's to know
             check_vocabulary(teacher.path, resolve_model_path(config.model.path))
     except ValueError as err:

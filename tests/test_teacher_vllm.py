@@ -5,6 +5,10 @@ vLLM teacher at a temperature its prompt log-probs do not apply, and a served on
 are refused at start-up naming the field; a server that does not answer costs the group its
 teacher log-probs, recorded, never the group."""
 
+import http.server
+import json
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +70,73 @@ def test_a_served_teacher_that_does_not_answer_leaves_the_group_reward_only_with
     finally:
         teacher.close()
     assert out.teacher == "" and out.completions == group.completions  # delivered as it was, reward-only
-    assert out.teacher_error.startswith("teacher 't': URLError") and "refused" in out.teacher_error
+    assert out.teacher_error.startswith("teacher 't': RuntimeError: http://127.0.0.1:")
+    assert "ConnectionRefusedError" in out.teacher_error and "refused" in out.teacher_error
+    assert out.teacher_error.endswith("(3 attempts)")  # the first and [teacher] retries = 2 more
+
+
+@pytest.fixture
+def completions_server() -> Iterator[tuple[str, list[int | None], list[dict]]]:
+    """A /v1/completions server on a free local port answering as vLLM's does with prompt log-probs
+    (token t at position k: -(t + k) / 100), after the HTTP statuses the test puts in its list (one
+    per request, None: a real answer). Yields its URL, that list and the requests it took."""
+    statuses: list[int | None] = []
+    taken: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            taken.append(body)
+            status = statuses.pop(0) if statuses else None
+            if status is not None:
+                self.send_response(status)
+                self.end_headers()
+                self.wfile.write(b"busy")
+                return
+            choices = [{"index": i, "prompt_logprobs": [None] + [{str(t): {"logprob": -(t + k) / 100}}
+                                                                  for k, t in enumerate(ids) if k > 0]}
+                       for i, ids in enumerate(body["prompt"])]
+            out = json.dumps({"choices": choices}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", statuses, taken
+    finally:
+        server.shutdown()
+
+
+def test_a_served_teacher_tries_a_busy_server_again_and_not_a_refusal(completions_server):
+    url, statuses, taken = completions_server
+    prompt, ids = [3, 17], [25, 8]
+    group = hand_group([completion(ids, [-1.0] * 2, 1.0)], prompt=prompt)
+
+    statuses[:] = [503, 429]  # busy twice, then an answer: within [teacher] retries = 2
+    out = with_teacher(group, teacher := Teacher("tiny", name="t", timeout_s=30, engine="openai", url=url))
+    teacher.close()
+    assert out.teacher_error == "" and len(taken) == 3
+    np.testing.assert_allclose(out.completions[0].teacher_logprobs, [-(25 + 2) / 100, -(8 + 3) / 100], rtol=1e-6)
+
+    taken.clear()
+    statuses[:] = [503, 503, 503]  # busy past the retries: the group's error, saying how often it tried
+    out = with_teacher(group, teacher := Teacher("tiny", name="t", timeout_s=30, engine="openai", url=url))
+    teacher.close()
+    assert len(taken) == 3 and out.teacher == ""
+    assert "answered 503: busy (3 attempts)" in out.teacher_error, out.teacher_error
+
+    taken.clear()
+    statuses[:] = [404]  # a model the server does not serve: trying again gets the same
+    out = with_teacher(group, teacher := Teacher("tiny", name="t", timeout_s=30, engine="openai", url=url))
+    teacher.close()
+    assert len(taken) == 1 and out.teacher_error.endswith("/v1/completions answered 404: busy"), out.teacher_error
 
 
 def scored(group, teacher: Teacher) -> list[np.ndarray]:
