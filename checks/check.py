@@ -363,16 +363,26 @@ def run(config: Config, *, prompts: int, engine_model: str | None = None, engine
     if mismatch.log_ratio.numel() and float(mismatch.log_ratio.abs().mean()) > bound:
         fitted = fitted_temperature(config, model, sampled.groups)
     memory = measure_memory(config, model, sampled.groups) if sampled.groups else None
+    del model  # the teacher's forward, if any, loads its own
+    from checks import teacher as teacher_check  # imports this module's trainer_mismatch
+
+    agreed = teacher_check.agreement(
+        config, sampled.groups,
+        mismatch=lambda c, m, gs: trainer_mismatch(c, m, gs, temperature=config.rollout.temperature).log_ratio,
+        open_model=lambda c: open_trainer_model(c, checkpointing=choice.on))
     sources = sorted({t.source for t in tasks if t.source})
     print(f"check: {len(tasks)} prompts from {', '.join(sources)}, {config.rollout.group_size} completions each, "
           f"{sampled.engine} engine at temperature {temperature:g}"
           f"{f' on {Path(engine_model)}' if engine_model else ''}; trainer {config.model.dtype} on "
-          f"{next(model.parameters()).device.type} at rollout.temperature {config.rollout.temperature:g}", flush=True)
+          f"{trainer_device().type} at rollout.temperature {config.rollout.temperature:g}", flush=True)
     for line in figure_lines(config, sampled, mismatch, template=template, memory=memory, ranks=ranks,
                              defaults=defaults_line(config, choice, peak)):
         print(line)
+    if agreed is not None:
+        print(teacher_check.line(agreed))
     problems = mismatch_problems(mismatch, fitted=fitted, temperature=config.rollout.temperature,
                                  dtype=config.model.dtype)
+    problems += teacher_check.problems(agreed, dtype=config.model.dtype) if agreed is not None else []
     reward_issues, warnings = reward_problems(sampled.groups)
     template_issues, template_warnings = template_problems(template)
     for line in warnings + template_warnings:

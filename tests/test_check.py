@@ -12,6 +12,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from checks.check import BOUNDS, Mismatch, mismatch_problems, reward_problems
@@ -81,6 +82,54 @@ def test_a_right_config_passes_with_its_figures(tmp_path, tiny_model):
     assert int(found[2]) == 8 * 2 * 16  # 8 rows of twice max_new_tokens (a prompt up to as long)
     assert lines[-1].startswith("check: ok (mean |log-ratio| ")
     assert failures(done.stdout) == []
+
+
+def test_a_run_with_a_teacher_reports_its_agreement_with_the_trainers_forward(tmp_path, tiny_model):
+    from tests.harness.models import perturbed_copy
+
+    teacher = perturbed_copy(tiny_model, tmp_path / "tiny-teacher", seed=7, scale=0.05)
+    config = check_config(tmp_path, tiny_model)
+    config.write_text(config.read_text() + f'\n[teacher]\npath = "{teacher}"\n')
+    done = check(tmp_path, config, "--prompts", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    [line] = [x for x in done.stdout.splitlines() if x.startswith("teacher    ")]
+    found = re.fullmatch(r"teacher    tiny-teacher \(hf\): mean \|log-ratio\| (\S+)  max (\S+)  over (\d+) tokens "
+                         r"\(the trainer's forward of the teacher minus its hf log-probs\)", line)
+    assert found and float(found[1]) <= BOUNDS["float32"][0] and int(found[3]) > 0, line
+
+
+def test_a_teacher_off_by_one_position_fails_the_check(tiny_model, tmp_path, monkeypatch):
+    """The check's teacher measure, in-process, on hand-written groups: the hf teacher agrees with
+    the trainer's forward of the same model; shifted by one token it fails, naming the teacher."""
+    from checks import teacher as teacher_check
+    from checks.check import open_trainer_model, trainer_mismatch
+    from common import teacher as teacher_module
+    from common.config import config_from_dict
+    from tests.harness.groups import completion, hand_group
+    from tests.harness.models import perturbed_copy
+
+    config = config_from_dict({"model": {"path": str(tiny_model)}, "rollout": {"temperature": 0.7},
+                               "teacher": {"path": str(perturbed_copy(tiny_model, tmp_path / "t", seed=3))}})
+    groups = [hand_group([completion([25, 8, 40, 11], [-1.0] * 4, 1.0), completion([60, 2], [-1.0] * 2, 0.0)],
+                         prompt=[3, 17, 9])]
+
+    def agreement():
+        found = teacher_check.agreement(
+            config, groups, open_model=lambda c: open_trainer_model(c, checkpointing=False),
+            mismatch=lambda c, m, gs: trainer_mismatch(c, m, gs, temperature=0.7).log_ratio)
+        return found, teacher_check.problems(found, dtype="float32")
+
+    agreed, problems = agreement()
+    assert agreed.log_ratio.numel() == 6 and problems == [], (agreed, problems)
+    assert float(agreed.log_ratio.abs().max()) <= BOUNDS["float32"][0]
+
+    honest = teacher_module._hf_logprobs
+    monkeypatch.setattr(teacher_module, "_hf_logprobs",  # each token given the prefix one shorter
+                        lambda *a, **k: [np.roll(lp, 1) for lp in honest(*a, **k)])
+    agreed, problems = agreement()
+    [problem] = problems
+    assert problem.startswith("teacher: mean |log-ratio| ") and "off by a position" in problem, problem
+    assert float(agreed.log_ratio.abs().mean()) > BOUNDS["float32"][0]
 
 
 def test_an_engine_sampling_at_another_temperature_fails_saying_which(tmp_path, tiny_model):
