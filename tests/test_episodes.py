@@ -15,8 +15,8 @@ from common.messages import PromptTask, SampleGroup, decode_group, encode
 from common.progress import add_outstanding
 from envs import guess
 from tests.harness.configs import write_config
-from tests.harness.metrics import read_steps
 from tests.harness.needs import need
+from tests.harness.pipeline import run_watching_groups
 from tests.harness.processes import spawn, stop, wait_for
 from tests.harness.templates import DROPS_TURNS_BEFORE_THE_USER, with_template
 from trainer.batch import group_rows
@@ -154,35 +154,8 @@ def test_pipeline_trains_on_calculator_and_guessing_episodes(tmp_path, redis_url
                                     "meta_columns": ["secret", "high"], "environment": "envs.guess", "max_turns": 3,
                                     "max_episode_tokens": 64}]})
     env = {"ROLLOUTS_CONFIG": str(config)}
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    # The test reads the groups as a consumer group of its own: the stream is trimmed only of what
-    # every group has acknowledged, so none is trimmed before the test has seen it.
-    r.xgroup_create(keys.samples, "watch", id="0", mkstream=True)
-    procs = {name: spawn(name, cwd=tmp_path, env=env, log=logs / f"{name}.log")
-             for name in ("generators", "trainer", "producers")}
-    seen: dict[bytes, SampleGroup] = {}
-
-    def read() -> None:
-        for _, entries in r.xreadgroup("watch", "test", {keys.samples: ">"}) or []:
-            for eid, f in entries:
-                seen[eid] = decode_group(f[PAYLOAD])
-                r.xack(keys.samples, "watch", eid)
-
-    def trained() -> bool:
-        read()
-        return procs["trainer"].poll() == 0
-
-    try:
-        wait_for(trained, timeout=300, what="the trainer's 2 steps", procs=list(procs.values()))
-    finally:
-        codes = {name: stop(p) for name, p in procs.items()}
-    read()
-    assert codes == {"generators": 0, "trainer": 0, "producers": 0}, {
-        n: (logs / f"{n}.log").read_text()[-3000:] for n, c in codes.items() if c}
-    metrics = read_steps(tmp_path / "run" / "metrics.jsonl")
+    metrics, groups = run_watching_groups(tmp_path, r, keys, env)
     assert [m["step"] for m in metrics] == [1, 2]
-    groups = list(seen.values())
     by_source = {s: [g for g in groups if g.id.startswith(f"{s}:")] for s in ("calc", "guess")}
     assert by_source["calc"] and by_source["guess"], [g.id for g in groups]
     for g in groups:

@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from common.config import ConfigError, config_from_dict
-from common.keys import PAYLOAD, Keys
+from common.keys import Keys
 from common.messages import MessageError, decode_group, encode
 from common.teacher import Teacher
 from generators.groups import with_teacher
 from tests.harness.groups import completion, hand_group, make_group
 from tests.harness.models import perturbed_copy, reference_logprobs
-from tests.harness.processes import spawn, stop, wait_for
 from tests.harness.teacher_runs import run_generator
 from trainer.batch import collate, group_rows
 from trainer.grpo import token_advantages
@@ -261,7 +260,7 @@ def test_a_generator_whose_teacher_fails_writes_the_group_once_without_it(tiny_m
 def test_a_run_distils_alone_on_text_and_episodes_and_logs_the_teachers_kl(tiny_model, teacher_model, tmp_path,
                                                                            redis_url, r):
     from tests.harness.configs import write_config
-    from tests.harness.metrics import read_steps
+    from tests.harness.pipeline import run_watching_groups
 
     keys = Keys("distil")
     env = write_config(tmp_path / "run.toml", run="distil", redis_url=redis_url, output_dir=tmp_path / "run",
@@ -272,38 +271,13 @@ def test_a_run_distils_alone_on_text_and_episodes_and_logs_the_teachers_kl(tiny_
                        data={"sources": [{"name": "plain", "kind": "arithmetic", "reward": "none"},
                                          {"name": "calc", "kind": "arithmetic", "max_operand": 100000,
                                           "environment": "envs.calculator", "max_turns": 3}]})
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    r.xgroup_create(keys.samples, "watch", id="0", mkstream=True)  # so that no group is trimmed unseen
-    procs = {name: spawn(name, cwd=tmp_path, env=env, log=logs / f"{name}.log")
-             for name in ("generators", "trainer", "producers")}
-    seen = {}
-
-    def read() -> None:
-        for _, entries in r.xreadgroup("watch", "test", {keys.samples: ">"}) or []:
-            for eid, f in entries:
-                seen[eid] = decode_group(f[PAYLOAD])
-                r.xack(keys.samples, "watch", eid)
-
-    def trained() -> bool:
-        read()
-        return procs["trainer"].poll() == 0
-
-    try:
-        wait_for(trained, timeout=300, what="the trainer's 2 steps", procs=list(procs.values()))
-    finally:
-        codes = {name: stop(p) for name, p in procs.items()}
-    read()
-    assert codes == {"generators": 0, "trainer": 0, "producers": 0}, {
-        n: (logs / f"{n}.log").read_text()[-3000:] for n, c in codes.items() if c}
-    metrics = read_steps(tmp_path / "run" / "metrics.jsonl")
+    metrics, groups = run_watching_groups(tmp_path, r, keys, env)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["teacher_kl"] != 0.0 for m in metrics), [m["teacher_kl"] for m in metrics]
     # where every group's rewards were equal (the tiny model's are 0), only the teacher gives a gradient
     alone = [m for m in metrics if m["frac_reward_zero_std"] == 1.0]
     assert alone and all(m["grad_norm"] > 0 for m in alone), [(m["frac_reward_zero_std"], m["grad_norm"])
                                                              for m in metrics]
-    groups = list(seen.values())
     assert {g.id.split(":")[0] for g in groups} == {"plain", "calc"}, [g.id for g in groups]
     for g in groups:
         assert g.teacher == "tiny-teacher", g.teacher_error

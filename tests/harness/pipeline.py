@@ -166,3 +166,37 @@ def trained_once(r, tmp_path: Path, steps: int) -> list[str]:
     assert len(ids) == len(set(ids)), f"a group trained in two steps: {ids}"
     assert {m.decode() for m in r.zrange(KEYS.trained, 0, -1)} == set(ids)
     return ids
+
+
+def run_watching_groups(tmp_path: Path, r, keys: Keys, env: dict[str, str]) -> tuple[list[dict], list]:
+    """The Procfile's generators, trainer and producers under `env` until the trainer exits (its
+    max_steps), each process asserted to exit 0: the run's step metrics, and every group it wrote,
+    read as a consumer group of the test's own created before they start (the stream is trimmed only
+    of what every group has acknowledged, so none is trimmed before the test has seen it)."""
+    from common.messages import decode_group
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    r.xgroup_create(keys.samples, "watch", id="0", mkstream=True)
+    procs = {name: spawn(name, cwd=tmp_path, env=env, log=logs / f"{name}.log")
+             for name in ("generators", "trainer", "producers")}
+    seen = {}
+
+    def read() -> None:
+        for _, entries in r.xreadgroup("watch", "test", {keys.samples: ">"}) or []:
+            for eid, f in entries:
+                seen[eid] = decode_group(f[PAYLOAD])
+                r.xack(keys.samples, "watch", eid)
+
+    def trained() -> bool:
+        read()
+        return procs["trainer"].poll() == 0
+
+    try:
+        wait_for(trained, timeout=300, what="the trainer's steps", procs=list(procs.values()))
+    finally:
+        codes = {name: stop(p) for name, p in procs.items()}
+    read()
+    assert codes == {"generators": 0, "trainer": 0, "producers": 0}, {
+        n: (logs / f"{n}.log").read_text()[-3000:] for n, c in codes.items() if c}
+    return read_steps(tmp_path / "run" / "metrics.jsonl"), list(seen.values())
