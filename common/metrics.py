@@ -92,6 +92,9 @@ class StepMetrics:
     # over its groups trained this step, and the generators quarantined when the step ended.
     mismatch_by_generator: dict[str, float] = field(default_factory=dict)
     generators_quarantined: float = 0.0
+    # Since MoE models: the router's load-balancing loss (trainer/moe.py), unweighted by its
+    # coefficient, where the model config asks for it (output_router_logits); else None, not written.
+    router_aux_loss: float | None = None
 
     def entry(self) -> dict[str, Any]:
         """The flat dict the sinks write: TRL's names, policy fields only for GRPO, the sft loss only for sft."""
@@ -104,7 +107,7 @@ class StepMetrics:
             elif f.name == "reward_components":
                 for name, (mean, std) in value.items():
                     out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = mean, std
-            elif f.name != "sft_loss" or value is not None:
+            elif f.name not in ("sft_loss", "router_aux_loss") or value is not None:
                 out[NAMES[f.name]] = value
         return out
 
@@ -142,6 +145,7 @@ NAMES = {  # StepMetrics field -> the name it is written under (TRL's where TRL 
     "group_ids": "group_ids", "staleness_token_mean": "staleness/token_mean",
     "mixed_versions": "completions/mixed_versions", "mismatch_by_generator": "mismatch/by_generator",
     "generators_quarantined": "generators/quarantined",
+    "router_aux_loss": "router_aux_loss",
     "reward_components": "rewards/<component>/mean, rewards/<component>/std",
 }
 POLICY_NAMES = {  # PolicyStats field -> the name it is written under

@@ -92,6 +92,10 @@ class HFEngine:
         self.tokenizer = load_tokenizer(self.path)
         self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype], use_safetensors=True).eval()
         self.model.to("cuda" if torch.cuda.is_available() else "cpu")  # the process's visible GPU (its lease)
+        if getattr(self.model.config, "output_router_logits", False):
+            # an MoE config asking for the router's loss: the trainer's (trainer/moe.py), not the sampler's;
+            # transformers' own fails in generate() once the cache holds earlier positions
+            self.model.config.output_router_logits = False
         self.version = 0  # weight version loaded: 0 = the initial checkpoint
         self.adapter: tuple | None = None  # (rank, alpha, target modules) of the LoRA adapter in use, if any
         torch.manual_seed(seed)  # generate() samples from torch's global generator
@@ -224,7 +228,13 @@ class HFEngine:
                                   f"on its base model (trainer.lora.publish = \"adapter\"): restart it to load them")
         own = self.model.state_dict()
         tied = {"lm_head.weight"} if self.model.config.get_text_config().tie_word_embeddings else set()
-        check_fits(path, {k: tuple(v.shape) for k, v in own.items()}, tied=tied)  # headers only
+        try:
+            check_fits(path, {k: tuple(v.shape) for k, v in own.items()}, tied=tied)  # headers only
+        except CheckpointError:
+            if not self._load_converted(path, own, tied):
+                raise
+            self.version = version
+            return
         # Into the model's own tensors, from the files' mapped pages: no second copy of the weights.
         # A tied lm_head shares the embedding's tensor (save_pretrained leaves it out).
         missing = set(own) - tied - copy_into(path, own)
@@ -232,6 +242,25 @@ class HFEngine:
             raise CheckpointError(f"checkpoint {path}: {len(missing)} tensors (e.g. {sorted(missing)[0]}) were not "
                                   "there to load: removed or replaced after it was checked")
         self.version = version
+
+    def _load_converted(self, path: str | Path, own: dict[str, torch.Tensor], tied: set[str]) -> bool:
+        """A checkpoint in the hub's layout that transformers converts as it loads (an MoE's experts:
+        one tensor each in the files, fused in the model; the trainer writes that layout): if it fits
+        the model's own tensors in that layout, load it whole (a second copy of the weights, for a
+        moment), copy it in and return True; False if the model converts nothing."""
+        from transformers import AutoModelForCausalLM
+        from transformers.modeling_utils import revert_weight_conversion
+
+        hub = revert_weight_conversion(self.model, dict(own))
+        if set(hub) == set(own):
+            return False
+        check_fits(path, {k: tuple(v.shape) for k, v in hub.items()}, tied=tied)  # CheckpointError if not
+        fresh = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype, use_safetensors=True).state_dict()
+        if set(fresh) != set(own) or any(fresh[k].shape != v.shape for k, v in own.items()):
+            raise CheckpointError(f"checkpoint {path}: converted as transformers loads it, it does not fit the model")
+        for name, tensor in own.items():
+            tensor.copy_(fresh[name])
+        return True
 
     @torch.no_grad()
     def load_adapter(self, path: str | Path, *, version: int) -> None:

@@ -104,8 +104,12 @@ class VLLMEngine:
         self._lora_ids = 0  # vLLM's id of each adapter loaded: versions repeat after a go-back, these never
         self._engine = self.llm.llm_engine
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
-        self._tied = ({"lm_head.weight"} if self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings
-                      else set())
+        text = self.llm.llm_engine.model_config.hf_text_config
+        self._tied = {"lm_head.weight"} if text.tie_word_embeddings else set()
+        # vLLM on a CPU repacks an MoE's experts once, after the first load, and reloads them in place
+        # wrongly (tests/test_moe.py): such an engine refuses every reload (generators refuse it first).
+        self._moe_on_cpu = not cuda and any(getattr(text, k, 0) for k in ("num_experts", "num_local_experts",
+                                                                           "n_routed_experts"))
         self._rows: dict[str, list[Row]] = {}  # requests in flight: their n completions so far
         self.max_running = max_num_seqs  # requests (of n sequences each): the scheduler queues the rest
         self._next = 0
@@ -203,6 +207,7 @@ class VLLMEngine:
         if self._lora is not None:
             raise CheckpointError(f"checkpoint {path}: full weights, but this engine samples with LoRA adapters "
                                   "(trainer.lora.publish = \"adapter\"): restart it to load them")
+        self._can_reload(str(path))
         check_fits(path, self._shapes, tied=self._tied)
         # Layers with no tensor of their own in a checkpoint keep what they had, and vLLM warns
         # "Failed to load weights" for each on every reload: the rotary cache, and a tied lm_head
@@ -244,6 +249,7 @@ class VLLMEngine:
         """load_weights from tensors in memory under the checkpoint's names (trainer.weight_transfer),
         through vLLM's in-place reload from an iterator; CheckpointError, weights unchanged, when
         they do not fit the model."""
+        self._can_reload("the weights received")
         shapes_fit({k: tuple(t.shape) for k, t in tensors.items()}, self._shapes, tied=self._tied,
                    what="the weights received")
         expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if self._tied else set())
@@ -255,6 +261,13 @@ class VLLMEngine:
                 raise RuntimeError(f"vLLM could not reload the weights received ({type(err).__name__}: {err}); "
                                    "the engine's weights are no longer whole, so the generator stops") from err
         self._reloaded(version)
+
+    def _can_reload(self, what: str) -> None:
+        """CheckpointError, the weights unchanged, where this engine cannot reload in place."""
+        if self._moe_on_cpu:
+            raise CheckpointError(f"{what}: vLLM on a CPU reloads a mixture of experts in place wrongly (its "
+                                  "experts are repacked once, after the first load); open a new engine on it, or "
+                                  "use the hf engine")
 
     def _reloaded(self, version: int) -> None:
         if self._tied:

@@ -43,18 +43,20 @@ from common.progress import GoneBack, add_gone_back, count_trained, read_trainer
 from common.streams import announce_weights, latest_weights
 from common.trim import trim_acknowledged
 from trainer.devices import Placement
-from trainer.loading import load_model, placed_model  # load_model: the whole model on the host (LoRA, tools)
+from trainer.loading import load_model, placed_model, safetensors_only, sharded_from_meta  # load_model: tools too
 from trainer.lora import (
     adapter_state_dict,
+    adapter_tensors,
     apply_lora,
+    copy_adapters,
     hf_model,
+    initial_adapters,
     is_lora,
-    load_adapter,
     merged_state_dict,
     scale_of,
     write_adapter_config,
 )
-from trainer.parallel import full_state_dict, is_main, parallelize, say
+from trainer.parallel import full_state_dict, gather, is_main, parallelize, say, world_size
 from trainer.schedule import build_scheduler
 from trainer.state import load_state, save_state, state_dir
 from trainer.transfer import Sender
@@ -66,6 +68,28 @@ def place(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
     """`model` on its device, sharded under torchrun, computing in `where.dtype` (trainer/parallel.py)."""
     return parallelize(model, device=where.device, compute_dtype=where.dtype,
                        activation_checkpointing=where.activation_checkpointing)
+
+
+def adapted_model(path: Path, where: Placement, lora: LoraConfig, *, adapter: Path | None = None) -> torch.nn.Module:
+    """The model of checkpoint `path` with LoRA adapters (`lora`), placed as `where` says. Under
+    torchrun with several ranks it is built on `meta`, adapted there, sharded, and each rank reads
+    only its own shards of the frozen base weights, as placed_model does the full model
+    (trainer/loading.py); in one process the whole base model is loaded, adapted, then placed. The
+    adapters are those published in `adapter` (peft's format), else their initial values drawn from
+    rank 0's torch seed (lora.initial_adapters): the same on every rank and at every world size."""
+    seed = gather(torch.initial_seed())[0]  # rank 0's; the trainer seeds every rank alike anyway
+
+    def adapt(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+        model = apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                           target_modules=lora.target_modules)
+        return model, adapter_tensors(model, adapter) if adapter is not None else initial_adapters(model, seed=seed)
+
+    if world_size() > 1:
+        safetensors_only(path)
+        return sharded_from_meta(path, where, adapt=adapt)
+    model, adapters = adapt(load_model(path, where.weights_dtype))
+    copy_adapters(model, adapters)
+    return place(model, where)
 
 
 def adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -320,12 +344,10 @@ def resume(r: redis.Redis, keys: Keys, *, where: Placement, source_dir: Path, st
     and, where the run had published past it, the highest version it had (`version_max`)."""
     step, weights = resume_point(r, keys, source_dir=source_dir, state_root=state_root)
     adapted = lora is not None and lora.rank > 0
-    if adapted:  # peft adapts a loaded model: every rank holds the whole base model once
-        published_adapter = is_adapter_dir(weights)  # trainer.lora.publish = "adapter": onto the base
-        model = apply_lora(load_model(source_dir if published_adapter else weights, where.weights_dtype),
-                           rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
-        if published_adapter:
-            load_adapter(model, weights)
+    if adapted:  # trainer.lora.publish = "adapter": the published adapter onto the base model
+        published_adapter = is_adapter_dir(weights)
+        model = adapted_model(source_dir if published_adapter else weights, where, lora,
+                              adapter=weights if published_adapter else None)
     elif is_adapter_dir(weights):
         raise ValueError(f"trainer: run {keys.run!r} resumes from the LoRA adapter {weights}, but trainer.lora.rank "
                          "is 0: resume it with its [trainer.lora] settings")
@@ -337,8 +359,8 @@ def resume(r: redis.Redis, keys: Keys, *, where: Placement, source_dir: Path, st
         if above > step:  # the versions above `step` will mean other weights: from when on, recorded
             add_gone_back(pipe, keys, going_back(r, keys, step=step, upto=above))
         pipe.execute()
-    # on its device (FSDP2 under torchrun), each rank reading only its own shards
-    model = place(model, where) if adapted else placed_model(weights, where)
+    if not adapted:  # on its device (FSDP2 under torchrun), each rank reading only its own shards
+        model = placed_model(weights, where)
     trained = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters
     optimizer = adamw(trained, lr=lr, weight_decay=weight_decay)
     scheduler = build_scheduler(optimizer, schedule=lr_schedule, warmup_steps=warmup_steps, total_steps=total_steps)

@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from trainer.devices import Placement, attention_implementation
 from trainer.parallel import distributed, parallelize
+
+# Adapts a model built on `meta` (LoRA): the adapted model, and the whole tensors of the parameters
+# it added, by their names in it (the checkpoint has none of them).
+Adapt = Callable[[torch.nn.Module], tuple[torch.nn.Module, dict[str, torch.Tensor]]]
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
@@ -87,8 +92,11 @@ def safetensors_only(path: Path) -> None:
                          "only, never pickle: save the model with save_pretrained(..., safe_serialization=True)")
 
 
-def sharded_from_meta(path: Path, where: Placement) -> torch.nn.Module:
-    """Build on `meta`, shard, allocate on the device, read each local shard from the files."""
+def sharded_from_meta(path: Path, where: Placement, *, adapt: Adapt | None = None) -> torch.nn.Module:
+    """Build on `meta`, shard, allocate on the device, read each local shard from the files. With
+    `adapt` (LoRA's, trainer/checkpoints.py `adapted_model`) the model built on `meta` is adapted
+    before it is sharded, and the parameters it adds are read from the whole tensors it gives, as
+    the base model's are from the files: each rank copies only its own rows."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -96,6 +104,11 @@ def sharded_from_meta(path: Path, where: Placement) -> torch.nn.Module:
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real (on the host)
         model = AutoModelForCausalLM.from_config(config, dtype=where.weights_dtype)
     model.tie_weights()  # inside the context a tie registers a parameter of its own: tie them again here
+    own = {id(p): name for name, p in model.named_parameters()}  # the checkpoint's name of each
+    given: dict[str, torch.Tensor] = {}
+    if adapt is not None:
+        model, given = adapt(model)
+    names = {name: own[id(p)] for name, p in model.named_parameters() if id(p) in own}  # adapter: base's
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     model = parallelize(model, device=where.device, compute_dtype=where.dtype,
                         activation_checkpointing=where.activation_checkpointing)
@@ -103,29 +116,50 @@ def sharded_from_meta(path: Path, where: Placement) -> torch.nn.Module:
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
-        read_local_shards(model, path)
+        read_local_shards(model, path, names=names, given=given)
     return model
 
 
-def read_local_shards(model: torch.nn.Module, path: Path) -> None:
+def read_local_shards(model: torch.nn.Module, path: Path, *, names: dict[str, str] | None = None,
+                      given: dict[str, torch.Tensor] | None = None) -> None:
     """Copy into each parameter's local shard (a DTensor's, or the whole of a plain tensor) the rows
-    of the checkpoint's tensor of the same name that this rank holds."""
+    that this rank holds of the checkpoint's tensor of the same name (or of the name `names` maps it
+    to), or of the whole tensor `given` holds under its name (a checkpoint has no LoRA adapters)."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from common.models import ModelError
 
+    names, given = names or {}, given or {}
     files = checkpoint_files(path)
-    missing = [name for name, _ in model.named_parameters() if name not in files]
+    missing = [names.get(name, name) for name, _ in model.named_parameters()
+               if name not in given and names.get(name, name) not in files]
+    converted: dict[str, torch.Tensor] = {}
+    if missing:
+        # A checkpoint in the layout transformers converts as it loads (an MoE's experts: one tensor
+        # each on disk, fused in the model): the whole model read on the host, converted, once per
+        # rank (the host memory this module otherwise saves), its tensors sliced as the files' are.
+        from transformers import AutoModelForCausalLM
+
+        whole, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
+                                                          output_loading_info=True)
+        if info["missing_keys"]:  # transformers would fill them with fresh values: a broken checkpoint
+            missing = sorted(info["missing_keys"])
+        else:
+            converted = dict(whole.state_dict())
+            missing = [name for name in missing if name not in converted]
+        del whole
     if missing:
         raise ModelError(f"model at {path}: its checkpoint has no tensor {missing[0]!r} "
                          f"({len(missing)} of the model's parameters missing)")
     with contextlib.ExitStack() as files_open:
         opened = {file: files_open.enter_context(safe_open(str(file), framework="pt")) for file in set(files.values())}
-        for name, p in model.named_parameters():  # a tied lm_head is the embedding's, named once
-            piece = opened[files[name]].get_slice(name)
-            full = tuple(piece.get_shape())
+        for own_name, p in model.named_parameters():  # a tied lm_head is the embedding's, named once
+            name = names.get(own_name, own_name)
+            whole = given[own_name] if own_name in given else converted.get(name)  # else read from the files
+            piece = whole if whole is not None else opened[files[name]].get_slice(name)
+            full = tuple(piece.shape) if whole is not None else tuple(piece.get_shape())
             if full != tuple(p.shape):
                 raise ModelError(f"model at {path}: tensor {name!r} is {list(full)} in the checkpoint, "
                                  f"{list(p.shape)} in the model")

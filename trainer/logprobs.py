@@ -100,6 +100,10 @@ def final_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tens
     caught: list[Tensor] = []
     hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: caught.append(out.last_hidden_state))
     extra = {} if position_ids is None else {"position_ids": position_ids}
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        # an MoE config asking for the router's loss: trainer/moe.py takes it over the trained
+        # positions; the model's own (over its mask's positions) would not take a packed mask
+        extra["output_router_logits"] = False
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1, **extra)
     finally:

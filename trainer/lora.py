@@ -7,10 +7,15 @@ Only the adapter's parameters take gradients: AdamW holds state for them alone, 
 state saves them alone (trainer/state.py skips frozen parameters). Publishing gathers the adapted
 model's state dict and folds each adapter into its base weight, W + (B @ A) * alpha / rank, under
 the base model's own parameter names.
+
+The adapters start from values drawn from a seeded generator (initial_adapters), not from the
+global RNG as peft draws them, so that ranks that adapt a model built on `meta` (whose adapters
+peft leaves on `meta` too) start from the adapters one process starts from.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -91,14 +96,32 @@ def write_adapter_config(model: torch.nn.Module, dest, *, base_model: str) -> No
     config.save_pretrained(str(dest))
 
 
-def load_adapter(model: torch.nn.Module, path) -> None:
-    """Copy the published adapter in the directory `path` (peft's format) into the adapted `model`;
-    ValueError naming what does not fit (the model unchanged)."""
+def initial_adapters(model: torch.nn.Module, *, seed: int) -> dict[str, torch.Tensor]:
+    """The whole initial tensors of the adapted `model`'s adapters, by parameter name, as peft
+    initialises them (A kaiming-uniform, B zeros) but drawn from a generator seeded with `seed`, in
+    the model's order: the same on every rank and at every world size, and known without the
+    model's own (possibly `meta`) storage."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():
+        if f".lora_A.{_ADAPTER}." in name:
+            a = torch.empty(tuple(p.shape), dtype=torch.float32)
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)  # peft's reset_lora_parameters
+            out[name] = a.to(p.dtype)
+        elif f".lora_B.{_ADAPTER}." in name:
+            out[name] = torch.zeros(tuple(p.shape), dtype=p.dtype)
+    assert out, "no LoRA adapters in the model"
+    return out
+
+
+def adapter_tensors(model: torch.nn.Module, path) -> dict[str, torch.Tensor]:
+    """The published adapter in the directory `path` (peft's format) under the adapted `model`'s
+    parameter names; ValueError naming what does not fit the model."""
     from safetensors.torch import load_file
 
     from common.checkpoints import ADAPTER_FILE
 
-    own = model.state_dict()
+    own = dict(model.named_parameters())
     theirs = {}
     for key, value in load_file(str(Path(path) / ADAPTER_FILE)).items():
         for part in ("lora_A", "lora_B"):
@@ -109,6 +132,18 @@ def load_adapter(model: torch.nn.Module, path) -> None:
     if wanted != set(theirs) or wrong:
         raise ValueError(f"adapter {path} does not fit the model: missing {sorted(wanted - set(theirs))[:3]}, "
                          f"unexpected {sorted(set(theirs) - wanted)[:3]}, wrong shapes {wrong[:3]}")
+    return theirs
+
+
+def copy_adapters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` (adapter_tensors, initial_adapters) into the adapted `model`'s own (unsharded) adapters."""
+    own = dict(model.named_parameters())
     with torch.no_grad():
-        for key, value in theirs.items():
+        for key, value in tensors.items():
             own[key].copy_(value)
+
+
+def load_adapter(model: torch.nn.Module, path) -> None:
+    """Copy the published adapter in the directory `path` (peft's format) into the adapted `model`;
+    ValueError naming what does not fit (the model unchanged)."""
+    copy_adapters(model, adapter_tensors(model, path))

@@ -96,7 +96,7 @@ def step_record(r: redis.Redis, keys: Keys, everyone: list[Collected], stats: St
         time_train=train_s, time_publish=publish_s,
         generators_alive=float(len(beats)), generators_tokens_per_s=sum(b.tokens_per_s for b in beats),
         group_ids=[g.id for g in all_groups], mismatch_by_generator=by_generator or {},
-        generators_quarantined=float(quarantined))
+        generators_quarantined=float(quarantined), router_aux_loss=stats.router_aux_loss)
 
 
 def summary_line(m: StepMetrics) -> str:

@@ -52,3 +52,6 @@ class StepStats:
     # mean k = log pi_behav - log pi_teacher over the trained tokens a teacher scored (0: none): the
     # per-token reverse KL to the teacher (on-policy distillation)
     teacher_kl: float = 0.0
+    # the router's load-balancing loss (trainer/moe.py), mean over the trained tokens, unweighted by its
+    # coefficient; None: the model config asks for none (every dense model)
+    router_aux_loss: float | None = None

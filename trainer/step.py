@@ -23,7 +23,7 @@ from common.messages import SampleGroup
 from trainer.batch import PACK, SHARE_PROMPTS, MicroBatch, mini_batches, with_mask
 from trainer.devices import model_device, to_device
 from trainer.grpo import Estimator, mismatch_stats, token_advantages
-from trainer.logprobs import sequence_logprobs
+from trainer.logprobs import packed_attention, sequence_logprobs
 from trainer.losses import (
     Loss,
     LossInputs,
@@ -35,6 +35,7 @@ from trainer.losses import (
 )
 from trainer.losses.corrections import behaviour_weight
 from trainer.losses.sft import sft_loss
+from trainer.moe import RouterAux, caught_router_logits, load_balancing_loss, router_aux_of
 from trainer.parallel import all_max, all_sum, any_rank, gather, world_size
 from trainer.stats import Mismatch, StepStats
 
@@ -129,6 +130,7 @@ class Sums:
     skipped: float = 0.0  # updates skipped, each 1 / world size
     teacher_kl: float = 0.0  # k = log pi_behav - log pi_teacher summed over the trained tokens a teacher scored
     teacher_tokens: float = 0.0  # ... and their count (plain sums, divided at the end)
+    router_aux: float = 0.0  # the router's load-balancing loss (trainer/moe.py), shares of the trained tokens
     # (groups, 2): |log pi_prox - log pi_behav| summed over each of this rank's groups' trained
     # tokens, and their count (rank-local: never summed over ranks)
     by_group: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))
@@ -146,14 +148,16 @@ class Sums:
         stale = [self.mismatch.by_staleness.get(s, (0.0, 0.0)) for s in range(oldest + 1)]
         mine = [getattr(self.loss_stats, f.name) for f in fields(LossStats)] + [
             self.mismatch.gap, self.mismatch.masked, *(x for pair in stale for x in pair),
-            self.entropy, self.loss, self.grad_norm, self.skipped, self.teacher_kl, self.teacher_tokens]
+            self.entropy, self.loss, self.grad_norm, self.skipped, self.teacher_kl, self.teacher_tokens,
+            self.router_aux]
         total = all_sum(mine)
         n = len(fields(LossStats))
         gap, masked, rest = total[n], total[n + 1], total[n + 2:]
         by_staleness = {s: (rest[2 * s], rest[2 * s + 1]) for s in range(oldest + 1)}
-        entropy, loss, grad_norm, skipped, teacher_kl, teacher_tokens = rest[2 * (oldest + 1):]
+        entropy, loss, grad_norm, skipped, teacher_kl, teacher_tokens, router_aux = rest[2 * (oldest + 1):]
         return Sums(loss_stats=LossStats(*total[:n]), entropy=entropy, loss=loss, grad_norm=grad_norm,
                     skipped=skipped, by_group=self.by_group, teacher_kl=teacher_kl, teacher_tokens=teacher_tokens,
+                    router_aux=router_aux,
                     mismatch=Mismatch(gap=gap, gap_max=max(gather(self.mismatch.gap_max)), masked=masked,
                                       by_staleness=by_staleness))
 
@@ -234,13 +238,15 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
             add_by_group(sums.by_group, log_probs(forward, model, mb)[0], mb)
     model.train()
     oldest = all_max(max([0] + [step - g.version for g in groups]))
+    aux = router_aux_of(model)
     for mini, mini_prox, mini_ref in zip(minis, prox, ref, strict=True):
         if mini.tokens == 0:
             continue
         optimizer.zero_grad(set_to_none=True)
         mini_loss = backward_mini(model, mini, mini_prox, mini_ref, sums, loss_fn=loss_fn, correction=correction,
                                   forward=forward, step=step, total_tokens=sum(m.computed for m in minis),
-                                  max_new_tokens=how.max_new_tokens, distill_weight=how.distill_weight)
+                                  max_new_tokens=how.max_new_tokens, distill_weight=how.distill_weight,
+                                  aux=aux)
         grad_norm = clip_and_step(model, optimizer, max_grad_norm=how.max_grad_norm,
                                   loss_finite=math.isfinite(mini_loss))
         if math.isfinite(grad_norm):  # the same on every rank
@@ -257,6 +263,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                      mismatch_by_staleness={s: gap / tokens for s, (gap, tokens) in out.mismatch.by_staleness.items()
                                             if tokens > 0},
                      teacher_kl=out.teacher_kl / out.teacher_tokens if out.teacher_tokens > 0 else 0.0,
+                     router_aux_loss=None if aux is None else out.router_aux,
                      group_mismatch=tuple(float(gap / tokens) if tokens > 0 else math.nan
                                           for gap, tokens in out.by_group))
 
@@ -271,22 +278,31 @@ def log_probs(forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], 
 def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Tensor | None],
                   ref: list[torch.Tensor | None], sums: Sums, *, loss_fn: Loss, correction: CorrectionConfig,
                   forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], step: int, total_tokens: int,
-                  max_new_tokens: int, distill_weight: float = 0.0) -> float:
+                  max_new_tokens: int, distill_weight: float = 0.0, aux: RouterAux | None = None) -> float:
     """The loss of one mini-batch, backward micro-batch by micro-batch (the gradients accumulate),
     its stats added to `sums` as shares of `total_tokens`, the step's trained tokens through the
     model (`StepBatches.computed`). With a teacher's log-probs the advantages are per token, less
-    `distill_weight` times each token's KL to the teacher (grpo.token_advantages). Returns its loss
-    (this rank's part)."""
+    `distill_weight` times each token's KL to the teacher (grpo.token_advantages). With `aux` (an
+    MoE config asking for it: trainer/moe.py) each micro-batch's loss adds coef x the router's
+    load-balancing loss, weighted by its share of the trained tokens. Returns its loss (this
+    rank's part)."""
     # the loss's stats are shares of the mini-batch's trained tokens (its normaliser), all of which
     # went through the model unless rows of advantage 0 were left out (`computed` < `tokens`)
     share, mini_loss, world = mini.tokens / total_tokens, 0.0, world_size()
     for mb, prox_logp, ref_logp in zip(mini.batches, prox, ref, strict=True):
-        logp, entropy = log_probs(forward, model, mb, entropy=True)
+        with caught_router_logits(model, aux) as routers:
+            logp, entropy = log_probs(forward, model, mb, entropy=True)
         advantages = token_advantages(mb.advantages, mb.teacher_kl, distill_weight)
         out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=advantages,
                                  mask=mb.mask, total_tokens=mini.tokens, total_seqs=mini.seqs,
                                  norm_tokens=mini.rows * max_new_tokens, prox_logp=prox_logp, ref_logp=ref_logp))
-        (out.loss * world).backward()
+        loss = out.loss
+        if aux is not None:
+            balance = load_balancing_loss(routers, aux.top_k, router_aux_rows(model, mb)) * (
+                len(mb.trained_at) / mini.tokens)  # this micro-batch's share of the mini-batch's mean
+            loss = loss + aux.coef * balance
+            sums.router_aux += balance.item() * share
+        (loss * world).backward()
         mini_loss += out.loss.item()
         measured = logp.detach() if prox_logp is None else prox_logp
         sums.add(out.stats, mismatch(measured, mb, correction, step=step, total_tokens=mini.tokens), share=share)
@@ -297,6 +313,15 @@ def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Te
             sums.teacher_kl += (mb.teacher_kl * taught).sum().item()
             sums.teacher_tokens += taught.sum().item()
     return mini_loss
+
+
+def router_aux_rows(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """The flat positions of the model body's input (the packed rows where `sequence_logprobs` ran
+    the body on them, else the right-padded rows) whose hidden states predict `mb`'s trained
+    tokens: where the router's load-balancing loss is taken (trainer/moe.py)."""
+    if mb.packed is not None and packed_attention(model) is not None:
+        return mb.packed.at[mb.trained_at]
+    return mb.trained_at
 
 
 def add_by_group(by_group: np.ndarray, measured: torch.Tensor, mb: MicroBatch) -> None:
