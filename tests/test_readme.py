@@ -89,6 +89,9 @@ TRL = ("toml: # my_rewards.py, importable from where the generators run:\n"
        "#   import re")
 CALC = 'toml: [[data.sources]]\nname = "calc"'
 EVAL = 'toml: [[eval.sources]]\nname = "gsm8k"'
+TEACHER = 'toml: [teacher]\npath = "models/teacher"'
+RM = 'toml: [[data.sources]]\nname = "rm"'
+JUDGED = 'toml: [[data.sources]]\nname = "judged"'
 CHECK_OUTPUT = ("text: check: 4 prompts from arithmetic, 4 completions each, vllm engine at temperature 0.8; "
                 "trainer float32 on cpu at rollout.temperature 0.8")
 QUARANTINED = ("text: generator  hot  QUARANTINED: quarantined at step 13 (strike 2, stopped sampling): mean "
@@ -119,6 +122,9 @@ RUN = {
     TRL: "test_your_own_data_a_trl_reward_and_an_evaluation_source",
     CALC: "test_your_own_data_a_trl_reward_and_an_evaluation_source",
     EVAL: "test_your_own_data_a_trl_reward_and_an_evaluation_source",
+    TEACHER: "test_a_teacher_a_reward_model_and_a_judge_as_written",
+    RM: "test_a_teacher_a_reward_model_and_a_judge_as_written",
+    JUDGED: "test_a_teacher_a_reward_model_and_a_judge_as_written",
     "ROLLOUTS_CONFIG=configs/sft.toml ./ops/run redis producer trainer": "test_sft_then_rl_from_its_checkpoint",
     "ROLLOUTS_RUN=rl ROLLOUTS_OUTPUT_DIR=runs/rl ROLLOUTS_MODEL__PATH=runs/sft/checkpoints/step_200 ./ops/run":
         "test_sft_then_rl_from_its_checkpoint",
@@ -437,6 +443,50 @@ def test_your_own_data_a_trl_reward_and_an_evaluation_source(checkout, user_env,
     assert any("rewards/reward_func/mean" in m for m in metrics), sorted(metrics[0])  # steps of calc only lack it
     evaluated = [json.loads(x) for x in (checkout / "runs/demo/evals.jsonl").read_text().splitlines()]
     assert any("eval/gsm8k/pass@1" in e for e in evaluated), evaluated
+
+
+@pytest.mark.slow  # a whole run with a teacher, a reward model and a judge (about two minutes): the slow checks
+def test_a_teacher_a_reward_model_and_a_judge_as_written(checkout, user_env, tmp_path, tiny_model):
+    """README "Teacher, reward model, judge": its three blocks added to the demo's config, with tiny
+    models where they name theirs (a copy of the student as teacher, a one-label classifier, a judge
+    that says yes to every question): the run trains on both sources, each step with the teacher's
+    KL, and the reward model's and the judge's components score without an error."""
+    import shutil
+
+    from tests.harness.scorers import classifier, rule_judge
+
+    teacher, rm, judged = (config_block(k) for k in (TEACHER, RM, JUDGED))
+    models = checkout / "models"
+    shutil.copytree(tiny_model, models / "teacher")  # the student's tokenizer, as the teacher needs
+    classifier(models / "my-rm", tiny_model)
+    rule_judge(models / "my-judge", tiny_model, says_yes=lambda token: True)
+    config = checkout / "configs/demo.toml"
+    config.write_text(config.read_text() + "\n" + teacher + "\n" + rm + "\n" + judged)
+    parsed = tomllib.loads(config.read_text())
+    assert parsed["teacher"]["path"] == "models/teacher"  # the blocks' tables, as written
+    assert [s["name"] for s in parsed["data"]["sources"]] == ["rm", "judged"]
+
+    run = Shell("./ops/run redis producer generator trainer", cwd=checkout, env=user_env, log=tmp_path / "run.log")
+    wanted = {"teacher_kl", "rewards/my-rm/mean", "rewards/format/mean", "rewards/my-judge/mean"}
+    path = checkout / "runs/demo/metrics.jsonl"
+
+    def scored_by_all() -> bool:
+        return path.exists() and set().union(*(m.keys() for m in read_steps(path))) >= wanted
+    try:
+        try:
+            wait_for(scored_by_all, timeout=600, procs=[run.proc], what=f"steps logging {sorted(wanted)}")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{run.text()[-6000:]}") from None
+        run.ctrl_c()
+    finally:
+        run.kill()
+    metrics = read_steps(path)
+    assert all(m["reward_errors"] == 0 for m in metrics), [m.get("reward_errors") for m in metrics]
+    assert all("teacher_kl" in m for m in metrics), [sorted(m) for m in metrics]
+    assert re.search(rf"teacher teacher \({re.escape(str(models / 'teacher'))}, hf\) scores every sampled token",
+                     run.text()), run.text()[-6000:]  # the block's teacher, loaded from where it names
+    assert [m["rewards/my-judge/mean"] for m in metrics if "rewards/my-judge/mean" in m] == \
+        [1.0] * sum("rewards/my-judge/mean" in m for m in metrics)  # yes to every question, as built
 
 
 # ---------------------------------------------------------------------- SFT, then RL
