@@ -247,7 +247,7 @@ def readme_example() -> tuple[str, str, str]:
     section = README.read_text().split("## Bring your own model, data and reward", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```toml\n(.*?)```", section, re.S)
     source = blocks[0]
-    (rewards_block,) = [b for b in blocks if "reward_funcs" in b]
+    (rewards_block,) = [b for b in blocks if "reward_funcs" in b and "my_rewards:" in b]  # the TRL example
     comments = [line[1:] for line in rewards_block.splitlines() if line.startswith("#")]
     assert "my_rewards.py" in comments[0], comments[0]
     config = "\n".join(line for line in rewards_block.splitlines() if not line.startswith("#"))
