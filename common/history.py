@@ -5,8 +5,9 @@ The trainer trims the samples stream of what it has trained and saved (common/tr
 hands each step's groups (every rank's, gathered) to a `HistoryWriter`, whose thread turns them into
 rows and writes them off the trainer's path. One row per group: the group whole (prompt and
 completion token ids, behaviour log-probs, text, rewards and their components, finish, loss mask,
-weight versions, generator, engine) and what training made of it (the step that trained it, each
-completion's advantage).
+weight versions, generator, engine, the teacher's log-probs, name, version or error) and what
+training made of it (the step that trained it, each completion's advantage). A part written before
+the teacher's columns were added reads as groups no teacher scored.
 
 Parts. The rows go to `part-{seq}-steps-{first}-{last}.parquet`, a new part every `part_steps`
 steps or before the rows held would exceed `part_bytes` (in memory, uncompressed), and at the
@@ -60,6 +61,7 @@ COMPLETION = pa.struct([
     ("loss_mask", pa.list_(pa.bool_())),  # true where trained (an episode: the model's turns); null: every token
     ("reward_error", pa.string()),  # why the reward failed; null: it ran
     ("versions", pa.list_(pa.int32())),  # (token index, version) pairs, flat; null: every token the group's version
+    ("teacher_logprobs", pa.list_(pa.float32())),  # the teacher's log-prob of each id; null: no teacher scored it
 ])
 SCHEMA = pa.schema([
     ("step", pa.int64()),  # the trainer step that trained the group (metrics.jsonl's step)
@@ -74,6 +76,9 @@ SCHEMA = pa.schema([
     ("timings", pa.map_(pa.string(), pa.float64())),  # seconds: generate, reward
     ("published_at", pa.float64()),  # when its newest weights were published; 0: not said
     ("completions", pa.list_(COMPLETION)),
+    ("teacher", pa.string()),  # the teacher that scored it ("": none; a part written before: absent)
+    ("teacher_error", pa.string()),  # why the teacher did not
+    ("teacher_version", pa.string()),  # its weights' fingerprint
 ])
 
 
@@ -114,11 +119,13 @@ def rows(step: int, groups: Iterable[SampleGroup], *, advantages: Callable[[Samp
             "text": c.text, "loss_mask": None if c.loss_mask is None else np.asarray(c.loss_mask, dtype=bool),
             "reward_error": c.reward_error,
             "versions": None if c.versions is None else [x for pair in c.versions for x in pair],
+            "teacher_logprobs": None if c.teacher_logprobs is None else np.asarray(c.teacher_logprobs, np.float32),
         } for c, adv in zip(g.completions, advantages(g), strict=True)]
         out.append({"step": step, "trained_at": trained_at, "id": g.id, "prompt_id": g.prompt_id,
                     "prompt_ids": np.asarray(g.prompt_ids, dtype=np.int32), "version": g.version,
                     "generator": g.generator, "engine": g.engine, "mean_reward": mean_reward(g),
-                    "timings": list(g.timings.items()), "published_at": g.published_at, "completions": completions})
+                    "timings": list(g.timings.items()), "published_at": g.published_at, "completions": completions,
+                    "teacher": g.teacher, "teacher_error": g.teacher_error, "teacher_version": g.teacher_version})
     return pa.Table.from_pylist(out, schema=SCHEMA)
 
 
@@ -134,11 +141,15 @@ def trained_of(table: pa.Table) -> list[Trained]:
                 finish=c["finish"], text=c["text"],
                 loss_mask=None if c["loss_mask"] is None else [int(m) for m in c["loss_mask"]],
                 reward_error=c["reward_error"],
-                versions=None if flat is None else list(zip(flat[::2], flat[1::2], strict=True))))
+                versions=None if flat is None else list(zip(flat[::2], flat[1::2], strict=True)),
+                teacher_logprobs=None if c.get("teacher_logprobs") is None
+                else np.asarray(c["teacher_logprobs"], np.float32)))
             advantages.append(c["advantage"])
         group = SampleGroup(id=row["id"], prompt_id=row["prompt_id"], prompt_ids=row["prompt_ids"],
                             version=row["version"], generator=row["generator"], engine=row["engine"],
-                            completions=completions, timings=dict(row["timings"]), published_at=row["published_at"])
+                            completions=completions, timings=dict(row["timings"]), published_at=row["published_at"],
+                            teacher=row.get("teacher") or "", teacher_error=row.get("teacher_error") or "",
+                            teacher_version=row.get("teacher_version") or "")
         out.append(Trained(step=row["step"], trained_at=row["trained_at"], group=group, advantages=advantages))
     return out
 

@@ -109,6 +109,10 @@ class SampleGroup:
     # teacher failed on this group, `teacher_error` says why (and no completion carries log-probs).
     teacher: str = ""
     teacher_error: str = ""
+    # The teacher's weights (common/teacher.py `fingerprint`: XXH3 of its safetensors files, 16 hex
+    # digits), so that a teacher directory rewritten under the same name is told apart; "": none
+    # scored it, or a served teacher (its weights are the server's).
+    teacher_version: str = ""
 
     @property
     def newest_version(self) -> int:
@@ -174,6 +178,8 @@ def encode(msg: PromptTask | SampleGroup | WeightVersion) -> bytes:
             d["teacher"] = msg.teacher
         if msg.teacher_error:
             d["teacher_error"] = msg.teacher_error
+        if msg.teacher_version:
+            d["teacher_version"] = msg.teacher_version
         d["completions"] = [_completion_map(c, f"group {msg.id}.completions[{i}]")
                             for i, c in enumerate(msg.completions)]
         return _dump(d)
@@ -444,10 +450,12 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size:
         raise MessageError(f"{w}: negative published_at {published_at}")
     teacher = _get(d, "teacher", str, w) if "teacher" in d else ""
     teacher_error = _get(d, "teacher_error", str, w) if "teacher_error" in d else ""
+    teacher_version = _get(d, "teacher_version", str, w) if "teacher_version" in d else ""
     return SampleGroup(id=gid, prompt_id=_get(d, "prompt_id", str, w), prompt_ids=prompt_ids,
                        version=version, generator=_get(d, "generator", str, w),
                        engine=_get(d, "engine", str, w), completions=completions, timings=timings,
-                       published_at=published_at, teacher=teacher, teacher_error=teacher_error)
+                       published_at=published_at, teacher=teacher, teacher_error=teacher_error,
+                       teacher_version=teacher_version)
 
 
 def decode_weights(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> WeightVersion:

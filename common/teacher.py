@@ -78,6 +78,17 @@ def check(path: str) -> Path:
     return where.resolve()
 
 
+def fingerprint(path: Path) -> str:
+    """The teacher's version: 16 hex digits of XXH3 over its safetensors files' checksums (each
+    file read once, at start-up), the same for the same weights wherever they lie."""
+    from common.checkpoints import file_checksum, hasher
+
+    h = hasher()
+    for file in sorted(path.glob("*.safetensors")):
+        h.update(f"{file.name}={file_checksum(file)}\n".encode())
+    return h.hexdigest()[:16]
+
+
 def check_vocabulary(path: Path, student: Path) -> None:
     """ValueError naming the teacher at `path` when it cannot score the token ids of the student at
     `student`: a token of the student's tokenizer with another id in the teacher's (where the
@@ -150,8 +161,10 @@ class Teacher:
                 raise ValueError("teacher.path names the teacher's model on the server (teacher.engine 'openai')")
             self.url = check_url(url)
             self.path = Path(path)
+            self.version = ""  # the server's weights: not ours to read
         else:
             self.path = check(path)
+            self.version = fingerprint(self.path)
         self.name = name
         self.timeout_s = timeout_s
         self.retries = retries

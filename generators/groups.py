@@ -120,7 +120,8 @@ def with_teacher(group: SampleGroup, teacher: Teacher | None) -> SampleGroup:
         return dataclasses.replace(group, timings=timings, teacher_error=scores.error or "teacher failed")
     completions = [dataclasses.replace(c, teacher_logprobs=lp)
                    for c, lp in zip(group.completions, scores.logprobs, strict=True)]
-    return dataclasses.replace(group, completions=completions, timings=timings, teacher=teacher.name)
+    return dataclasses.replace(group, completions=completions, timings=timings, teacher=teacher.name,
+                               teacher_version=teacher.version)
 
 
 async def episodes(g: Generator, state: State) -> None:

@@ -186,8 +186,9 @@ def teacher_for(config: Config, *, name: str) -> Teacher | None:
             check_vocabulary(teacher.path, resolve_model_path(config.model.path))
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    version = f"; its version {teacher.version}" if teacher.version else ""
     print(f"{name}: teacher {teacher.name} ({teacher.path}, {teacher.engine}) scores every sampled token, "
-          f"{t.timeout_s:g} s a group", flush=True)
+          f"{t.timeout_s:g} s a group{version}", flush=True)
     return teacher
 
 

@@ -49,12 +49,21 @@ def group(gid: str, *, generator: str = "gen-a", rewards: tuple[float, ...] = (1
     return decode_group(encode(g))
 
 
+def taught(g: SampleGroup) -> SampleGroup:
+    """`g` as a teacher scored it (on-policy distillation): its log-prob of each id (0 off the loss
+    mask), its name and version."""
+    return replace(g, teacher="tiny-teacher", teacher_version="0123456789abcdef", completions=[
+        replace(c, teacher_logprobs=[-0.5 * (i + 1) if c.loss_mask is None or c.loss_mask[i] else 0.0
+                                     for i in range(len(c.ids))]) for c in g.completions])
+
+
 def advantages(g: SampleGroup) -> list[float | None]:
     return completion_advantages(g, estimator="grpo")
 
 
 def test_the_history_gives_back_every_field_of_every_group_it_kept(tmp_path):
-    kept = {1: [group("a"), group("b", generator="gen-b")], 2: [group("c", rewards=(0.0, 0.0, 1.0))]}
+    kept = {1: [taught(group("a")), replace(group("b", generator="gen-b"), teacher_error="teacher 't': timeout")],
+            2: [group("c", rewards=(0.0, 0.0, 1.0))]}
     writer = HistoryWriter(tmp_path / "history", advantages=advantages)
     for step, groups in kept.items():
         writer.add(step, groups)
@@ -66,6 +75,12 @@ def test_the_history_gives_back_every_field_of_every_group_it_kept(tmp_path):
         assert t.group == g  # ids, log-probs, text, rewards and components, masks, versions, timings, all
         assert t.group.completions[0].versions == [(0, 3), (2, 4)]
         assert t.group.completions[2].reward_error == "TimeoutError: reward took over 5 s"
+        assert (t.group.teacher, t.group.teacher_version, t.group.teacher_error) == (
+            g.teacher, g.teacher_version, g.teacher_error)
+        for c, want_c in zip(t.group.completions, g.completions, strict=True):
+            assert (c.teacher_logprobs is None) == (want_c.teacher_logprobs is None)
+            if c.teacher_logprobs is not None:
+                assert c.teacher_logprobs.tolist() == list(want_c.teacher_logprobs)
         want = advantages(g)
         assert t.advantages[:2] == pytest.approx(want[:2]) and t.advantages[2] is want[2] is None
         assert t.trained_at > 0
@@ -79,6 +94,13 @@ def test_the_history_gives_back_every_field_of_every_group_it_kept(tmp_path):
     assert ids(generator="gen-b") == ["b"] and ids(version=3) == ["a", "b", "c"] and ids(version=2) == []
     assert ids(min_reward=0.5) == ["a", "b"] and ids(max_reward=0.5) == ["c"]
     assert ids(newest=2) == ["b", "c"] and ids(skip={"c"}, newest=1) == ["b"]
+
+    # a part written before the teacher's columns reads as groups no teacher scored
+    old = rows(5, [group("d")], advantages=advantages, trained_at=1.0)
+    old = old.drop_columns(["teacher", "teacher_error", "teacher_version"])
+    pq.write_table(old, tmp_path / "history" / "part-9-steps-5-5.parquet")
+    [d] = read_history(tmp_path / "history", min_step=5)
+    assert d.group == group("d") and (d.group.teacher, d.group.teacher_version) == ("", "")
 
 
 def test_a_new_part_begins_every_part_steps_steps_and_before_the_byte_bound(tmp_path):

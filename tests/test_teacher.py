@@ -18,7 +18,7 @@ import torch
 from common.config import ConfigError, config_from_dict
 from common.keys import Keys
 from common.messages import MessageError, decode_group, encode
-from common.teacher import Teacher
+from common.teacher import Teacher, fingerprint
 from generators.groups import with_teacher
 from tests.harness.groups import completion, hand_group, make_group
 from tests.harness.models import perturbed_copy, reference_logprobs
@@ -68,13 +68,13 @@ def test_the_teachers_logprobs_are_its_own_over_the_same_prefix_and_environment_
 
 def test_a_group_with_teacher_logprobs_round_trips_and_older_groups_still_decode():
     plain = hand_group([completion([1, 2], [-0.5, -0.25], 1.0), completion([3], [-1.0], 0.0)])
-    taught = dataclasses.replace(plain, teacher="t", completions=[
+    taught = dataclasses.replace(plain, teacher="t", teacher_version="0123456789abcdef", completions=[
         dataclasses.replace(c, teacher_logprobs=[-0.75] * len(c.ids)) for c in plain.completions])
     back = decode_group(encode(taught))
-    assert back == taught and back.teacher == "t"
+    assert back == taught and (back.teacher, back.teacher_version) == ("t", "0123456789abcdef")
     assert back.completions[0].teacher_logprobs.tolist() == [-0.75, -0.75]
     old = decode_group(encode(plain))  # written without a teacher: no field at all
-    assert old == plain and old.teacher == "" and old.completions[0].teacher_logprobs is None
+    assert old == plain and old.teacher == old.teacher_version == "" and old.completions[0].teacher_logprobs is None
     wrong = dataclasses.replace(taught, completions=[
         dataclasses.replace(taught.completions[0], teacher_logprobs=[-0.75]), taught.completions[1]])
     with pytest.raises(MessageError, match="2 ids but 1 teacher_logprobs"):
@@ -235,9 +235,11 @@ def test_a_teacher_that_cannot_load_or_overruns_leaves_the_group_reward_only_wit
 def test_a_generator_carries_the_teachers_logprobs_of_every_sampled_token(tiny_model, teacher_model, tmp_path,
                                                                           redis_url, r):
     log, groups = run_generator(tmp_path, redis_url, r, model=tiny_model, teacher=teacher_model, run="teach")
-    assert "teacher tiny-teacher" in log
+    version = fingerprint(teacher_model)  # its weights': another teacher's differ
+    assert len(version) == 16 and version != fingerprint(tiny_model)
+    assert "teacher tiny-teacher" in log and f"its version {version}" in log
     (group,) = groups
-    assert group.teacher == "tiny-teacher" and group.teacher_error == ""
+    assert group.teacher == "tiny-teacher" and group.teacher_error == "" and group.teacher_version == version
     reference = reference_logprobs(teacher_model)
     for c in group.completions:
         assert c.reward == 0.0 and c.reward_error is None  # no reward function: distillation alone
