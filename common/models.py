@@ -41,6 +41,20 @@ def default_model_dir() -> Path:
     return cache_dir() / "models" / DEFAULT_MODEL_NAME
 
 
+# Where a model config says how many routed experts it has (Qwen MoE / OLMoE, Mixtral, DeepSeek).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def experts_of(config: object) -> int:
+    """The routed experts of a model config (a transformers config, or its config.json as a dict;
+    its text_config where it has one): 0 for a dense model."""
+    def get(c: object, key: str) -> object:
+        return c.get(key) if isinstance(c, dict) else getattr(c, key, None)
+
+    text = get(config, "text_config") or config
+    return next((int(n) for n in (get(text, k) for k in EXPERT_COUNT_KEYS) if n), 0)
+
+
 def resolve_model_path(path: str) -> Path:
     """The checkpoint directory a config's `model.path` names: a local directory, a hub id
     (its snapshot in the HF cache), or "" for the default model."""

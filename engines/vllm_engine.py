@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from common.checkpoints import CheckpointError, check_fits, is_adapter_dir, shapes_fit, tensor_shapes
 from common.config import GeneratorConfig
 from common.messages import PromptTask
+from common.models import experts_of
 from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
 from engines.vllm_worker import refresh_tied_lm_head
 
@@ -108,8 +109,7 @@ class VLLMEngine:
         self._tied = {"lm_head.weight"} if text.tie_word_embeddings else set()
         # vLLM on a CPU repacks an MoE's experts once, after the first load, and reloads them in place
         # wrongly (tests/test_moe.py): such an engine refuses every reload (generators refuse it first).
-        self._moe_on_cpu = not cuda and any(getattr(text, k, 0) for k in ("num_experts", "num_local_experts",
-                                                                           "n_routed_experts"))
+        self._moe_on_cpu = not cuda and experts_of(text) > 0
         self._rows: dict[str, list[Row]] = {}  # requests in flight: their n completions so far
         self.max_running = max_num_seqs  # requests (of n sequences each): the scheduler queues the rest
         self._next = 0

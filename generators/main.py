@@ -227,15 +227,13 @@ def check_moe_reload(config: Config) -> None:
     import torch
 
     from common.config import ConfigError
-    from common.models import resolve_model_path
+    from common.models import experts_of, resolve_model_path
     from engines.choice import engine_name
 
     if engine_name(config.generator.engine) != "vllm" or torch.cuda.is_available():
         return
     model = resolve_model_path(config.model.path)
-    fields = json.loads((model / "config.json").read_text())
-    text = fields.get("text_config") or fields
-    experts = next((text[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if text.get(k)), 0)
+    experts = experts_of(json.loads((model / "config.json").read_text()))
     if experts:
         raise ConfigError(f"generator.engine = {config.generator.engine!r}: {model} is a mixture of {experts} "
                           "experts, and vLLM on a CPU reloads an MoE's weights in place wrongly (its experts "
