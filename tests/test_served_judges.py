@@ -5,8 +5,6 @@ answer the parser cannot read is that completion's recorded error, never a 0; a 
 refused at start-up naming it. The server is a real one on a local socket, speaking OpenAI's chat
 completions schema, that answers by a rule the test sets."""
 
-import http.server
-import json
 import re
 import socket
 import threading
@@ -24,6 +22,7 @@ from common.messages import PromptTask
 from common.served_judges import ServedJudge
 from generators.scoring import RewardRunner, Scored, reward_names
 from tests.harness.groups import read_groups
+from tests.harness.http import JsonHandler, serving
 from tests.harness.needs import need
 from tests.harness.pipeline import generate_groups, generator_toml
 from tests.harness.servers import vllm_server
@@ -47,41 +46,25 @@ def judge_server() -> Iterator[JudgeServer]:
     release, lock = threading.Event(), threading.Lock()
     server: JudgeServer
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(JsonHandler):
         def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.read_json()
             with lock:
                 server.taken.append({"path": self.path, "body": body, "auth": self.headers.get("Authorization")})
             reply = server.reply(body["messages"][-1]["content"])
             if reply is None:
                 release.wait()  # never answers while the test runs
-                return
-            status, out = 200, reply
-            if isinstance(reply, int):
-                status, out = reply, json.dumps({"error": {"message": f"status {reply} as the test asks"}}).encode()
+            elif isinstance(reply, int):
+                self.reply_json({"error": {"message": f"status {reply} as the test asks"}}, reply)
             elif isinstance(reply, str):
                 choice = {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}
-                out = json.dumps({"id": "c", "object": "chat.completion", "model": body["model"],
-                                  "choices": [choice]}).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
+                self.reply_json({"id": "c", "object": "chat.completion", "model": body["model"], "choices": [choice]})
+            else:
+                self.reply(reply)
 
-        def log_message(self, *args) -> None:
-            pass
-
-    http_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    http_server.daemon_threads = True
-    server = JudgeServer(url=f"http://127.0.0.1:{http_server.server_address[1]}/v1", reply=lambda q: "yes")
-    threading.Thread(target=http_server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    try:
+    with serving(Handler, release) as url:
+        server = JudgeServer(url=f"{url}/v1", reply=lambda q: "yes")
         yield server
-    finally:
-        release.set()
-        http_server.shutdown()
-        http_server.server_close()
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,6 @@ unacknowledged groups, its output directory deleted under it, its checkpoint dis
 Each ends with the accounting of tests/test_faults.py: nothing trained twice, nothing lost. Run with
 -s to see the numbers."""
 
-import http.server
-import json
 import shutil
 import signal
 import subprocess
@@ -22,6 +20,7 @@ from common.progress import read_trainer
 from common.streams import connect, latest_weights
 from tests.harness.audit import accounting, assert_accounted
 from tests.harness.groups import ask
+from tests.harness.http import JsonHandler, serving
 from tests.harness.needs import skip_without_root
 from tests.harness.pipeline import KEYS, Pipeline, metrics, pipeline_config, trained_once
 from tests.harness.processes import spawn, stop, wait_for
@@ -164,31 +163,17 @@ def silent_server():
     answers it (a server wedged mid-request); the number of requests it took."""
     taken, release = [], threading.Event()
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(JsonHandler):
         def do_GET(self) -> None:
-            body = json.dumps({"data": [{"id": "m", "max_model_len": 512}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.reply_json({"data": [{"id": "m", "max_model_len": 512}]})
 
         def do_POST(self) -> None:
-            self.rfile.read(int(self.headers["Content-Length"]))
+            self.read_json()
             taken.append(self.path)
             release.wait()  # never answers while the test runs
 
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", taken
-    finally:
-        release.set()
-        server.shutdown()
-        server.server_close()
+    with serving(Handler, release) as url:
+        yield url, taken
 
 
 def test_a_request_the_server_never_answers_comes_back_failed(silent_server, tiny_model):

@@ -5,9 +5,6 @@ vLLM teacher at a temperature its prompt log-probs do not apply, and a served on
 are refused at start-up naming the field; a server that does not answer costs the group its
 teacher log-probs, recorded, never the group."""
 
-import http.server
-import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +15,7 @@ from common.config import ConfigError, config_from_dict
 from common.teacher import Teacher
 from generators.groups import with_teacher
 from tests.harness.groups import completion, hand_group
+from tests.harness.http import JsonHandler, serving
 from tests.harness.models import LOGPROB_TOL, perturbed_copy, reference_logprobs
 from tests.harness.needs import need_vllm
 from tests.harness.servers import free_port, vllm_server
@@ -83,35 +81,21 @@ def completions_server() -> Iterator[tuple[str, list[int | None], list[dict]]]:
     statuses: list[int | None] = []
     taken: list[dict] = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class Handler(JsonHandler):
         def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = self.read_json()
             taken.append(body)
             status = statuses.pop(0) if statuses else None
             if status is not None:
-                self.send_response(status)
-                self.end_headers()
-                self.wfile.write(b"busy")
+                self.reply(b"busy", status, "text/plain")
                 return
             choices = [{"index": i, "prompt_logprobs": [None] + [{str(t): {"logprob": -(t + k) / 100}}
                                                                   for k, t in enumerate(ids) if k > 0]}
                        for i, ids in enumerate(body["prompt"])]
-            out = json.dumps({"choices": choices}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
+            self.reply_json({"choices": choices})
 
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}", statuses, taken
-    finally:
-        server.shutdown()
+    with serving(Handler) as url:
+        yield url, statuses, taken
 
 
 def test_a_served_teacher_tries_a_busy_server_again_and_not_a_refusal(completions_server):
