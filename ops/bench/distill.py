@@ -101,13 +101,8 @@ def run(args) -> dict:
     finally:
         if not args.work:
             shutil.rmtree(tmp, ignore_errors=True)
-    points = {"teacher": [{"step": 0, "s": 0.0, "pass@1": scores[1]}]}
-    for c, acc in zip(checkpoints[2:], scores[2:], strict=True):
-        points.setdefault(c["side"], [{"step": 0, "s": 0.0, "pass@1": scores[0]}]).append(
-            {"step": c["step"], "s": c["s"], "pass@1": acc})
-    print("held-out pass@1 against seconds since launch:")
-    for side, ps in points.items():
-        print(f"  {side}: " + " ".join(f"({p['s']:.0f} s, step {p['step']}, {p['pass@1']:.3f})" for p in ps))
+    points = {"teacher": [{"step": 0, "s": 0.0, "pass@1": scores[1]}],
+              **vs_trl.curves(checkpoints[2:], scores[2:], start=scores[0])}
     print(f"final held-out pass@1 on {args.eval_prompts} problems (start {scores[0]:.3f}):\n" + final_table(points))
     return {"minutes": args.minutes, "eval_prompts": args.eval_prompts, "start": scores[0], "points": points,
             "steps": steps, "distill_weight": args.distill_weight}

@@ -416,6 +416,19 @@ def score(checkpoints: list[dict], config, *, prompts: int) -> list[float]:
     return out
 
 
+def curves(checkpoints: list[dict], scores: list[float], *, start: float) -> dict[str, list[dict]]:
+    """Each side's held-out pass@1 against seconds since its launch ({side: [{"step", "s", "pass@1"}]}),
+    from its scored checkpoints, each side's first point the model both started from; printed too."""
+    points: dict[str, list[dict]] = {}
+    for c, acc in zip(checkpoints, scores, strict=True):
+        points.setdefault(c["side"], [{"step": 0, "s": 0.0, "pass@1": start}]).append(
+            {"step": c["step"], "s": c["s"], "pass@1": acc})
+    print("held-out pass@1 against seconds since launch:")
+    for side, ps in points.items():
+        print(f"  {side}: " + " ".join(f"({p['s']:.0f} s, step {p['step']}, {p['pass@1']:.3f})" for p in ps))
+    return points
+
+
 def first_reaching(points: list[dict], accuracy: float) -> float | None:
     """Seconds since launch of the first checkpoint at `accuracy` or above; None if none is."""
     return next((p["s"] for p in points if p["pass@1"] >= accuracy - 1e-9), None)
@@ -438,7 +451,6 @@ def time_mode(args, config, extra: dict[str, str], model_dir: Path, py: Path | N
               progress: Callable[[dict], None] | None = None) -> dict:
     """Each of `args.sides` for `args.minutes` from its launch, one after the other, then every kept
     checkpoint scored; `progress` (if given) gets {"steps", "checkpoints"} after each side."""
-    points: dict[str, list[dict]] = {}
     checkpoints: list[dict] = []
     steps: dict[str, list[dict]] = {}
     how = {"min_steps": args.min_steps, "keep_seconds": args.keep_seconds}
@@ -463,12 +475,7 @@ def time_mode(args, config, extra: dict[str, str], model_dir: Path, py: Path | N
     checkpoints.insert(0, {"side": "start", "step": 0, "s": 0.0, "path": str(model_dir)})
     print(f"--- scoring {len(checkpoints)} checkpoints on {args.eval_prompts} held-out problems", flush=True)
     scores = score(checkpoints, config, prompts=args.eval_prompts)
-    for c, acc in zip(checkpoints[1:], scores[1:], strict=True):
-        points.setdefault(c["side"], [{"step": 0, "s": 0.0, "pass@1": scores[0]}]).append(
-            {"step": c["step"], "s": c["s"], "pass@1": acc})
-    print("held-out pass@1 against seconds since launch:")
-    for side, ps in points.items():
-        print(f"  {side}: " + " ".join(f"({p['s']:.0f} s, step {p['step']}, {p['pass@1']:.3f})" for p in ps))
+    points = curves(checkpoints[1:], scores[1:], start=scores[0])
     result = {"minutes": args.minutes, "eval_prompts": args.eval_prompts, "points": points, "steps": steps,
               **time_to_accuracy(points)}
     for target, by_side in result["reach"].items():
