@@ -467,6 +467,8 @@ ENGINES = {
     "hf": EngineKind("engines.hf_engine:HFEngine", inflight=True, server=False, receives=True),
     "openai": EngineKind("engines.openai_engine:OpenAIEngine", inflight=False, server=True,
                          why_not_inflight="its server samples each request to its end"),
+    "sglang": EngineKind("engines.sglang_engine:SGLangEngine", inflight=False, server=True,
+                         why_not_inflight="its server samples each request to its end"),
 }
 # generator.engine: an engine's name, or "auto" (vLLM where it is installed, HF otherwise).
 EngineName = Literal[("auto", *ENGINES)]  # type: ignore[valid-type]
@@ -480,8 +482,10 @@ class GeneratorConfig(_Section):
     # serving model.path, started with `--logprobs-mode processed_logprobs --generation-config vllm`
     # and VLLM_SERVER_DEV_MODE=1 (weights are reloaded through it), and for a model with tied
     # embeddings `--worker-extension-cls engines.vllm_worker.WorkerExtension`; one generator per server.
+    # "sglang": an SGLang server at server_url (its native /generate and /update_weights_from_disk:
+    # engines/sglang_engine.py); untested on a GPU.
     engine: EngineName = "auto"
-    # The server of engine "openai", e.g. "http://127.0.0.1:8000".
+    # The server of engine "openai" or "sglang", e.g. "http://127.0.0.1:8000".
     server_url: str = Field("", pattern=r"^$|^https?://")
     # Prompts taken from the stream in one read; also the HF engine's prompts per generate call.
     batch_prompts: int = Field(4, ge=1)
