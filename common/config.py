@@ -14,9 +14,12 @@ that does not fit fails at start-up with an error naming the dotted field.
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import importlib
 import importlib.util
 import inspect
+import linecache
 import os
 import re
 import tomllib
@@ -69,15 +72,47 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+@functools.cache
+def _class_starts(filename: str) -> dict[str, int]:
+    """Where each class of a source file starts, by qualified name (its first line, 0-based, the
+    first decorator's where it has one), found as inspect.findsource finds one class, but with one
+    parse of the file for all of them: inspect.getsource parses the whole file again for each class,
+    which took over a second of every process's start-up here."""
+    starts: dict[str, int] = {}
+
+    def visit(node: ast.AST, stack: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, [*stack, child.name, "<locals>"])
+            elif isinstance(child, ast.ClassDef):
+                starts.setdefault(".".join([*stack, child.name]),
+                                  (child.decorator_list[0] if child.decorator_list else child).lineno - 1)
+                visit(child, [*stack, child.name])
+            else:
+                visit(child, stack)
+
+    visit(ast.parse("".join(linecache.getlines(filename))), [])
+    return starts
+
+
+def _class_source(cls: type) -> list[str] | None:
+    """The lines of `cls`'s class statement, as inspect.getsource has them; None where it has none."""
+    try:
+        filename = inspect.getsourcefile(cls)
+    except TypeError:
+        return None
+    start = _class_starts(filename).get(cls.__qualname__) if filename else None
+    return None if start is None else inspect.getblock(linecache.getlines(filename)[start:])
+
+
 def _document(cls: type[BaseModel]) -> None:
     """Give each field of `cls` the comment above it where it is written (its class or a base's)
     as its description; a class made at run time (a synthetic task's variant) has its fields'
     from the task's `Options`."""
     for written in [c for c in cls.__mro__ if issubclass(c, BaseModel) and c not in (BaseModel, _Section)]:
-        try:
-            lines = inspect.getsource(written).splitlines()[1:]
-        except (OSError, TypeError):  # made by create_model: no source of its own
+        if (source := _class_source(written)) is None:  # made by create_model: no source of its own
             continue
+        lines = "".join(source).splitlines()[1:]
         comment: list[str] = []
         for line in lines:
             text = line.strip()

@@ -12,7 +12,18 @@ import pytest
 import redis
 
 from tests.harness.processes import ROOT
+from tests.harness.schedule import in_collection_order, longest_first
 from tests.harness.servers import free_port, start_redis
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    in_collection_order(config)
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected: the files' weights are the selected tests'
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest test files first, for xdist's workers (tests/harness/schedule.py)."""
+    longest_first(items)
 
 
 @pytest.fixture(autouse=True, scope="module")
