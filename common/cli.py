@@ -111,6 +111,9 @@ def parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare-model", help="convert the built-in default model into the cache (once)")
     prep.add_argument("--force", action="store_true", help="convert again even if present")
+    prep.add_argument("--unless-configured", action="store_true",
+                      help="do nothing when the run's config names a model.path of its own (./ops/run)")
+    prep.set_defaults(overrides=add_config_flags(prep))
     st = sub.add_parser("status", help="the run's state, read from Redis")
     st.set_defaults(overrides=add_config_flags(st))
     st.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS")
@@ -211,6 +214,22 @@ def serve_checkpoints(config, *, bind: str) -> None:
     server.serve_forever()
 
 
+def prepare_model_command(args: argparse.Namespace, env: dict[str, str]) -> None:
+    """Convert the built-in model into the cache, once; with --unless-configured, only where the
+    run's config leaves model.path empty (a run of your own model needs no conversion)."""
+    from common.models import prepare_default_model
+
+    if args.unless_configured:
+        try:
+            path = load_config(args.config, env=env, overrides=args.overrides(args)).model.path
+        except ConfigError as err:
+            sys.exit(f"rollouts: {err}")
+        if path:
+            print(f"model.path is {path}: the default model is not needed")
+            return
+    print(prepare_default_model(force=args.force))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     # Run from the checkout without --config, the command sees the run the processes see: honcho
@@ -222,10 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     env = dict(os.environ) if getattr(args, "config", None) else {**dotenv(Path(".env")), **os.environ}
     if args.command == "prepare-model":
-        from common.models import prepare_default_model
-
-        print(prepare_default_model(force=args.force))
-        return
+        return prepare_model_command(args, env)
 
     try:
         config = load_config(args.config, env=env, overrides=args.overrides(args)) \
