@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from checks import routing as routing_check
 from checks.episodes import Template, departures, play_groups, template_line, template_problems
 from checks.memory import Memory, memory_line, trainer_memory
 from common.config import Config, ConfigError
@@ -324,6 +325,24 @@ def generate(config: Config, engine: Engine, engine_thread: concurrent.futures.E
                              turns=sum(e.turns for p in played for e in p.episodes))
 
 
+def sample_for_check(config: Config, config_for_engine: Config, tasks: list[PromptTask], *,
+                     specs: dict[str, Spec], temperature: float) -> tuple[Sampled, Template | None, list[SampleGroup]]:
+    """The check's groups as the run's generators write them (`generate`), what they show of the
+    chat template, and the same groups with the experts of an MoE, recorded whether or not the run
+    replays them (checks/routing.py)."""
+    # The engine lives in one thread, as in a generator: created there, every call made there.
+    engine_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    try:
+        engine = engine_thread.submit(open_engine_for, routing_check.recording(config_for_engine),
+                                      seed=config.generator.seed).result()
+        sampled, template = generate(config, engine, engine_thread, tasks, specs=specs, temperature=temperature)
+        del engine
+    finally:
+        engine_thread.shutdown()
+    return (dataclasses.replace(sampled, groups=routing_check.as_run(config, sampled.groups)), template,
+            sampled.groups)
+
+
 def run(config: Config, *, prompts: int, engine_model: str | None = None, engine_temperature: float | None = None,
         ranks: int = 1) -> int:
     """The check; prints its lines and returns the exit status (0: ok, 1: a problem). `ranks`: the
@@ -342,14 +361,8 @@ def run(config: Config, *, prompts: int, engine_model: str | None = None, engine
     else:
         config_for_engine = config
     temperature = config.rollout.temperature if engine_temperature is None else engine_temperature
-    # The engine lives in one thread, as in a generator: created there, every call made there.
-    engine_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-    try:
-        engine = engine_thread.submit(open_engine_for, config_for_engine, seed=config.generator.seed).result()
-        sampled, template = generate(config, engine, engine_thread, tasks, specs=specs, temperature=temperature)
-        del engine
-    finally:
-        engine_thread.shutdown()
+    sampled, template, recorded = sample_for_check(config, config_for_engine, tasks, specs=specs,
+                                                   temperature=temperature)
     if not sampled.groups:  # every prompt's episodes stopped by the template: nothing for the trainer
         for line in template_problems(template)[0]:
             print(f"check: FAILED: {line}")
@@ -363,6 +376,8 @@ def run(config: Config, *, prompts: int, engine_model: str | None = None, engine
     if mismatch.log_ratio.numel() and float(mismatch.log_ratio.abs().mean()) > bound:
         fitted = fitted_temperature(config, model, sampled.groups)
     memory = measure_memory(config, model, sampled.groups) if sampled.groups else None
+    replay = routing_check.measure(config, model, recorded, lambda m, gs: trainer_mismatch(
+        config, m, gs, temperature=config.rollout.temperature).log_ratio)
     del model  # the teacher's forward, if any, loads its own
     from checks import teacher as teacher_check  # imports this module's trainer_mismatch
 
@@ -376,7 +391,7 @@ def run(config: Config, *, prompts: int, engine_model: str | None = None, engine
           f"{f' on {Path(engine_model)}' if engine_model else ''}; trainer {config.model.dtype} on "
           f"{trainer_device().type} at rollout.temperature {config.rollout.temperature:g}", flush=True)
     for line in figure_lines(config, sampled, mismatch, template=template, memory=memory, ranks=ranks,
-                             defaults=defaults_line(config, choice, peak)):
+                             defaults=defaults_line(config, choice, peak)) + routing_check.lines(replay):
         print(line)
     if agreed is not None:
         print(teacher_check.line(agreed))

@@ -41,6 +41,7 @@ from pydantic import (
     model_validator,
 )
 
+from common.images import MAX_IMAGE_BYTES, MAX_IMAGES
 from common.messages import (
     MAX_COMPLETION_TOKENS,
     MAX_GROUP_SIZE,
@@ -582,6 +583,12 @@ class GeneratorConfig(_Section):
     # under the new weights, each token's version recorded (SampleGroup.version is the oldest's).
     # HF engine only. Off: newer weights wait until the engine has drained.
     inflight_updates: bool = False
+    # Routing replay (R3) for a mixture-of-experts model: the engine records the experts that chose
+    # each sampled token in every MoE layer, the group carries them (SampleGroup.routing), and the
+    # trainer's forward uses them at the positions that predict the completion tokens (its own
+    # routing elsewhere), so its log-probs are those of the experts that sampled. The hf engine only
+    # (not vllm yet); refused at start for a dense model or another engine. Episodes carry none.
+    routing_replay: bool = False
 
 
     @model_validator(mode="after")
@@ -967,16 +974,22 @@ class LimitsConfig(_Section):
     max_completion_tokens: int = Field(MAX_COMPLETION_TOKENS, ge=1)
     # Most completions in one group, and most samples one prompt may ask for.
     max_group_size: int = Field(MAX_GROUP_SIZE, ge=1)
+    # Most images of one prompt of a vision-language model, and of the group made from it (common/images.py).
+    max_images: int = Field(MAX_IMAGES, ge=0)
+    # Largest encoded image (PNG or JPEG bytes) in a prompt or a group.
+    max_image_bytes: int = Field(MAX_IMAGE_BYTES, ge=1024)
 
     def decode_group(self, blob: Any, *, vocab_size: int | None = None) -> SampleGroup:
         """A sample group decoded under these limits (MessageError beyond them): the one way the
         trainer and the viewer read a group, so a run's raised [limits] hold for both."""
         return decode_group(blob, vocab_size=vocab_size, max_bytes=self.max_message_bytes,
-                            max_tokens=self.max_completion_tokens, max_completions=self.max_group_size)
+                            max_tokens=self.max_completion_tokens, max_completions=self.max_group_size,
+                            max_images=self.max_images, max_image_bytes=self.max_image_bytes)
 
     def decode_prompt(self, blob: Any) -> PromptTask:
         """A prompt decoded under these limits (MessageError beyond them)."""
-        return decode_prompt(blob, max_bytes=self.max_message_bytes, max_n=self.max_group_size)
+        return decode_prompt(blob, max_bytes=self.max_message_bytes, max_n=self.max_group_size,
+                             max_images=self.max_images, max_image_bytes=self.max_image_bytes)
 
 
 class TeacherConfig(_Section):

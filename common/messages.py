@@ -4,7 +4,9 @@ Each stream entry carries one MessagePack map under the field `keys.PAYLOAD`. Ev
 `v` (schema version) and `t` (message type). Token ids travel as packed little-endian int32,
 log-probs (the behaviour's, and a teacher's where a group carries them) as packed little-endian
 float32, loss masks as packed uint8, a completion's weight versions as packed int32 (token index,
-version) pairs; nothing is pickle.
+version) pairs, and its routed experts (routing replay: the experts of each sampled token in each
+MoE layer, [tokens, layers, top_k]) as packed uint8, or uint16 for a model of over 256 experts;
+nothing is pickle.
 
 A group to encode may hold its ids, log-probs and masks as lists, numpy arrays or array.arrays;
 a decoded group holds read-only numpy arrays (int32 ids, float32 log-probs, bool masks), views
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from common.images import MAX_IMAGE_BYTES, MAX_IMAGES, check_images
 from common.tokens import IDS, LOGPROBS, MASK, Floats, Ints, pack_ids, pack_logprobs, pack_mask, same_values
 from common.tokens import MessageError as MessageError  # raised by the decoders; defined beside the packing
 
@@ -54,6 +57,8 @@ class PromptTask:
     # episode limits; None: the entry names none (written by hand; the run's first reward scores it).
     # On the wire it is meta["source"], where it has always been: entries read the same both ways.
     source: str | None = None
+    # A vision-language prompt's images, PNG or JPEG file bytes in order (common/images.py); (): none.
+    images: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         named = self.meta.get("source")
@@ -84,6 +89,10 @@ class Completion:
     # common/teacher.py), 0 where loss_mask is 0 (an environment's tokens are not scored); None:
     # no teacher scored it (none configured, or it failed: the group is then reward-only).
     teacher_logprobs: Floats | None = None
+    # Routing replay (generator.routing_replay): the experts that chose each sampled token, in each MoE
+    # layer, (len(ids), layers, top_k) ints, in the group's `routing` shape: those of the forward pass
+    # whose logits sampled it. None: not recorded (the trainer routes it itself).
+    experts: np.ndarray | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Completion):
@@ -113,6 +122,12 @@ class SampleGroup:
     # digits), so that a teacher directory rewritten under the same name is told apart; "": none
     # scored it, or a served teacher (its weights are the server's).
     teacher_version: str = ""
+    # Routing replay: (MoE layers, experts per token, routed experts) of the model that sampled it,
+    # where every completion carries its `experts`; None: none does.
+    routing: tuple[int, int, int] | None = None
+    # The prompt's images (PromptTask.images), which the trainer turns into pixel values as the
+    # generator's engine did, to compute the same log-probs; (): a text prompt.
+    images: tuple[bytes, ...] = ()
 
     @property
     def newest_version(self) -> int:
@@ -150,7 +165,7 @@ def _dump(d: dict[str, Any]) -> bytes:
     return msgpack.packb(d, use_bin_type=True)
 
 
-def _completion_map(c: Completion, what: str) -> dict[str, Any]:
+def _completion_map(c: Completion, what: str, routing: tuple[int, int, int] | None = None) -> dict[str, Any]:
     d = {"ids": pack_ids(c.ids, f"{what}.ids"), "logprobs": pack_logprobs(c.logprobs, f"{what}.logprobs"),
          "reward": c.reward, "rewards": c.rewards, "finish": c.finish, "text": c.text,
          "loss_mask": None if c.loss_mask is None else pack_mask(c.loss_mask, f"{what}.loss_mask")}
@@ -160,14 +175,35 @@ def _completion_map(c: Completion, what: str) -> dict[str, Any]:
         d["versions"] = pack_ids([x for pair in c.versions for x in pair], f"{what}.versions")
     if c.teacher_logprobs is not None:  # absent without a teacher: older groups read the same
         d["teacher_logprobs"] = pack_logprobs(c.teacher_logprobs, f"{what}.teacher_logprobs")
+    if c.experts is not None:  # absent without routing replay
+        d["experts"] = pack_experts(c.experts, routing, f"{what}.experts")
     return d
+
+
+def experts_dtype(experts: int) -> np.dtype:
+    """How expert indices travel: uint8 for a model of at most 256 experts, else uint16."""
+    return np.dtype(np.uint8) if experts <= 256 else np.dtype("<u2")
+
+
+def pack_experts(experts: Any, routing: tuple[int, int, int] | None, what: str) -> bytes:
+    """A completion's experts ((tokens, layers, top_k) ints) as packed bytes, in `routing`'s shape;
+    MessageError where they do not fit it."""
+    if routing is None:
+        raise MessageError(f"{what}: experts, but the group names no routing (layers, top_k, experts)")
+    layers, top_k, count = routing
+    a = np.asarray(experts)
+    if a.ndim != 3 or a.shape[1:] != (layers, top_k) or a.dtype.kind not in "iu":
+        raise MessageError(f"{what}: {a.dtype} of shape {a.shape}, not integers of (tokens, {layers}, {top_k})")
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= count):
+        raise MessageError(f"{what}: an expert index outside [0, {count})")
+    return np.ascontiguousarray(a, dtype=experts_dtype(count)).tobytes()
 
 
 def encode(msg: PromptTask | SampleGroup | WeightVersion) -> bytes:
     if isinstance(msg, PromptTask):
         return _dump({"v": SCHEMA, "t": "prompt", "id": msg.id, "messages": msg.messages,
                       "text": msg.text, "meta": msg.meta, "n": msg.n,
-                      "admitted_at": msg.admitted_at})
+                      "admitted_at": msg.admitted_at, **({"images": list(msg.images)} if msg.images else {})})
     if isinstance(msg, SampleGroup):
         d = {"v": SCHEMA, "t": "group", "id": msg.id, "prompt_id": msg.prompt_id,
              "prompt_ids": pack_ids(msg.prompt_ids, f"group {msg.id}.prompt_ids"), "version": msg.version,
@@ -180,7 +216,11 @@ def encode(msg: PromptTask | SampleGroup | WeightVersion) -> bytes:
             d["teacher_error"] = msg.teacher_error
         if msg.teacher_version:
             d["teacher_version"] = msg.teacher_version
-        d["completions"] = [_completion_map(c, f"group {msg.id}.completions[{i}]")
+        if msg.routing is not None:  # no routing replay: absent
+            d["routing"] = list(msg.routing)
+        if msg.images:  # a text prompt's group: absent
+            d["images"] = list(msg.images)
+        d["completions"] = [_completion_map(c, f"group {msg.id}.completions[{i}]", msg.routing)
                             for i, c in enumerate(msg.completions)]
         return _dump(d)
     if isinstance(msg, WeightVersion):
@@ -246,7 +286,8 @@ def _finite_map(d: Any, what: str) -> dict[str, float]:
     return {k: _finite(v, f"{what}.{k}") for k, v in _str_map(d, what).items()}
 
 
-def decode_prompt(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, max_n: int = MAX_GROUP_SIZE) -> PromptTask:
+def decode_prompt(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, max_n: int = MAX_GROUP_SIZE,
+                  max_images: int = MAX_IMAGES, max_image_bytes: int = MAX_IMAGE_BYTES) -> PromptTask:
     d = _load(blob, "prompt", max_bytes)
     w = "prompt"
     pid = _get(d, "id", str, w)
@@ -265,8 +306,10 @@ def decode_prompt(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, max_n: int
     n = _get(d, "n", int, w)
     if not 1 <= n <= max_n:
         raise MessageError(f"prompt {pid}: n={n}, expected 1..{max_n}")
+    images = check_images(d["images"], f"prompt {pid}", max_images=max_images,
+                          max_image_bytes=max_image_bytes) if "images" in d else ()
     return PromptTask(id=pid, messages=messages, text=text, meta=_str_map(d.get("meta", {}), "meta"),
-                      n=n, admitted_at=_get(d, "admitted_at", int, w))  # source: meta["source"]
+                      n=n, admitted_at=_get(d, "admitted_at", int, w), images=images)  # source: meta["source"]
 
 
 def _packed(blob: Any, dtype: np.dtype, what: str) -> bytes:
@@ -419,7 +462,8 @@ def peek_id(blob: Any, *, max_bytes: int = MAX_MESSAGE_BYTES) -> str | None:
 
 
 def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size: int | None = None,
-                 max_tokens: int = MAX_COMPLETION_TOKENS, max_completions: int = MAX_GROUP_SIZE) -> SampleGroup:
+                 max_tokens: int = MAX_COMPLETION_TOKENS, max_completions: int = MAX_GROUP_SIZE,
+                 max_images: int = MAX_IMAGES, max_image_bytes: int = MAX_IMAGE_BYTES) -> SampleGroup:
     d = _load(blob, "group", max_bytes)
     gid = _get(d, "id", str, "group")
     w = f"group {gid}"
@@ -451,11 +495,56 @@ def decode_group(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES, vocab_size:
     teacher = _get(d, "teacher", str, w) if "teacher" in d else ""
     teacher_error = _get(d, "teacher_error", str, w) if "teacher_error" in d else ""
     teacher_version = _get(d, "teacher_version", str, w) if "teacher_version" in d else ""
+    routing = _decode_routing(d, raw, completions, w)
+    if routing is not None:
+        completions = [replace(c, experts=e) for c, e in zip(completions, routing[1], strict=True)]
     return SampleGroup(id=gid, prompt_id=_get(d, "prompt_id", str, w), prompt_ids=prompt_ids,
                        version=version, generator=_get(d, "generator", str, w),
                        engine=_get(d, "engine", str, w), completions=completions, timings=timings,
                        published_at=published_at, teacher=teacher, teacher_error=teacher_error,
-                       teacher_version=teacher_version)
+                       teacher_version=teacher_version, routing=None if routing is None else routing[0],
+                       images=check_images(d["images"], w, max_images=max_images, max_image_bytes=max_image_bytes)
+                       if "images" in d else ())
+
+
+MAX_EXPERTS = 65_536  # what uint16 indices can name
+MAX_ROUTED = 4_096  # MoE layers x experts per token of one token's routing
+
+
+def _decode_routing(d: dict[str, Any], raw: list, completions: list[Completion], w: str
+                    ) -> tuple[tuple[int, int, int], list[np.ndarray]] | None:
+    """A group's routing (layers, top_k, experts) and each completion's experts (read-only
+    (tokens, layers, top_k) arrays), checked: one row per id, every index below the group's
+    experts, no expert twice in one token's row; None where the group carries none."""
+    if "routing" not in d:
+        if any(isinstance(c, dict) and c.get("experts") is not None for c in raw):
+            raise MessageError(f"{w}: completions carry experts but the group names no routing")
+        return None
+    shape = d["routing"]
+    if not (isinstance(shape, list) and len(shape) == 3 and all(type(x) is int for x in shape)):
+        raise MessageError(f"{w}.routing: expected [layers, top_k, experts] integers, got {shape!r}")
+    layers, top_k, count = shape
+    if not (layers >= 1 and 1 <= top_k <= count <= MAX_EXPERTS and layers * top_k <= MAX_ROUTED):
+        raise MessageError(f"{w}.routing: layers {layers}, top_k {top_k}, experts {count}: need layers >= 1, "
+                           f"1 <= top_k <= experts <= {MAX_EXPERTS}, layers x top_k <= {MAX_ROUTED}")
+    dtype = experts_dtype(count)
+    out = []
+    for i, (c, done) in enumerate(zip(raw, completions, strict=True)):
+        cw = f"{w}.completions[{i}].experts"
+        blob = c.get("experts")
+        if not isinstance(blob, bytes):
+            raise MessageError(f"{cw}: expected packed {dtype.str} expert indices, got {type(blob).__name__}")
+        n = len(done.ids)
+        if len(blob) != n * layers * top_k * dtype.itemsize:
+            raise MessageError(f"{cw}: {len(blob)} bytes, expected {n} tokens x {layers} layers x {top_k} experts "
+                               f"of {dtype.str}")
+        a = np.frombuffer(blob, dtype).reshape(n, layers, top_k)
+        if a.size and int(a.max()) >= count:
+            raise MessageError(f"{cw}: expert index {int(a.max())} out of range [0, {count})")
+        if top_k > 1 and (np.diff(np.sort(a, axis=-1), axis=-1) == 0).any():
+            raise MessageError(f"{cw}: an expert twice among one token's {top_k}")
+        out.append(a)
+    return (layers, top_k, count), out
 
 
 def decode_weights(blob: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> WeightVersion:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
@@ -28,6 +30,9 @@ class Sampled:
     # newer weights were loaded while it was being sampled (generator.inflight_updates). None: the
     # engine does not say (every token was sampled with the version it had when the request was added).
     versions: list[tuple[int, int]] | None = None
+    # Routing replay: the experts that chose each sampled token in each MoE layer, (len(ids), layers,
+    # top_k) ints (the engine's `routing`); None: not recorded.
+    experts: np.ndarray | None = None
 
 
 @dataclass(eq=False)
@@ -38,17 +43,25 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[tuple[int, int]] = field(default_factory=list)  # (token index, version)
     finish: str | None = None  # None: unfinished
+    experts: list[np.ndarray] = field(default_factory=list)  # routing replay: each extension's (tokens, layers, k)
 
-    def extend(self, ids: list[int], logprobs: list[float], *, version: int, finish: str | None) -> None:
+    def extend(self, ids: list[int], logprobs: list[float], *, version: int, finish: str | None,
+               experts: np.ndarray | None = None) -> None:
         if ids and (not self.versions or self.versions[-1][1] != version):
             self.versions.append((len(self.ids), version))
         self.ids += ids
         self.logprobs += logprobs
         self.finish = finish
+        if experts is not None:
+            assert len(experts) == len(ids), f"{len(experts)} tokens' experts for {len(ids)} tokens"
+            self.experts.append(experts)
 
     def sampled(self) -> Sampled:
         assert self.finish is not None, "an unfinished completion"
-        return Sampled(ids=self.ids, logprobs=self.logprobs, finish=self.finish, versions=self.versions)
+        experts = np.concatenate(self.experts) if self.experts else None
+        assert experts is None or len(experts) == len(self.ids), "experts recorded for only some of the tokens"
+        return Sampled(ids=self.ids, logprobs=self.logprobs, finish=self.finish, versions=self.versions,
+                       experts=experts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +139,13 @@ def load_tokenizer(path: str | Path):
 
 
 def chat_prompt_ids(tokenizer, task) -> list[int]:
-    """The prompt's token ids: chat template with the generation prompt, or the plain text."""
+    """The prompt's token ids: chat template with the generation prompt, or the plain text.
+    MessageError for a prompt with images: only the HF engine samples those (common/vision.py)."""
+    if getattr(task, "images", ()):
+        from common.messages import MessageError
+
+        raise MessageError(f"prompt {task.id}: {len(task.images)} images, but this engine samples text only "
+                           "(generator.engine = \"hf\" samples vision-language prompts)")
     if task.messages is not None:
         text = tokenizer.apply_chat_template(task.messages, tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)

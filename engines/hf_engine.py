@@ -12,13 +12,16 @@ next step.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList
 
+from common import vision
 from common.checkpoints import (
     ADAPTER_CONFIG,
     ADAPTER_FILE,
@@ -31,6 +34,8 @@ from common.checkpoints import (
 )
 from common.config import GeneratorConfig
 from common.messages import PromptTask
+from common.routing import routers, routing_of, top_k_output
+from common.vision import is_vision_model, load_processor, model_class
 from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,13 +53,14 @@ class Request:
     prompt_ids: list[int]
     sampling: SamplingSettings
     rows: list[Row] = field(default_factory=list)  # its n completions once a step started it
+    images: tuple[bytes, ...] = ()  # a vision-language prompt's images (common/images.py)
 
 
 def same_batch(q: Request, head: Request) -> bool:
     """Whether `q` is sampled in one step with `head`: both new or both interrupted (continued
     rows), sampling the same distribution, and new ones asking for as many completions; each row
     has its own token budget, so requests of different max_new_tokens share a step."""
-    if bool(q.rows) != bool(head.rows):
+    if bool(q.rows) != bool(head.rows) or len(q.images) != len(head.images):  # images: as many in each row
         return False
     a, b = q.sampling, head.sampling
     return (a.temperature, a.top_k, a.top_p) == (b.temperature, b.top_k, b.top_p) and (a.n == b.n or bool(head.rows))
@@ -81,16 +87,20 @@ class HFEngine:
     def for_settings(cls, path: str | Path, *, settings: GeneratorConfig, dtype: str, seed: int,
                      max_running: int) -> HFEngine:
         """The engine a generator runs: generator.batch_prompts prompts per generate call."""
-        return cls(path, dtype=dtype, seed=seed, max_batch=settings.batch_prompts)
+        return cls(path, dtype=dtype, seed=seed, max_batch=settings.batch_prompts,
+                   routing_replay=settings.routing_replay)
 
     def __init__(self, path: str | Path, *, dtype: str = "float32", seed: int = 0,
-                 max_batch: int = 8) -> None:
+                 max_batch: int = 8, routing_replay: bool = False) -> None:
         assert dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}"
         self.path = Path(path)
         self.max_batch = self.max_running = max_batch  # prompts sampled together in one step
         self._queue: deque[Request] = deque()  # added, not finished: a started one holds its completions so far
         self.tokenizer = load_tokenizer(self.path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=DTYPES[dtype], use_safetensors=True).eval()
+        self.model = model_class(self.path).from_pretrained(self.path, dtype=DTYPES[dtype],
+                                                            use_safetensors=True).eval()
+        # a vision-language model's processor (its images' tokens and pixel values); None: a text model
+        self.processor = load_processor(self.path) if is_vision_model(self.path) else None
         self.model.to("cuda" if torch.cuda.is_available() else "cpu")  # the process's visible GPU (its lease)
         if getattr(self.model.config, "output_router_logits", False):
             # an MoE config asking for the router's loss: the trainer's (trainer/moe.py), not the sampler's;
@@ -107,13 +117,21 @@ class HFEngine:
         self.context_length = int(self.model.config.get_text_config().max_position_embeddings)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
+        # Routing replay: (MoE layers, top_k, experts) of the experts each Sampled carries; None: none recorded.
+        self.routing = routing_of(self.model) if routing_replay else None
+        if routing_replay and self.routing is None:
+            raise ValueError(f"{self.path}: routing replay on a dense model: there are no experts to record")
 
     def prompt_ids(self, task: PromptTask) -> list[int]:
+        if task.images:
+            return vision.prompt_ids(self.processor, task)
         return chat_prompt_ids(self.tokenizer, task)
 
-    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings) -> None:
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings, *,
+            images: tuple[bytes, ...] = ()) -> None:
         assert prompt_ids, f"request {request_id}: empty prompt"
-        self._queue.append(Request(request_id, prompt_ids, sampling))
+        assert not images or self.processor is not None, f"request {request_id}: images, but a text model"
+        self._queue.append(Request(request_id, prompt_ids, sampling, images=tuple(images)))
 
     def has_unfinished(self) -> bool:
         return bool(self._queue)
@@ -132,9 +150,10 @@ class HFEngine:
         rows = [(q, row) for q in batch for row in q.rows if row.finish is None]
         cut = self._generate([q.prompt_ids + row.ids for q, row in rows],
                              budgets=[q.sampling.max_new_tokens - len(row.ids) for q, row in rows],
-                             sampling=head.sampling, yield_when=yield_when)
-        for (_, row), (ids, logprobs, finish) in zip(rows, cut, strict=True):
-            row.extend(ids, logprobs, version=self.version, finish=finish)
+                             sampling=head.sampling, yield_when=yield_when,
+                             images=[q.images for q, _ in rows] if head.images else None)
+        for (_, row), (ids, logprobs, finish, experts) in zip(rows, cut, strict=True):
+            row.extend(ids, logprobs, version=self.version, finish=finish, experts=experts)
         done = [q for q in batch if all(row.finish is not None for row in q.rows)]
         gone = {id(q) for q in done}
         self._queue = deque(q for q in self._queue if id(q) not in gone)
@@ -147,37 +166,32 @@ class HFEngine:
         n = sampling.n
         rows = self._generate([p for p in prompts for _ in range(n)],
                               budgets=[sampling.max_new_tokens] * (len(prompts) * n), sampling=sampling)
-        samples = [Sampled(ids=ids, logprobs=lps, finish=finish or "length", versions=[(0, self.version)])
-                   for ids, lps, finish in rows]
+        samples = [Sampled(ids=ids, logprobs=lps, finish=finish or "length", versions=[(0, self.version)],
+                           experts=experts)
+                   for ids, lps, finish, experts in rows]
         return [samples[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     @torch.no_grad()
     def _generate(self, prefixes: list[list[int]], *, budgets: list[int], sampling: SamplingSettings,
-                  yield_when: Callable[[], bool] | None = None) -> list[tuple[list[int], list[float], str | None]]:
+                  yield_when: Callable[[], bool] | None = None, images: list[tuple[bytes, ...]] | None = None
+                  ) -> list[tuple[list[int], list[float], str | None, np.ndarray | None]]:
         """One completion of each prefix, at most its budget of new tokens, in one `generate` call:
-        per row the new ids, their behaviour log-probs, and "stop" (an eos ended it), "length"
-        (its budget did) or None (a yield cut it short: to be continued)."""
-        temperature = sampling.temperature
+        per row the new ids, their behaviour log-probs, "stop" (an eos ended it), "length" (its
+        budget did) or None (a yield cut it short: to be continued), and with routing replay the
+        experts that chose each new id ((ids, layers, top_k) uint16; else None)."""
         input_ids, attention_mask = self._left_pad(prefixes)
         width = input_ids.shape[1]
         stop = Budget(torch.tensor(budgets, device=input_ids.device) + width, yield_when)
-        out = self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask,
-            # Temperature, then top-k and top-p when on: every other processor the model's
-            # generation_config might switch on is switched off here (HF defaults top_k to 50).
-            do_sample=True, temperature=temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-            min_p=None,
-            typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
-            no_repeat_ngram_size=0, min_length=0, min_new_tokens=None, bad_words_ids=None,
-            suppress_tokens=None, begin_suppress_tokens=None, forced_eos_token_id=None,
-            max_new_tokens=max(budgets), stopping_criteria=StoppingCriteriaList([stop]),
-            output_scores=True, output_logits=True, return_dict_in_generate=True,
-            pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
+        with self._recording() as record:
+            out = self._sample(input_ids, attention_mask, sampling, budgets, stop, pixels=None if images is None
+                               else vision.pixel_inputs(self.processor, images, device=input_ids.device,
+                                                        dtype=self.model.dtype))
         new = out.sequences[:, width:]  # (B, T)
+        experts = self._experts(record, rows=len(prefixes), tokens=new.shape[1])  # (B, T, layers, k) or None
         scores = torch.stack(out.scores, dim=1).float()  # (B, T, V) processed: logits / T, truncated
         # The processors are the same at every position: checking the first is enough (all of
         # them cost a seventh of the engine's time on the default model).
-        first, raw = scores[:, 0], out.logits[0].float() / temperature  # (B, V)
+        first, raw = scores[:, 0], out.logits[0].float() / sampling.temperature  # (B, V)
         kept = torch.isfinite(first)  # top-k/top-p set the tokens they cut to -inf
         assert torch.allclose(first[kept], raw[kept]), \
             "generate() applied logits processors beyond temperature: behaviour log-probs would be wrong"
@@ -188,8 +202,58 @@ class HFEngine:
             stops = is_eos[row, :budget].nonzero()
             end = int(stops[0]) + 1 if len(stops) else min(budget, new.shape[1])
             finish = "stop" if len(stops) else "length" if end == budget else None
-            rows.append((new[row, :end].tolist(), logprobs[row, :end].tolist(), finish))
+            rows.append((new[row, :end].tolist(), logprobs[row, :end].tolist(), finish,
+                         None if experts is None else experts[row, :end]))
         return rows
+
+    def _sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingSettings,
+                budgets: list[int], stop: Budget, pixels: dict[str, torch.Tensor] | None = None):
+        """`generate`, sampling at `sampling`'s temperature, top-k and top-p alone."""
+        temperature = sampling.temperature
+        return self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask,
+            # Temperature, then top-k and top-p when on: every other processor the model's
+            # generation_config might switch on is switched off here (HF defaults top_k to 50).
+            do_sample=True, temperature=temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+            min_p=None,
+            typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
+            no_repeat_ngram_size=0, min_length=0, min_new_tokens=None, bad_words_ids=None,
+            suppress_tokens=None, begin_suppress_tokens=None, forced_eos_token_id=None,
+            max_new_tokens=max(budgets), stopping_criteria=StoppingCriteriaList([stop]),
+            output_scores=True, output_logits=True, return_dict_in_generate=True,
+            pad_token_id=self.pad_id, eos_token_id=self.eos_ids, **(pixels or {}))
+
+    @contextmanager
+    def _recording(self) -> Iterator[list[torch.Tensor]]:
+        """Within it (with routing replay), each router's top-k indices of each forward pass are
+        appended to the list it yields, pass by pass, layer by layer; nothing without."""
+        record: list[torch.Tensor] = []
+        if self.routing is None:
+            yield record
+            return
+        hooks = [m.register_forward_hook(
+            lambda m, _a, out: record.append(top_k_output(out, type(m).__name__)[2].detach()))
+            for m in routers(self.model)]
+        try:
+            yield record
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _experts(self, record: list[torch.Tensor], *, rows: int, tokens: int) -> np.ndarray | None:
+        """(rows, tokens, layers, k): the experts that chose each new token, those of the pass
+        whose logits sampled it (the prefill's last position for the first, then each decode
+        step's), from `_recording`'s record; None without routing replay."""
+        if self.routing is None:
+            return None
+        layers, top_k, _ = self.routing
+        assert len(record) >= tokens * layers and len(record) % layers == 0, \
+            f"{len(record)} router outputs recorded for {tokens} tokens of {layers} MoE layers"
+        last = [r.reshape(rows, -1, top_k)[:, -1] for r in record[:tokens * layers]]  # each (rows, k)
+        if not last:
+            return np.zeros((rows, 0, layers, top_k), dtype=np.uint16)
+        stacked = torch.stack(last).reshape(tokens, layers, rows, top_k).permute(2, 0, 1, 3)
+        return stacked.to(torch.int32).cpu().numpy().astype(np.uint16)
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common import vision
 from common.checkpoints import CheckpointError, check_fits, is_adapter_dir, shapes_fit, tensor_shapes
 from common.config import GeneratorConfig
 from common.messages import PromptTask
@@ -111,10 +112,20 @@ class VLLMEngine:
         # wrongly (tests/test_moe.py): such an engine refuses every reload (generators refuse it first).
         self._moe_on_cpu = not cuda and experts_of(text) > 0
         self._rows: dict[str, list[Row]] = {}  # requests in flight: their n completions so far
+        # a vision-language model's processor (its images' token layout, as the HF engine's); None: a text model
+        self._processor = vision.load_processor(self.path) if vision.is_vision_model(self.path) else None
+        self._placeholders: dict[tuple[int, ...], list[int]] = {}  # laid-out prompt ids -> vLLM's input ids
         self.max_running = max_num_seqs  # requests (of n sequences each): the scheduler queues the rest
         self._next = 0
 
     def prompt_ids(self, task: PromptTask) -> list[int]:
+        if task.images:  # the image tokens laid out as the processor lays them (what the trainer reads)
+            ids = vision.prompt_ids(self._processor, task)
+            # vLLM lays them out itself from one image token per image: what `add` gives it for these ids
+            if len(self._placeholders) >= 4096:  # prompts of so many texts: forget the oldest
+                del self._placeholders[next(iter(self._placeholders))]
+            self._placeholders[tuple(ids)] = vision.placeholder_ids(self._processor, task)
+            return ids
         return chat_prompt_ids(self.tokenizer, task)
 
     def _params(self, sampling: SamplingSettings):
@@ -127,11 +138,19 @@ class VLLMEngine:
             presence_penalty=0.0, frequency_penalty=0.0, stop_token_ids=self.eos_ids, logprobs=0,
             detokenize=False, output_kind=RequestOutputKind.DELTA)  # tokens as sampled: each tagged with its version
 
-    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings) -> None:
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings, *,
+            images: tuple[bytes, ...] = ()) -> None:
         assert prompt_ids, f"request {request_id}: empty prompt"
         assert request_id not in self._rows, f"request {request_id} is already in flight"
-        self._engine.add_request(request_id, {"prompt_token_ids": list(prompt_ids)}, self._params(sampling),
-                                 lora_request=self._lora)
+        assert not images or self._processor is not None, f"request {request_id}: images, but a text model"
+        prompt: dict = {"prompt_token_ids": list(prompt_ids)}
+        if images:  # vLLM's multimodal inputs: it lays out the image tokens and makes the pixel values
+            from common.images import open_image
+
+            placeholders = self._placeholders.get(tuple(prompt_ids))
+            assert placeholders is not None, f"request {request_id}: images, but not ids of this engine's prompt_ids"
+            prompt = {"prompt_token_ids": placeholders, "multi_modal_data": {"image": [open_image(i) for i in images]}}
+        self._engine.add_request(request_id, prompt, self._params(sampling), lora_request=self._lora)
         self._rows[request_id] = [Row() for _ in range(sampling.n)]
 
     def has_unfinished(self) -> bool:

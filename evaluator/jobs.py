@@ -63,7 +63,8 @@ def engine_for(req: EvalRequest) -> Engine:
         engine = None
     if engine is None:
         _ENGINE.clear()  # one engine in memory: a run whose engine changed gets the new one alone
-        settings = GeneratorConfig.model_validate({**req.engine_settings, "inflight_updates": False})
+        settings = GeneratorConfig.model_validate({**req.engine_settings, "inflight_updates": False,
+                                                   "routing_replay": False})  # nothing trains on its samples
         opened_on = adapter_base(req.path) if adapter else req.path
         engine = _ENGINE[name] = open_for_settings(name, opened_on, settings=settings, dtype=req.dtype, seed=0,
                                                    max_running=CHUNK * max(req.pass_k, 1),

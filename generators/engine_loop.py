@@ -111,7 +111,8 @@ async def add_waiting(g: Generator, state: State, waiting: deque[Held], *, room:
         state.episodes += 1
         g.episodes_send.send_nowait(h)
     batch = [h for h in batch if h.task.source not in g.specs]
-    requests = [(h.entry_id.decode(), h.prompt_ids, dataclasses.replace(g.sampling, n=h.task.n)) for h in batch]
+    requests = [(h.entry_id.decode(), h.prompt_ids, dataclasses.replace(g.sampling, n=h.task.n), h.task.images)
+                for h in batch]
     if requests:
         await run_on_engine(g.engine_thread, add_all, g.engine, requests, timeout_s=g.settings.engine_timeout_s)
     return len(batch)
@@ -127,9 +128,15 @@ async def add_turns(g: Generator, state: State, *, room: int) -> int:
     return len(batch)
 
 
-def add_all(engine: Engine, requests: list[tuple[str, list[int], SamplingSettings]]) -> None:
-    for request_id, ids, sampling in requests:
-        engine.add(request_id, ids, sampling)
+def add_all(engine: Engine, requests: list[tuple[str, list[int], SamplingSettings]
+                                           | tuple[str, list[int], SamplingSettings, tuple[bytes, ...]]]) -> None:
+    """Add each (request id, prompt ids, sampling[, images]) to the engine; a vision-language
+    prompt's images (common/images.py) go with it."""
+    for request_id, ids, sampling, *images in requests:
+        if images and images[0]:
+            engine.add(request_id, ids, sampling, images=images[0])
+        else:
+            engine.add(request_id, ids, sampling)
 
 
 async def step_engine(g: Generator, state: State) -> int:

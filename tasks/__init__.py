@@ -6,12 +6,13 @@
   for data sets of such problems.
 - `format`: whether a completion ends in a marked final answer (a reward to add to another).
 - `reverse`: reverse a word of random letters, and its reward.
+- `shapes`: count the shapes in a generated picture (a vision-language task), and its reward.
 
 A synthetic task is one module here, found by its `Options` model (pydantic): its fields are the
 options of a `[[data.sources]]` table whose `kind` is the module's name (common.config makes that
 source variant), `make_prompt(options, *, seed, index) -> (user message, meta)` draws the
 `index`-th problem, and `reward` scores it as the source's built-in reward (tasks/reverse.py is the
-smallest).
+smallest). A visual task's `make_prompt` returns its images (PNG bytes) as a third item.
 
 The producer draws problems from them, the generators score with their rewards (named in the
 config as "tasks.arithmetic:reward"), and the evaluator does both. A reward function takes the

@@ -8,6 +8,7 @@ field its kind does not have reads as unset.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import string
 import zlib
@@ -31,6 +32,7 @@ class Prompt:
     messages: list[dict[str, str]] | None  # chat messages; None when `text` is set
     text: str | None  # plain prompt text; None when `messages` is set
     meta: dict[str, Any]  # meta["source"], ground truth under "answer", meta_columns
+    images: tuple[bytes, ...] = ()  # a visual task's images (PNG bytes), shown before the user's text
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,10 +223,11 @@ def row_prompt(row: dict[str, Any], *, source: Any, prompt_id: str) -> Prompt:
 
 def synthetic_prompt(source: Any, *, seed: int, index: int, prompt_id: str) -> Prompt:
     """The `index`-th problem of a synthetic task's source, drawn from `seed` by the task's module
-    (tasks/<kind>.py: `make_prompt`)."""
-    question, meta = importlib.import_module(f"tasks.{source.kind}").make_prompt(source, seed=seed, index=index)
+    (tasks/<kind>.py: `make_prompt`; a visual task's returns its images as a third item)."""
+    made = importlib.import_module(f"tasks.{source.kind}").make_prompt(source, seed=seed, index=index)
+    question, meta, images = made if len(made) == 3 else (*made, ())
     return Prompt(id=prompt_id, messages=[{"role": "user", "content": question}], text=None,
-                  meta={**meta, "source": source.name})
+                  meta={**meta, "source": source.name}, images=tuple(images))
 
 
 # ---------------------------------------------------------------------- the held-out split
@@ -235,6 +238,7 @@ def held_out(prompt: Prompt, fraction: float) -> bool:
     `fraction`. Decided by content, not position: a problem drawn twice (arithmetic has only so
     many) or a row repeated in a file is on the same side every time."""
     shown = prompt.text if prompt.messages is None else "\x1e".join(m["content"] for m in prompt.messages)
+    shown += "".join(f"\x1e{hashlib.sha256(img).hexdigest()}" for img in prompt.images)  # a visual task's pictures
     return zlib.crc32(shown.encode()) / 2**32 < fraction
 
 
@@ -265,7 +269,7 @@ def eval_prompts(source: Any, *, count: int, seed: int, holdout: float | None) -
     for p in candidates:
         since_new += 1
         if p is not None and (holdout is None or held_out(p, holdout)):
-            if out.setdefault(repr((p.messages, p.text)), p) is p:
+            if out.setdefault(repr((p.messages, p.text, p.images)), p) is p:
                 since_new = 0
             if len(out) == count:
                 break

@@ -42,6 +42,9 @@ class Row:
     group: int = -1  # the index of its group among the step's (this rank's) groups
     teacher: np.ndarray | None = None  # (len(ids),) float32: the teacher's log-prob of each completion token;
     # None: no teacher scored it (on-policy distillation: common/teacher.py)
+    images: tuple[bytes, ...] = ()  # its prompt's images (SampleGroup.images): the model sees their pixels
+    experts: np.ndarray | None = None  # (len(ids), layers, top_k): the experts that sampled each completion
+    # token (routing replay: Completion.experts); None: the model routes it itself
 
     @property
     def length(self) -> int:
@@ -91,6 +94,14 @@ class MicroBatch:
     # 0 elsewhere; and (B, T) float32 1 on those tokens.
     teacher_kl: Tensor | None = None
     teacher_at: Tensor | None = None
+    # A vision-language model's images, each row's in order (the packed layout's: `packed.images`):
+    # the trainer turns them into pixel values as the generator did (common/vision.py); (): none.
+    images: tuple[bytes, ...] = ()
+    # Routing replay (rows whose completions carry their experts), else None: (R,) int64 the flat
+    # positions (row * T + t) that predict those completion tokens, and (R, layers, top_k) int32 the
+    # experts each MoE layer uses there (trainer/moe.py `replayed_routing`).
+    experts_at: Tensor | None = None
+    experts: Tensor | None = None
 
 
 def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: str = "none",
@@ -127,7 +138,8 @@ def group_rows(group: SampleGroup, *, estimator: Estimator = "grpo", overlong: s
         teacher = None if c.teacher_logprobs is None else np.asarray(c.teacher_logprobs, dtype=np.float32)
         rows.append(Row(prompt=prompt, ids=ids, trained=trained, logprobs=np.asarray(c.logprobs, dtype=np.float32),
                         advantage=float(adv),
-                        versions=token_versions(c, group_version=group.version), group=index, teacher=teacher))
+                        versions=token_versions(c, group_version=group.version), group=index, teacher=teacher,
+                        experts=c.experts, images=tuple(group.images)))
     return rows
 
 
@@ -157,12 +169,18 @@ def collate(rows: list[Row]) -> MicroBatch:
         if row.teacher is not None and kl is not None and at is not None:  # on the trained tokens only: an
             at[i, p - 1:end] = row.trained  # episode's environment tokens have no teacher log-prob
             kl[i, p - 1:end] = np.where(row.trained, row.logprobs - row.teacher, np.float32(0.0))
+    routed = [(i * shape[1] + len(row.prompt) - 1, row.experts)  # completion token 0's flat position, its experts
+              for i, row in enumerate(rows) if row.experts is not None]
     return MicroBatch(
+        experts_at=torch.from_numpy(np.concatenate([np.arange(at, at + len(e)) for at, e in routed]))
+        if routed else None,
+        experts=torch.from_numpy(np.concatenate([e for _, e in routed]).astype(np.int32)) if routed else None,
         input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention),
         targets=torch.from_numpy(targets), mask=torch.from_numpy(mask), behaviour_logp=torch.from_numpy(logp),
         advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
         versions=torch.from_numpy(versions), trained_at=torch.from_numpy(np.flatnonzero(mask)),
         group_of=np.array([row.group for row in rows], dtype=np.int64),
+        images=tuple(img for row in rows for img in row.images),
         teacher_kl=None if kl is None else torch.from_numpy(kl),
         teacher_at=None if at is None else torch.from_numpy(at),
     )
@@ -187,7 +205,7 @@ def pack(docs: list[list[Row]], width: int) -> Packed:
         prompt = rows[0].prompt
         p, start = len(prompt), offset
         for row in rows[1:]:
-            assert np.array_equal(row.prompt, prompt), \
+            assert np.array_equal(row.prompt, prompt) and row.images == rows[0].images, \
                 f"rows packed together must share their prompt: {row.prompt.tolist()} vs {prompt.tolist()}"
         ids[0, offset:offset + p], position_ids[0, offset:offset + p], segments[0, offset:offset + p] = \
             prompt, np.arange(p), 0
@@ -205,7 +223,8 @@ def pack(docs: list[list[Row]], width: int) -> Packed:
             i += 1
         doc_of[0, start:offset] = d
     return Packed(ids=torch.from_numpy(ids), position_ids=torch.from_numpy(position_ids),
-                  docs=torch.from_numpy(doc_of), segments=torch.from_numpy(segments), at=torch.from_numpy(at))
+                  docs=torch.from_numpy(doc_of), segments=torch.from_numpy(segments), at=torch.from_numpy(at),
+                  images=tuple(img for rows in docs for img in rows[0].images))  # each prompt's, once
 
 
 def collate_packed(docs: list[list[Row]]) -> MicroBatch:
@@ -216,10 +235,11 @@ def collate_packed(docs: list[list[Row]]) -> MicroBatch:
 
 
 def prompt_runs(rows: list[Row]) -> list[list[Row]]:
-    """`rows` as consecutive runs of equal prompts (compared by value)."""
+    """`rows` as consecutive runs of equal prompts (compared by value, their images too: two pictures
+    behind the same image tokens are two prompts)."""
     runs: list[list[Row]] = []
     for row in rows:
-        if runs and np.array_equal(runs[-1][0].prompt, row.prompt):
+        if runs and np.array_equal(runs[-1][0].prompt, row.prompt) and runs[-1][0].images == row.images:
             runs[-1].append(row)
         else:
             runs.append([row])

@@ -49,10 +49,10 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
 def load_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The whole model in checkpoint directory `path`, in `dtype`, on the host, from its safetensors
     only (see safetensors_only)."""
-    from transformers import AutoModelForCausalLM
+    from common.vision import model_class
 
     safetensors_only(path)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+    return model_class(path).from_pretrained(path, dtype=dtype, use_safetensors=True)
 
 
 def with_attention(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
@@ -70,11 +70,11 @@ def placed_model(path: Path, where: Placement) -> torch.nn.Module:
         safetensors_only(path)
         return with_attention(sharded_from_meta(path, where), where)  # sharded as it is built
     if where.device.type == "cuda":
-        from transformers import AutoModelForCausalLM
+        from common.vision import model_class
 
         safetensors_only(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=where.weights_dtype, use_safetensors=True,
-                                                     device_map={"": where.device})
+        model = model_class(path).from_pretrained(path, dtype=where.weights_dtype, use_safetensors=True,
+                                                  device_map={"": where.device})
     else:
         model = load_model(path, where.weights_dtype)
     return parallelize(with_attention(model, where), device=where.device, compute_dtype=where.dtype,

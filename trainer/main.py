@@ -43,6 +43,7 @@ from common.models import resolve_model_path
 from common.process import stop_grace_s
 from common.progress import count_skipped, read_gone_back, read_trainer
 from common.quarantine import read_quarantines
+from common.routing import replayable
 from common.shaping import completion_advantages
 from common.streams import connect, ensure_group
 from trainer.checkpoints import remove_unfinished, resume
@@ -197,12 +198,14 @@ def collect_groups(run: Run, shutdown: Shutdown) -> Collected | None:
     rollout = run.config.rollout
     got, run.cursor = collect(run.r, run.keys, want=rollout.prompts_per_step // run.world, step=run.step,
                               max_staleness=run.config.max_staleness,
-                              vocab_size=run.model.config.vocab_size, unpublished=set(run.unacked_ids),
+                              vocab_size=run.model.config.get_text_config().vocab_size,
+                              unpublished=set(run.unacked_ids),
                               consumer=run.consumer, cursor=run.cursor, shutdown=shutdown,
                               objective=run.config.trainer.objective, limits=run.config.limits,
                               trained=run.record.trained, skip=set(run.unacked_entries),
                               between=partial(between_reads, run), gone_back=run.record.gone_back,
-                              quarantined=read_quarantines(run.r, run.keys) if quarantining(run) else None)
+                              quarantined=read_quarantines(run.r, run.keys) if quarantining(run) else None,
+                              routing=replayable(run.model))
     return got
 
 

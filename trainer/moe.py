@@ -16,19 +16,27 @@ the model: the same tokens whether prompts are shared, sequences packed or not (
 counts every unpadded position). Each micro-batch's loss is weighted by its share of the
 (mini-)batch's trained tokens, so the micro-batches and ranks add up to their token-weighted mean.
 
-Routing replay (issue 44, item 2) would force the same router modules' choice: `Qwen3MoeTopKRouter`
-returns (logits, top-k weights, top-k indices), so a hook replacing its output's indices (and the
-weights gathered from its softmax at them) at the completion positions sets the experts used.
+Routing replay (R3, generator.routing_replay) forces the same router modules' choice
+(`replayed_routing`): a router (common/routing.py) returns (logits, top-k weights, top-k indices), and
+a forward hook replaces its indices at the positions that predict completion tokens with the
+experts the engine recorded there, and its weights with the router's own softmax gathered at them
+(renormalised where the router renormalises its top-k): the experts are the behaviour's, the
+weights the trainer's, so the router still learns. Elsewhere (prompt positions) the model routes
+itself. The load-balancing loss above takes the router's own top-k, replayed or not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
+
+from common.routing import RoutingError, routers, top_k_output
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,3 +101,77 @@ def load_balancing_loss(router_logits: list[Tensor], top_k: int, rows: Tensor) -
     share = torch.zeros(experts, device=picked.device).index_add_(
         0, chosen.reshape(-1), torch.ones(chosen.numel(), device=picked.device)) / picked.shape[0]  # (E,)
     return experts * (share * probs.mean(0)).sum()
+
+
+# The models a `replayed_routing` holds now: one nested in it (the forward's, within one held
+# through the backward) adds no second set of hooks.
+_REPLAYING: ContextVar[frozenset[int]] = ContextVar("replaying", default=frozenset())
+# Where set (`counting_replaced`), each replayed layer adds (rows whose own top-k set differs from the
+# forced one, rows) to this list: how often replay changed the experts (`rollouts check`'s routing line).
+_REPLACED: ContextVar[list[tuple[Tensor, int]] | None] = ContextVar("replaced", default=None)
+
+
+@contextmanager
+def counting_replaced() -> Iterator[list[tuple[Tensor, int]]]:
+    """Within it, every replayed MoE layer appends (positions where the router's own top-k experts
+    differ from the forced ones, positions forced) to the list it yields."""
+    counts: list[tuple[Tensor, int]] = []
+    token = _REPLACED.set(counts)
+    try:
+        yield counts
+    finally:
+        _REPLACED.reset(token)
+
+
+@contextmanager
+def replayed_routing(model: torch.nn.Module, rows: Tensor | None, experts: Tensor | None) -> Iterator[None]:
+    """Within it, every MoE layer of `model` routes the flat positions `rows` ((R,) int64, of the
+    body's input) to `experts` ((R, layers, top_k) integers, the layer's column each); nothing where
+    `rows` is None. A position named twice (a shared prompt's last, which predicts each of its
+    completions' first token) takes its first experts. Hold it through the backward where blocks
+    are checkpointed (their recompute routes the same); nested in one for the same model it adds
+    nothing. RoutingError where the layers or top_k differ from the model's."""
+    if rows is None or experts is None or id(model) in _REPLAYING.get():
+        yield
+        return
+    found = routers(model)
+    if len(found) != experts.shape[1]:
+        raise RoutingError(f"experts recorded for {experts.shape[1]} MoE layers, but {type(model).__name__} has "
+                           f"{len(found)}: its routing cannot be replayed")
+    order = torch.argsort(rows, stable=True)
+    first = torch.ones_like(order, dtype=torch.bool)
+    first[1:] = rows[order[1:]] != rows[order[:-1]]
+    keep = order[first]
+    rows, experts = rows[keep], experts[keep]
+    hooks = [m.register_forward_hook(partial(_force, rows=rows, experts=experts[:, layer],
+                                             renormalise=bool(getattr(m, "norm_topk_prob", True))))
+             for layer, m in enumerate(found)]
+    token = _REPLAYING.set(_REPLAYING.get() | {id(model)})
+    try:
+        yield
+    finally:
+        _REPLAYING.reset(token)
+        for h in hooks:
+            h.remove()
+
+
+def _force(module: torch.nn.Module, _args: object, out: object, *, rows: Tensor, experts: Tensor,
+           renormalise: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """A router's output with `experts` ((R, k)) at `rows` and their weights from its own softmax."""
+    logits, weights, indices = top_k_output(out, type(module).__name__)
+    if indices.shape[-1] != experts.shape[-1]:
+        raise RoutingError(f"{type(module).__name__} routes each token to {indices.shape[-1]} experts, but "
+                           f"{experts.shape[-1]} were recorded")
+    chosen = experts.to(indices.device, indices.dtype)
+    probs = torch.softmax(logits[rows], dim=-1, dtype=torch.float)
+    picked = probs.gather(-1, chosen)
+    if renormalise:
+        picked = picked / picked.sum(dim=-1, keepdim=True)
+    counts = _REPLACED.get()
+    if counts is not None:
+        own = indices[rows].sort(dim=-1).values != chosen.sort(dim=-1).values
+        counts.append((own.any(dim=-1).sum(), len(rows)))
+    indices, weights = indices.clone(), weights.clone()
+    indices[rows] = chosen
+    weights[rows] = picked.to(weights.dtype)
+    return logits, weights, indices

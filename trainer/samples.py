@@ -76,9 +76,11 @@ def read_entries(r: redis.Redis, keys: Keys, *, consumer: str, cursor: bytes | N
     return [(eid, fields or {}) for eid, fields in (reply[0][1] if reply else [])], None
 
 
-def validate(fields: dict, *, vocab_size: int, objective: str = "grpo", limits: LimitsConfig | None = None
-             ) -> SampleGroup:
-    """The entry's group, or MessageError saying why it cannot be trained on (None: default limits)."""
+def validate(fields: dict, *, vocab_size: int, objective: str = "grpo", limits: LimitsConfig | None = None,
+             routing: tuple[int, int, int] | None = None) -> SampleGroup:
+    """The entry's group, or MessageError saying why it cannot be trained on (None: default limits).
+    `routing`: the model's (MoE layers, top_k, experts), None for a dense model: a group whose
+    completions carry experts (routing replay) for another is refused."""
     limits = limits or LimitsConfig()
     blob = fields.get(PAYLOAD)
     if blob is None:
@@ -87,6 +89,11 @@ def validate(fields: dict, *, vocab_size: int, objective: str = "grpo", limits: 
     if objective == "grpo" and len(group.completions) < 2:
         raise MessageError(f"group {group.id}: {len(group.completions)} completion(s); "
                            "a group-relative advantage needs at least 2")
+    if group.routing is not None and group.routing != routing:
+        raise MessageError(f"group {group.id}: experts recorded as (MoE layers, top_k, experts) {group.routing}, "
+                           "but the trained model's are " + ("none (a dense model, or routers it cannot read)"
+                                                            if routing is None else str(routing))
+                           + ": its routing cannot be replayed")
     if not any(c.loss_mask is None or c.loss_mask.any() for c in group.completions):  # decoded: bool arrays
         raise MessageError(f"group {group.id}: loss_mask is 0 everywhere; nothing to train on")
     return group
@@ -113,8 +120,8 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
             unpublished: set[str], consumer: str, cursor: bytes | None, shutdown: Shutdown,
             objective: str = "grpo", limits: LimitsConfig | None = None, trained: dict[str, int] | None = None,
             skip: set[bytes] | None = None, between: Callable[[], None] | None = None,
-            gone_back: Sequence[GoneBack] = (), quarantined: dict[str, Quarantine] | None = None
-            ) -> tuple[Collected | None, bytes | None]:
+            gone_back: Sequence[GoneBack] = (), quarantined: dict[str, Quarantine] | None = None,
+            routing: tuple[int, int, int] | None = None) -> tuple[Collected | None, bytes | None]:
     """`want` trainable groups (None if a stop was requested first), and the next read cursor.
     `max_staleness` None: no group is too stale (sft). A group is a duplicate if its id is
     `unpublished` (trained since the last saved state), in `trained` (the trainer's own record of
@@ -124,7 +131,8 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
     the step's groups to arrive. `gone_back`: the trainer's starts below a version it had published
     (a group sampled with weights one of them abandoned is dropped as stale). `quarantined`: the
     generators in quarantine (common/quarantine.py), whose groups are dead-lettered with the
-    figures, unless sampled with weights published since (on probation)."""
+    figures, unless sampled with weights published since (on probation). `routing`: the model's
+    (`validate`)."""
     trained = trained or {}
     skip = skip or set()
     got = Collected()
@@ -142,7 +150,7 @@ def collect(r: redis.Redis, keys: Keys, *, want: int, step: int, max_staleness: 
             if entry_id in skip:
                 continue
             try:
-                group = validate(fields, vocab_size=vocab_size, objective=objective, limits=limits)
+                group = validate(fields, vocab_size=vocab_size, objective=objective, limits=limits, routing=routing)
             except MessageError as err:
                 reject(r, keys, entry_id, why=Refused.DEAD, group_id=peek_id(fields.get(PAYLOAD, b"")),
                        fields=fields, reason=str(err))

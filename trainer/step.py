@@ -11,7 +11,8 @@ share of global counts, summed over the ranks at the end.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from functools import partial
 
@@ -35,7 +36,7 @@ from trainer.losses import (
 )
 from trainer.losses.corrections import behaviour_weight
 from trainer.losses.sft import sft_loss
-from trainer.moe import RouterAux, caught_router_logits, load_balancing_loss, router_aux_of
+from trainer.moe import RouterAux, caught_router_logits, load_balancing_loss, replayed_routing, router_aux_of
 from trainer.parallel import all_max, all_sum, any_rank, gather, world_size
 from trainer.stats import Mismatch, StepStats
 
@@ -270,9 +271,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
 
 def log_probs(forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], model: torch.nn.Module,
               mb: MicroBatch, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`model`'s log-probs of `mb`'s targets, and their entropy if asked: (B, T), 0 off the mask."""
-    return forward(model, mb.input_ids, mb.attention_mask, mb.targets, entropy=entropy, positions=mb.trained_at,
-                   packed=mb.packed)
+    """`model`'s log-probs of `mb`'s targets, and their entropy if asked: (B, T), 0 off the mask; where
+    its completions carry their experts (routing replay), with those experts at their positions."""
+    with routed(model, mb):
+        return forward(model, mb.input_ids, mb.attention_mask, mb.targets, entropy=entropy, positions=mb.trained_at,
+                       packed=mb.packed, images=mb.images)
 
 
 def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Tensor | None],
@@ -290,19 +293,20 @@ def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Te
     # went through the model unless rows of advantage 0 were left out (`computed` < `tokens`)
     share, mini_loss, world = mini.tokens / total_tokens, 0.0, world_size()
     for mb, prox_logp, ref_logp in zip(mini.batches, prox, ref, strict=True):
-        with caught_router_logits(model, aux) as routers:
-            logp, entropy = log_probs(forward, model, mb, entropy=True)
-        advantages = token_advantages(mb.advantages, mb.teacher_kl, distill_weight)
-        out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=advantages,
-                                 mask=mb.mask, total_tokens=mini.tokens, total_seqs=mini.seqs,
-                                 norm_tokens=mini.rows * max_new_tokens, prox_logp=prox_logp, ref_logp=ref_logp))
-        loss = out.loss
-        if aux is not None:
-            balance = load_balancing_loss(routers, aux.top_k, router_aux_rows(model, mb)) * (
-                len(mb.trained_at) / mini.tokens)  # this micro-batch's share of the mini-batch's mean
-            loss = loss + aux.coef * balance
-            sums.router_aux += balance.item() * share
-        (loss * world).backward()
+        with routed(model, mb):  # held through the backward: a checkpointed block recomputes with the same experts
+            with caught_router_logits(model, aux) as routers:
+                logp, entropy = log_probs(forward, model, mb, entropy=True)
+            advantages = token_advantages(mb.advantages, mb.teacher_kl, distill_weight)
+            out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=advantages,
+                                     mask=mb.mask, total_tokens=mini.tokens, total_seqs=mini.seqs,
+                                     norm_tokens=mini.rows * max_new_tokens, prox_logp=prox_logp, ref_logp=ref_logp))
+            loss = out.loss
+            if aux is not None:
+                balance = load_balancing_loss(routers, aux.top_k, router_aux_rows(model, mb)) * (
+                    len(mb.trained_at) / mini.tokens)  # this micro-batch's share of the mini-batch's mean
+                loss = loss + aux.coef * balance
+                sums.router_aux += balance.item() * share
+            (loss * world).backward()
         mini_loss += out.loss.item()
         measured = logp.detach() if prox_logp is None else prox_logp
         sums.add(out.stats, mismatch(measured, mb, correction, step=step, total_tokens=mini.tokens), share=share)
@@ -315,13 +319,25 @@ def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Te
     return mini_loss
 
 
-def router_aux_rows(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+@contextmanager
+def routed(model: torch.nn.Module, mb: MicroBatch) -> Iterator[None]:
+    """Within it, `model` routes `mb`'s completion positions to the experts they carry (routing
+    replay: trainer/moe.py `replayed_routing`); nothing where they carry none. Re-entrant: held
+    around a forward and its backward, the forward's own (in `log_probs`) adds nothing."""
+    rows = None if mb.experts_at is None else router_aux_rows(model, mb, mb.experts_at)
+    with replayed_routing(model, rows, mb.experts):
+        yield
+
+
+def router_aux_rows(model: torch.nn.Module, mb: MicroBatch, at: torch.Tensor | None = None) -> torch.Tensor:
     """The flat positions of the model body's input (the packed rows where `sequence_logprobs` ran
     the body on them, else the right-padded rows) whose hidden states predict `mb`'s trained
-    tokens: where the router's load-balancing loss is taken (trainer/moe.py)."""
+    tokens (or those at `at`, flat positions of the right-padded rows): where the router's
+    load-balancing loss is taken and replayed experts are forced (trainer/moe.py)."""
+    at = mb.trained_at if at is None else at
     if mb.packed is not None and packed_attention(model) is not None:
-        return mb.packed.at[mb.trained_at]
-    return mb.trained_at
+        return mb.packed.at[at]
+    return at
 
 
 def add_by_group(by_group: np.ndarray, measured: torch.Tensor, mb: MicroBatch) -> None:

@@ -209,6 +209,8 @@ class GroupView:
     engine: str
     mean_reward: float
     completions: list[CompletionView]
+    # the prompt's images (a vision-language model's), as data: URLs the page shows beside its completions
+    images: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -280,4 +282,12 @@ def group_view(entry: str, group: SampleGroup, *, tokenizer: Any, how: Advantage
         if tokenizer is not None else " ".join(f"⟨{int(i)}⟩" for i in group.prompt_ids)
     return GroupView(entry=entry, id=group.id, prompt_id=group.prompt_id, prompt=prompt, version=group.version,
                      generator=group.generator, engine=group.engine, mean_reward=mean_reward(group),
-                     completions=completions)
+                     completions=completions, images=[image_url(img) for img in group.images])
+
+
+def image_url(img: bytes) -> str:
+    """An image file (PNG or JPEG, as the wire carries it: common/images.py) as a data: URL."""
+    import base64
+
+    kind = "png" if img.startswith(b"\x89PNG") else "jpeg"
+    return f"data:image/{kind};base64,{base64.b64encode(img).decode()}"

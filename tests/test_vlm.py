@@ -1,0 +1,269 @@
+"""Vision-language RL: a tiny random Idefics3 (SmolVLM's architecture; tests/harness/models.py
+`tiny_vlm`), the synthetic visual task `shapes` (tasks/shapes.py), images on the wire
+(common/images.py), the HF engine sampling with them and the trainer computing the same log-probs
+from the same pictures (trainer/vision.py). Run with -s to see the measured log-prob differences."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import LimitsConfig, config_from_dict
+from common.images import image_digest, open_image, png_bytes
+from common.keys import PAYLOAD, Keys
+from common.messages import Completion, MessageError, PromptTask, SampleGroup, decode_group, decode_prompt, encode
+from common.models import ModelError
+from engines.base import SamplingSettings, chat_prompt_ids
+from engines.choice import open_engine
+from engines.hf_engine import HFEngine
+from tasks import shapes
+from tests.harness.models import LOGPROB_TOL, tiny_vlm
+from tests.harness.needs import need
+from trainer.checkpoints import load_model
+from trainer.logprobs import sequence_logprobs
+from trainer.step import log_probs, step_batches
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_model, tmp_path_factory) -> Path:
+    return tiny_vlm(tiny_model, tmp_path_factory.mktemp("vlm") / "model")
+
+
+@pytest.fixture(scope="module")
+def vlm_engine(vlm) -> HFEngine:
+    return HFEngine(vlm, seed=0, max_batch=4)
+
+
+@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def any_engine(request, vlm, vlm_engine):
+    """Each engine on the tiny VLM, loaded once for the module (vLLM takes a minute or two to start)."""
+    if request.param == "hf":
+        return vlm_engine
+    need("vllm")
+    return open_engine("vllm", vlm, seed=0)
+
+
+def shapes_task(index: int, *, n: int = 4) -> PromptTask:
+    """The `index`-th shapes problem as the producer writes it."""
+    question, meta, images = shapes.make_prompt(shapes.Options(), seed=0, index=index)
+    return PromptTask(id=f"shapes:0:{index}", messages=[{"role": "user", "content": question}], text=None,
+                      meta=meta, n=n, admitted_at=0, source="shapes", images=tuple(images))
+
+
+def picture(colour: str = "red", size: int = 40) -> bytes:
+    from PIL import Image
+
+    return png_bytes(Image.new("RGB", (size, size), colour))
+
+
+# ---------------------------------------------------------------------- the wire
+
+
+def test_images_travel_with_the_prompt_and_the_group_and_bad_ones_are_refused():
+    """A prompt's and a group's images come back byte for byte; a text message carries no images
+    field; a decoder refuses a file that is not an image, a list too long or an image too big for
+    [limits], naming which."""
+    task = shapes_task(0)
+    assert decode_prompt(encode(task)) == task and decode_prompt(encode(task)).images == task.images
+    group = SampleGroup(id="g", prompt_id="g", prompt_ids=[1, 2], version=0, generator="t", engine="hf",
+                        completions=[Completion(ids=[3], logprobs=[-0.5], reward=1.0, rewards={}, finish="stop",
+                                                text="3")], images=(picture("red"), picture("blue")))
+    back = decode_group(encode(group))
+    assert back == group and back.images == group.images
+    assert b"images" not in encode(SampleGroup(**{**{f: getattr(group, f) for f in group.__slots__}, "images": ()}))
+
+    bad = PromptTask(**{**{f: getattr(task, f) for f in task.__slots__}, "images": (b"GIF89a not ours",)})
+    with pytest.raises(MessageError, match=r"prompt shapes:0:0\.images\[0\]: not a PNG or JPEG file"):
+        decode_prompt(encode(bad))
+    with pytest.raises(MessageError, match=r"group g\.images: 2 images exceed the limit of 1"):
+        LimitsConfig(max_images=1).decode_group(encode(group))
+    big = picture("red", size=600)
+    assert len(big) > 1024
+    with pytest.raises(MessageError, match=rf"images\[0\]: {len(big)} bytes exceed the limit of 1024"):
+        LimitsConfig(max_image_bytes=1024).decode_prompt(encode(PromptTask(
+            **{**{f: getattr(task, f) for f in task.__slots__}, "images": (big,)})))
+
+
+# ---------------------------------------------------------------------- the task
+
+
+def shapes_drawn(image) -> int:
+    """Cells of the shapes grid that hold a non-white pixel."""
+    a = np.asarray(image)
+    cell = a.shape[0] // shapes.GRID
+    return sum(bool((a[r * cell:(r + 1) * cell, c * cell:(c + 1) * cell] < 250).any())
+               for r in range(shapes.GRID) for c in range(shapes.GRID))
+
+
+def test_the_shapes_task_draws_that_many_shapes_and_rewards_the_exact_count():
+    """`[task] name = "shapes"` is a source of pictures drawn from the seed: each holds as many
+    shapes as its answer says, the same index draws the same picture, the held-out split tells
+    pictures apart although their text is the same, and the reward is 1 for the exact count only."""
+    from tasks.rows import held_out, synthetic_prompt
+
+    config = config_from_dict({"task": {"name": "shapes", "max_shapes": 6}})
+    source = config.sources[0]
+    assert source.kind == "shapes" and source.reward_name == "tasks.shapes:reward"
+    prompts = [synthetic_prompt(source, seed=0, index=i, prompt_id=str(i)) for i in range(40)]
+    for p in prompts:
+        image = open_image(p.images[0])
+        assert image.size == (48, 48) and shapes_drawn(image) == p.meta["answer"]
+    assert {p.meta["answer"] for p in prompts} == set(range(1, 7))
+    assert synthetic_prompt(source, seed=0, index=7, prompt_id="x").images == prompts[7].images
+    assert len({image_digest(p.images[0]) for p in prompts}) == len(prompts)
+    assert len({p.messages[0]["content"] for p in prompts}) == 1
+    assert 0 < sum(held_out(p, 0.5) for p in prompts) < len(prompts)
+
+    def score(text: str, answer: int) -> float:
+        return shapes.reward(prompt="", completion=text, completion_ids=[], meta={"answer": answer})["correct"]
+
+    assert score("There are 4", 4) == 1.0 and score("3, no: 4", 4) == 1.0  # the last number counts
+    assert score("4, no: 3", 4) == 0.0 and score("40", 4) == 0.0 and score("none", 4) == 0.0
+
+
+# ---------------------------------------------------------------------- engine and trainer
+
+
+def test_the_engine_shows_the_picture_as_image_tokens_and_a_text_model_refuses_one(vlm_engine, tiny_model):
+    """The VLM's prompt holds its processor's image tokens; a text model refuses a prompt with images,
+    and so do the engines that sample text only (vLLM, SGLang, a server: they lay out prompts with
+    `chat_prompt_ids`), naming the one that takes them."""
+    ids = vlm_engine.prompt_ids(shapes_task(0))
+    image = vlm_engine.tokenizer.convert_tokens_to_ids("<image>")
+    assert ids.count(image) == 4  # (32 px / 8 px patches / 2 shuffled)^2
+    with pytest.raises(MessageError, match=r"prompt shapes:0:1: 1 images, but the model takes no images"):
+        HFEngine(tiny_model, seed=0).prompt_ids(shapes_task(1))
+    with pytest.raises(MessageError, match=r"prompt shapes:0:1: 1 images, but this engine samples text only "
+                                           r"\(generator\.engine = \"hf\""):
+        chat_prompt_ids(vlm_engine.tokenizer, shapes_task(1))
+
+
+def sampled_groups(engine, tasks: list[PromptTask], *, temperature: float) -> list[SampleGroup]:
+    """Each task's completions as the generator writes them, its images carried (rewards alternating,
+    so that every completion trains)."""
+    ids = {t.id: engine.prompt_ids(t) for t in tasks}
+    for t in tasks:
+        engine.add(t.id, ids[t.id], SamplingSettings(n=t.n, max_new_tokens=12, temperature=temperature),
+                   images=t.images)
+    done = {}
+    while engine.has_unfinished():
+        done.update((f.request_id, f.samples) for f in engine.step())
+    return [SampleGroup(id=t.id, prompt_id=t.id, prompt_ids=ids[t.id], version=0, generator="test", engine="hf",
+                        completions=[Completion(ids=s.ids, logprobs=s.logprobs, reward=float(j % 2), rewards={},
+                                                finish=s.finish, text="") for j, s in enumerate(done[t.id])],
+                        images=t.images) for t in tasks]
+
+
+def worst_gap(model, groups: list[SampleGroup], *, temperature: float, share_prompts: bool) -> tuple[float, int]:
+    """The largest |trainer - behaviour| log-prob over the groups' trained tokens, and their count."""
+    batches = step_batches(groups, micro_batch_size=5, micro_batch_tokens=0, pack=True,
+                           share_prompts=share_prompts)[0].batches
+    worst, tokens = 0.0, 0
+    with torch.no_grad():
+        for mb in batches:
+            assert mb.packed is not None and mb.packed.images
+            logp, _ = log_probs(partial(sequence_logprobs, temperature=temperature), model, mb)
+            worst = max(worst, ((logp - mb.behaviour_logp).abs() * mb.mask).max().item())
+            tokens += int(mb.mask.sum())
+    return worst, tokens
+
+
+@pytest.mark.parametrize(("temperature", "share_prompts"), [(1.0, True), (0.7, False)])
+def test_engine_logprobs_agree_with_the_trainers_on_the_vlm(any_engine, vlm_engine, vlm, share_prompts,
+                                                           temperature):
+    """Behaviour log-probs of completions an engine samples from the tiny VLM with each prompt's
+    picture (HF: through the processor; vLLM: its multimodal inputs, the prompt's image tokens laid
+    out as the HF engine lays them), against the trainer's packed pass over them with the same
+    pictures (prompts of the same text but another picture are not shared): within LOGPROB_TOL on
+    every token, as for text. The pictures matter: with each other's, the trainer's log-probs are far
+    off."""
+    tasks = [shapes_task(i) for i in range(3)]
+    assert [any_engine.prompt_ids(t) for t in tasks] == [vlm_engine.prompt_ids(t) for t in tasks]
+    groups = sampled_groups(any_engine, tasks, temperature=temperature)
+    model = load_model(vlm).eval()
+    worst, tokens = worst_gap(model, groups, temperature=temperature, share_prompts=share_prompts)
+    print(f"{any_engine.name} on the tiny VLM, T={temperature}, share_prompts={share_prompts}: behaviour vs trainer "
+          f"log-probs over {tokens} tokens, max abs diff {worst:.2e} (tolerance {LOGPROB_TOL:.0e})")
+    assert tokens >= 3 * 4 * 4 and worst < LOGPROB_TOL
+    swapped = [SampleGroup(**{**{f: getattr(g, f) for f in g.__slots__}, "images": groups[(i + 1) % 3].images})
+               for i, g in enumerate(groups)]
+    assert worst_gap(model, swapped, temperature=temperature, share_prompts=share_prompts)[0] > 100 * LOGPROB_TOL
+
+
+def test_the_trainer_refuses_right_padded_rows_with_images(vlm_engine, vlm):
+    """Right-padded micro-batches (trainer.pack_sequences = false) say not where each prompt's image
+    tokens are: the trainer refuses them with images, naming the setting."""
+    groups = sampled_groups(vlm_engine, [shapes_task(5, n=2)], temperature=1.0)
+    mb = step_batches(groups, micro_batch_size=4, micro_batch_tokens=0, pack=False)[0].batches[0]
+    assert mb.images == groups[0].images * 2
+    with pytest.raises(ModelError, match=r"packed micro-batches only \(trainer\.pack_sequences = true"):
+        log_probs(partial(sequence_logprobs, temperature=1.0), load_model(vlm), mb)
+
+
+def test_the_viewer_shows_the_picture_beside_the_completions():
+    """`rollouts view`'s page holds each group's pictures, byte for byte, as images beside its
+    completions; a text group's shows none."""
+    import base64
+    import re
+
+    from starlette.testclient import TestClient
+
+    from viewer.app import make_app
+    from viewer.groups import Advantages, Loaded
+
+    task = shapes_task(2)
+    completions = [Completion(ids=[5, 6], logprobs=[-0.1, -0.2], reward=float(j), rewards={}, finish="stop", text="")
+                   for j in range(2)]
+    seen = SampleGroup(id="vl", prompt_id=task.id, prompt_ids=[1, 2, 3], version=0, generator="g", engine="hf",
+                       completions=completions, images=task.images)
+    text = SampleGroup(**{**{f: getattr(seen, f) for f in seen.__slots__}, "id": "text", "images": ()})
+    app = make_app(load=lambda: Loaded(groups=[("1-0", seen), ("2-0", text)], undecodable=0, source="test"),
+                   tokenizer=None, how=Advantages(), metrics=None, run="vlm")
+    page = TestClient(app).get("/").text
+    sections = {part.split('"', 1)[0]: part for part in page.split('<section class="group" data-group-id="')[1:]}
+    shown = re.findall(r'<img class="picture" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', sections["vl"])
+    assert [base64.b64decode(s) for s in shown] == list(task.images)
+    assert "<img" not in sections["text"]
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, vlm):
+    """Producer, an HF generator and the trainer as OS processes on the tiny VLM and the shapes task:
+    each group carries its prompt's picture, every step trains, the tokens sampled by the weights
+    the trainer holds differ from its own log-probs (computed with those pictures) by no more than
+    LOGPROB_TOL (without them they differ by about 0.1), and each
+    checkpoint is an Idefics3 with its processor beside it, which the engine loads and samples from."""
+    from tests.harness.configs import write_config
+    from tests.harness.pipeline import Pipeline, metrics
+
+    steps = 3
+    env = write_config(tmp_path / "run.toml", run="vlm", redis_url=redis_url, output_dir=tmp_path / "run",
+                       model=vlm, task={"name": "shapes"}, generator={"engine": "hf", "batch_prompts": 2, "threads": 1},
+                       trainer={"max_steps": steps, "lr": 1e-3, "micro_batch_size": 8, "threads": 1,
+                                "keep_checkpoints": 2})
+    pipe = Pipeline(tmp_path, env)
+    for name in ("producer", "generator", "trainer"):
+        pipe.start(name)
+    pipe.finish()
+    groups = [decode_group(f[PAYLOAD]) for _, f in r.xrange(Keys("vlm").samples)]
+    assert groups and all(g.images == shapes_task(int(g.prompt_id.rsplit(":", 1)[1])).images for g in groups)
+    seen = metrics(tmp_path)
+    assert [m["step"] for m in seen] == list(range(1, steps + 1))
+    fresh = [m["mismatch/by_staleness"]["0"] for m in seen if "0" in m["mismatch/by_staleness"]]
+    print("mismatch of tokens sampled by the trainer's own weights:", [f"{x:.2e}" for x in fresh])
+    assert fresh and max(fresh) < LOGPROB_TOL
+    last = tmp_path / "run" / "checkpoints" / f"step_{steps}"
+    assert type(load_model(last)).__name__ == "Idefics3ForConditionalGeneration"
+    assert (last / "processor_config.json").is_file()
+    engine = HFEngine(last, seed=0)
+    task = shapes_task(3, n=1)
+    engine.add("a", engine.prompt_ids(task), SamplingSettings(n=1, max_new_tokens=4, temperature=1.0),
+               images=task.images)
+    assert engine.step()[0].samples[0].ids
