@@ -297,6 +297,11 @@ class DatasetSource(_Sampled, _Files):
     answer_extractor: Literal["none", "gsm8k", "boxed"] = "none"
     # Further columns copied into meta under their own names, for a custom reward.
     meta_columns: list[str] = Field([])
+    # Column holding the prompt's images, for a vision-language model: an image file's path
+    # (relative to the data file's directory, or absolute), its bytes, a {bytes, path} map (an HF
+    # `datasets` Image column, as Parquet stores it), or a list of those. PNG or JPEG, at most
+    # [limits] max_images of max_image_bytes each; "" = none.
+    image_column: str = ""
 
     def default_reward(self) -> str:
         return "tasks.gsm8k:reward"
@@ -312,6 +317,8 @@ class DatasetSource(_Sampled, _Files):
             raise ValueError("messages_column: excludes prompt_column and template")
         if self.answer_extractor != "none" and not self.answer_column:
             raise ValueError("answer_extractor: needs answer_column")
+        if self.image_column and not self.chat:
+            raise ValueError("image_column: images are shown in a chat prompt's user message; needs chat = true")
         return self
 
 

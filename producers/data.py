@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from common.config import SourceConfig
+from common.images import MAX_IMAGE_BYTES, MAX_IMAGES, check_images
 from tasks.rows import (  # noqa: F401 - the producer's names for them
     FORMATS,
     DataError,
@@ -60,12 +61,14 @@ class Source:
     """One source of prompts and its position: `epoch`, and `offset` (rows taken this epoch)."""
 
     def __init__(self, config: SourceConfig, *, seed: int, field: str, epoch: int = 0, offset: int = 0,
-                 holdout: float = 0.0):
+                 holdout: float = 0.0, max_images: int = MAX_IMAGES, max_image_bytes: int = MAX_IMAGE_BYTES):
         """holdout: the share of problems kept for evaluation (tasks.rows.held_out); they are passed
-        over, as if the source did not have them."""
+        over, as if the source did not have them. A row whose images break [limits] (max_images,
+        max_image_bytes) or are not PNG or JPEG files is skipped, saying why."""
         assert epoch >= 0 and offset >= 0, f"position must be >= 0, got epoch {epoch} offset {offset}"
         self.config, self.seed, self.epoch, self.offset = config, seed, epoch, offset
         self.holdout = holdout
+        self.image_limits = {"max_images": max_images, "max_image_bytes": max_image_bytes}
         self.name = config.name
         self.ds = None
         self.size: int | None = None  # rows per epoch; None when endless or streamed
@@ -101,6 +104,8 @@ class Source:
         prompt_id = f"{self.name}:{self.epoch}:{index}"
         try:
             made: Prompt | Skipped = row_prompt(row, source=c, prompt_id=prompt_id)
+            if made.images:
+                check_images(list(made.images), f"row {prompt_id}", **self.image_limits)
             self._good_this_epoch = True
         except (ValueError, KeyError, TypeError, IndexError) as err:  # what a bad row raises
             made = Skipped(id=prompt_id, reason=str(err) or type(err).__name__)

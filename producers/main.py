@@ -66,7 +66,8 @@ def sources_at(config: Config, positions: dict[str, tuple[int, int]]) -> list[So
     """The run's sources, each at its (epoch, offset) in `positions` (absent: the start)."""
     return [Source(s, seed=config.task.seed, field=f"data.sources.{i}" if config.data.sources else "task",
                    epoch=positions.get(s.name, (0, 0))[0], offset=positions.get(s.name, (0, 0))[1],
-                   holdout=config.holdout)
+                   holdout=config.holdout, max_images=config.limits.max_images,
+                   max_image_bytes=config.limits.max_image_bytes)
             for i, s in enumerate(config.sources)]
 
 

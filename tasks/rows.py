@@ -73,7 +73,24 @@ def detect_format(path: Path, *, field: str) -> str:
 
 
 def load(source: Any, *, field: str):
-    """The source's `datasets.Dataset` (or `IterableDataset` when streaming)."""
+    """The source's `datasets.Dataset` (or `IterableDataset` when streaming); an `image_column` of
+    `datasets`' Image type left as its files' bytes (not decoded into pictures: the engine and the
+    trainer each decode the same bytes)."""
+    ds = _load(source, field=field)
+    column = getattr(source, "image_column", "")
+    feature = (getattr(ds, "features", None) or {}).get(column) if column else None
+    if feature is not None:
+        import datasets
+
+        inner = getattr(feature, "feature", None)  # a list of images
+        if isinstance(feature, datasets.Image):
+            ds = ds.cast_column(column, datasets.Image(decode=False))
+        elif isinstance(inner, datasets.Image):
+            ds = ds.cast_column(column, type(feature)(datasets.Image(decode=False)))
+    return ds
+
+
+def _load(source: Any, *, field: str):
     import datasets
 
     datasets.disable_progress_bars()
@@ -130,7 +147,7 @@ def check_columns(source: Any, have: list[str], *, field: str) -> None:
         return getattr(source, field, "")
 
     wanted = [("prompt_column", named("prompt_column")), ("messages_column", named("messages_column")),
-              ("answer_column", named("answer_column"))]
+              ("answer_column", named("answer_column")), ("image_column", named("image_column"))]
     wanted += [(f"meta_columns.{i}", c) for i, c in enumerate(named("meta_columns"))]
     wanted += [("template", name) for _, name, _, _ in string.Formatter().parse(named("template"))
                if name is not None]
@@ -194,6 +211,36 @@ def row_user_text(row: dict[str, Any], *, source: Any) -> str:
     return user
 
 
+def row_images(value: Any, *, source: Any) -> tuple[bytes, ...]:
+    """The image files an `image_column` cell names: a path (relative to the data file's directory),
+    bytes, a {bytes, path} map (a `datasets` Image column as Parquet stores it), or a list of these;
+    ValueError naming the column and what is wrong. Their format and size are the producer's check
+    (common/images.py), as for a synthetic task's images."""
+    column = source.image_column
+    cells = value if isinstance(value, list) else [value]
+    if not cells or any(c is None or c == "" for c in cells):
+        raise ValueError(f"column {column!r} is empty")
+    out = []
+    for cell in cells:
+        if isinstance(cell, dict):  # datasets' Image feature: the file's bytes, else its path
+            cell = cell.get("bytes") or cell.get("path")
+        if isinstance(cell, bytes):
+            out.append(cell)
+        elif isinstance(cell, str):
+            path = Path(cell).expanduser()
+            if not path.is_absolute():
+                where = Path(source.path).expanduser()
+                path = (where if where.is_dir() else where.parent) / path
+            try:
+                out.append(path.read_bytes())
+            except OSError as err:
+                raise ValueError(f"column {column!r}: cannot read the image {str(path)!r} "
+                                 f"({err.strerror or type(err).__name__})") from None
+        else:
+            raise ValueError(f"column {column!r} holds a {type(cell).__name__}, not an image's path or bytes")
+    return tuple(out)
+
+
 def row_prompt(row: dict[str, Any], *, source: Any, prompt_id: str) -> Prompt:
     """The prompt a data set row makes; ValueError naming what is wrong if it makes none."""
     meta: dict[str, Any] = {"source": source.name}
@@ -211,6 +258,9 @@ def row_prompt(row: dict[str, Any], *, source: Any, prompt_id: str) -> Prompt:
         from tasks.verifiers_tasksets import META_COLUMNS
 
         meta.update({c: row[c] for c in META_COLUMNS})
+    if getattr(source, "image_column", ""):
+        return Prompt(id=prompt_id, messages=messages, text=None, meta=meta,
+                      images=row_images(row.get(source.image_column), source=source))
     if getattr(source, "chat", True):  # an sft source: conversations stay chat
         return Prompt(id=prompt_id, messages=messages, text=None, meta=meta)
     return Prompt(id=prompt_id, messages=None, text="\n\n".join(m["content"] for m in messages), meta=meta)

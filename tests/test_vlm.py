@@ -125,6 +125,62 @@ def test_the_shapes_task_draws_that_many_shapes_and_rewards_the_exact_count():
     assert score("4, no: 3", 4) == 0.0 and score("40", 4) == 0.0 and score("none", 4) == 0.0
 
 
+def test_a_data_set_names_its_image_column_as_paths_or_parquet_bytes(tmp_path):
+    """`image_column` of a dataset source: a JSONL row's relative path is read beside the data file,
+    a Parquet row's {bytes, path} cell (a `datasets` Image column) gives its bytes, a list gives them
+    all in order; a row whose image is missing, not a PNG or JPEG, or over [limits] is skipped
+    saying why, and a column the data set lacks stops the producer at start-up, named."""
+    import json
+
+    from datasets import Dataset, Features, Image, List, Value
+
+    from common.config import ConfigError, source_config
+    from producers.data import DataError, Source
+
+    red, blue = (png_bytes(shapes.picture(shapes.problem(seed=0, index=i))) for i in (0, 1))
+    assert red != blue
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "red.png").write_bytes(red)
+    (tmp_path / "pics" / "blue.png").write_bytes(blue)
+    (tmp_path / "pics" / "anim.gif").write_bytes(b"GIF89a" + bytes(40))
+    rows = [{"q": "one", "image": "pics/red.png"}, {"q": "two", "image": ["pics/blue.png", "pics/red.png"]},
+            {"q": "gone", "image": "pics/nope.png"}, {"q": "gif", "image": "pics/anim.gif"},
+            {"q": "none", "image": None}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def source(path, max_images=8):
+        return Source(source_config(name="v", kind="dataset", path=str(path), prompt_column="q",
+                                    image_column="image", shuffle=False), seed=0, field="data.sources.0",
+                      max_images=max_images)
+
+    jsonl = source(tmp_path / "data.jsonl")
+    made = [jsonl.take() for _ in rows]
+    assert made[0].images == (red,) and made[0].messages == [{"role": "user", "content": "one"}]
+    assert made[1].images == (blue, red)
+    assert "cannot read the image" in made[2].reason and "nope.png" in made[2].reason
+    assert "not a PNG or JPEG file" in made[3].reason
+    assert made[4].reason == "column 'image' is empty"
+    limited = source(tmp_path / "data.jsonl", max_images=1)
+    assert [limited.take() for _ in range(2)][1].reason.endswith("2 images exceed the limit of 1")
+
+    table = Dataset.from_dict({"q": ["a", "b"], "image": [{"bytes": blue, "path": None}, {"bytes": red, "path": None}]},
+                              features=Features({"q": Value("string"), "image": Image()}))
+    table.to_parquet(str(tmp_path / "data.parquet"))
+    parquet = source(tmp_path / "data.parquet")
+    assert [parquet.take().images for _ in range(2)] == [(blue,), (red,)]
+    pair = Dataset.from_dict({"q": ["c"], "image": [[{"bytes": red, "path": None}, {"bytes": blue, "path": None}]]},
+                             features=Features({"q": Value("string"), "image": List(Image())}))
+    pair.to_parquet(str(tmp_path / "pair.parquet"))
+    assert source(tmp_path / "pair.parquet").take().images == (red, blue)
+
+    with pytest.raises(DataError, match=r"data.sources.0.image_column: column 'picture' is not in"):
+        Source(source_config(name="v", kind="dataset", path=str(tmp_path / "data.jsonl"), prompt_column="q",
+                             image_column="picture"), seed=0, field="data.sources.0")
+    with pytest.raises(ConfigError, match="image_column.*needs chat = true"):
+        config_from_dict({"data": {"sources": [{"name": "v", "kind": "dataset", "path": "x.jsonl",
+                                                "prompt_column": "q", "image_column": "image", "chat": False}]}})
+
+
 # ---------------------------------------------------------------------- engine and trainer
 
 
