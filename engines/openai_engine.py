@@ -71,6 +71,15 @@ class OpenAIEngine:
         config = json.loads((self.path / "config.json").read_text())
         # an lm_head that shares the embedding: save_pretrained leaves it out of a checkpoint
         self._tied = {"lm_head.weight"} if config.get("tie_word_embeddings", False) else set()
+        self.model, self.context_length = self._connect(config)
+        self.max_running = max_running
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="request")
+        self._in_flight: dict[str, concurrent.futures.Future[list[Sampled]]] = {}
+        self._next = 0
+
+    def _connect(self, config: dict[str, Any]) -> tuple[str, int]:
+        """Check that the server can serve this engine (`config`: the model's config.json); the
+        model's name on it and its context length."""
         models = self._get("/v1/models")["data"]
         assert models, f"{self.url} serves no model"
         if self._tied:  # repacks the head from the weights loaded: harmless, and proves the server can
@@ -80,12 +89,7 @@ class OpenAIEngine:
                 raise ServerError(f"{self.url} cannot refresh the tied lm_head of {self.path} after a reload: start "
                                   f"it with --worker-extension-cls {EXTENSION} (this checkout on its PYTHONPATH) "
                                   f"and VLLM_SERVER_DEV_MODE=1 ({err})") from None
-        self.model = models[0]["id"]
-        self.context_length = int(models[0].get("max_model_len") or config["max_position_embeddings"])
-        self.max_running = max_running
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="request")
-        self._in_flight: dict[str, concurrent.futures.Future[list[Sampled]]] = {}
-        self._next = 0
+        return models[0]["id"], int(models[0].get("max_model_len") or config["max_position_embeddings"])
 
     # ------------------------------------------------------------------ the Engine interface
 

@@ -34,14 +34,12 @@ CPU, with its kernel library stubbed (docs/generators.md); not yet on a GPU.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 from pathlib import Path
 from typing import Any
 
-from common.checkpoints import check_fits, tensor_shapes
-from common.config import GeneratorConfig
-from engines.base import Sampled, SamplingSettings, load_tokenizer, stop_ids
+from common.checkpoints import check_fits
+from engines.base import Sampled, SamplingSettings
 from engines.openai_engine import OpenAIEngine, ServerError
 
 
@@ -50,34 +48,14 @@ class SGLangEngine(OpenAIEngine):
 
     name = "sglang"
 
-    @classmethod
-    def for_settings(cls, path: str | Path, *, settings: GeneratorConfig, dtype: str, seed: int,
-                     max_running: int) -> SGLangEngine:
-        """The server at generator.server_url; it was started on model.path with the run's dtype."""
-        return cls(settings.server_url, path, max_running=max_running, timeout_s=settings.request_timeout_s)
-
-    def __init__(self, url: str, path: str | Path, *, max_running: int = 64, timeout_s: float = 600.0) -> None:
-        # OpenAIEngine.__init__ is not called: it asks a vLLM server for its worker extension.
-        self.url = url.rstrip("/")
-        self.path = Path(path)
-        self.tokenizer = load_tokenizer(self.path)
-        self.eos_ids = stop_ids(self.tokenizer, self.path)
-        self.version = 0  # weight version loaded: 0 = what the server started with
-        self._timeout_s = timeout_s
-        self._shapes = tensor_shapes(self.path)
-        config = json.loads((self.path / "config.json").read_text())
-        self._tied = {"lm_head.weight"} if config.get("tie_word_embeddings", False) else set()
+    def _connect(self, config: dict[str, Any]) -> tuple[str, int]:
+        """An SGLang server of a generative model (its /model_info), and the version tag it puts on
+        answers from the weights it started with (--weight-version)."""
         info = self._get("/model_info")
         if not info.get("is_generation", False):
             raise ServerError(f"{self.url} serves {info.get('model_path')!r}, not a generative model")
-        self.model = str(info.get("model_path", self.path))
-        # the tag the server puts on answers from the weights it started with (--weight-version)
         self._served = str(info.get("weight_version"))
-        self.context_length = int(config["max_position_embeddings"])
-        self.max_running = max_running
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="request")
-        self._in_flight: dict[str, concurrent.futures.Future[list[Sampled]]] = {}
-        self._next = 0
+        return str(info.get("model_path", self.path)), int(config["max_position_embeddings"])
 
     def greedy(self, prompts: list[list[int]], *, max_new_tokens: int) -> list[list[int]]:
         assert prompts and all(prompts), "greedy() needs non-empty prompts"
