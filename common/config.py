@@ -22,7 +22,9 @@ import inspect
 import linecache
 import os
 import re
+import sys
 import tomllib
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -641,9 +643,10 @@ class LoraConfig(_Section):
 
 
 # ---------------------------------------------------------------------- the loss
-# [trainer.loss] is one of the variants below, chosen by `type`; trainer/losses/<type>.py computes
-# it. [trainer.loss.correction] likewise, by its own `type` (trainer/losses/corrections/<type>.py).
-# Either may be given by its type alone: `correction = "decoupled"`, ROLLOUTS_TRAINER__LOSS=gspo.
+# [trainer.loss] is one of the variants of LOSSES, chosen by `type`: trainer/losses/<type>.py
+# declares its settings (an `Options` class) and computes it. [trainer.loss.correction] likewise,
+# by its own `type` (CORRECTIONS: trainer/losses/corrections/<type>.py). Either may be given by
+# its type alone: `correction = "decoupled"`, ROLLOUTS_TRAINER__LOSS=gspo.
 
 
 def _by_type(default: str) -> Callable[[Any], Any]:
@@ -658,58 +661,84 @@ def _by_type(default: str) -> Callable[[Any], Any]:
     return by_type
 
 
-class BehaviourClip(_Section):
-    # The correction (trainer/losses/corrections/<type>.py): "behaviour_clip" (the default): PPO's
-    # ratio pi / pi_behav, clipped, staleness and engine mismatch going into the clipped ratio, no
-    # extra pass; "decoupled": ratio pi / pi_prox times min(pi_prox / pi_behav, tis_cap);
-    # "token_mask" / "sequence_mask": ratio pi / pi_prox times pi_prox / pi_behav (per token / the
-    # sequence's geometric mean), 0 outside [mask_low, mask_high].
-    type: Literal["behaviour_clip"] = "behaviour_clip"
+def _trainer_root() -> Path:
+    """The folder holding the trainer package (found, not imported)."""
+    spec = importlib.util.find_spec("trainer")
+    assert spec is not None and spec.submodule_search_locations, "the trainer package is not importable"
+    return Path(next(iter(spec.submodule_search_locations))).parent
 
 
-class Decoupled(_Section):
-    # Decoupled PPO (AReaL): ratio pi / pi_prox, clipped, times the no-gradient weight
-    # min(pi_prox / pi_behav, tis_cap).
-    type: Literal["decoupled"] = "decoupled"
-    # Cap of the behaviour weight pi_prox / pi_behav.
-    tis_cap: float = Field(2.0, gt=0.0)
+# What an `Options` class of trainer/ may use: its file's imports from these packages (the rest of
+# the file, torch and the trainer's own modules, is never run by common).
+_OPTIONS_IMPORTS = frozenset({"__future__", "typing", "pydantic", "common"})
 
 
-class TokenMask(_Section):
-    # Ratio pi / pi_prox, clipped, times pi_prox / pi_behav where that lies in [mask_low,
-    # mask_high]; tokens outside the band are dropped from the loss (MIS, icepop).
-    type: Literal["token_mask"] = "token_mask"
-    # The lower end of the band [mask_low, mask_high] of pi_prox / pi_behav kept.
-    mask_low: float = Field(0.5, ge=0.0, le=1.0)
-    # The upper end of that band.
-    mask_high: float = Field(2.0, ge=1.0)
+def _read_options(folder: str, base: type[_Section], *, suffix: str, default: str) -> dict[str, type[_Section]]:
+    """{type: its variant} of each module of trainer/<folder>/ with an `Options` class (a subclass
+    of `base`), the type being the file's name. The class is read from the file and run with the
+    file's imports from _OPTIONS_IMPORTS, never importing the module (common imports no process
+    package, and a loss's module imports torch); its variant adds `type`, and is this module's
+    `<Type><suffix>` (GrpoLoss, TokenMask: pickle and imports find it here). `default` comes last:
+    --help shows the last variant's type as the default."""
+    root = _trainer_root()
+    found: dict[str, type[_Section]] = {}
+    for path in sorted((root / "trainer" / folder).glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        if not any(isinstance(n, ast.ClassDef) and n.name == "Options" for n in tree.body):
+            continue
+        tree.body = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Options"
+                     or isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] in _OPTIONS_IMPORTS
+                     or isinstance(n, ast.Import) and all(a.name.split(".")[0] in _OPTIONS_IMPORTS for a in n.names)]
+        module = types.ModuleType(f"{__name__}:{path.relative_to(root)}")  # not importable: a name for the class
+        module.__file__ = str(path)  # where _document reads its comments
+        sys.modules[module.__name__] = module  # where pydantic resolves its annotations
+        try:
+            exec(compile(tree, str(path), "exec"), module.__dict__)  # noqa: S102 -- the file's own class
+        except NameError as err:
+            raise ImportError(f"{path.relative_to(root)}: its Options class uses {err.name!r}, which it does not "
+                              f"import from {', '.join(sorted(_OPTIONS_IMPORTS - {'__future__'}))} (common reads "
+                              "the class alone, with those imports)") from None
+        options = module.Options
+        if not (isinstance(options, type) and issubclass(options, base)):
+            raise TypeError(f"{path.relative_to(root)}: Options must subclass common.config's {base.__name__}")
+        name = path.stem.title().replace("_", "") + suffix
+        found[path.stem] = globals()[name] = create_model(  # type: ignore[call-overload]
+            name, __base__=options, __module__=__name__, __doc__=options.__doc__,
+            type=(Literal[path.stem], path.stem))
+    assert default in found, f"trainer/{folder}/{default}.py, the default, declares no Options"
+    return {**{t: v for t, v in found.items() if t != default}, default: found[default]}
 
 
-class SequenceMask(_Section):
-    # As token_mask with the sequence's geometric mean of pi_prox / pi_behav: a sequence outside the
-    # band is dropped whole (TRL's sequence_mask).
-    type: Literal["sequence_mask"] = "sequence_mask"
-    # The lower end of the band [mask_low, mask_high] of the geometric mean kept.
-    mask_low: float = Field(0.5, ge=0.0, le=1.0)
-    # The upper end of that band.
-    mask_high: float = Field(2.0, ge=1.0)
+def _summaries(folder: str, variants: dict[str, type[_Section]]) -> str:
+    """The types of `variants`, each with the first line of its module's docstring ("grpo: ..."),
+    for the `type` field's description: written where the type is, never listed by hand here."""
+    root = _trainer_root()
+    lines = []
+    for t in variants:
+        doc = ast.get_docstring(ast.parse((root / "trainer" / folder / f"{t}.py").read_text())) or ""
+        summary = doc.split("\n\n")[0].replace("\n", " ").removeprefix(f"{t}:").strip().rstrip(".")
+        lines.append(f'"{t}"' + (f" ({summary})" if summary else ""))
+    return "; ".join(lines)
+
+
+class LossOptions(_Section):
+    """The settings of a loss: a trainer/losses/<type>.py's `Options` subclasses this (or ClippedLoss)."""
+
+
+class CorrectionOptions(_Section):
+    """The settings of an off-policy correction: trainer/losses/corrections/<type>.py's `Options`."""
 
 
 # Off-policy correction: how the loss treats the gap between the policy that sampled a token (the
 # generator's behaviour log-probs: older weights, another engine, bf16 kernels) and the trainer's
 # policy. pi_prox is the proximal policy: a no-grad pass with the weights at the start of the step
 # (one more forward pass over the batch), taken by every correction but behaviour_clip.
-# The default variant last: --help shows its type as the default (and each other setting's default
-# from the first variant that has it: the variants share their defaults).
-# The corrections by `type`: the one place a correction is declared (its class above, its weight in
-# trainer/losses/corrections/<type>.py).
-CORRECTIONS: dict[str, type[_Section]] = {c.model_fields["type"].default: c
-                                          for c in (Decoupled, TokenMask, SequenceMask, BehaviourClip)}
+CORRECTIONS = _read_options("losses/corrections", CorrectionOptions, suffix="", default="behaviour_clip")
 CorrectionConfig = Annotated[Union[tuple(CORRECTIONS.values())], Field(discriminator="type"),  # noqa: UP007
                              BeforeValidator(_by_type("behaviour_clip"))]
 
 
-class ClippedLoss(_Section):
+class ClippedLoss(LossOptions):
     """The settings every loss with a clipped ratio takes."""
 
     # Clip range of the ratio: [1 - clip_low, 1 + clip_high].
@@ -717,7 +746,7 @@ class ClippedLoss(_Section):
     # Upper clip bound: 1 + clip_high (DAPO's clip-higher raises it).
     clip_high: float = Field(0.2, ge=0.0)
     # [trainer.loss.correction]: the off-policy correction, by `type` (one of CORRECTIONS).
-    correction: CorrectionConfig = Field(default_factory=lambda: BehaviourClip())
+    correction: CorrectionConfig = Field(default_factory=lambda: CORRECTIONS["behaviour_clip"]())
     # KL penalty to the frozen initial model, per token; 0: no reference model is kept.
     kl_coef: float = Field(0.0, ge=0.0)
     # Estimator of KL(policy || reference) per sampled token, log r = log ref - log pi (Schulman's
@@ -730,62 +759,20 @@ class ClippedLoss(_Section):
     kl_estimator: Literal["k1", "k2", "k3", "k3_is"] = "k3"
 
 
-class _DualClip(_Section):
+class DualClip(_Section):
     # Dual clip (verl's clip_ratio_c): where the advantage is negative, a token's loss is at most
     # -A * clip_ratio_c however large its ratio (an off-policy token the policy now favours cannot
     # blow up the update); 0 turns it off, else it must be > 1 (verl uses 3).
     clip_ratio_c: float = Field(0.0, ge=0.0)
 
     @model_validator(mode="after")
-    def _check_dual_clip(self) -> _DualClip:
+    def _check_dual_clip(self) -> DualClip:
         if 0 < self.clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c: must be 0 (off) or > 1, got {self.clip_ratio_c}")
         return self
 
 
-class GrpoLoss(ClippedLoss, _DualClip):
-    # The loss (trainer/losses/<type>.py): "grpo" (the default): PPO's clipped ratio per token,
-    # -min(r A, clip(r) A) (GRPO, DAPO, Dr. GRPO by loss_agg); "gspo": the ratio per sequence;
-    # "cispo": the clipped ratio as a no-gradient weight; "custom": `function`. Each type takes
-    # only its own settings.
-    type: Literal["grpo"] = "grpo"
-    # How the per-token losses become the step's loss:
-    # "token_mean": their sum / the step's trained-token count (DAPO). Long completions weigh more.
-    # "seq_mean": mean over each sequence's tokens, then mean over the step's sequences (GRPO paper);
-    #   carries GRPO's length bias (a short wrong answer is pushed down harder per token).
-    # "token_sum_norm": their sum / a constant, completions x rollout.max_new_tokens (Dr. GRPO): no
-    #   length bias and no dependence on the step's lengths either.
-    loss_agg: Literal["token_mean", "seq_mean", "token_sum_norm"] = "token_mean"
-
-
-class GspoLoss(ClippedLoss, _DualClip):
-    # GSPO: the ratio per sequence, the geometric mean of its tokens' ratios, clipped per sequence;
-    # each sequence averaged over its tokens, then the sequences (seq_mean). GSPO uses tiny clip
-    # ranges (clip_low 3e-4, clip_high 4e-4).
-    type: Literal["gspo"] = "gspo"
-
-
-class CispoLoss(ClippedLoss):
-    # CISPO (MiniMax-M1): -sg(clip(r, 1 - clip_low, 1 + clip_high)) A log pi per token, token_mean:
-    # the clipped ratio weighs each token's gradient but never zeroes it (PPO's clip drops the
-    # gradient of a clipped token). MiniMax leaves the ratio unbounded below (clip_low 1).
-    type: Literal["cispo"] = "cispo"
-
-
-class CustomLoss(_Section):
-    # A loss of your own: `function(inputs: trainer.losses.LossInputs, **kwargs) -> LossOutputs`
-    # (behaviour_clip's inputs: no proximal or reference pass, prox_logp and ref_logp None).
-    type: Literal["custom"] = "custom"
-    # "module:function" (as rewards are named); loaded at start-up.
-    function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-    # Keyword arguments passed to it ([trainer.loss.kwargs]).
-    kwargs: dict[str, float | int | bool | str] = Field({})
-
-
-# The losses by `type`: the one place a loss is declared (its class above, its function in
-# trainer/losses/<type>.py); the default last (as CorrectionConfig's).
-LOSSES: dict[str, type[_Section]] = {c.model_fields["type"].default: c
-                                     for c in (GspoLoss, CispoLoss, CustomLoss, GrpoLoss)}
+LOSSES = _read_options("losses", LossOptions, suffix="Loss", default="grpo")
 LossConfig = Annotated[Union[tuple(LOSSES.values())], Field(discriminator="type"),  # noqa: UP007
                        BeforeValidator(_by_type("grpo"))]
 
@@ -911,10 +898,9 @@ class TrainerConfig(_Section):
     report_to: list[Literal["tensorboard", "wandb"]] = Field([])
     # The W&B project runs are logged to (report_to = ["wandb"]).
     wandb_project: str = "rollouts"
-    # [trainer.loss]: the GRPO family's policy loss, chosen by its `type` (each type takes only its
-    # own settings): "grpo" (the PPO-clipped ratio per token), "gspo" (per sequence), "cispo" (the
-    # clipped ratio as a no-gradient weight) or "custom" (a "module:function" of your own).
-    loss: LossConfig = Field(default_factory=lambda: GrpoLoss())
+    # [trainer.loss]: the GRPO family's policy loss, chosen by its `type` (one of LOSSES); each type
+    # takes only its own settings.
+    loss: LossConfig = Field(default_factory=lambda: LOSSES["grpo"]())
     # [trainer.lora]: train low-rank adapters instead of every weight.
     lora: LoraConfig = Field(default_factory=LoraConfig)
     # [trainer.quarantine]: generators whose log-probs depart from the trainer's.
@@ -1346,10 +1332,19 @@ def _document_fields() -> None:
                 TrainerConfig, LoraConfig, EvalConfig, LimitsConfig, TeacherConfig, *CORRECTIONS.values(),
                 *LOSSES.values()):
         _document(cls)
-    for cls in LOSSES.values():  # the list of corrections, from the registry (a comment would go stale)
-        if (field := cls.model_fields.get("correction")) is not None and field.description:
-            field.description = field.description.replace("one of CORRECTIONS",
-                                                          "one of " + ", ".join(f'"{t}"' for t in CORRECTIONS))
+    # The lists of losses and corrections, from the registries (a comment would go stale).
+    for folder, variants, what, registry in (("losses", LOSSES, "loss", "LOSSES"),
+                                             ("losses/corrections", CORRECTIONS, "correction", "CORRECTIONS")):
+        listed = ", ".join(f'"{t}"' for t in variants)
+        for cls in (*LOSSES.values(), TrainerConfig):
+            for field in cls.model_fields.values():
+                if field.description:
+                    field.description = field.description.replace(f"one of {registry}", f"one of {listed}")
+        summaries = _summaries(folder, variants)
+        for cls in variants.values():
+            cls.model_fields["type"].description = (
+                f"The {what} (trainer/{folder}/<type>.py): {summaries}. The default: "
+                f'"{next(reversed(variants))}". Each type takes only its own settings.')
 
 
 _document_fields()  # every field's comment is its description, for --help and for readers of the model

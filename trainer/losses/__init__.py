@@ -1,8 +1,13 @@
 """The GRPO family's policy losses: one file each, chosen by [trainer.loss]'s `type`.
 
-A loss is `loss(inputs: LossInputs, cfg) -> LossOutputs` in trainer/losses/<type>.py, `cfg` its
-variant of common/config.py's LossConfig; a "custom" loss is any `module:function` of that shape
-(its settings come as keyword arguments). Adding one is that file, its variant and its test.
+A loss is trainer/losses/<type>.py: its settings, an `Options` class (a subclass of
+common.config's LossOptions, or ClippedLoss for a clipped ratio: pydantic fields, each with its
+comment, imported only from pydantic, typing and common, since common.config reads the class from
+the file without importing it), and `loss(inputs: LossInputs, cfg) -> LossOutputs`, `cfg` the
+config's variant of that type (common.config's LOSSES[type], which subclasses the file's Options);
+or `bind(cfg) -> Loss` where the loss is loaded at start-up (custom.py: any `module:function` of
+that shape, its settings as keyword arguments). Adding a loss is that file and its test: the
+config takes `type = "<file name>"` with its options, --help lists it with its docstring's first line.
 `LossInputs` is one micro-batch; the loss is its share of the whole (mini-)batch's mean (the
 normalisers are counts of the whole batch, over every rank), so the micro-batches' losses and
 stats add up exactly.
@@ -18,7 +23,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from common.config import BehaviourClip, ClippedLoss, CorrectionConfig, CustomLoss, LossConfig
+from common.config import CORRECTIONS, ClippedLoss, CorrectionConfig, LossConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,30 +67,22 @@ Loss = Callable[[LossInputs], LossOutputs]
 
 
 def loss_function(cfg: LossConfig) -> Loss:
-    """The loss `cfg` chooses, its settings bound: trainer/losses/<type>.py's `loss`, or a custom
-    loss's function with its kwargs; ValueError if a custom one cannot be loaded."""
-    if isinstance(cfg, CustomLoss):
-        module_name, _, attr = cfg.function.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"trainer.loss.function {cfg.function!r} cannot be loaded: {err}") from None
-        if not callable(fn):
-            raise ValueError(f"trainer.loss.function {cfg.function!r} is not callable")
-        return partial(fn, **cfg.kwargs)
-    return partial(importlib.import_module(f"trainer.losses.{cfg.type}").loss, cfg=cfg)
+    """The loss `cfg` chooses, its settings bound: trainer/losses/<type>.py's `loss`, or what its
+    `bind` returns (a custom loss's function with its kwargs; ValueError if it cannot be loaded)."""
+    module = importlib.import_module(f"trainer.losses.{cfg.type}")
+    return module.bind(cfg) if hasattr(module, "bind") else partial(module.loss, cfg=cfg)
 
 
 def correction_of(cfg: LossConfig) -> CorrectionConfig:
     """`cfg`'s off-policy correction; a custom loss takes behaviour_clip's (no proximal pass)."""
-    return cfg.correction if isinstance(cfg, ClippedLoss) else BehaviourClip()
+    return cfg.correction if isinstance(cfg, ClippedLoss) else CORRECTIONS["behaviour_clip"]()
 
 
 def takes_proximal(cfg: LossConfig) -> bool:
     """Whether `cfg` takes its PPO ratio against the proximal policy (the weights at the step's
     start), so that the step runs a no-grad pass for it (LossInputs.prox_logp): every correction
     but behaviour_clip, whose ratio is against the behaviour policy (the sampler's log-probs)."""
-    return not isinstance(correction_of(cfg), BehaviourClip)
+    return correction_of(cfg).type != "behaviour_clip"
 
 
 def kl_coef_of(cfg: LossConfig) -> float:

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from common.config import CispoLoss
+from common.config import ClippedLoss
 from trainer.losses import LossInputs, LossOutputs
 from trainer.losses.clipped import aggregate, prepare, token_stats
 from trainer.losses.kl import with_kl
 
 
-def loss(x: LossInputs, cfg: CispoLoss) -> LossOutputs:
+class Options(ClippedLoss):
+    """MiniMax leaves the ratio unbounded below (clip_low 1)."""
+
+
+def loss(x: LossInputs, cfg: Options) -> LossOutputs:
     p = prepare(x, cfg)
     ratio = torch.exp(p.log_ratio)  # (B, T)
     is_weight = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high).detach()  # (B, T)

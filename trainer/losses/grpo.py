@@ -7,15 +7,27 @@ dual clip bounding it where A < 0, w the correction's no-gradient weight; aggreg
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-from common.config import GrpoLoss
+from common.config import ClippedLoss, DualClip
 from trainer.losses import LossInputs, LossOutputs
 from trainer.losses.clipped import aggregate, clipped_objective, prepare, token_stats
 from trainer.losses.kl import with_kl
 
 
-def loss(x: LossInputs, cfg: GrpoLoss) -> LossOutputs:
+class Options(ClippedLoss, DualClip):
+    # How the per-token losses become the step's loss:
+    # "token_mean": their sum / the step's trained-token count (DAPO). Long completions weigh more.
+    # "seq_mean": mean over each sequence's tokens, then mean over the step's sequences (GRPO paper);
+    #   carries GRPO's length bias (a short wrong answer is pushed down harder per token).
+    # "token_sum_norm": their sum / a constant, completions x rollout.max_new_tokens (Dr. GRPO): no
+    #   length bias and no dependence on the step's lengths either.
+    loss_agg: Literal["token_mean", "seq_mean", "token_sum_norm"] = "token_mean"
+
+
+def loss(x: LossInputs, cfg: Options) -> LossOutputs:
     p = prepare(x, cfg)
     ratio = torch.exp(p.log_ratio)  # (B, T)
     per_token, dual = clipped_objective(ratio, p.adv, p.mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from common.config import GspoLoss
+from common.config import ClippedLoss, DualClip
 from trainer.losses import LossInputs, LossOutputs
 from trainer.losses.clipped import aggregate, clipped_objective, prepare, token_stats
 from trainer.losses.kl import with_kl
 
 
-def loss(x: LossInputs, cfg: GspoLoss) -> LossOutputs:
+class Options(ClippedLoss, DualClip):
+    """GSPO uses tiny clip ranges (clip_low 3e-4, clip_high 4e-4)."""
+
+
+def loss(x: LossInputs, cfg: Options) -> LossOutputs:
     p = prepare(x, cfg)
     seq_log_ratio = p.log_ratio.sum(dim=1) / p.lengths  # (B,) log of the geometric mean
     ratio = torch.exp(seq_log_ratio).unsqueeze(1).expand_as(x.logp)  # (B, T)

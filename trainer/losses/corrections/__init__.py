@@ -1,11 +1,13 @@
 """Off-policy corrections, one file each, chosen by [trainer.loss.correction]'s `type`.
 
-A correction is `weight(log_w, mask, cfg) -> Tensor` in corrections/<type>.py: the no-gradient
+A correction is corrections/<type>.py: its settings, an `Options` class (a subclass of
+common.config's CorrectionOptions, read from the file as a loss's is: trainer/losses/__init__.py),
+and `weight(log_w, mask, cfg) -> Tensor`, the no-gradient
 per-token weight (B, T) of the mismatch between the proximal policy (the weights at the start of
 the step) and the behaviour policy that sampled the tokens, given `log_w` = log pi_prox -
 log pi_behav (0 off the mask; `behaviour_weight` below computes it); a weight of 0 drops the
 token. Every correction but behaviour_clip takes the PPO ratio against the proximal
-policy (trainer/losses/clipped.py). Adding one is that file, its variant and its test.
+policy (trainer/losses/clipped.py). Adding one is that file and its test.
 """
 
 from __future__ import annotations

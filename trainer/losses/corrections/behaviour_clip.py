@@ -1,11 +1,18 @@
-"""behaviour_clip: no weight (1); the PPO ratio itself is against the behaviour policy."""
+"""behaviour_clip: no weight (1); the PPO ratio itself is against the behaviour policy, clipped,
+staleness and engine mismatch going into the clipped ratio, no extra pass."""
+
+from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from common.config import BehaviourClip
+from common.config import CorrectionOptions
 
 
-def weight(log_w: Tensor, mask: Tensor, cfg: BehaviourClip) -> Tensor:
+class Options(CorrectionOptions):
+    """No settings: PPO's ratio pi / pi_behav, clipped."""
+
+
+def weight(log_w: Tensor, mask: Tensor, cfg: Options) -> Tensor:
     """1 everywhere: (B, T)."""
     return torch.ones_like(log_w)
