@@ -99,8 +99,17 @@ class Engine(Protocol):
     def prompt_ids(self, task) -> list[int]:
         """The prompt's token ids: chat template with the generation prompt, or the plain text."""
 
-    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings) -> None:
-        """Queue a request; it comes back from a later `step` as one `Finished`."""
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings, *,
+            adapter: str | None = None) -> None:
+        """Queue a request; it comes back from a later `step` as one `Finished`. `adapter` (HF and
+        vLLM engines): sample it with the LoRA adapter loaded under that name (`load_weights`'s
+        `adapter`), one per training run sharing the base model, or with the base model alone while
+        none is loaded under it; None: the engine's default adapter (or its weights alone). Its
+        completions' `Sampled.versions` are that adapter's versions (`adapter_version`)."""
+
+    def adapter_version(self, name: str | None) -> int:
+        """(HF and vLLM engines) The version last loaded as the adapter `name` (0 before any);
+        None: `version`, that of the default adapter or the full weights."""
 
     def step(self, *, yield_when: Callable[[], bool] | None = None) -> list[Finished]:
         """Advance the queued requests; return those that finished (possibly none). `yield_when`
@@ -119,10 +128,14 @@ class Engine(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def load_weights(self, path: str | Path, *, version: int) -> None:
+    def load_weights(self, path: str | Path, *, version: int, adapter: str | None = None) -> None:
         """Load an HF-format safetensors checkpoint in place, between steps (with nothing in
         flight, except in an engine whose `step` takes `yield_when`); raise
-        `common.checkpoints.CheckpointError`, weights unchanged, when it does not fit the model."""
+        `common.checkpoints.CheckpointError`, weights unchanged, when it does not fit the model.
+        A LoRA adapter's directory (trainer.lora.publish = "adapter") is loaded as the adapter
+        named `adapter` (None: the default one; HF and vLLM engines), other adapters untouched and
+        their requests free to be in flight (vLLM: none of this adapter's); full weights with
+        `adapter` named are a CheckpointError (a named adapter takes adapters only)."""
 
 
 

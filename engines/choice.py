@@ -64,16 +64,18 @@ def open_engine(name: str, path: str | Path, *, dtype: str = "float32", seed: in
 
 
 def open_for_settings(name: str, path: str | Path, *, settings: GeneratorConfig, dtype: str, seed: int,
-                      max_running: int, lora_rank: int = 0) -> Engine:
+                      max_running: int, lora_rank: int = 0, adapters: int = 1) -> Engine:
     """The engine `name` (or "auto") as a generator with `settings` runs it, at most `max_running`
     completions sampled at once; `lora_rank` > 0: it loads LoRA adapters of that rank
-    (trainer.lora.publish = "adapter"; the HF engine needs no word of it, vLLM opens with enable_lora)."""
+    (trainer.lora.publish = "adapter"; the HF engine needs no word of it, vLLM opens with enable_lora),
+    up to `adapters` of them at once, one per run sharing the base model (vLLM's max_loras; the HF
+    engine holds any number)."""
     if settings.inflight_updates:
         check_inflight(engine_name(name))
     if settings.threads > 0:  # the process's share of the cores, before the engine starts any thread
         import torch
 
         torch.set_num_threads(settings.threads)
-    lora = {"lora_rank": lora_rank} if lora_rank > 0 and engine_name(name) == "vllm" else {}
+    lora = {"lora_rank": lora_rank, "adapters": adapters} if lora_rank > 0 and engine_name(name) == "vllm" else {}
     return engine_class(name).for_settings(path, settings=settings, dtype=dtype, seed=seed, max_running=max_running,
                                            **lora)

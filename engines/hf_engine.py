@@ -7,10 +7,17 @@ other logits processor, so each behaviour log-prob is that of the distribution a
 `add`/`step` give the generator's continuous-batching interface: each `step` samples the queued
 requests (up to `max_batch` prompts) in one `generate` call; requests added meanwhile go into the
 next step.
+
+LoRA adapters (trainer.lora.publish = "adapter") are peft's layers on the base model loaded once:
+the default one (`load_adapter` with no name) and any number of named ones, one per training run
+sharing the base model, each in its own peft slot. A step samples requests of one adapter only,
+that adapter switched on (peft's `set_adapter`); a request whose adapter is not loaded yet samples
+with the base model alone (peft's `disable_adapter`).
 """
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,12 +46,34 @@ from common.vision import is_vision_model, load_processor, model_class
 from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ADAPTER = "default"  # peft's name of the one adapter the engine holds
+_ADAPTER = "default"  # peft's name of the default adapter (load_adapter with no name)
 
 
-def _peft_name(key: str) -> str:
-    """An adapted model's state-dict name as peft saves it: the adapter's name dropped."""
-    return key.replace(f".lora_A.{_ADAPTER}.", ".lora_A.").replace(f".lora_B.{_ADAPTER}.", ".lora_B.")
+def _adapter_key(slot: str) -> re.Pattern[str]:
+    """Matches the part of an adapted model's state-dict name that names peft's adapter `slot`
+    (`.lora_A.<slot>.`, `.lora_B.<slot>.`, ...)."""
+    return re.compile(rf"\.(lora_\w+?)\.{re.escape(slot)}(?=\.|$)")
+
+
+def _peft_name(key: str, slot: str = _ADAPTER) -> str:
+    """An adapted model's state-dict name as peft saves it: the adapter's name (`slot`) dropped."""
+    return _adapter_key(slot).sub(r".\1", key)
+
+
+def _adapter_tensors(state: dict[str, torch.Tensor], slot: str) -> dict[str, torch.Tensor]:
+    """The tensors of peft's adapter `slot` in an adapted model's state dict, under the names peft
+    saves them with (those of the adapter's file)."""
+    key = _adapter_key(slot)
+    return {_peft_name(k, slot): v for k, v in state.items() if key.search(k)}
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter the engine holds: its peft slot, (rank, alpha, target modules), version."""
+
+    slot: str  # peft's adapter name: "default" for the default adapter, "adapter<i>" for a named one
+    shape: tuple
+    version: int
 
 
 @dataclass(eq=False)
@@ -54,13 +83,16 @@ class Request:
     sampling: SamplingSettings
     rows: list[Row] = field(default_factory=list)  # its n completions once a step started it
     images: tuple[bytes, ...] = ()  # a vision-language prompt's images (common/images.py)
+    adapter: str | None = None  # the named LoRA adapter it samples with; None: the default one
 
 
 def same_batch(q: Request, head: Request) -> bool:
     """Whether `q` is sampled in one step with `head`: both new or both interrupted (continued
-    rows), sampling the same distribution, and new ones asking for as many completions; each row
-    has its own token budget, so requests of different max_new_tokens share a step."""
+    rows), with the same adapter, sampling the same distribution, and new ones asking for as many
+    completions; each row has its own token budget, so requests of different max_new_tokens share a step."""
     if bool(q.rows) != bool(head.rows) or len(q.images) != len(head.images):  # images: as many in each row
+        return False
+    if q.adapter != head.adapter:
         return False
     a, b = q.sampling, head.sampling
     return (a.temperature, a.top_k, a.top_p) == (b.temperature, b.top_k, b.top_p) and (a.n == b.n or bool(head.rows))
@@ -107,7 +139,10 @@ class HFEngine:
             # transformers' own fails in generate() once the cache holds earlier positions
             self.model.config.output_router_logits = False
         self.version = 0  # weight version loaded: 0 = the initial checkpoint
-        self.adapter: tuple | None = None  # (rank, alpha, target modules) of the LoRA adapter in use, if any
+        self.adapter: tuple | None = None  # (rank, alpha, target modules) of the default LoRA adapter, if any
+        self._adapters: dict[str | None, Adapter] = {}  # LoRA adapters loaded, by name (None: the default one)
+        self._slots = 0  # peft slots given to named adapters: each its own, never reused
+        self._active: str | None = None  # peft's active adapter slot (set_adapter), None: not set by us
         torch.manual_seed(seed)  # generate() samples from torch's global generator
         model_eos = self.model.generation_config.eos_token_id
         model_eos = model_eos if isinstance(model_eos, list) else [model_eos]
@@ -128,10 +163,20 @@ class HFEngine:
         return chat_prompt_ids(self.tokenizer, task)
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings, *,
-            images: tuple[bytes, ...] = ()) -> None:
+            images: tuple[bytes, ...] = (), adapter: str | None = None) -> None:
+        """Queue a request, sampled with the LoRA adapter loaded under the name `adapter` (None:
+        the default one), or with the base model alone while none is loaded under that name."""
         assert prompt_ids, f"request {request_id}: empty prompt"
         assert not images or self.processor is not None, f"request {request_id}: images, but a text model"
-        self._queue.append(Request(request_id, prompt_ids, sampling, images=tuple(images)))
+        self._queue.append(Request(request_id, prompt_ids, sampling, images=tuple(images), adapter=adapter))
+
+    def adapter_version(self, name: str | None) -> int:
+        """The version last loaded as the adapter `name` (0 before any); None: `version`, that of
+        the default adapter or the full weights."""
+        if name is None:
+            return self.version
+        held = self._adapters.get(name)
+        return 0 if held is None else held.version
 
     def has_unfinished(self) -> bool:
         return bool(self._queue)
@@ -151,9 +196,10 @@ class HFEngine:
         cut = self._generate([q.prompt_ids + row.ids for q, row in rows],
                              budgets=[q.sampling.max_new_tokens - len(row.ids) for q, row in rows],
                              sampling=head.sampling, yield_when=yield_when,
-                             images=[q.images for q, _ in rows] if head.images else None)
+                             images=[q.images for q, _ in rows] if head.images else None, adapter=head.adapter)
+        version = self.adapter_version(head.adapter)
         for (_, row), (ids, logprobs, finish, experts) in zip(rows, cut, strict=True):
-            row.extend(ids, logprobs, version=self.version, finish=finish, experts=experts)
+            row.extend(ids, logprobs, version=version, finish=finish, experts=experts)
         done = [q for q in batch if all(row.finish is not None for row in q.rows)]
         gone = {id(q) for q in done}
         self._queue = deque(q for q in self._queue if id(q) not in gone)
@@ -173,16 +219,17 @@ class HFEngine:
 
     @torch.no_grad()
     def _generate(self, prefixes: list[list[int]], *, budgets: list[int], sampling: SamplingSettings,
-                  yield_when: Callable[[], bool] | None = None, images: list[tuple[bytes, ...]] | None = None
-                  ) -> list[tuple[list[int], list[float], str | None, np.ndarray | None]]:
-        """One completion of each prefix, at most its budget of new tokens, in one `generate` call:
+                  yield_when: Callable[[], bool] | None = None, images: list[tuple[bytes, ...]] | None = None,
+                  adapter: str | None = None) -> list[tuple[list[int], list[float], str | None, np.ndarray | None]]:
+        """One completion of each prefix, at most its budget of new tokens, in one `generate` call
+        with the LoRA adapter `adapter` (`_using`):
         per row the new ids, their behaviour log-probs, "stop" (an eos ended it), "length" (its
         budget did) or None (a yield cut it short: to be continued), and with routing replay the
         experts that chose each new id ((ids, layers, top_k) uint16; else None)."""
         input_ids, attention_mask = self._left_pad(prefixes)
         width = input_ids.shape[1]
         stop = Budget(torch.tensor(budgets, device=input_ids.device) + width, yield_when)
-        with self._recording() as record:
+        with self._using(adapter), self._recording() as record:
             out = self._sample(input_ids, attention_mask, sampling, budgets, stop, pixels=None if images is None
                                else vision.pixel_inputs(self.processor, images, device=input_ids.device,
                                                         dtype=self.model.dtype))
@@ -222,6 +269,22 @@ class HFEngine:
             max_new_tokens=max(budgets), stopping_criteria=StoppingCriteriaList([stop]),
             output_scores=True, output_logits=True, return_dict_in_generate=True,
             pad_token_id=self.pad_id, eos_token_id=self.eos_ids, **(pixels or {}))
+
+    @contextmanager
+    def _using(self, name: str | None) -> Iterator[None]:
+        """Within it, the model samples with the LoRA adapter loaded as `name` (None: the default
+        one), or with the base model alone where none is loaded under that name."""
+        held = self._adapters.get(name)
+        if held is not None:
+            if self._active != held.slot:
+                self.model.set_adapter(held.slot, inference_mode=True)
+                self._active = held.slot
+            yield
+        elif self._adapters:  # peft's layers are there, but not this adapter's: all of them off
+            with self.model.disable_adapter():
+                yield
+        else:
+            yield
 
     @contextmanager
     def _recording(self) -> Iterator[list[torch.Tensor]]:
@@ -267,9 +330,10 @@ class HFEngine:
         """The greedy completion of each prompt (eos included where one was reached)."""
         assert prompts and all(prompts), "greedy() needs non-empty prompts"
         input_ids, attention_mask = self._left_pad(prompts)
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                                  top_k=None, top_p=None, temperature=None, max_new_tokens=max_new_tokens,
-                                  pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
+        with self._using(None):
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                      top_k=None, top_p=None, temperature=None, max_new_tokens=max_new_tokens,
+                                      pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
         completions = []
         for row in out[:, input_ids.shape[1]:].tolist():
             stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
@@ -280,14 +344,18 @@ class HFEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @torch.no_grad()
-    def load_weights(self, path: str | Path, *, version: int) -> None:
+    def load_weights(self, path: str | Path, *, version: int, adapter: str | None = None) -> None:
         """Load an HF-format safetensors checkpoint in place, or a LoRA adapter in peft's format
-        (trainer.lora.publish = "adapter": `load_adapter`); raise CheckpointError (model
-        unchanged) when its tensors do not fit the model."""
+        (trainer.lora.publish = "adapter": `load_adapter`, as the adapter named `adapter`); raise
+        CheckpointError (model unchanged) when its tensors do not fit the model, or for full
+        weights with `adapter` named."""
         if is_adapter_dir(path):
-            self.load_adapter(path, version=version)
+            self.load_adapter(path, version=version, name=adapter)
             return
-        if self.adapter is not None:
+        if adapter is not None:
+            raise CheckpointError(f"checkpoint {path}: full weights for adapter {adapter!r}, but a named adapter "
+                                  "takes LoRA adapters only (trainer.lora.publish = \"adapter\")")
+        if self._adapters:
             raise CheckpointError(f"checkpoint {path}: full weights, but this engine samples with LoRA adapters "
                                   f"on its base model (trainer.lora.publish = \"adapter\"): restart it to load them")
         own = self.model.state_dict()
@@ -327,13 +395,16 @@ class HFEngine:
         return True
 
     @torch.no_grad()
-    def load_adapter(self, path: str | Path, *, version: int) -> None:
-        """Sample from now on with the LoRA adapter at `path` (peft's adapter_model.safetensors and
-        adapter_config.json) on the base model loaded once: the first adapter wraps the model in
-        peft's LoRA layers (merge-free: each adapted layer adds x A^T B^T * alpha / r to the
-        frozen base's output); each later one is copied into those layers in place. CheckpointError,
-        the adapter in use unchanged, when its config or tensors do not fit."""
-        from peft import LoraConfig, get_peft_model
+    def load_adapter(self, path: str | Path, *, version: int, name: str | None = None) -> None:
+        """Sample the requests of adapter `name` (None: the default adapter) from now on with the
+        LoRA adapter at `path` (peft's adapter_model.safetensors and adapter_config.json) on the
+        base model loaded once: the first adapter wraps the model in peft's LoRA layers (merge-free:
+        each adapted layer adds x A^T B^T * alpha / r to the frozen base's output), each new name
+        adds a peft adapter slot of its own, and each later version is copied into its name's slot
+        in place. Other adapters' tensors are not touched, so their requests (queued or cut short by
+        a yield) go on as they were. CheckpointError, the adapters held unchanged, when its config
+        or tensors do not fit (a name's rank, alpha and target modules are those of its first version)."""
+        from peft import LoraConfig
 
         try:
             config = LoraConfig.from_pretrained(str(path))
@@ -341,27 +412,61 @@ class HFEngine:
             raise CheckpointError(f"adapter {path}: {ADAPTER_CONFIG} is not a readable peft LoRA config: "
                                   f"{err}") from None
         shape = (config.r, config.lora_alpha, sorted(config.target_modules or []))
-        if self.adapter is not None and shape != self.adapter:
-            raise CheckpointError(f"adapter {path}: rank, alpha, target_modules {shape} differ from the adapter "
-                                  f"in use {self.adapter}: restart the engine to change them")
-        if self.adapter is None:
-            config.inference_mode = True
-            try:
-                self.model = get_peft_model(self.model, config, adapter_name=_ADAPTER).eval()
-            except ValueError as err:  # e.g. no module matches target_modules
-                raise CheckpointError(f"adapter {path}: {err}") from None
-            for module in self.model.modules():  # B starts at zero: the base model's outputs until loaded
-                if hasattr(module, "lora_B") and _ADAPTER in module.lora_B:
-                    module.lora_B[_ADAPTER].weight.zero_()
-            self.adapter = shape
-        own = {_peft_name(k): v for k, v in self.model.state_dict().items() if ".lora_" in k}
-        shapes_fit(tensor_shapes(path), {k: tuple(v.shape) for k, v in own.items()}, tied=set(),
-                   what=f"adapter {path}")
-        missing = set(own) - copy_into(path, own)
-        if missing:
-            raise CheckpointError(f"adapter {path}: {len(missing)} tensors (e.g. {sorted(missing)[0]}) were not "
-                                  f"there to load from {ADAPTER_FILE}: removed or replaced after it was checked")
-        self.version = version
+        held = self._adapters.get(name)
+        if held is not None and shape != held.shape:
+            which = "the adapter in use" if name is None else f"adapter {name!r} in use"
+            raise CheckpointError(f"adapter {path}: rank, alpha, target_modules {shape} differ from {which} "
+                                  f"{held.shape}: restart the engine to change them")
+        slot = self._new_slot(path, config, name) if held is None else held.slot
+        try:
+            own = _adapter_tensors(self.model.state_dict(), slot)
+            shapes_fit(tensor_shapes(path), {k: tuple(v.shape) for k, v in own.items()}, tied=set(),
+                       what=f"adapter {path}")
+            missing = set(own) - copy_into(path, own)
+            if missing:
+                raise CheckpointError(f"adapter {path}: {len(missing)} tensors (e.g. {sorted(missing)[0]}) were not "
+                                      f"there to load from {ADAPTER_FILE}: removed or replaced after it was checked")
+        except CheckpointError:
+            if held is None:
+                self._drop(slot)
+            raise
+        self._adapters[name] = Adapter(slot, shape, version)
+        if name is None:
+            self.adapter, self.version = shape, version
+
+    def _new_slot(self, path: str | Path, config, name: str | None) -> str:
+        """A peft adapter slot for the adapter `name`'s first version (`config`, from `path`), its
+        B zero (the base model's outputs until its tensors are copied in): the model wrapped in
+        peft's layers for the first adapter, a slot added beside the others' for each later one."""
+        from peft import get_peft_model
+
+        slot = _ADAPTER if name is None else f"adapter{self._slots + 1}"
+        config.inference_mode = True
+        try:
+            if self._adapters:
+                self.model.add_adapter(slot, config)
+                self._active = None  # whichever peft leaves active: set again before the next use
+            else:
+                self.model = get_peft_model(self.model, config, adapter_name=slot).eval()
+                self._active = slot
+        except ValueError as err:  # e.g. no module matches target_modules
+            raise CheckpointError(f"adapter {path}: {err}") from None
+        if name is not None:
+            self._slots += 1
+        for module in self.model.modules():
+            if hasattr(module, "lora_B") and slot in module.lora_B:
+                module.lora_B[slot].weight.zero_()
+        return slot
+
+    def _drop(self, slot: str) -> None:
+        """Take a new adapter's slot out of the model again (it did not load): the base model
+        unwrapped where it was the only one."""
+        if self._adapters:
+            self.model.delete_adapter(slot)
+            self._active = None  # peft picks another active adapter: set again before the next use
+        else:
+            self.model = self.model.unload()
+            self._active = None
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], *, version: int) -> None:
         """load_weights from tensors in memory under the checkpoint's names (trainer.weight_transfer);

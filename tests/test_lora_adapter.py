@@ -15,34 +15,13 @@ from common.messages import WeightVersion
 from common.streams import latest_weights
 from engines.base import SamplingSettings
 from engines.hf_engine import HFEngine
+from tests.harness.adapters import TARGETS, adapted, logprobs_of
 from tests.harness.groups import make_group, xadd
 from tests.harness.pipeline import train_groups
 
 RUN = "ad"
 KEYS = Keys(RUN)
-TARGETS = ["q_proj", "v_proj"]
 PROMPT = [1, 5, 9, 13, 2, 7]
-
-
-def adapted(model_dir, *, seed: int) -> torch.nn.Module:
-    """The tiny model with rank-4 adapters on q and v, B random (a trained adapter, not a zero one)."""
-    from trainer.lora import apply_lora
-
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), rank=4, alpha=8.0,
-                       dropout=0.0, target_modules=TARGETS)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model.eval()
-
-
-@torch.no_grad()
-def logprobs_of(model: torch.nn.Module, prompt: list[int], ids: list[int]) -> torch.Tensor:
-    """log p(ids[t] | prompt + ids[:t]) under `model` at temperature 1, as the trainer computes them."""
-    logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1)
 
 
 def engine_matches(engine: HFEngine, trainer_model: torch.nn.Module) -> None:
