@@ -1323,7 +1323,8 @@ def config_from_args(prog: str, description: str, argv: list[str] | None = None,
         extra(parser)
     overrides = add_config_flags(parser)
     args = parser.parse_args(argv)
-    return load_config(args.config, overrides=overrides(args)), args
+    args.config_overrides = overrides(args)  # for a process that loads several configs (generators --runs)
+    return load_config(args.config, overrides=args.config_overrides), args
 
 
 def _document_fields() -> None:

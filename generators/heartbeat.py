@@ -66,29 +66,35 @@ def heartbeat(state: State, engine: Engine) -> Heartbeat:
                      teacher_errors=state.teacher_errors)
 
 
-async def signals(g: Generator, state: State, everything: trio.CancelScope) -> None:
-    """The first SIGTERM/SIGINT stops the intake (what is held is finished); the second cancels
-    `everything` and sets the exit code. Under a launcher that kills what still runs STOP_GRACE_S
-    after its signal, what is not finished STOP_MARGIN_S before then is given up: `everything` is
-    cancelled and the generator exits 0 in time, its unfinished prompts pending, unwritten, for a
-    generator to take over after claim_idle_s (nothing is lost: a prompt is acknowledged only in
-    the transaction that writes its group)."""
+async def signals(runs: list[tuple[Generator, State]], everything: trio.CancelScope) -> None:
+    """The first SIGTERM/SIGINT stops the intake of every run served (what is held is finished);
+    the second cancels `everything` and sets the exit code. Under a launcher that kills what still
+    runs STOP_GRACE_S after its signal, what is not finished STOP_MARGIN_S before then is given up:
+    `everything` is cancelled and the generator exits 0 in time, its unfinished prompts pending,
+    unwritten, for a generator to take over after claim_idle_s (nothing is lost: a prompt is
+    acknowledged only in the transaction that writes its group). One handler for all the runs: a
+    process's signal reaches only the receiver opened last."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
         async for _ in received:
-            state.stopping = True
-            g.intake_scope.cancel()
             grace = stop_grace_s()
-            print(f"{g.name}: finishing the {len(state.held)} prompts it holds (signal again to exit now)",
-                  file=sys.stderr, flush=True)
+            for g, state in runs:
+                state.stopping = True
+                g.intake_scope.cancel()
+                print(f"{g.name}: finishing the {len(state.held)} prompts it holds (signal again to exit now)",
+                      file=sys.stderr, flush=True)
             with trio.move_on_after(math.inf if grace is None else max(grace - STOP_MARGIN_S, 0.0)):
                 async for signum in received:
-                    print(f"{g.name}: second signal, exiting now", file=sys.stderr, flush=True)
-                    state.exit_code = 128 + signum
+                    print(f"{runs[0][0].name}: second signal, exiting now", file=sys.stderr, flush=True)
+                    for _, state in runs:
+                        state.exit_code = 128 + signum
                     everything.cancel()
                     return
-            print(f"{g.name}: giving up the {len(state.held)} prompts it has not finished: the launcher kills what "
-                  f"still runs {grace:g} s after its signal ({ENV_STOP_GRACE}). They stay pending, unwritten, and are "
-                  f"taken over after claim_idle_s ({g.settings.claim_idle_s:g} s)", file=sys.stderr, flush=True)
+            for g, state in runs:
+                print(f"{g.name}: giving up the {len(state.held)} prompts it has not finished: the "
+                      f"launcher kills what still runs {grace:g} s after its signal ({ENV_STOP_GRACE}). They stay "
+                      f"pending, unwritten, and are taken over after claim_idle_s ({g.settings.claim_idle_s:g} s)",
+                      file=sys.stderr, flush=True)
             exit_within(STOP_MARGIN_S / 4)  # clean up meanwhile if it can (leases and heartbeats expire anyway)
             everything.cancel()
             return
+

@@ -54,6 +54,7 @@ import shutil
 import socket
 import sys
 import zlib
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -77,28 +78,32 @@ from generators.groups import episodes, scoring
 from generators.heartbeat import heartbeats, signals
 from generators.intake import intake
 from generators.prompts import leave_group
-from generators.scoring import RewardRunner, conversational_sources, reward_names, trl_formats
+from generators.scoring import Names, RewardRunner, conversational_sources, reward_names, trl_formats
 from generators.state import EngineStalled, Generator, Held, State
 from generators.transfer import Receiver
 from generators.weights import Watcher
 
 
-def run(config: Config, *, generator_id: str) -> None:
+def run(configs: list[Config], *, generator_id: str) -> None:
+    """Serve the run of each config: one, or several sharing this generator's engine (a pool,
+    generators/pool.py: their base model loaded once, each run's versions a LoRA adapter of its own)."""
     name = f"generator {generator_id}"
     from transformers.utils import logging as hf_logging
 
+    from generators.pool import check_pool, run_engines
+
     hf_logging.disable_progress_bar()  # one console line per group batch, not progress bars
-    keys = Keys(config.run)
+    check_pool(configs)  # several runs: one base model, adapters only, one Redis
+    config = configs[0]  # the engine's settings and the GPU lease are the first run's
     gen = config.generator
 
     # ------------------------------------------------------------------ start-up
-    names = reward_names(config)  # a reward name that does not load fails before the model does
-    check_engine(config)  # so does an engine that cannot follow the run's weight versions
-    teacher = teacher_for(config, name=name)  # so does a teacher path that is no causal LM
-    specs = environment_specs(config)  # so does an environment's
+    served = [start_run(c, name=name) for c in configs]  # what does not load fails before the model does
     r = streams.connect(config.redis_url, process=name)
-    streams.ensure_group(r, keys.prompts, GENERATORS_GROUP)
+    for s in served:
+        streams.ensure_group(r, s.keys.prompts, GENERATORS_GROUP)
     host = socket.gethostname()
+    keys = served[0].keys
     # One GPU leased per generator; a tensor-parallel one uses the GPUs CUDA_VISIBLE_DEVICES gives it.
     gpu = devices.pick_gpu(r, keys, host=host, owner=generator_id, ttl_s=gen.heartbeat_ttl_s) \
         if gen.tensor_parallel_size == 1 else None
@@ -108,43 +113,88 @@ def run(config: Config, *, generator_id: str) -> None:
     # The engine lives in one thread: created there, every call made there.
     engine_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     engine: Engine = engine_thread.submit(
-        open_engine_for, config, seed=gen.seed + zlib.crc32(generator_id.encode())).result()
-    check_templates(engine, specs)
-    rewards = RewardRunner(names, timeout_s=gen.reward_timeout_s, workers=gen.reward_workers,
-                           conversational=conversational_sources(config), dtype=config.model.dtype)
-    envs = EnvRunner([s.name for s in specs.values()], workers=gen.env_workers) if specs else None
-    state = State()
-    print(f"{name}: {engine.name} engine on {engine.path}{f' (GPU {gpu})' if gpu else ''}, "
-          f"up to {gen.max_in_flight} prompts in flight", flush=True)
-    for line in trl_formats(config):
-        print(f"{name}: {line}", flush=True)
+        open_engine_for, config, seed=gen.seed + zlib.crc32(generator_id.encode()), adapters=len(configs)).result()
+    runs: list[tuple[Generator, State]] = []
     try:
-        trio.run(partial(serve, config, state, r=r, keys=keys, engine=engine, engine_thread=engine_thread,
-                         rewards=rewards, envs=envs, specs=specs, generator_id=generator_id, host=host,
-                         gpu=gpu, teacher=teacher))
+        runs = wire_runs(served, run_engines(engine, [c.run for c in configs]), r=r, engine_thread=engine_thread,
+                         generator_id=generator_id, host=host, gpu=gpu)
+        trio.run(serve_runs, runs)
     except BaseExceptionGroup as group:  # a task's error: raise it as itself, for __main__'s handlers
         leaves = leaf_errors(group)
         if len(leaves) == 1:
             if isinstance(leaves[0], EngineStalled):
-                count_engine_stall(r, keys)
+                for g, _ in runs:
+                    count_engine_stall(r, g.keys)
             raise leaves[0] from None
         raise
     finally:
-        clear_heartbeat(r, keys, generator_id)  # a clean exit leaves no heartbeat behind
-        leave_group(r, stream=keys.prompts, consumer=generator_id)
+        for s in served:
+            clear_heartbeat(r, s.keys, generator_id)  # a clean exit leaves no heartbeat behind
+            leave_group(r, stream=s.keys.prompts, consumer=generator_id)
+            s.close()
         if gpu is not None:
             devices.release_gpu(r, keys, host=host, device=gpu, owner=generator_id)
         if server:
             devices.release_server(r, keys, url=gen.server_url, owner=generator_id)
-        rewards.close()
-        if teacher is not None:
-            teacher.close()
-        if envs is not None:
-            envs.close()
         engine_thread.shutdown(wait=False)
-    print(f"{name}: stopped after {state.groups} groups", flush=True)
-    if state.exit_code is not None:
-        sys.exit(state.exit_code)
+    print(f"{name}: stopped after {sum(state.groups for _, state in runs)} groups", flush=True)
+    codes = [state.exit_code for _, state in runs if state.exit_code is not None]
+    if codes:
+        sys.exit(codes[0])
+
+
+@dataclass
+class Served:
+    """What a generator holds for one run it serves: its keys, rewards, environments and teacher."""
+
+    config: Config
+    keys: Keys
+    names: Names  # each source's reward functions (reward_names)
+    specs: dict[str, Spec]
+    teacher: Teacher | None
+    rewards: RewardRunner | None = None  # started once the engine is up
+    envs: EnvRunner | None = None
+
+    def close(self) -> None:
+        if self.rewards is not None:
+            self.rewards.close()
+        if self.teacher is not None:
+            self.teacher.close()
+        if self.envs is not None:
+            self.envs.close()
+
+
+def wire_runs(served: list[Served], engines: list[Engine], *, r: redis.Redis,
+              engine_thread: concurrent.futures.Executor, generator_id: str, host: str,
+              gpu: str | None) -> list[tuple[Generator, State]]:
+    """Each run's stages wired to its engine (the engine, or its RunEngine in a pool), its reward
+    workers and environments started; said on the console."""
+    runs = []
+    for s, engine in zip(served, engines, strict=True):
+        check_templates(engine, s.specs)
+        c, gen = s.config, s.config.generator
+        s.rewards = RewardRunner(s.names, timeout_s=gen.reward_timeout_s, workers=gen.reward_workers,
+                                 conversational=conversational_sources(c), dtype=c.model.dtype)
+        s.envs = EnvRunner([sp.name for sp in s.specs.values()], workers=gen.env_workers) if s.specs else None
+        g = wire(c, r=r, keys=s.keys, engine=engine, engine_thread=engine_thread, rewards=s.rewards, envs=s.envs,
+                 specs=s.specs, generator_id=generator_id, host=host, gpu=gpu if s is served[0] else None,
+                 teacher=s.teacher, pooled=len(served) > 1)
+        print(f"{g.name}: {engine.name} engine on {engine.path}{f' (GPU {gpu})' if gpu else ''}, up to "
+              f"{gen.max_in_flight} prompts in flight", flush=True)
+        for line in trl_formats(c):
+            print(f"{g.name}: {line}", flush=True)
+        runs.append((g, State()))
+    return runs
+
+
+def start_run(config: Config, *, name: str) -> Served:
+    """One run's start-up checks, before the model loads: its reward names, whether the engine can
+    follow its weight versions, its teacher and its environments (each a ConfigError naming it)."""
+    names = reward_names(config)  # a reward name that does not load fails before the model does
+    check_engine(config)  # so does an engine that cannot follow the run's weight versions
+    teacher = teacher_for(config, name=name)  # so does a teacher path that is no causal LM
+    specs = environment_specs(config)  # so does an environment's
+    return Served(config=config, keys=Keys(config.run), names=names, specs=specs, teacher=teacher)
 
 
 def leaf_errors(group: BaseExceptionGroup) -> list[BaseException]:
@@ -269,62 +319,83 @@ def check_routing_replay(config: Config) -> None:
                           "generator.engine = \"hf\"")
 
 
-def open_engine_for(config: Config, *, seed: int) -> Engine:
+def open_engine_for(config: Config, *, seed: int, adapters: int = 1) -> Engine:
+    """The engine `config` asks for; `adapters`: the LoRA adapters it holds at once (one per run a
+    pool serves)."""
     from common.models import resolve_model_path
 
     gen = config.generator
     lora = config.trainer.lora
     return open_for_settings(gen.engine, resolve_model_path(config.model.path), settings=gen, dtype=config.model.dtype,
-                             seed=seed, max_running=gen.max_in_flight * config.rollout.group_size,
-                             lora_rank=lora.rank if lora.publish == "adapter" else 0)
+                             seed=seed, max_running=gen.max_in_flight * config.rollout.group_size * adapters,
+                             lora_rank=lora.rank if lora.publish == "adapter" else 0, adapters=adapters)
 
 
-async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, engine: Engine,
-                engine_thread: concurrent.futures.Executor, rewards: RewardRunner, generator_id: str,
-                host: str, gpu: str | None, envs: EnvRunner | None = None,
-                specs: dict[str, Spec] | None = None, teacher: Teacher | None = None) -> None:
-    """Wire the stages together and run them: the pipeline until every taken prompt is written."""
+def wire(config: Config, *, r: redis.Redis, keys: Keys, engine: Engine, engine_thread: concurrent.futures.Executor,
+         rewards: RewardRunner, generator_id: str, host: str, gpu: str | None, envs: EnvRunner | None = None,
+         specs: dict[str, Spec] | None = None, teacher: Teacher | None = None, pooled: bool = False) -> Generator:
+    """How one run's stages are wired together (generators.state.Generator); `pooled`: one of
+    several runs served on one engine."""
     gen, rollout = config.generator, config.rollout
     arrived_send, arrived = trio.open_memory_channel[Held](math.inf)
     finished_send, finished = trio.open_memory_channel[tuple[Finished, Held]](math.inf)
     episodes_send, episodes_in = trio.open_memory_channel[Held](math.inf)
     specs = specs or {}
-    limits = episode_limits(config, specs)
-    g = Generator(
+    return Generator(
         id=generator_id, r=r, keys=keys, settings=gen, trainer=config.trainer, limits=config.limits,
         sampling=SamplingSettings(n=1, max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                                   top_p=rollout.top_p, top_k=rollout.top_k),
         engine=engine, engine_thread=engine_thread, rewards=rewards, host=host, gpu=gpu,
         arrived_send=arrived_send, arrived=arrived, finished_send=finished_send, finished=finished,
         capacity=trio.Semaphore(gen.max_in_flight), intake_scope=trio.CancelScope(),
-        fetch_dir=Path(config.output_dir) / "fetched", envs=envs, specs=specs, episode_limits=limits,
-        episodes_send=episodes_send, episodes_in=episodes_in,
+        fetch_dir=Path(config.output_dir) / "fetched", envs=envs, specs=specs,
+        episode_limits=episode_limits(config, specs), episodes_send=episodes_send, episodes_in=episodes_in,
         weights=Watcher(r, keys), teacher=teacher, distill_weight=config.teacher.distill_weight,
         received=Receiver(r, keys, generator_id=generator_id)
-        if config.trainer.weight_transfer != "disk" and engine_kind(gen.engine).receives else None)
-    # A generator started again (its config or host fixed) is judged afresh (common/quarantine.py).
-    await trio.to_thread.run_sync(lambda: lift_quarantine(r, keys, generator_id))
-    # Pins left by an earlier process of this id (killed while holding one) keep pruned files alive.
-    await trio.to_thread.run_sync(partial(shutil.rmtree, pin_root(g), ignore_errors=True))
-    # A late starter loads the newest weights (weights:latest, read as the watcher starts) first.
-    await trio.to_thread.run_sync(g.weights.start)
-    if g.received is not None:  # listening for the trainer's broadcast from now on
-        await trio.to_thread.run_sync(g.received.start)
-    if g.weights.latest is not None:
-        state.latest = g.weights.latest.blob
+        if config.trainer.weight_transfer != "disk" and engine_kind(gen.engine).receives else None, pooled=pooled)
+
+
+async def serve(config: Config, state: State, *, r: redis.Redis, keys: Keys, engine: Engine,
+                engine_thread: concurrent.futures.Executor, rewards: RewardRunner, generator_id: str,
+                host: str, gpu: str | None, envs: EnvRunner | None = None,
+                specs: dict[str, Spec] | None = None, teacher: Teacher | None = None) -> None:
+    """One run's stages, wired and run (serve_runs)."""
+    await serve_runs([(wire(config, r=r, keys=keys, engine=engine, engine_thread=engine_thread, rewards=rewards,
+                            generator_id=generator_id, host=host, gpu=gpu, envs=envs, specs=specs,
+                            teacher=teacher), state)])
+
+
+async def serve_runs(runs: list[tuple[Generator, State]]) -> None:
+    """Run each run's stages (a pool serves several at once, on one engine), and one signal handler
+    for all: the pipelines until every taken prompt of every run is written."""
+    for g, _ in runs:
+        # A generator started again (its config or host fixed) is judged afresh (common/quarantine.py).
+        await trio.to_thread.run_sync(lambda g=g: lift_quarantine(g.r, g.keys, g.id))
+        # Pins left by an earlier process of this id (killed while holding one) keep pruned files alive.
+        await trio.to_thread.run_sync(partial(shutil.rmtree, pin_root(g), ignore_errors=True))
     try:
+        for g, state in runs:
+            # A late starter loads the newest weights (weights:latest, read as the watcher starts) first.
+            await trio.to_thread.run_sync(g.weights.start)
+            if g.received is not None:  # listening for the trainer's broadcast from now on
+                await trio.to_thread.run_sync(g.received.start)
+            if g.weights.latest is not None:
+                state.latest = g.weights.latest.blob
         with trio.CancelScope() as everything:
             async with trio.open_nursery() as background:
-                background.start_soon(watch_weights, g, state)
-                background.start_soon(heartbeats, g, state)
-                background.start_soon(signals, g, state, everything)
+                background.start_soon(signals, runs, everything)
+                for g, state in runs:
+                    background.start_soon(watch_weights, g, state)
+                    background.start_soon(heartbeats, g, state)
                 async with trio.open_nursery() as pipeline:  # ends when every taken prompt is written
-                    pipeline.start_soon(intake, g, state)
-                    pipeline.start_soon(engine_loop, g, state)
-                    pipeline.start_soon(scoring, g, state)
-                    pipeline.start_soon(episodes, g, state)
+                    for g, state in runs:
+                        pipeline.start_soon(intake, g, state)
+                        pipeline.start_soon(engine_loop, g, state)
+                        pipeline.start_soon(scoring, g, state)
+                        pipeline.start_soon(episodes, g, state)
                 background.cancel_scope.cancel()
     finally:
-        g.weights.stop()
-        if g.received is not None:
-            g.received.stop()
+        for g, _ in runs:
+            g.weights.stop()
+            if g.received is not None:
+                g.received.stop()

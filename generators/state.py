@@ -157,9 +157,12 @@ class Generator:
     teacher: Teacher | None = None  # on-policy distillation's teacher ([teacher]); None: none
     distill_weight: float = 0.0  # [teacher]'s: above 0 a group with teacher log-probs is never dropped as zero-variance
 
+    pooled: bool = False  # one of several runs this generator serves (generators/pool.py)
+
     @property
     def name(self) -> str:
-        return f"generator {self.id}"
+        """How its console lines begin: the generator, and the run where it serves several."""
+        return f"generator {self.id} (run {self.keys.run})" if self.pooled else f"generator {self.id}"
 
 
 def let_go(g: Generator, state: State, held: Held) -> None:

@@ -101,6 +101,8 @@ QUARANTINED = ("text: generator  hot  QUARANTINED: quarantined at step 13 (strik
 ADD2 = ("ROLLOUTS_TASK__MAX_OPERAND=99 ROLLOUTS_TASK__OPS='[\"+\"]' ROLLOUTS_ROLLOUT__TEMPERATURE=1.2 "
         "ROLLOUTS_RUN=add2 ROLLOUTS_OUTPUT_DIR=runs/add2 ./ops/run")
 ADD2_PLOT = "ROLLOUTS_RUN=add2 ROLLOUTS_OUTPUT_DIR=runs/add2 .venv/bin/rollouts plot --config configs/demo.toml"
+POOL_RUNS = {"add": 'toml: # add.toml\nrun = "add"', "countdown": 'toml: # countdown.toml\nrun = "countdown"'}
+POOL = ".venv/bin/python -m generators --id pool --runs add.toml,countdown.toml"
 # Each block (by its key) and the test that runs it as written.
 RUN = {
     "./ops/run": "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
@@ -135,6 +137,10 @@ RUN = {
         "test_the_eight_gpu_split_runs_on_cpu_processes",
     "text: ACL SETUSER rollouts-demo on >a-long-random-password resetkeys ~rollouts:demo:* ~rq:* resetchannels "
     "&rq:* +@all -@dangerous +info": "test_the_acl_user_of_operations_md_is_confined_to_its_run",
+    **dict.fromkeys([*POOL_RUNS.values(), "./ops/run redis &", "for run in add countdown; do",
+                     "ROLLOUTS_CONFIG=$run.toml .venv/bin/python -m producers &",
+                     "ROLLOUTS_CONFIG=$run.toml .venv/bin/python -m trainer &", "done", POOL],
+                    "test_two_runs_train_on_one_generator_killed_and_started_again"),
 }
 # Each block that does not run here, and why.
 NOT_RUN = {
@@ -311,6 +317,7 @@ def long_tiny_model(tmp_path_factory) -> Path:
 # configs/gsm8k.toml's step is 32 prompts x 8 completions of up to 512 tokens: on the CPU, with the
 # tiny model (which seldom stops early), two steps of it took 6-8 minutes of the slow checks. The
 # runs below keep the config's run, sources, engine and evaluation, at 8 prompts of up to 128 tokens.
+CPU_SIZED_POOL = {"ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP": "2", "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": "16"}
 CPU_SIZED_GSM8K = {"ROLLOUTS_ROLLOUT__PROMPTS_PER_STEP": "8", "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": "128"}
 
 
@@ -516,6 +523,63 @@ def test_sft_then_rl_from_its_checkpoint(checkout, user_env, tmp_path):
         rl.kill()
     assert "trainer: run 'rl', model runs/sft/checkpoints/step_200" in rl.text(), rl.text()[-4000:]
     assert len(read_steps(checkout / "runs/rl/metrics.jsonl")) >= 2
+
+
+@pytest.mark.slow  # two runs' producers and trainers, one generator killed and started again (two minutes)
+def test_two_runs_train_on_one_generator_killed_and_started_again(checkout, user_env, tmp_path):
+    """docs/training.md "Several runs on one generator": both runs train; the generator is SIGKILLed
+    while it holds prompts and started again as written; every prompt each run admitted is then
+    trained, dropped for a counted reason or pending, and none is trained twice."""
+    import psutil
+
+    from common.audit import accounting, trained_twice, unaccounted
+    from common.keys import GENERATORS_GROUP
+    from common.progress import read_trainer
+
+    for run, key in POOL_RUNS.items():
+        (checkout / f"{run}.toml").write_text(config_block(key))
+    env = {**user_env, "ROLLOUTS_TRAINER__MAX_STEPS": "4", **CPU_SIZED_POOL}
+    r = redis.Redis.from_url(env["ROLLOUTS_REDIS_URL"])
+    keys = {run: Keys(run) for run in POOL_RUNS}
+    # `wait`: the shell stays, with the processes it started, once the generator is killed
+    first = Shell(block(POOL).text + "\nwait", cwd=checkout, env=env, log=tmp_path / "pool.log")
+    again = None
+    try:
+        def stepped(n: int) -> bool:
+            try:
+                return all(read_trainer(r, k).step >= n for k in keys.values())
+            except redis.ConnectionError:  # Redis not up yet
+                return False
+
+        wait_for(lambda: stepped(1), timeout=900, what="a step of each run", procs=[first.proc])
+        pool = next(p for p in psutil.Process(first.proc.pid).children(recursive=True)
+                    if "--runs" in p.cmdline() and "generators" in p.cmdline())
+        wait_for(lambda: any(r.xpending_range(k.prompts, GENERATORS_GROUP, "-", "+", 1, consumername="pool")
+                             for k in keys.values()), timeout=300, what="the generator holding prompts", poll=0.01)
+        pool.kill()  # SIGKILL, holding prompts
+        pool.wait(timeout=30)
+        held = {run: len(r.xpending_range(k.prompts, GENERATORS_GROUP, "-", "+", 100, consumername="pool"))
+                for run, k in keys.items()}
+        assert sum(held.values()) > 0, held
+        again = Shell(POOL, cwd=checkout, env=env, log=tmp_path / "again.log")
+        trainers = [p for p in psutil.Process(first.proc.pid).children(recursive=True)
+                    if "trainer" in p.cmdline() and "-m" in p.cmdline()]
+        wait_for(lambda: stepped(4), timeout=900, what="both runs' fourth step", procs=[again.proc])
+        psutil.wait_procs(trainers, timeout=120)  # each stops at its max_steps, its last acknowledgements written
+        acc = {run: accounting(r, k) for run, k in keys.items()}  # while Redis runs
+    finally:
+        first.kill()
+        if again is not None:
+            again.kill()
+    said = again.text()
+    for run in keys:
+        if held[run]:  # taken back by the generator started again under the same id
+            assert f"generator pool (run {run}): {held[run]} pending prompts of its own" in said, said[-4000:]
+        assert not unaccounted(acc[run]), (run, unaccounted(acc[run]), acc[run])
+        assert acc[run]["trained"] >= 4 * 2, (run, acc[run])  # 4 steps of rollout.prompts_per_step 2
+        assert trained_twice(checkout / f"runs/{run}/metrics.jsonl") == [], run
+        steps = read_steps(checkout / f"runs/{run}/metrics.jsonl")
+        assert [s["step"] for s in steps] == [1, 2, 3, 4], (run, steps)
 
 
 # ---------------------------------------------------------------------- docs/operations.md
