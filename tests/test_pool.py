@@ -98,6 +98,43 @@ def test_one_generator_samples_each_runs_prompts_with_that_runs_own_adapter(tmp_
         assert not r.xpending(Keys(run).prompts, GENERATORS_GROUP)["pending"], run  # every prompt acknowledged
 
 
+def test_one_runs_refused_weights_and_failing_reward_are_that_runs_alone(tmp_path, tiny_model, redis_url, r):
+    """Run "pa" publishes full weights (a pool takes adapters only): refused, its prompts sampled with
+    the base model; run "pb"'s reward fails on every group: its completions carry the error. Neither
+    touches the other run."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.checkpoints import write_checkpoint
+
+    pa = run_toml(tmp_path, "pa", redis_url, tiny_model)
+    pb = tmp_path / "pb.toml"
+    pb.write_text(pa.read_text().replace('run = "pa"', 'run = "pb"').replace(
+        'kind = "arithmetic"', 'kind = "arithmetic"\nreward_funcs = ["tests.reward_fixtures:too_few"]'))
+    full, sums = write_checkpoint(AutoModelForCausalLM.from_pretrained(tiny_model), checkpoint_dir=tmp_path / "full",
+                                  step=1, source_dir=tiny_model)
+    publish_weights(r, Keys("pa"), WeightVersion(version=1, step=1, path=str(full), format="safetensors",
+                                                 checksums=sums, created_at=time.time()))
+    publish_adapter(r, Keys("pb"), adapted(tiny_model, seed=1), tmp_path=tmp_path, tiny_model=tiny_model, step=1)
+    prompts(r, Keys("pa"), 3, admitted_at=0)
+    prompts(r, Keys("pb"), 3, admitted_at=1)
+    log = tmp_path / "generator.log"
+    proc = spawn("generators", "--id", "g1", "--runs", f"{pa},{pb}", cwd=tmp_path, env={}, log=log)
+    try:
+        wait_for(lambda: all(r.xlen(Keys(run).samples) >= 3 for run in ("pa", "pb")), timeout=180,
+                 what="3 groups a run", procs=[proc])
+    finally:
+        code = stop(proc)
+    said = log.read_text()
+    assert code == 0, said
+    assert "generator g1 (run pa): refused weights: " in said and "takes LoRA adapters only" in said, said
+    assert "(run pb): refused weights" not in said and "(run pa): reward error" not in said, said
+    assert "generator g1 (run pb): loaded weights version 1 " in said, said
+    for g in read_groups(r, Keys("pa")):
+        assert g.version == 0 and all(c.reward_error is None for c in g.completions), g
+    for g in read_groups(r, Keys("pb")):
+        assert g.version == 1 and all(c.reward_error for c in g.completions), g
+
+
 def test_a_run_with_a_long_backlog_does_not_starve_the_other(tmp_path, tiny_model, redis_url, r):
     """Each run takes prompts up to its own max_in_flight: a run with 8 prompts waiting is served
     beside one with 48, not after it."""
