@@ -7,21 +7,16 @@ suite; the rest are slow (each server takes one to three minutes to start here).
 
 from __future__ import annotations
 
-import dataclasses
-import time
-
 import pytest
 import torch
 
-from common.checkpoints import checksum_dir
-from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import WeightVersion, decode_group, encode
 from engines.base import SamplingSettings
 from engines.choice import open_engine
 from tests.harness.groups import ask
-from tests.harness.models import LOGPROB_TOL, perturbed_copy, publish_weights, reference_logprobs, tied_variant
+from tests.harness.models import LOGPROB_TOL, perturbed_copy, reference_logprobs, tied_variant
 from tests.harness.needs import need
-from tests.harness.processes import spawn, stop, wait_for
+from tests.harness.processes import spawn, stop
+from tests.harness.server_generator import generator_drives_server
 from tests.harness.servers import vllm_server
 
 
@@ -81,32 +76,13 @@ def test_a_tied_model_samples_with_the_trainers_logprobs_and_reloads_a_version(s
 
 @pytest.mark.slow
 def test_generator_drives_a_server_and_a_second_one_is_refused(server, tied_model, tmp_path, redis_url, r):
-    keys = Keys("srv")
-    env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "srv", "ROLLOUTS_MODEL__PATH": str(tied_model),
-           "ROLLOUTS_GENERATOR__ENGINE": "openai", "ROLLOUTS_GENERATOR__SERVER_URL": server,
-           "ROLLOUTS_ROLLOUT__GROUP_SIZE": "2", "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": "6"}
-    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
-    g1 = spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=tmp_path / "g1.log")
-    try:
-        r.xadd(keys.prompts, {PAYLOAD: encode(ask(0, n=2))})
-        wait_for(lambda: r.xlen(keys.samples) >= 1, timeout=120, what="a group", procs=[g1])
+    def second_refused(env: dict[str, str]) -> None:
         g2 = spawn("generators", "--id", "g2", cwd=tmp_path, env=env, log=tmp_path / "g2.log")
         assert g2.wait(timeout=120) != 0
         assert f"the server {server} is driven by generator g1" in (tmp_path / "g2.log").read_text()
-        step_1 = perturbed_copy(tied_model, tmp_path / "checkpoints" / "step_1", seed=1, scale=0.05)
-        publish_weights(r, keys, WeightVersion(version=1, step=1, path=str(step_1), format="safetensors",
-                                               checksums=checksum_dir(step_1), created_at=time.time()))
-        # admitted at version 1: sampled with weights >= 1 (the generator reads weights:latest first)
-        r.xadd(keys.prompts, {PAYLOAD: encode(dataclasses.replace(ask(1, n=2), admitted_at=1))})
-        wait_for(lambda: r.xlen(keys.samples) >= 2, timeout=120, what="a second group", procs=[g1])
-    finally:
-        assert stop(g1) == 0, (tmp_path / "g1.log").read_text()[-3000:]
-    first, second = (decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples))
-    assert (first.engine, first.version, second.version) == ("openai", 0, 1)
-    trainer = reference_logprobs(step_1)
-    for c in second.completions:
-        assert (torch.tensor(c.logprobs) - trainer(second.prompt_ids, c.ids, 1.0)).abs().max().item() \
-            <= SERVER_LOGPROB_TOL
+
+    generator_drives_server("openai", server, tied_model, tmp_path, redis_url, r, timeout_s=120,
+                            meanwhile=second_refused, tol=SERVER_LOGPROB_TOL)
 
 
 @pytest.mark.slow
@@ -117,3 +93,28 @@ def test_a_tied_model_served_without_the_extension_is_refused_at_start_up(tied_m
     flag = "start it with --worker-extension-cls engines.vllm_worker.WorkerExtension"
     with vllm_server(tied_model, tmp_path / "server", extension=False) as url, pytest.raises(ServerError, match=flag):
         OpenAIEngine(url, tied_model)
+
+
+def test_a_server_is_waited_for_until_its_answer_says_it_is_up_and_one_that_exits_is_named(tmp_path):
+    """ops/lib/servers.py `wait_until_up`, what both the vLLM and the SGLang launchers wait with:
+    it returns once the server's JSON answer passes the check, and while the answer does not, a
+    server process that exits fails the wait naming it."""
+    import subprocess
+    import sys
+
+    from ops.lib.servers import wait_until_up
+    from tests.harness.servers import free_port
+
+    (tmp_path / "info").write_text('{"up": true}')
+    port = free_port()
+    web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=tmp_path,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/info"
+        wait_until_up(web, url, lambda info: info["up"], timeout=120, what="the web server")
+        (tmp_path / "info").write_text('{"up": false}')
+        died = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+        with pytest.raises(AssertionError, match=r"the dying server: process .* exited with 3"):
+            wait_until_up(died, url, lambda info: info["up"], timeout=120, what="the dying server")
+    finally:
+        stop(web)

@@ -14,32 +14,20 @@ docs/generators.md). Not run on a GPU yet.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
-import json
 import os
-import signal
-import subprocess
-import time
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from common.checkpoints import checksum_dir
-from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-from common.messages import WeightVersion, decode_group, encode
 from engines.base import SamplingSettings
 from engines.choice import open_engine
 from engines.openai_engine import ServerError
 from engines.sglang_engine import SGLangEngine, parse_generated
 from tests.harness.groups import ask
-from tests.harness.models import LOGPROB_TOL, perturbed_copy, publish_weights, reference_logprobs, tied_variant
-from tests.harness.processes import spawn, stop, wait_for
-from tests.harness.servers import free_port
+from tests.harness.models import LOGPROB_TOL, perturbed_copy, reference_logprobs, tied_variant
+from tests.harness.server_generator import generator_drives_server
+from tests.harness.servers import sglang_server
 
 SGLANG_PYTHON = os.environ.get("ROLLOUTS_SGLANG_PYTHON", "")
 
@@ -84,41 +72,6 @@ needs_sglang = pytest.mark.skipif(not SGLANG_PYTHON, reason="needs SGLang and a 
                                   "ROLLOUTS_SGLANG_PYTHON to an interpreter with sglang installed")
 
 
-@contextlib.contextmanager
-def sglang_server(model: Path, log: Path, *, start_timeout_s: float = 900) -> Iterator[str]:
-    """The URL of `python -m sglang.launch_server` of `model` in float32 (ROLLOUTS_SGLANG_PYTHON), on
-    CUDA where torch sees it, else SGLang's CPU engine; stopped with its workers on leaving."""
-    cpu = not torch.cuda.is_available()
-    port = free_port()
-    argv = [SGLANG_PYTHON, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--sampling-defaults", "openai", "--random-seed", "0",
-            "--max-total-tokens", "8192", "--attention-backend", "torch_native", "--disable-cuda-graph",
-            "--disable-overlap-schedule", "--skip-server-warmup", *(["--device", "cpu"] if cpu else [])]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUTS_") and k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", **({"SGLANG_USE_CPU_ENGINE": "1"} if cpu else {}))
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            with urllib.request.urlopen(url + "/model_info", timeout=5) as r:
-                return bool(json.loads(r.read())["is_generation"])
-        except OSError:
-            return False
-    try:
-        wait_for(up, timeout=start_timeout_s, what=f"the SGLang server (log: {log})", procs=[proc], poll=1.0)
-        yield url
-    finally:  # the server and its scheduler and detokenizer processes, all in its session
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 @pytest.fixture(scope="module")
 def tied_model(tmp_path_factory, tiny_model):
     return tied_variant(tiny_model, tmp_path_factory.mktemp("tied") / "model")
@@ -126,7 +79,7 @@ def tied_model(tmp_path_factory, tiny_model):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tied_model):
-    with sglang_server(tied_model, tmp_path_factory.mktemp("sglang") / "server.log") as url:
+    with sglang_server(SGLANG_PYTHON, tied_model, tmp_path_factory.mktemp("sglang") / "server.log") as url:
         yield url
 
 
@@ -189,25 +142,4 @@ def test_completions_after_someone_elses_reload_come_back_failed(server, tied_mo
 @needs_sglang
 def test_a_generator_samples_on_the_sglang_server_and_loads_a_published_version(server, tied_model, tmp_path,
                                                                                  redis_url, r):
-    keys = Keys("sgl")
-    env = {"ROLLOUTS_REDIS_URL": redis_url, "ROLLOUTS_RUN": "sgl", "ROLLOUTS_MODEL__PATH": str(tied_model),
-           "ROLLOUTS_GENERATOR__ENGINE": "sglang", "ROLLOUTS_GENERATOR__SERVER_URL": server,
-           "ROLLOUTS_ROLLOUT__GROUP_SIZE": "2", "ROLLOUTS_ROLLOUT__MAX_NEW_TOKENS": "6"}
-    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
-    g1 = spawn("generators", "--id", "g1", cwd=tmp_path, env=env, log=tmp_path / "g1.log")
-    try:
-        r.xadd(keys.prompts, {PAYLOAD: encode(ask(0, n=2))})
-        wait_for(lambda: r.xlen(keys.samples) >= 1, timeout=300, what="a group", procs=[g1])
-        step_1 = perturbed_copy(tied_model, tmp_path / "checkpoints" / "step_1", seed=1, scale=0.05)
-        publish_weights(r, keys, WeightVersion(version=1, step=1, path=str(step_1), format="safetensors",
-                                               checksums=checksum_dir(step_1), created_at=time.time()))
-        # admitted at version 1: sampled with weights >= 1 (the generator reads weights:latest first)
-        r.xadd(keys.prompts, {PAYLOAD: encode(dataclasses.replace(ask(1, n=2), admitted_at=1))})
-        wait_for(lambda: r.xlen(keys.samples) >= 2, timeout=300, what="a second group", procs=[g1])
-    finally:
-        assert stop(g1) == 0, (tmp_path / "g1.log").read_text()[-3000:]
-    first, second = (decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples))
-    assert (first.engine, first.version, second.version) == ("sglang", 0, 1)
-    trainer = reference_logprobs(step_1)
-    for c in second.completions:
-        assert (torch.tensor(c.logprobs) - trainer(second.prompt_ids, c.ids, 1.0)).abs().max().item() <= LOGPROB_TOL
+    generator_drives_server("sglang", server, tied_model, tmp_path, redis_url, r, timeout_s=300)
