@@ -260,6 +260,34 @@ def test_the_trainer_refuses_right_padded_rows_with_images(vlm_engine, vlm):
         log_probs(partial(sequence_logprobs, temperature=1.0), load_model(vlm), mb)
 
 
+def test_a_step_makes_each_micro_batchs_pixel_values_once_for_all_its_passes(vlm_engine, vlm, monkeypatch):
+    """A step of two updates with a proximal pass and a reference model's (three passes over each
+    micro-batch) runs the image processor once for each micro-batch that holds pictures, not
+    once a pass, and its passes see those pictures: the trainer's log-probs of
+    the fresh samples agree with the engine's within LOGPROB_TOL."""
+    import trainer.vision
+    from common.config import GrpoLoss
+    from trainer.step import GrpoOptions, train_step
+
+    groups = sampled_groups(vlm_engine, [shapes_task(i, n=2) for i in range(2)], temperature=1.0)
+    made = []
+
+    def counted(processor, images, **kw):
+        made.append(tuple(images))
+        return real(processor, images, **kw)
+
+    real = trainer.vision.pixel_inputs
+    monkeypatch.setattr(trainer.vision, "pixel_inputs", counted)
+    model, ref = load_model(vlm), load_model(vlm).eval().requires_grad_(False)
+    stats = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), groups, ref_model=ref, how=GrpoOptions(
+        loss=GrpoLoss(correction="decoupled", kl_coef=0.1), estimator="grpo", overlong="none", overlong_penalty=0.0,
+        micro_batch_size=2, micro_batch_tokens=0, updates=2, max_grad_norm=1.0))
+    assert stats.skipped == 0 and stats.tokens_trained > 0
+    assert len(made) == len(groups)  # one micro-batch a group, one processor call each
+    assert sorted(made) == sorted([(g.images,) for g in groups])
+    assert stats.mismatch_max < LOGPROB_TOL
+
+
 def test_the_viewer_shows_the_picture_beside_the_completions():
     """`rollouts view`'s page holds each group's pictures, byte for byte, as images beside its
     completions; a text group's shows none."""

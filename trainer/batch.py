@@ -97,6 +97,10 @@ class MicroBatch:
     # A vision-language model's images, each row's in order (the packed layout's: `packed.images`):
     # the trainer turns them into pixel values as the generator did (common/vision.py); (): none.
     images: tuple[bytes, ...] = ()
+    # The pixel inputs of `packed.images` on the model's device (trainer/vision.py `pixel_values_of`),
+    # made once when the step batches them (trainer/step.py `step_batches`) and read by each of the
+    # micro-batch's passes, or None: each pass makes its own.
+    pixels: dict[str, Tensor] | None = None
     # Routing replay (rows whose completions carry their experts), else None: (R,) int64 the flat
     # positions (row * T + t) that predict those completion tokens, and (R, layers, top_k) int32 the
     # experts each MoE layer uses there (trainer/moe.py `replayed_routing`).

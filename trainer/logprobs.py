@@ -98,12 +98,12 @@ def packed_attention(model: torch.nn.Module) -> str | None:
 
 def final_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
                  position_ids: Tensor | None = None, images: tuple[bytes, ...] = (),
-                 prompt_at: Tensor | None = None) -> Tensor:
+                 prompt_at: Tensor | None = None, pixels: dict[str, Tensor] | None = None) -> Tensor:
     """The hidden states the model's head is applied to, (B, T, H): the decoder's output, caught as
     the whole model runs (its forward hooks, FSDP's unsharding and mixed precision included). A
     vision-language model's `images` (the sequences' in order) go in as the pixel values its
     processor makes of them, their features in place of the image tokens of the prompt positions
-    `prompt_at` (trainer/vision.py `showing`)."""
+    `prompt_at` (trainer/vision.py `showing`); `pixels`: those pixel values made beforehand (else here)."""
     caught: list[Tensor] = []
     hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: caught.append(out.last_hidden_state))
     extra = {} if position_ids is None else {"position_ids": position_ids}
@@ -112,9 +112,9 @@ def final_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tens
         # positions; the model's own (over its mask's positions) would not take a packed mask
         extra["output_router_logits"] = False
     try:
-        with showing(model, input_ids, images, prompt_at) if images else nullcontext({}) as pixels:
+        with showing(model, input_ids, images, prompt_at, pixels) if images else nullcontext({}) as shown:
             model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1, **extra,
-                  **pixels)
+                  **shown)
     finally:
         hook.remove()
     assert len(caught) == 1, f"the decoder ran {len(caught)} times in one forward pass"
@@ -145,7 +145,8 @@ def _chunk(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: 
 def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, targets: Tensor, *,
                       temperature: float, top_k: int = 0, top_p: float = 1.0, entropy: bool = False,
                       chunk_tokens: int = 1024, positions: Tensor | None = None,
-                      packed: Packed | None = None, images: tuple[bytes, ...] = ()) -> tuple[Tensor, Tensor | None]:
+                      packed: Packed | None = None, images: tuple[bytes, ...] = (),
+                      pixels: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """log_softmax(logits / temperature) at `targets`, (B, T), and with `entropy` the entropy of that
     distribution at each position, (B, T) in nats without gradient (else None). Equal to
     `token_logprobs(model(...).logits, ...)` and `token_entropy` up to float rounding; with
@@ -153,7 +154,9 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask:
     both 0 elsewhere. With `packed` as well (the same rows packed, `MicroBatch.packed`) the body
     runs on the packed sequences (the same numbers, fewer positions), unless the model's attention
     implementation takes no packed mask (`packed_attention`: then on `input_ids` as without it).
-    `images`: a vision-language model's, the rows' in order (`MicroBatch.images`; packed, `packed.images`)."""
+    `images`: a vision-language model's, the rows' in order (`MicroBatch.images`; packed, `packed.images`);
+    `pixels`: the pixel inputs of `packed.images` made once for the micro-batch (`MicroBatch.pixels`),
+    None: made in this pass."""
     assert temperature > 0, f"temperature must be > 0, got {temperature}"
     assert chunk_tokens > 0, f"chunk_tokens must be > 0, got {chunk_tokens}"
     assert input_ids.shape == targets.shape, f"input_ids {tuple(input_ids.shape)} vs targets {tuple(targets.shape)}"
@@ -163,7 +166,7 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask:
     impl = packed_attention(model) if packed is not None else None
     if impl is not None and positions is not None:
         hidden = final_hidden(model, packed.ids, packed.attention(PACKED_ATTENTION[impl]), packed.position_ids,
-                              images=packed.images, prompt_at=packed.segments == 0)
+                              images=packed.images, prompt_at=packed.segments == 0, pixels=pixels)
         return _at_positions(head, hidden, targets, positions, temperature=temperature, top_k=top_k, top_p=top_p,
                              entropy=entropy, chunk_tokens=chunk_tokens, rows_at=packed.at[positions])
     hidden = final_hidden(model, input_ids, attention_mask, images=images)  # (B, T, H)

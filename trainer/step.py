@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 
 import numpy as np
@@ -39,6 +39,7 @@ from trainer.losses.sft import sft_loss
 from trainer.moe import RouterAux, caught_router_logits, load_balancing_loss, replayed_routing, router_aux_of
 from trainer.parallel import all_max, all_sum, any_rank, gather, world_size
 from trainer.stats import Mismatch, StepStats
+from trainer.vision import pixel_values_of
 
 # The config's defaults, where a caller leaves these out (written once: common/config.py).
 CHUNK_TOKENS: int = TrainerConfig.model_fields["logits_chunk_tokens"].default
@@ -67,17 +68,22 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
                  objective: str = "grpo", parts: int = 1, device: torch.device | None = None,
                  share_prompts: bool = SHARE_PROMPTS, pack: bool = PACK, hidden_size: int = 0,
-                 skip_zero: bool = False) -> list[StepBatches]:
+                 skip_zero: bool = False, model: torch.nn.Module | None = None) -> list[StepBatches]:
     """`groups` as `parts` mini-batches of micro-batches (trainer/batch.py), each padded with empty
     micro-batches to the most any rank has, their tensors on `device` (None: where collate made
     them, the CPU); with `pack`, packed end to end, each rank filling as many micro-batches as the
     rank that needs the most, balanced by tokens; with `share_prompts` as well, each prompt through
-    the model once; with `skip_zero`, without the rows of advantage 0 (`mini_batches`)."""
+    the model once; with `skip_zero`, without the rows of advantage 0 (`mini_batches`). With
+    `model` (a vision-language model), each packed micro-batch with images carries their pixel
+    inputs (`MicroBatch.pixels`, on `device`), made once for all the passes of the step."""
     out = []
     for part in mini_batches(groups, parts=parts, micro_batch_size=micro_batch_size,
                              micro_batch_tokens=micro_batch_tokens, estimator=estimator, overlong=overlong,
                              overlong_penalty=overlong_penalty, objective=objective, share_prompts=share_prompts,
                              pack=pack, hidden_size=hidden_size, skip_zero=skip_zero, agree=all_max):
+        if model is not None:  # before the padding below, which copies the last micro-batch (its pixels too)
+            part = part._replace(batches=[with_pixels(mb, model, device) for mb in part.batches],
+                                 probes=[with_pixels(mb, model, device) for mb in part.probes])
         batches = part.batches
         tokens_in = sum(int(mb.attention_mask.sum()) if mb.packed is None else int((mb.packed.segments >= 0).sum())
                         for mb in batches)
@@ -94,6 +100,14 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
         out.append(StepBatches(batches=batches, tokens=tokens, seqs=seqs, tokens_in=tokens_in, rows=rows,
                                computed=computed, probes=probes))
     return out
+
+
+def with_pixels(mb: MicroBatch, model: torch.nn.Module, device: torch.device | None) -> MicroBatch:
+    """`mb` with the pixel inputs of its packed layout's images (trainer/vision.py `pixel_values_of`)
+    on `device`; `mb` itself where it has none (or is not packed: the pass refuses its images)."""
+    if mb.packed is None or not mb.packed.images:
+        return mb
+    return replace(mb, pixels=pixel_values_of(model, mb.packed.images, device=device or torch.device("cpu")))
 
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
@@ -220,7 +234,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                          parts=how.updates, device=model_device(model), share_prompts=how.share_prompts, pack=how.pack,
                          hidden_size=int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0),
                          skip_zero=how.skip_zero_advantage and zero_advantage_adds_nothing(how.loss)
-                         and how.distill_weight == 0)  # a token's KL to the teacher teaches at advantage 0
+                         and how.distill_weight == 0,  # a token's KL to the teacher teaches at advantage 0
+                         model=model)
     total_tokens, world = sum(m.tokens for m in minis), world_size()
     if total_tokens == 0:  # every completion masked (overlong = "mask"): nothing to learn from
         return StepStats(policy=LossStats())
@@ -275,7 +290,7 @@ def log_probs(forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], 
     its completions carry their experts (routing replay), with those experts at their positions."""
     with routed(model, mb):
         return forward(model, mb.input_ids, mb.attention_mask, mb.targets, entropy=entropy, positions=mb.trained_at,
-                       packed=mb.packed, images=mb.images)
+                       packed=mb.packed, images=mb.images, pixels=mb.pixels)
 
 
 def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Tensor | None],
@@ -372,7 +387,7 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: l
     loss or gradient norm skips the step (counted in `skipped`). With `pack` the sequences go
     packed end to end (trainer.pack_sequences)."""
     batched = step_batches(groups, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
-                           objective="sft", device=model_device(model), pack=pack)[0]
+                           objective="sft", device=model_device(model), pack=pack, model=model)[0]
     total_tokens, world = batched.tokens, world_size()
     if total_tokens == 0:
         return StepStats(tokens_forward=batched.tokens_in)
@@ -382,7 +397,8 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: l
     for mb in batched.batches:
         logp, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
                                           entropy=True, chunk_tokens=chunk_tokens,
-                                          positions=mb.trained_at, packed=mb.packed)  # (B, T): 0 off the mask
+                                          positions=mb.trained_at, packed=mb.packed,
+                                          pixels=mb.pixels)  # (B, T): 0 off the mask
         mb_loss = sft_loss(logp, mb.mask, total_tokens=total_tokens)
         (mb_loss * world).backward()
         loss += mb_loss.item()

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from common.models import ModelError
-from common.vision import load_processor, pixel_inputs
+from common.vision import is_vision_config, load_processor, pixel_inputs
 
 
 def model_path(model: torch.nn.Module) -> str:
@@ -34,7 +34,7 @@ def pixel_values_of(model: torch.nn.Module, images: tuple[bytes, ...], *,
     the model's forward pass: pixel_values (1, images, C, H, W) in the model's dtype (and its
     processor's pixel_attention_mask), on `device`. ModelError when the model takes no images or
     has no processor beside it."""
-    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+    if not is_vision_config(getattr(model, "config", None)):
         raise ModelError(f"{len(images)} images in a micro-batch, but the model is not a vision-language model")
     path = model_path(model)
     try:
@@ -47,9 +47,10 @@ def pixel_values_of(model: torch.nn.Module, images: tuple[bytes, ...], *,
 
 @contextmanager
 def showing(model: torch.nn.Module, ids: Tensor, images: tuple[bytes, ...],
-            prompt_at: Tensor | None) -> Iterator[dict[str, Tensor]]:
+            prompt_at: Tensor | None, pixels: dict[str, Tensor] | None = None) -> Iterator[dict[str, Tensor]]:
     """Within it, a forward pass of `model` over `ids` given the keyword arguments it yields (the
-    pixel inputs of `images`) puts each image's features into the `<image>` tokens of prompt
+    pixel inputs of `images`: `pixels` where the caller made them once for all its passes,
+    `pixel_values_of` here otherwise) puts each image's features into the `<image>` tokens of prompt
     positions (`prompt_at`, bool like `ids`), in order, and embeds any other `<image>` token as
     text. ModelError where the counts do not match, or where `prompt_at` is None (right-padded
     rows, which say not where their prompts end)."""
@@ -72,6 +73,6 @@ def showing(model: torch.nn.Module, ids: Tensor, images: tuple[bytes, ...],
 
     merger.inputs_merger = merge  # the instance's, over its class's, for this pass
     try:
-        yield pixel_values_of(model, images, device=ids.device)
+        yield pixels if pixels is not None else pixel_values_of(model, images, device=ids.device)
     finally:
         del merger.inputs_merger
