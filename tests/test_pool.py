@@ -181,6 +181,6 @@ def test_runs_one_generator_cannot_serve_together_are_refused_by_name(tmp_path, 
 def test_the_pool_share_bench_measures_each_runs_groups(capsys):
     from ops.bench import pool_share
 
-    (m,) = pool_share.main(["--dry-run"])
-    assert 0 < m["small_share"] < 1 and m["small_per_s"] > 0 and m["big_per_s"] > 0, m
+    (m,) = pool_share.main(["--dry-run"])  # 24 and 4 prompts: the small run's may all finish first
+    assert 0 < m["small_share"] <= 1 and m["small_per_s"] > 0 and m["big_alone_per_s"] > 0, m
     assert "small run's share while both had prompts" in capsys.readouterr().out

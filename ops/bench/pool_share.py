@@ -26,26 +26,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-TARGETS = ["q_proj", "v_proj"]
+from ops.lib.models import ADAPTED as TARGETS  # noqa: E402
 
 
 def adapter(model_dir: Path, out: Path, *, seed: int) -> tuple[Path, dict[str, str]]:
-    """An adapter of rank 4 on q and v with random B (a trained one, not zeros), published as the
-    trainer publishes it."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    """An adapter of rank 4 on q and v with random weights (a trained one, not zeros), published as
+    the trainer publishes it."""
+    from ops.lib.models import adapted
     from trainer.checkpoints import write_checkpoint
-    from trainer.lora import apply_lora
 
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), rank=4, alpha=8.0,
-                       dropout=0.0, target_modules=TARGETS)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return write_checkpoint(model, checkpoint_dir=out, step=1, source_dir=model_dir, adapter=True)
+    return write_checkpoint(adapted(model_dir, seed=seed), checkpoint_dir=out, step=1, source_dir=model_dir,
+                            adapter=True)
 
 
 def run_toml(path: Path, *, run: str, redis_url: str, model: Path, max_in_flight: int) -> Path:

@@ -1,5 +1,5 @@
 """Checkpoints the tests and the benchmarks make (a model's weights plus noise, the tiny model with
-tied embeddings) and the trainer's log-probs under one."""
+tied embeddings, LoRA adapters with random weights) and the trainer's log-probs under one."""
 
 from __future__ import annotations
 
@@ -60,3 +60,22 @@ def tied_variant(tiny_model: Path, dst: Path) -> Path:
         if "token" in f.name or f.name == "chat_template.jinja":
             shutil.copy(f, dst / f.name)
     return dst
+
+
+ADAPTED = ["q_proj", "v_proj"]  # the modules `adapted` puts adapters on
+
+
+def adapted(model_dir, *, seed: int, rank: int = 4) -> torch.nn.Module:
+    """The model with adapters of `rank` on q and v, B random (a trained adapter, not a zero one)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.lora import apply_lora
+
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), rank=rank, alpha=8.0,
+                       dropout=0.0, target_modules=ADAPTED)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model.eval()

@@ -4,23 +4,10 @@ what an engine sampling with a published adapter must match."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
 
-TARGETS = ["q_proj", "v_proj"]
+from ops.lib.models import ADAPTED, adapted  # noqa: F401 (the harness's)
 
-
-def adapted(model_dir, *, seed: int, rank: int = 4) -> torch.nn.Module:
-    """The tiny model with adapters of `rank` on q and v, B random (a trained adapter, not a zero one)."""
-    from trainer.lora import apply_lora
-
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), rank=rank, alpha=8.0,
-                       dropout=0.0, target_modules=TARGETS)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model.eval()
+TARGETS = ADAPTED
 
 
 @torch.no_grad()
