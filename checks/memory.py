@@ -28,7 +28,7 @@ from common.config import Config
 from trainer.batch import MicroBatch
 from trainer.devices import DTYPES
 from trainer.logprobs import sequence_logprobs
-from trainer.losses import correction_of, kl_coef_of, loss_function
+from trainer.losses import correction_of, kl_coef_of, loss_function, takes_proximal
 from trainer.step import StepBatches, Sums, backward_mini, log_probs
 
 ADAMW_MOMENTS = 2  # AdamW's state per trained parameter: two moments in the parameter's dtype
@@ -72,7 +72,7 @@ def trainer_pass(config: Config, model: torch.nn.Module, mb: MicroBatch) -> None
                       chunk_tokens=cfg.logits_chunk_tokens)
     correction = correction_of(cfg.loss)
     with torch.no_grad():
-        prox = log_probs(forward, model, mb)[0] if correction.type != "behaviour_clip" else None
+        prox = log_probs(forward, model, mb)[0] if takes_proximal(cfg.loss) else None
         ref = log_probs(forward, model, mb)[0] if kl_coef_of(cfg.loss) > 0 else None
     tokens = max(int(mb.mask.sum()), 1)
     mini = StepBatches(batches=[mb], tokens=tokens, seqs=int((mb.mask.sum(1) > 0).sum()), tokens_in=0,

@@ -728,11 +728,17 @@ class LossOptions(_Section):
 class CorrectionOptions(_Section):
     """The settings of an off-policy correction: trainer/losses/corrections/<type>.py's `Options`."""
 
+    # Whether the step runs the proximal pass for this correction: its ratio is then pi / pi_prox
+    # and its weight of pi_prox / pi_behav applies; a correction's Options that sets it False takes
+    # no pass, its ratio against the behaviour policy and its weight 1 (behaviour_clip). The one
+    # definition of that rule: the trainer asks trainer.losses.takes_proximal, which reads it.
+    proximal: ClassVar[bool] = True
+
 
 # Off-policy correction: how the loss treats the gap between the policy that sampled a token (the
 # generator's behaviour log-probs: older weights, another engine, bf16 kernels) and the trainer's
 # policy. pi_prox is the proximal policy: a no-grad pass with the weights at the start of the step
-# (one more forward pass over the batch), taken by every correction but behaviour_clip.
+# (one more forward pass over the batch), taken by each correction whose Options keeps `proximal`.
 CORRECTIONS = _read_options("losses/corrections", CorrectionOptions, suffix="", default="behaviour_clip")
 CorrectionConfig = Annotated[Union[tuple(CORRECTIONS.values())], Field(discriminator="type"),  # noqa: UP007
                              BeforeValidator(_by_type("behaviour_clip"))]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.config import Config, ConfigError, GrpoLoss, RolloutConfig, TrainerConfig, config_from_dict
+from common.config import CORRECTIONS, Config, ConfigError, GrpoLoss, RolloutConfig, TrainerConfig, config_from_dict
 from common.keys import Keys
 from common.messages import Completion, SampleGroup
 from common.progress import read_trainer
@@ -193,6 +193,30 @@ def test_proximal_pass_runs_with_dropout_off(tiny_model):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     st = train_step(model, opt, groups, how=step_args(loss=GrpoLoss(correction="decoupled")))
     assert st.mismatch_max < 1e-4  # the proximal pass is the sampler's policy exactly
+
+
+@pytest.mark.parametrize("correction", list(CORRECTIONS))
+def test_the_step_runs_the_proximal_pass_exactly_where_the_correction_declares_it(tiny_model, correction,
+                                                                                  monkeypatch):
+    # Whether a correction takes the proximal pass is written once, in its file (its Options'
+    # `proximal`, behaviour_clip's False). Turned the other way, the step follows the declaration
+    # and not the correction's name: no forward pass without gradients where it declares none, one
+    # per micro-batch (as many as the update's passes) where it declares one.
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    group = make_group(model.config.vocab_size, "g", version=0, rng=random.Random(0), shape=(4, [3, 5]))
+    passes = {True: 0, False: 0}  # forward passes through the model, by whether they took gradients
+    model.get_input_embeddings().register_forward_pre_hook(
+        lambda *_: passes.__setitem__(torch.is_grad_enabled(), passes[torch.is_grad_enabled()] + 1))
+    for declared in (not CORRECTIONS[correction].proximal, CORRECTIONS[correction].proximal):
+        monkeypatch.setattr(CORRECTIONS[correction], "proximal", declared)
+        passes.update({True: 0, False: 0})
+        st = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [group], how=step_args(
+            loss=GrpoLoss(correction={"type": correction})))
+        assert math.isfinite(st.loss) and st.tokens_trained > 0
+        assert passes[True] >= 1, passes  # the update's forward of each micro-batch
+        assert passes[False] == (passes[True] if declared else 0), (correction, declared, passes)
 
 
 def test_non_finite_update_is_skipped_not_applied_and_counted(tiny_model, r):

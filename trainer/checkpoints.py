@@ -43,7 +43,13 @@ from common.progress import GoneBack, add_gone_back, count_trained, read_trainer
 from common.streams import announce_weights, latest_weights
 from common.trim import trim_acknowledged
 from trainer.devices import Placement
-from trainer.loading import load_model, placed_model, safetensors_only, sharded_from_meta  # load_model: tools too
+from trainer.loading import (  # load_model: tools too
+    load_model,
+    placed_model,
+    safetensors_only,
+    sharded_from_meta,
+    with_attention,
+)
 from trainer.lora import (
     adapter_state_dict,
     adapter_tensors,
@@ -80,7 +86,8 @@ def adapted_model(path: Path, where: Placement, lora: LoraConfig, *, adapter: Pa
     seed = gather(torch.initial_seed())[0]  # rank 0's; the trainer seeds every rank alike anyway
 
     def adapt(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-        model = apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+        # attention as placed_model's (trainer.attention: flex_attention's packed BlockMask on CUDA)
+        model = apply_lora(with_attention(model, where), rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                            target_modules=lora.target_modules)
         return model, adapter_tensors(model, adapter) if adapter is not None else initial_adapters(model, seed=seed)
 

@@ -219,11 +219,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     """One trainer step of the GRPO family over `groups`: `how.updates` PPO mini-batches, one
     optimizer step each, gradients accumulated over each one's micro-batches.
 
-    `how.loss` chooses the loss (trainer/losses/); its corrections other than behaviour_clip take
-    the PPO ratio against the proximal policy: a no-grad pass, dropout off, with the weights at the
-    start of the step; a KL term's reference is `ref_model`. Log-probs are those of the sampler's
-    distribution (temperature, top_k, top_p). An update whose loss or gradient norm is not finite
-    is skipped (counted in `skipped`). `step` (trainer steps done) gives each group's staleness for
+    `how.loss` chooses the loss (trainer/losses/); a correction that takes a proximal pass
+    (losses.takes_proximal: behaviour_clip takes none) takes the PPO ratio against the proximal
+    policy: a no-grad pass, dropout off, with the weights at the start of the step; a KL term's
+    reference is `ref_model`. Log-probs are those of the sampler's distribution (temperature,
+    top_k, top_p). An update whose loss or gradient norm is not finite is skipped (counted in
+    `skipped`). `step` (trainer steps done) gives each group's staleness for
     the mismatch metrics. Stats are shares of the step's trained tokens; the loss and grad norm are
     means over the applied updates. With `how.share_prompts` each micro-batch runs each of its
     prompts through the model once, however many of its completions share it (the same log-probs,

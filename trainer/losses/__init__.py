@@ -39,7 +39,7 @@ class LossInputs:
     total_seqs: int = 0  # its sequences with a trained token (a per-sequence mean divides by it)
     norm_tokens: int = 0  # completions x max_new_tokens (Dr. GRPO's constant normaliser)
     prox_logp: Tensor | None = None  # (B, T) the proximal policy: no-grad, weights at the step's start;
-    # None where the correction takes none (behaviour_clip)
+    # None where the correction takes none (takes_proximal: behaviour_clip)
     ref_logp: Tensor | None = None  # (B, T) the frozen reference's; None without a KL term
 
 
@@ -80,9 +80,11 @@ def correction_of(cfg: LossConfig) -> CorrectionConfig:
 
 def takes_proximal(cfg: LossConfig) -> bool:
     """Whether `cfg` takes its PPO ratio against the proximal policy (the weights at the step's
-    start), so that the step runs a no-grad pass for it (LossInputs.prox_logp): every correction
-    but behaviour_clip, whose ratio is against the behaviour policy (the sampler's log-probs)."""
-    return correction_of(cfg).type != "behaviour_clip"
+    start), so that the step runs a no-grad pass for it (LossInputs.prox_logp): what its
+    correction's Options declares as `proximal` (common.config's CorrectionOptions: true unless the
+    correction's file sets it false, as behaviour_clip's does: its ratio is against the behaviour
+    policy, the sampler's log-probs). Every place that decides on the proximal pass asks this."""
+    return correction_of(cfg).proximal
 
 
 def kl_coef_of(cfg: LossConfig) -> float:

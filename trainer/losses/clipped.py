@@ -39,8 +39,8 @@ def prepare(x: LossInputs, cfg: ClippedLoss) -> Prepared:
     assert not proximal or x.prox_logp is not None, f"correction {cfg.correction.type!r} needs prox_logp"
     mask = x.mask.float()
     behaviour = x.behaviour_logp.float()
-    prox = None if x.prox_logp is None else x.prox_logp.float().detach()
-    old = prox if proximal and prox is not None else behaviour
+    prox = x.prox_logp.float().detach() if proximal and x.prox_logp is not None else None  # none: not taken
+    old = behaviour if prox is None else prox
     lengths = mask.sum(dim=1).clamp(min=1.0)  # (B,)
     log_ratio = (x.logp - old) * mask  # (B, T)
     weight = torch.ones_like(x.logp) if prox is None else behaviour_weight(prox, behaviour, mask, cfg.correction)

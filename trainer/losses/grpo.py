@@ -1,8 +1,9 @@
 """grpo: PPO's clipped ratio per token (GRPO; DAPO and Dr. GRPO by their aggregation).
 
-Per token: ratio r = pi / pi_old (pi_old the behaviour policy under behaviour_clip, else the
-proximal one), loss = w * -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + kl_coef * kl, the
-dual clip bounding it where A < 0, w the correction's no-gradient weight; aggregated by loss_agg.
+Per token: ratio r = pi / pi_old (pi_old the proximal policy where the correction takes that
+pass, else the behaviour one: losses.takes_proximal), loss = w * -min(r A, clip(r, 1 - clip_low,
+1 + clip_high) A) + kl_coef * kl, the dual clip bounding it where A < 0, w the correction's
+no-gradient weight; aggregated by loss_agg.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ and `weight(log_w, mask, cfg) -> Tensor`, the no-gradient
 per-token weight (B, T) of the mismatch between the proximal policy (the weights at the start of
 the step) and the behaviour policy that sampled the tokens, given `log_w` = log pi_prox -
 log pi_behav (0 off the mask; `behaviour_weight` below computes it); a weight of 0 drops the
-token. Every correction but behaviour_clip takes the PPO ratio against the proximal
-policy (trainer/losses/clipped.py). Adding one is that file and its test.
+token. A correction takes the PPO ratio against the proximal policy (trainer/losses/clipped.py)
+unless its Options sets the class variable `proximal = False` (behaviour_clip's): then the step
+runs no proximal pass and its weight is 1 (trainer.losses.takes_proximal reads the declaration).
+Adding one is that file and its test.
 """
 
 from __future__ import annotations

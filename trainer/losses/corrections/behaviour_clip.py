@@ -3,6 +3,8 @@ staleness and engine mismatch going into the clipped ratio, no extra pass."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
@@ -11,6 +13,8 @@ from common.config import CorrectionOptions
 
 class Options(CorrectionOptions):
     """No settings: PPO's ratio pi / pi_behav, clipped."""
+
+    proximal: ClassVar[bool] = False  # no proximal pass: the ratio is against the behaviour policy
 
 
 def weight(log_w: Tensor, mask: Tensor, cfg: Options) -> Tensor:
