@@ -67,16 +67,31 @@ def publish_adapter(r, keys: Keys, model: torch.nn.Module, *, tmp_path: Path, ti
 
 
 def test_one_generator_samples_each_runs_prompts_with_that_runs_own_adapter(tmp_path, tiny_model, redis_url, r):
+    """Runs "pa" and "pb" each sample with their own adapter, and "pc"'s troubles stay its own: it
+    publishes full weights (a pool takes adapters only: refused, its prompts sampled with the base
+    model) and its reward fails on every group (its completions carry the error)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.checkpoints import write_checkpoint
+
     models = {"pa": adapted(tiny_model, seed=0), "pb": adapted(tiny_model, seed=1)}
     paths = [run_toml(tmp_path, run, redis_url, tiny_model) for run in models]
     for step, (run, model) in enumerate(models.items(), start=1):  # versions 1 (pa) and 2 (pb)
         publish_adapter(r, Keys(run), model, tmp_path=tmp_path, tiny_model=tiny_model, step=step)
         prompts(r, Keys(run), 3, admitted_at=step)  # admitted at that version: sampled with it, never the base
+    paths.append(tmp_path / "pc.toml")
+    paths[-1].write_text(paths[0].read_text().replace('run = "pa"', 'run = "pc"').replace(
+        'kind = "arithmetic"', 'kind = "arithmetic"\nreward_funcs = ["tests.reward_fixtures:too_few"]'))
+    full, sums = write_checkpoint(AutoModelForCausalLM.from_pretrained(tiny_model), checkpoint_dir=tmp_path / "full",
+                                  step=1, source_dir=tiny_model)
+    publish_weights(r, Keys("pc"), WeightVersion(version=1, step=1, path=str(full), format="safetensors",
+                                                 checksums=sums, created_at=time.time()))
+    prompts(r, Keys("pc"), 3, admitted_at=0)
     log = tmp_path / "generator.log"
     proc = spawn("generators", "--id", "g1", "--runs", ",".join(map(str, paths)), cwd=tmp_path, env={}, log=log)
     try:
-        wait_for(lambda: all(r.xlen(Keys(run).samples) >= 3 for run in models), timeout=180, what="3 groups a run",
-                 procs=[proc])
+        wait_for(lambda: all(r.xlen(Keys(run).samples) >= 3 for run in ("pa", "pb", "pc")), timeout=180,
+                 what="3 groups a run", procs=[proc])
     finally:
         code = stop(proc)
     said = log.read_text()
@@ -84,6 +99,7 @@ def test_one_generator_samples_each_runs_prompts_with_that_runs_own_adapter(tmp_
     for step, run in enumerate(models, start=1):  # each run's lines say whose they are
         assert f"generator g1 (run {run}): hf engine on {tiny_model}" in said, said
         assert f"generator g1 (run {run}): loaded weights version {step} " in said, said
+        assert f"(run {run}): refused weights" not in said and f"(run {run}): reward error" not in said, said
     for step, (run, model) in enumerate(models.items(), start=1):
         groups = read_groups(r, Keys(run))
         assert sorted(g.prompt_id for g in groups) == [f"calc:0:{i}" for i in range(3)], run  # its own, once each
@@ -91,68 +107,31 @@ def test_one_generator_samples_each_runs_prompts_with_that_runs_own_adapter(tmp_
         for g in groups:
             assert g.version == step, (run, g.version)
             for c in g.completions:
+                assert c.reward_error is None, c.reward_error
                 mine = logprobs_of(model, list(g.prompt_ids), list(c.ids))
                 torch.testing.assert_close(torch.tensor(c.logprobs), mine, rtol=0, atol=1e-4)
                 theirs = logprobs_of(other, list(g.prompt_ids), list(c.ids))
                 assert not torch.allclose(torch.tensor(c.logprobs), theirs, atol=1e-3), "sampled with the other run's"
         assert not r.xpending(Keys(run).prompts, GENERATORS_GROUP)["pending"], run  # every prompt acknowledged
+    assert "generator g1 (run pc): refused weights: " in said and "takes LoRA adapters only" in said, said
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    for g in read_groups(r, Keys("pc")):
+        assert g.version == 0 and all(c.reward_error for c in g.completions), g
+        for c in g.completions:  # sampled with the base model alone
+            torch.testing.assert_close(torch.tensor(c.logprobs), logprobs_of(base, list(g.prompt_ids), list(c.ids)),
+                                       rtol=0, atol=1e-4)
 
 
-def test_one_runs_refused_weights_and_failing_reward_are_that_runs_alone(tmp_path, tiny_model, redis_url, r):
-    """Run "pa" publishes full weights (a pool takes adapters only): refused, its prompts sampled with
-    the base model; run "pb"'s reward fails on every group: its completions carry the error. Neither
-    touches the other run."""
-    from transformers import AutoModelForCausalLM
+def test_a_run_with_a_long_backlog_does_not_starve_the_other(capsys):
+    """ops/bench/pool_share.py: each run takes prompts up to its own max_in_flight, so a run with 8
+    prompts waiting is served beside one with 48, not after it."""
+    from ops.bench import pool_share
 
-    from trainer.checkpoints import write_checkpoint
-
-    pa = run_toml(tmp_path, "pa", redis_url, tiny_model)
-    pb = tmp_path / "pb.toml"
-    pb.write_text(pa.read_text().replace('run = "pa"', 'run = "pb"').replace(
-        'kind = "arithmetic"', 'kind = "arithmetic"\nreward_funcs = ["tests.reward_fixtures:too_few"]'))
-    full, sums = write_checkpoint(AutoModelForCausalLM.from_pretrained(tiny_model), checkpoint_dir=tmp_path / "full",
-                                  step=1, source_dir=tiny_model)
-    publish_weights(r, Keys("pa"), WeightVersion(version=1, step=1, path=str(full), format="safetensors",
-                                                 checksums=sums, created_at=time.time()))
-    publish_adapter(r, Keys("pb"), adapted(tiny_model, seed=1), tmp_path=tmp_path, tiny_model=tiny_model, step=1)
-    prompts(r, Keys("pa"), 3, admitted_at=0)
-    prompts(r, Keys("pb"), 3, admitted_at=1)
-    log = tmp_path / "generator.log"
-    proc = spawn("generators", "--id", "g1", "--runs", f"{pa},{pb}", cwd=tmp_path, env={}, log=log)
-    try:
-        wait_for(lambda: all(r.xlen(Keys(run).samples) >= 3 for run in ("pa", "pb")), timeout=180,
-                 what="3 groups a run", procs=[proc])
-    finally:
-        code = stop(proc)
-    said = log.read_text()
-    assert code == 0, said
-    assert "generator g1 (run pa): refused weights: " in said and "takes LoRA adapters only" in said, said
-    assert "(run pb): refused weights" not in said and "(run pa): reward error" not in said, said
-    assert "generator g1 (run pb): loaded weights version 1 " in said, said
-    for g in read_groups(r, Keys("pa")):
-        assert g.version == 0 and all(c.reward_error is None for c in g.completions), g
-    for g in read_groups(r, Keys("pb")):
-        assert g.version == 1 and all(c.reward_error for c in g.completions), g
-
-
-def test_a_run_with_a_long_backlog_does_not_starve_the_other(tmp_path, tiny_model, redis_url, r):
-    """Each run takes prompts up to its own max_in_flight: a run with 8 prompts waiting is served
-    beside one with 48, not after it."""
-    paths = [run_toml(tmp_path, run, redis_url, tiny_model) for run in ("big", "small")]
-    prompts(r, Keys("big"), 48, admitted_at=0)
-    prompts(r, Keys("small"), 8, admitted_at=0)
-    log = tmp_path / "generator.log"
-    proc = spawn("generators", "--id", "g1", "--runs", ",".join(map(str, paths)), "--generator.max_in_flight", "2",
-                 "--generator.batch_prompts", "2", cwd=tmp_path, env={}, log=log)
-    try:
-        wait_for(lambda: r.xlen(Keys("small").samples) >= 8, timeout=180, what="the small run's 8 groups",
-                 procs=[proc])
-        big_done = r.xlen(Keys("big").samples)
-    finally:
-        code = stop(proc)
-    assert code == 0, log.read_text()
-    # Fair: about as many of the big run's as of the small one's (8) by then; starved, all 48 first.
-    assert big_done < 24, big_done
+    (m,) = pool_share.main(["--big", "48", "--small", "8", "--max-in-flight", "2", "--repeat", "1"])
+    assert "small run's share while both had prompts" in capsys.readouterr().out
+    # Fair: about as many of the big run's groups as of the small one's (8) by the small run's last;
+    # a pool that served the big run's backlog first would give the small run almost none.
+    assert m["small_share"] > 0.25 and m["big_alone_per_s"] > 0, m
 
 
 def test_runs_one_generator_cannot_serve_together_are_refused_by_name(tmp_path, tiny_model):
@@ -177,10 +156,3 @@ def test_runs_one_generator_cannot_serve_together_are_refused_by_name(tmp_path, 
     with pytest.raises(ConfigError, match="run 'b' has generator.inflight_updates on"):
         check_pool([config("a", tiny_model), config("b", tiny_model, generator__inflight_updates=True)])
 
-
-def test_the_pool_share_bench_measures_each_runs_groups(capsys):
-    from ops.bench import pool_share
-
-    (m,) = pool_share.main(["--dry-run"])  # 24 and 4 prompts: the small run's may all finish first
-    assert 0 < m["small_share"] <= 1 and m["small_per_s"] > 0 and m["big_alone_per_s"] > 0, m
-    assert "small run's share while both had prompts" in capsys.readouterr().out
