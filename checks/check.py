@@ -38,10 +38,9 @@ from generators.state import Held
 from producers.data import Skipped, choose
 from producers.main import sources_at
 from trainer.batch import MicroBatch
-from trainer.checkpoints import load_model, place
+from trainer.checkpoints import adapted_model, placed_model
 from trainer.devices import placement, trainer_device
 from trainer.logprobs import sequence_logprobs
-from trainer.lora import apply_lora
 from trainer.memory import Choice, Estimate
 from trainer.memory import choose as choose_checkpointing
 from trainer.step import log_probs, step_batches
@@ -130,15 +129,15 @@ def sample_groups(config: Config, engine: Engine, engine_thread: concurrent.futu
 
 
 def open_trainer_model(config: Config, *, checkpointing: bool) -> torch.nn.Module:
-    """model.path as the trainer loads and places it (model.dtype, master weights, LoRA's adapters,
-    activation checkpointing as resolved: `checkpointing`), in eval mode."""
+    """model.path as the trainer opens it (trainer/main.py `start`, trainer/checkpoints.py `resume`):
+    model.dtype, master weights, trainer.attention, LoRA's adapters and activation checkpointing as
+    resolved (`checkpointing`), through the trainer's own placed_model / adapted_model, in eval mode."""
     cfg = config.trainer
-    where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32, activation_checkpointing=checkpointing)
-    model = load_model(resolve_model_path(config.model.path), where.weights_dtype)
-    if cfg.lora.rank:
-        model = apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                           target_modules=cfg.lora.target_modules)
-    return place(model, where).eval()
+    where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32, activation_checkpointing=checkpointing,
+                      attention=cfg.attention)
+    path = resolve_model_path(config.model.path)
+    model = adapted_model(path, where, cfg.lora) if cfg.lora.rank else placed_model(path, where)
+    return model.eval()
 
 
 def every_token(group: SampleGroup) -> SampleGroup:

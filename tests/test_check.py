@@ -297,3 +297,27 @@ def test_the_memory_line_by_hand():
         "memory     trainer about 4.4 GB per rank at micro-batches of 8 x 500 tokens: weights, gradients and "
         "AdamW 4 GB (16 B/param x 1e+03M / 4 ranks, arithmetic) + activations 400 MB (measured 50 MB over one "
         "forward and backward of 500 positions on cuda, scaled to 4000)")
+
+
+def test_the_checks_model_computes_attention_as_the_trainer_places_it(tiny_model, monkeypatch):
+    """trainer.attention reaches the model the check measures (its log-probs and memory), as it
+    reaches the trainer's, LoRA's included; eager stands in for flex_attention (CUDA only) on the CPU."""
+    import trainer.devices
+    import trainer.loading
+    from checks.check import open_trainer_model
+    from common.config import config_from_dict
+    from trainer.logprobs import packed_attention
+
+    def stand_in(device, attention="sdpa"):
+        return "eager" if attention == "flex_attention" else None
+
+    monkeypatch.setattr(trainer.devices, "attention_implementation", stand_in)
+    monkeypatch.setattr(trainer.loading, "attention_implementation", stand_in)
+    for lora in ({}, {"lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}}):
+        def opened(attention: str, lora=lora):
+            config = config_from_dict({"model": {"path": str(tiny_model)},
+                                       "trainer": {"attention": attention, **lora}})
+            return open_trainer_model(config, checkpointing=False)
+
+        assert packed_attention(opened("flex_attention")) == "eager", lora
+        assert packed_attention(opened("sdpa")) == "sdpa", lora  # the model's own, as the trainer's

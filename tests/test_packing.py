@@ -171,3 +171,24 @@ def test_flex_attention_with_the_block_mask_gives_the_padded_rows_logprobs(tiny_
     torch.testing.assert_close(logp(model, mb.packed), want, rtol=0, atol=1e-5)
     torch.testing.assert_close(logp(sdpa, mb.packed), want, rtol=0, atol=1e-5)
     assert want[mb.mask.bool()].std() > 0.5, "the log-probs barely depend on their context: the check would be empty"
+
+
+def test_a_model_whose_attention_takes_no_packed_mask_counts_the_padded_rows_it_runs(tiny_model, monkeypatch):
+    """A model whose attention takes no packed mask (a sliding window: packed_attention None) runs
+    the right-padded rows even with pack_sequences on: tokens_forward is their tokens, each prompt
+    once per completion, not the packed positions it would have run."""
+    import trainer.logprobs
+    import trainer.step
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    groups = groups_of(model)
+
+    def forward_tokens() -> int:
+        return train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), groups,
+                          how=options(GrpoLoss(), pack=True, share=True)).tokens_forward
+
+    padded = sum(p + n - 1 for p, ns in SHAPES for n in ns)  # each row: its prompt and completion, less the last
+    assert forward_tokens() < padded  # packed with shared prompts: each prompt once
+    for module in (trainer.logprobs, trainer.step):
+        monkeypatch.setattr(module, "packed_attention", lambda model: None)
+    assert forward_tokens() == padded

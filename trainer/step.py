@@ -75,7 +75,11 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
     rank that needs the most, balanced by tokens; with `share_prompts` as well, each prompt through
     the model once; with `skip_zero`, without the rows of advantage 0 (`mini_batches`). With
     `model` (a vision-language model), each packed micro-batch with images carries their pixel
-    inputs (`MicroBatch.pixels`, on `device`), made once for all the passes of the step."""
+    inputs (`MicroBatch.pixels`, on `device`), made once for all the passes of the step; `tokens_in`
+    counts the positions its body runs: the packed ones only where its attention takes a packed
+    mask (`packed_attention`), else the right-padded rows' tokens."""
+    # sequence_logprobs' choice: packed rows where the attention takes a packed mask (no model: as packed)
+    packed_body = model is None or packed_attention(model) is not None
     out = []
     for part in mini_batches(groups, parts=parts, micro_batch_size=micro_batch_size,
                              micro_batch_tokens=micro_batch_tokens, estimator=estimator, overlong=overlong,
@@ -85,8 +89,8 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
             part = part._replace(batches=[with_pixels(mb, model, device) for mb in part.batches],
                                  probes=[with_pixels(mb, model, device) for mb in part.probes])
         batches = part.batches
-        tokens_in = sum(int(mb.attention_mask.sum()) if mb.packed is None else int((mb.packed.segments >= 0).sum())
-                        for mb in batches)
+        tokens_in = sum(int((mb.packed.segments >= 0).sum()) if mb.packed is not None and packed_body
+                        else int(mb.attention_mask.sum()) for mb in batches)  # the positions the body runs
         computed = sum(int(mb.mask.sum()) for mb in batches)
         tokens, seqs, tokens_in, rows, computed = (int(x) for x in all_sum(
             [part.tokens, part.seqs, tokens_in, part.rows, computed]))
