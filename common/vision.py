@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 from common.images import image_messages, open_image
@@ -25,11 +26,22 @@ def is_vision_config(config: Any) -> bool:
 
 
 def is_vision_model(path: str | Path) -> bool:
-    """Whether the model directory `path` holds a vision-language model (its config.json says)."""
+    """Whether the model directory `path` holds a vision-language model (its config.json says),
+    the file read once however many callers ask (again only once it changes)."""
+    config = Path(path).resolve() / "config.json"
+    try:
+        seen = config.stat()
+    except OSError:  # no config.json
+        return False
+    return S_ISREG(seen.st_mode) and vision_config_at(config, seen.st_mtime_ns, seen.st_size)
+
+
+@lru_cache(maxsize=64)
+def vision_config_at(config: Path, mtime_ns: int, size: int) -> bool:
+    """`is_vision_model`'s reading of the config.json at `config` as it is at (`mtime_ns`, `size`)."""
     import json
 
-    config = Path(path) / "config.json"
-    return config.is_file() and is_vision_config(json.loads(config.read_text()))
+    return is_vision_config(json.loads(config.read_text()))
 
 
 def model_class(path: str | Path) -> Any:

@@ -351,3 +351,80 @@ def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, v
     engine.add("a", engine.prompt_ids(task), SamplingSettings(n=1, max_new_tokens=4, temperature=1.0),
                images=task.images)
     assert engine.step()[0].samples[0].ids
+
+
+# ---------------------------------------------------------------------- FSDP at world size 2
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_vlm_as_one(tmp_path, redis_url, r, vlm_engine, vlm):
+    """The trainer process under FSDP2 on gloo on groups with pictures: two ranks (each transformer
+    block of the text model and of the vision tower sharded, each rank making the pixel values of
+    its own micro-batches) give the losses, gradient norms and weights of one process, as on the
+    dense model (tests/test_trainer_fsdp.py); the vision tower's weights moved, so its gradients
+    went through the sharded pass too."""
+    from safetensors.torch import load_file
+
+    from tests.harness.metrics import assert_same_grad_norms, read_steps
+    from tests.harness.pipeline import run_ranks
+
+    groups = sampled_groups(vlm_engine, [shapes_task(i) for i in range(8)], temperature=1.0)
+    for name in ("one", "two"):
+        for g in groups:
+            r.xadd(Keys(name).samples, {PAYLOAD: encode(g)})
+    run_ranks(tmp_path, "one", redis_url, vlm, nproc=1)
+    assert "2 rank(s)" in run_ranks(tmp_path, "two", redis_url, vlm, nproc=2)
+    one, two = (read_steps(tmp_path / n / "metrics.jsonl") for n in ("one", "two"))
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-6 and a["tokens/trained"] == b["tokens/trained"] > 0
+    assert_same_grad_norms(one, two)
+    a, b = (load_file(tmp_path / n / "checkpoints" / "step_2" / "model.safetensors") for n in ("one", "two"))
+    start = load_file(vlm / "model.safetensors")
+    assert a.keys() == b.keys() == start.keys()  # the hub's layout, vision tower included
+    same = max((a[k] - b[k]).abs().max().item() for k in a)
+    vision = max((a[k] - start[k]).abs().max().item() for k in a if "vision_model" in k)
+    print(f"largest parameter difference between world sizes 1 and 2: {same:.3g}; "
+          f"the vision tower moved by up to {vision:.3g}")
+    assert same < 1e-5 and vision > 1e-4
+    assert (tmp_path / "two" / "checkpoints" / "step_2" / "processor_config.json").is_file()
+
+
+# ---------------------------------------------------------------------- a new version's weights
+
+
+def test_an_engine_samples_from_a_reloaded_vlm_checkpoint(any_engine, vlm, tiny_model, tmp_path):
+    """A VLM checkpoint with other weights (another seed's: the vision tower's and connector's too)
+    loaded into a running engine (load_weights, as between steps): what it samples from then on
+    with the pictures has the new weights' log-probs, within LOGPROB_TOL of the trainer's over that
+    checkpoint, and far from the first weights'; loading the first weights back gives theirs again."""
+    step = tiny_vlm(tiny_model, tmp_path / "step_1", seed=1)
+    tasks = [shapes_task(i) for i in range(3)]
+    first, new = load_model(vlm).eval(), load_model(step).eval()
+    try:
+        any_engine.load_weights(step, version=1)
+        groups = sampled_groups(any_engine, tasks, temperature=1.0)
+        worst, tokens = worst_gap(new, groups, temperature=1.0, share_prompts=True)
+        old = worst_gap(first, groups, temperature=1.0, share_prompts=True)[0]
+        print(f"{any_engine.name} reloaded with another VLM checkpoint: behaviour vs trainer log-probs over {tokens} "
+              f"tokens, max abs diff {worst:.2e} (against the first weights' {old:.2e})")
+        assert tokens >= 3 * 4 * 4 and worst < LOGPROB_TOL and old > 100 * LOGPROB_TOL
+    finally:
+        any_engine.load_weights(vlm, version=0)
+    back = sampled_groups(any_engine, tasks, temperature=1.0)
+    assert worst_gap(first, back, temperature=1.0, share_prompts=True)[0] < LOGPROB_TOL
+
+
+def test_opening_the_engine_reads_the_models_config_once(vlm, monkeypatch):
+    """The HF engine's class choice and its processor check (and any later caller) share one
+    reading of the VLM's config.json (common/vision.py `is_vision_model`)."""
+    from pathlib import Path
+
+    from common import vision
+
+    config, reads, read_text = (Path(vlm) / "config.json").resolve(), [], Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
+        reads.append(self) if self.resolve() == config else None, read_text(self, *a, **k))[1])
+    vision.vision_config_at.cache_clear()  # as at start-up
+    engine = HFEngine(vlm, seed=0, max_batch=1)
+    assert engine.processor is not None and vision.is_vision_model(vlm) and len(reads) == 1, reads

@@ -98,11 +98,13 @@ def sharded_from_meta(path: Path, where: Placement, *, adapt: Adapt | None = Non
     before it is sharded, and the parameters it adds are read from the whole tensors it gives, as
     the base model's are from the files: each rank copies only its own rows."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from common.vision import model_class
 
     config = AutoConfig.from_pretrained(path)
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real (on the host)
-        model = AutoModelForCausalLM.from_config(config, dtype=where.weights_dtype)
+        model = model_class(path).from_config(config, dtype=where.weights_dtype)  # a VLM's class for a VLM
     model.tie_weights()  # inside the context a tie registers a parameter of its own: tie them again here
     own = {id(p): name for name, p in model.named_parameters()}  # the checkpoint's name of each
     given: dict[str, torch.Tensor] = {}
@@ -140,10 +142,10 @@ def read_local_shards(model: torch.nn.Module, path: Path, *, names: dict[str, st
         # A checkpoint in the layout transformers converts as it loads (an MoE's experts: one tensor
         # each on disk, fused in the model): the whole model read on the host, converted, once per
         # rank (the host memory this module otherwise saves), its tensors sliced as the files' are.
-        from transformers import AutoModelForCausalLM
+        from common.vision import model_class
 
-        whole, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
-                                                          output_loading_info=True)
+        whole, info = model_class(path).from_pretrained(path, dtype=torch.float32, use_safetensors=True,
+                                                        output_loading_info=True)
         if info["missing_keys"]:  # transformers would fill them with fresh values: a broken checkpoint
             missing = sorted(info["missing_keys"])
         else:

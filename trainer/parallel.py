@@ -79,10 +79,24 @@ def parallelize(model: torch.nn.Module, *, device: torch.device, compute_dtype: 
         else MixedPrecisionPolicy()
     blocks = model.get_decoder().layers
     assert len(blocks) > 0, "model has no transformer blocks to shard"
-    for block in blocks:
+    for block in [*vision_blocks(model), *blocks]:
         fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: embeddings, a vision tower's and connector's
     return model
+
+
+def vision_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a vision-language model's vision tower (Idefics3 / SmolVLM:
+    `encoder.layers`; Qwen2-VL: `blocks`), which FSDP shards one by one as the text model's; none
+    for a text model."""
+    from common.vision import is_vision_config
+
+    if not is_vision_config(getattr(model, "config", None)):
+        return []
+    tower = model.get_encoder(modality="image")
+    layers = getattr(getattr(tower, "encoder", None), "layers", None) or getattr(tower, "blocks", None)
+    assert layers, f"{type(model).__name__}: no vision tower blocks to shard (encoder.layers or blocks)"
+    return list(layers)
 
 
 def autocast_forward(model: torch.nn.Module, *, device_type: str, dtype: torch.dtype) -> None:

@@ -1,5 +1,6 @@
 """Checkpoints the tests and the benchmarks make (a model's weights plus noise, the tiny model with
-tied embeddings, LoRA adapters with random weights) and the trainer's log-probs under one."""
+tied embeddings, LoRA adapters with random weights, a tiny vision-language model) and the trainer's
+log-probs under one."""
 
 from __future__ import annotations
 
@@ -79,3 +80,50 @@ def adapted(model_dir, *, seed: int, rank: int = 4) -> torch.nn.Module:
             if ".lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     return model.eval()
+
+
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_vlm(tiny_model: Path, dst: Path, *, seed: int = 0, image_size: int = 32, patch_size: int = 8) -> Path:
+    """A tiny random Idefics3 (SmolVLM's architecture) over the tiny dense model's tokenizer, with the
+    processor that feeds it: a one-layer SigLIP-shaped vision tower (hidden size 32) over
+    `image_size` pixels in patches of `patch_size`, its features shuffled by 2 into the two-layer
+    Llama text model (hidden size 64): each image is resized to `image_size` (no splitting into
+    tiles) and shown as (image_size / patch_size / 2)^2 `<image>` tokens (4 by default) between
+    `<fake_token_around_image><global-img>` and `<fake_token_around_image>`, at 1-D positions like
+    text. Saved as the trainer saves a checkpoint (safetensors), with the processor, tokenizer and
+    chat template (VLM_CHAT_TEMPLATE)."""
+    from transformers import (
+        AutoTokenizer,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+    )
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]})
+    tok.chat_template = VLM_CHAT_TEMPLATE
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": image_size},
+                                       max_image_size={"longest_edge": image_size})
+    seq_len = (image_size // patch_size // 2) ** 2
+    processor = Idefics3Processor(image_processor=images, tokenizer=tok, image_seq_len=seq_len,
+                                  chat_template=VLM_CHAT_TEMPLATE)
+    text = {"model_type": "llama", "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "max_position_embeddings": 512, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+            "bos_token_id": None, "tie_word_embeddings": False}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "image_size": image_size, "patch_size": patch_size}
+    cfg = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2, pad_token_id=tok.pad_token_id,
+                         image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    Idefics3ForConditionalGeneration(cfg).save_pretrained(dst, safe_serialization=True)
+    processor.save_pretrained(dst)
+    return dst
