@@ -61,6 +61,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -366,12 +367,16 @@ def run_processes(procs: list[Proc], subs: dict[str, tuple[str, str]], *, dirs: 
     """Start `procs` and wait for the trainer to exit (or any other process, or the time limit).
     The trainer done, stop all but the evaluator, wait for the evaluations queued to end (within
     the same time limit), then stop it: each with SIGTERM, as honcho does under ./ops/run."""
-    started = {p.name: subprocess.Popen([sys.executable, *p.argv], cwd=dirs.scratch,
-                                        env=process_env(subs, scratch=dirs.scratch, gpus=p.gpus),
-                                        stdout=open(dirs.log(p.name), "ab"),  # noqa: SIM115 - the child owns it
-                                        stderr=subprocess.STDOUT, start_new_session=True) for p in procs}
-    memory.watch(started)
+    started: dict[str, subprocess.Popen] = {}
     try:
+        for p in procs:
+            with sigterm_held():  # one arriving between a start and its record would leave that process running
+                started[p.name] = subprocess.Popen(
+                    [sys.executable, *p.argv], cwd=dirs.scratch,
+                    env=process_env(subs, scratch=dirs.scratch, gpus=p.gpus),
+                    stdout=open(dirs.log(p.name), "ab"),  # noqa: SIM115 - the child owns it
+                    stderr=subprocess.STDOUT, start_new_session=True)
+        memory.watch(started)
         t0, out = time.monotonic(), Outcome()
         out.problem, out.culprit = wait_for_trainer(started, steps=steps, time_limit=time_limit)
         out.seconds = time.monotonic() - t0
@@ -391,8 +396,22 @@ def run_processes(procs: list[Proc], subs: dict[str, tuple[str, str]], *, dirs: 
                     ", ".join(f"{name} {code}" for name, code in bad.items())
         return out
     except BaseException:  # SIGTERM or Ctrl-C mid-run: nothing of the run is left behind
-        stop_all({name: p for name, p in started.items() if p.poll() is None})
+        stop_all(started)  # those that ended too: what their sessions still hold
         raise
+
+
+@contextlib.contextmanager
+def sigterm_held() -> Iterator[None]:
+    """A SIGTERM arriving within is acted on (by the handler in place before) at its end. Not the
+    signal mask: a process started within would inherit it, and never see its own SIGTERM."""
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if got:
+            signal.raise_signal(signal.SIGTERM)
 
 
 def wait_for_trainer(started: dict[str, subprocess.Popen], *, steps: int, time_limit: float) -> tuple[str, str]:
@@ -444,7 +463,9 @@ def wait_for_evals(evaluator: subprocess.Popen, *, redis_url: str, run: str, dea
 
 def stop_all(started: dict[str, subprocess.Popen]) -> dict[str, int | None]:
     """SIGTERM to each process still running (its whole session: torchrun's ranks, reward
-    workers); SIGKILL what is left after STOP_GRACE_S and a margin. Exit statuses by name."""
+    workers); SIGKILL what is left after STOP_GRACE_S and a margin. Returns once every process of
+    those sessions is gone, not only the ones started (a reward worker may outlive its generator
+    by a moment). Exit statuses by name."""
     for p in started.values():
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -459,7 +480,33 @@ def stop_all(started: dict[str, subprocess.Popen]) -> dict[str, int | None]:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
             codes[name] = None
+    # What else the sessions hold (reward workers run in process groups of their own, deaf to
+    # SIGTERM, and exit when they see their generator gone): waited for, then killed.
+    sessions = {p.pid for p in started.values()}
+    while session_members(sessions) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in session_members(sessions):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    while session_members(sessions) and time.monotonic() < deadline + 10:
+        time.sleep(0.1)
     return codes
+
+
+def session_members(sessions: set[int]) -> list[int]:
+    """The live processes (not zombies) whose session is one of `sessions` (Linux: /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry)) in sessions:
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    out.append(int(entry))
+        except (OSError, IndexError):
+            continue
+    return out
 
 
 def build_model(path: Path, *, dry_run: bool) -> Path:

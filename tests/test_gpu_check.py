@@ -275,3 +275,59 @@ def test_a_check_stopped_by_sigterm_leaves_no_process_of_its_run_behind(tmp_path
     check.send_signal(signal.SIGTERM)
     assert check.wait(timeout=120) == 128 + signal.SIGTERM
     assert ours() == []
+
+
+
+# A run's process for the test below: a child in a process group of its own, deaf to SIGTERM, that
+# ends within a second of its parent going (as a generator's reward worker does), then a wait.
+CHILD = """
+import os, subprocess, sys, time
+worker = ("import os, signal, time\\n"
+          "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+          "parent = os.getppid()\\n"
+          "while os.getppid() == parent: time.sleep(1.0)\\n")
+subprocess.Popen([sys.executable, "-c", worker], process_group=0)
+time.sleep(60)
+"""
+
+
+def test_a_sigterm_while_the_run_starts_its_processes_leaves_none_behind(tmp_path, monkeypatch):
+    """SIGTERM between starting the run's second process and recording it (gpu-check's own handler
+    in place, as its main installs it): every process started is stopped, the one in hand too, and
+    what their sessions hold (a child in a group of its own, deaf to SIGTERM)."""
+    import signal
+
+    from ops import gpu_check
+
+    real_popen, started = subprocess.Popen, []
+
+    def popen(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        started.append(proc)
+        if len(started) == 2:  # the signal lands as the second start returns, the first one's worker running
+            import time
+
+            import psutil
+
+            deadline = time.monotonic() + 60
+            while not psutil.Process(started[0].pid).children() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # in its loop
+            signal.raise_signal(signal.SIGTERM)
+        return proc
+
+    monkeypatch.setattr(gpu_check.subprocess, "Popen", popen)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    procs = [gpu_check.Proc(name=f"p{i}", argv=("-c", CHILD), gpus=None) for i in range(3)]
+    dirs = gpu_check.Dirs(kept=tmp_path / "kept", scratch=tmp_path)
+    (tmp_path / "kept" / "logs").mkdir(parents=True)
+    try:
+        with pytest.raises(SystemExit):
+            gpu_check.run_processes(procs, {}, dirs=dirs, steps=1, time_limit=60, memory=Memory(nvidia_smi=None),
+                                    redis_url="redis://127.0.0.1:1/0")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        monkeypatch.undo()
+    assert len(started) == 2, started  # the third was never started
+    assert all(p.poll() is not None for p in started), started
+    assert gpu_check.session_members({p.pid for p in started}) == []
