@@ -330,6 +330,9 @@ class VLLMEngine:
         # Cached KV was computed with the old weights: all of it goes, the running requests'
         # too (preempted, to be prefilled again from prompt + tokens so far).
         self._engine.reset_prefix_cache(reset_running_requests=True)  # raises where it cannot
+        if self._processor is not None:  # a VLM: its images' encoder outputs came from the old vision tower
+            self._engine.reset_encoder_cache()
+            self._engine.reset_mm_cache()
         self.version = version
 
 
