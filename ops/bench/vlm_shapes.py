@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -92,7 +91,7 @@ def main() -> None:
     from common.tiny import build_tiny_model
     from ops.lib.configs import write_config
     from ops.lib.models import tiny_vlm
-    from ops.lib.processes import spawn, stop
+    from ops.lib.processes import spawn, stop_all
 
     with tempfile.TemporaryDirectory(prefix="vlm-shapes-") as name:
         tmp = Path(name)
@@ -124,11 +123,7 @@ def main() -> None:
                 time.sleep(5)
             steps = read_trainer(redis.Redis.from_url(url), Keys("vlm")).step
         finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in procs.values():
-                stop(proc, timeout=120)
+            stop_all(procs.values())
             server.terminate()
             server.wait()
         rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines() if line]

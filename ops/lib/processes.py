@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: what the processes run from
@@ -58,3 +58,13 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+def stop_all(procs: Iterable[subprocess.Popen], timeout: float = 120) -> list[int]:
+    """SIGTERM every process still running at once (so they stop side by side, each within its
+    grace), then `stop` each in turn; their exit statuses."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    return [stop(proc, timeout) for proc in procs]
