@@ -144,3 +144,43 @@ def test_vllm_shares_the_gpu_only_when_the_generators_run_vllm_on_the_trainers_g
     hf = load_config(bench.GSM8K, env={}, overrides={"generator": {"engine": "hf"}})
     assert vllm_share(hf, cuda, local_ranks=8) == 0.0
     assert vllm_share(config, torch.device("cpu"), local_ranks=1) == 0.0
+
+
+def test_the_estimate_of_a_vlm_counts_its_vision_tower_and_connector_and_its_images(tiny_model, tmp_path):
+    """The tiny VLM's parameters as the estimate counts them are the loaded model's, its vision tower
+    and connector included; its micro-batch's images add their vision tower's activations, as many
+    as the positions fit image tokens for, none under LoRA (the tower is frozen); and the estimate
+    `rollouts check` prints and "auto" reads is there for a VLM."""
+    from transformers import AutoConfig
+
+    from common.config import LoraConfig, config_from_dict
+    from tests.harness.models import tiny_vlm
+    from trainer.checkpoints import load_model
+    from trainer.memory import VisionShape, choose
+
+    vlm = tiny_vlm(tiny_model, tmp_path / "vlm")
+    model = load_model(vlm)
+    got = shape_of(AutoConfig.from_pretrained(vlm))
+    towers = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("model.vision_model.",
+                                                                                  "model.connector.")))
+    assert towers > 0 and got.params == got.trained == sum(p.numel() for p in model.parameters())
+    assert (got.layers, got.hidden, got.intermediate, got.vocab) == (2, 64, 128, model.config.text_config.vocab_size)
+    # 32-pixel images in 8-pixel patches: 16 patches, shuffled by 2 (4 patches a token) into 4 image tokens
+    assert got.vision == VisionShape(layers=1, hidden=32, intermediate=64, per_token=4, image_tokens=4)
+
+    def activations(shape, images: int) -> int:
+        return estimate(shape, positions=64, sequence=64, checkpointing=False, weights=4, compute=4,
+                        image_tokens=4 * images).activations
+
+    one_image = activations(got, 1) - activations(got, 0)
+    assert one_image > 0 and activations(got, 4) - activations(got, 0) == 4 * one_image
+    adapted = shape_of(AutoConfig.from_pretrained(vlm), lora=LoraConfig(rank=4))
+    assert adapted.trained == 0 and activations(adapted, 4) == activations(adapted, 0)
+
+    config = config_from_dict({"model": {"path": str(vlm)}, "task": {"name": "shapes"},
+                               "trainer": {"activation_checkpointing": "auto", "micro_batch_size": 2}})
+    choice, peak = choose(config, source_dir=vlm, device=torch.device("cpu"))
+    images = 2 * config.limits.max_images  # 2 rows of up to max_images images each, well within the positions
+    assert peak is not None and peak.positions // 4 > images and "GiB without it" in choice.why
+    assert peak == estimate(got, positions=peak.positions, sequence=peak.positions, checkpointing=False, weights=4,
+                            compute=4, chunk_tokens=config.trainer.logits_chunk_tokens, image_tokens=4 * images)

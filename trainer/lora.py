@@ -16,6 +16,7 @@ peft leaves on `meta` too) start from the adapters one process starts from.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -29,18 +30,42 @@ _ADAPTER = "default"
 def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float,
                target_modules: list[str]) -> torch.nn.Module:
     """`model` with LoRA adapters of `rank` on the modules named in `target_modules`; everything
-    else frozen. B starts at zero, so the adapted model computes what `model` did."""
+    else frozen. B starts at zero, so the adapted model computes what `model` did. A
+    vision-language model's adapters go on its text model only (`towers`: the vision tower and the
+    connector are excluded, frozen as they are)."""
     from peft import LoraConfig, get_peft_model
 
     assert rank > 0, f"LoRA rank must be positive, got {rank}"
+    left_out = towers(model)
+    exclude = "(?:" + "|".join(re.escape(name) for name in left_out) + r")\..*" if left_out else None
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
-                        bias="none", task_type="CAUSAL_LM")
+                        exclude_modules=exclude, bias="none", task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, config, adapter_name=_ADAPTER)
     except ValueError as err:  # e.g. no module matches target_modules
         from common.models import ModelError
 
-        raise ModelError(f"trainer.lora.target_modules: {err}") from None
+        why = (f" (a vision-language model's adapters go on its text model only, not on {', '.join(left_out)}: "
+               "name modules of its text model)") if left_out else ""
+        raise ModelError(f"trainer.lora.target_modules: {err}{why}") from None
+
+
+def towers(model: torch.nn.Module) -> list[str]:
+    """The names of a vision-language model's parts beside its text model (Idefics3 / SmolVLM:
+    `model.vision_model`, the vision tower, and `model.connector`), which LoRA leaves unadapted:
+    vLLM adapts a VLM's text model only (its tower and connector adapters are an experimental
+    option, off by default), so an adapter on them would be sampled without them; and the text
+    model is what learns to answer. [] for a text model."""
+    from common.vision import is_vision_config
+
+    if not is_vision_config(getattr(model, "config", None)):
+        return []
+    text = model.get_decoder()
+    for parent_name, parent in model.named_modules():
+        if any(child is text for child in parent.children()):
+            prefix = f"{parent_name}." if parent_name else ""
+            return [f"{prefix}{name}" for name, child in parent.named_children() if child is not text]
+    raise AssertionError(f"{type(model).__name__}: its text model is not among its modules")
 
 
 def is_lora(model: torch.nn.Module) -> bool:

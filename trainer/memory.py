@@ -12,10 +12,20 @@ The estimate (bytes, per rank) is the sum of
                float32 input and one block's whole; under `attention = "sdpa"` also the packed
                micro-batch's (L, L) mask, once as booleans and, per block, in the compute dtype
                (SDPA turns a boolean mask into an additive one, which its backward keeps);
+               a vision-language model's image tokens are positions like text, and its vision
+               tower keeps the same per patch and per vision block (`vision_bytes`: a block of
+               the tower's width, each image's patches a sequence of their own), `per_token`
+               patches for each image token the micro-batch can hold; nothing of it under LoRA
+               (the tower is frozen, and nothing before the text model's adapters takes a gradient);
   head         the chunked head's float32 (logits_chunk_tokens x vocabulary) tensors (logits,
                log-softmax and their gradients, `LOGITS_COPIES` of them);
   reference    a KL term's frozen model in the compute dtype, sharded like the policy.
-The micro-batch is the largest the config allows (`micro_batch_positions`).
+The micro-batch is the largest the config allows (`micro_batch_positions`). A vision-language
+model's parameters are all of its parts' (text model, vision tower, connector), and its image
+tokens are as many as the micro-batch's positions, at most `limits.max_images` images' worth a row
+where an image's tokens are known (`micro_batch_image_tokens`; Idefics3 without splitting images
+into tiles, as the tiny VLM does; a split image's tiles count as images). The vision tower's term
+has not been measured on a GPU.
 
 Calibrated on one NVIDIA H200 (ops/bench/trainer_gpu.py, commit 99dc686, 2026-11-27, docs/gpu.md):
 bf16 autocast over float32 master weights, flex attention, measured peaks
@@ -50,8 +60,20 @@ ADAMW_MOMENTS = 2
 
 
 @dataclass(frozen=True, slots=True)
+class VisionShape:
+    """What the estimate needs of a vision-language model's vision tower (its `vision_config`)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    per_token: int  # patches (positions in the tower) of each image token: scale_factor^2, spatial_merge_size^2
+    image_tokens: int  # image tokens of one image (tile) in the text model; 0: they vary (Qwen2-VL)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelShape:
-    """What the estimate needs of a causal LM (from its transformers config)."""
+    """What the estimate needs of a causal LM or of a vision-language model's text model (from its
+    transformers config), and a vision-language model's vision tower (`vision`)."""
 
     params: int  # every parameter
     trained: int  # those with a gradient and AdamW state (all; 0 under LoRA: the adapters are left out)
@@ -63,27 +85,53 @@ class ModelShape:
     vocab: int
     qk_norm: bool  # an RMSNorm on each head's queries and keys (Qwen3)
     context: int  # max_position_embeddings (0: unknown)
+    vision: VisionShape | None = None  # a vision-language model's vision tower; None: a text model
 
 
 def shape_of(hf_config: Any, *, lora: LoraConfig | None = None) -> ModelShape:
     """The shape of the model `hf_config` describes: built on PyTorch's `meta` device (no memory, no
-    weights read) to count its parameters and see its modules."""
-    from transformers import AutoModelForCausalLM
+    weights read) to count its parameters and see its modules. A vision-language model (its config
+    has a `vision_config`) is built as one (common/vision.py), so its parameters are its text
+    model's, vision tower's and connector's, and its blocks are its text model's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from common.vision import is_vision_config
+
+    vlm = is_vision_config(hf_config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(hf_config)
     params = sum(p.numel() for p in model.parameters())
-    hidden = int(hf_config.hidden_size)
-    heads = int(hf_config.num_attention_heads)
-    head_dim = int(getattr(hf_config, "head_dim", None) or hidden // heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    text = hf_config.get_text_config() if vlm else hf_config
+    hidden = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     return ModelShape(params=params, trained=0 if lora is not None and lora.rank else params,
-                      layers=int(hf_config.num_hidden_layers), hidden=hidden, q_dim=heads * head_dim,
+                      layers=int(text.num_hidden_layers), hidden=hidden, q_dim=heads * head_dim,
                       kv_dim=kv_heads * head_dim,
-                      intermediate=int(getattr(hf_config, "intermediate_size", None) or 4 * hidden),
-                      vocab=int(hf_config.vocab_size),
+                      intermediate=int(getattr(text, "intermediate_size", None) or 4 * hidden),
+                      vocab=int(text.vocab_size),
                       qk_norm=any(name.endswith("q_norm") for name, _ in model.named_modules()),
-                      context=int(getattr(hf_config, "max_position_embeddings", 0) or 0))
+                      context=int(getattr(text, "max_position_embeddings", 0) or 0),
+                      vision=vision_shape(hf_config) if vlm else None)
+
+
+def vision_shape(hf_config: Any) -> VisionShape:
+    """The vision tower of the vision-language model `hf_config` describes: Idefics3 / SmolVLM (an
+    image (tile) of `image_size` pixels in patches of `patch_size`, `scale_factor` x `scale_factor`
+    patches shuffled into each image token) or Qwen2-VL (`depth` blocks of `embed_dim`,
+    `spatial_merge_size` x `spatial_merge_size` patches merged into each image token, as many
+    tokens as the image's size gives)."""
+    v = hf_config.vision_config
+    if getattr(v, "embed_dim", None):  # Qwen2-VL
+        hidden, merge = int(v.embed_dim), int(v.spatial_merge_size)
+        return VisionShape(layers=int(v.depth), hidden=hidden, intermediate=int(hidden * float(v.mlp_ratio)),
+                           per_token=merge**2, image_tokens=0)
+    scale = int(getattr(hf_config, "scale_factor", None) or 1)
+    hidden = int(v.hidden_size)
+    return VisionShape(layers=int(v.num_hidden_layers), hidden=hidden,
+                       intermediate=int(getattr(v, "intermediate_size", None) or 4 * hidden), per_token=scale**2,
+                       image_tokens=max((int(v.image_size) // int(v.patch_size)) ** 2 // scale**2, 1))
 
 
 def block_bytes(shape: ModelShape, *, compute: int, attention: str) -> int:
@@ -96,6 +144,15 @@ def block_bytes(shape: ModelShape, *, compute: int, attention: str) -> int:
     h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
     attn = 7 * q + 2 * kv if attention == "sdpa" else 5 * q + 4 * kv
     return 16 * h + compute * (5 * h + 4 * shape.intermediate + attn) + (8 * (q + kv) if shape.qk_norm else 0)
+
+
+def vision_bytes(vision: VisionShape, *, compute: int, attention: str) -> int:
+    """Bytes one vision block keeps for its backward per patch, checkpointing off: as a text block
+    of the tower's width (`block_bytes`, every head its own keys and values; its MLP's gate taken
+    for its fc1's output)."""
+    like = ModelShape(params=0, trained=0, layers=vision.layers, hidden=vision.hidden, q_dim=vision.hidden,
+                      kv_dim=vision.hidden, intermediate=vision.intermediate, vocab=0, qk_norm=False, context=0)
+    return block_bytes(like, compute=compute, attention=attention)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +172,13 @@ class Estimate:
 
 
 def estimate(shape: ModelShape, *, positions: int, sequence: int, checkpointing: bool, weights: int, compute: int,
-             attention: str = "sdpa", chunk_tokens: int = 1024, ranks: int = 1, reference: bool = False) -> Estimate:
+             attention: str = "sdpa", chunk_tokens: int = 1024, ranks: int = 1, reference: bool = False,
+             image_tokens: int = 0) -> Estimate:
     """The step's peak per rank for micro-batches of `positions` positions whose longest sequence
     (a packed micro-batch: all of it) is `sequence`, weights of `weights` bytes each computed in
-    `compute`-byte floats, over `ranks` FSDP2 ranks."""
+    `compute`-byte floats, over `ranks` FSDP2 ranks; `image_tokens` of a vision-language model's
+    micro-batch positions are image tokens, each `shape.vision.per_token` patches in its vision
+    tower."""
     state = (shape.params * weights + shape.trained * weights * (1 + ADAMW_MOMENTS)) // ranks
     per_layer = shape.params // max(shape.layers, 1)
     copies = 0 if weights <= compute else shape.params * compute if ranks == 1 else 2 * per_layer * (compute + 4)
@@ -127,6 +187,11 @@ def estimate(shape: ModelShape, *, positions: int, sequence: int, checkpointing:
     if attention == "sdpa":  # the mask: (positions / sequence) x (sequence x sequence)
         masks = positions // max(sequence, 1) * sequence * sequence
         kept += masks * (1 + compute * (1 if checkpointing else shape.layers))
+    if shape.vision is not None and image_tokens and shape.trained:  # under LoRA the frozen tower keeps nothing
+        v = shape.vision
+        patches = image_tokens * v.per_token
+        block = vision_bytes(v, compute=compute, attention=attention) * patches
+        kept += v.layers * 4 * v.hidden * patches + block if checkpointing else v.layers * block
     head = LOGITS_COPIES * 4 * min(chunk_tokens, positions) * shape.vocab
     ref = shape.params * compute // ranks if reference else 0
     return Estimate(state=state, copies=copies, activations=kept, head=head, reference=ref, positions=positions)
@@ -152,6 +217,17 @@ def micro_batch_positions(cfg: TrainerConfig, *, row: int) -> tuple[int, int]:
         return positions, positions
     rows = min(cfg.micro_batch_size, cfg.micro_batch_tokens // row) if cfg.micro_batch_tokens else cfg.micro_batch_size
     return max(rows, 1) * row, row
+
+
+def micro_batch_image_tokens(shape: ModelShape, cfg: TrainerConfig, *, positions: int, max_images: int) -> int:
+    """The image tokens the estimate plans a micro-batch of `positions` positions to hold: the
+    whole images (tiles) those positions fit, at most `max_images` (limits.max_images) for each of
+    its micro_batch_size rows, where an image's tokens are known; else every position; 0 for a
+    text model."""
+    if shape.vision is None:
+        return 0
+    each = shape.vision.image_tokens
+    return min(positions // each, cfg.micro_batch_size * max_images) * each if each else positions
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +297,9 @@ def choose(config: Config, *, source_dir: Path, device: torch.device, ranks: int
         positions, sequence = micro_batch_positions(cfg, row=longest_row(config, context=shape.context))
         peak = estimate(shape, positions=positions, sequence=sequence, checkpointing=False, weights=weights,
                         compute=compute, attention=cfg.attention, chunk_tokens=cfg.logits_chunk_tokens, ranks=ranks,
-                        reference=kl_coef_of(cfg.loss) > 0)
+                        reference=kl_coef_of(cfg.loss) > 0,
+                        image_tokens=micro_batch_image_tokens(shape, cfg, positions=positions,
+                                                              max_images=config.limits.max_images))
     local = local_ranks if local_ranks is not None else int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     choice = resolve(cfg.activation_checkpointing, device_type=device.type, peak_off=peak.total if peak else None,

@@ -1,0 +1,185 @@
+"""LoRA on a vision-language model (the tiny random Idefics3, tests/harness/models.py `tiny_vlm`):
+adapters on its text model only (trainer/lora.py `towers`), published merged or as the adapter
+alone, which the engines load and sample from with the pictures and the trainer's log-probs.
+Run with -s to see the measured log-prob differences."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.checkpoints import ADAPTER_CONFIG, ADAPTER_FILE
+from common.keys import PAYLOAD, Keys
+from common.messages import encode
+from common.models import ModelError
+from engines.hf_engine import HFEngine
+from tests.harness.adapters import TARGETS, adapted
+from tests.harness.models import LOGPROB_TOL, tiny_vlm
+from tests.harness.needs import need_vllm
+from tests.harness.vlm import sampled_groups, shapes_task, worst_gap
+from trainer.checkpoints import load_model, write_checkpoint
+from trainer.lora import apply_lora
+
+TOWERS = ("model.vision_model", "model.connector")  # the tiny Idefics3's vision tower and connector
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_model, tmp_path_factory) -> Path:
+    return tiny_vlm(tiny_model, tmp_path_factory.mktemp("vlm") / "model")
+
+
+@pytest.fixture(scope="module")
+def versions(vlm, tmp_path_factory) -> tuple[torch.nn.Module, Path, Path]:
+    """The tiny VLM with trained-like adapters (q and v of its text model, B random) as the trainer
+    holds it, and that version published merged and as the adapter alone."""
+    model = adapted(vlm, seed=7)
+    out = tmp_path_factory.mktemp("published")
+    merged, _ = write_checkpoint(model, checkpoint_dir=out, step=1, source_dir=vlm)
+    adapter, _ = write_checkpoint(model, checkpoint_dir=out, step=2, source_dir=vlm, adapter=True)
+    return model, merged, adapter
+
+
+def test_lora_on_the_vlm_adapts_its_text_model_only(vlm):
+    """The default target modules (q, k, v, o_proj) name modules of the vision tower as well as the
+    text model's: the adapters go on the text model's alone, and the vision tower and connector stay
+    frozen; target modules that only the vision tower has are refused, saying why."""
+    model = apply_lora(load_model(vlm), rank=4, alpha=8.0, dropout=0.0,
+                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert len(trained) == 2 * 4 * 2  # A and B of 4 projections in each of the text model's 2 layers
+    assert all(".model.text_model.layers." in name and ".lora_" in name for name in trained), trained
+    assert not any(".lora_" in name for name, _ in model.named_parameters() if any(t in name for t in TOWERS))
+    with pytest.raises(ModelError, match=r"trainer\.lora\.target_modules: .*adapters go on its text model only, "
+                                         r"not on model\.vision_model, model\.connector"):
+        apply_lora(load_model(vlm), rank=4, alpha=8.0, dropout=0.0, target_modules=["fc1", "out_proj"])
+
+
+def test_the_hf_engine_samples_a_vlm_lora_version_merged_and_as_adapter(vlm, versions):
+    """An adapted VLM's version published merged (a whole Idefics3 checkpoint, vision tower as it
+    was) and as the adapter alone (text-model tensors only), each loaded into an HF engine on the
+    tiny VLM: what it samples with the pictures has the adapted model's log-probs within
+    LOGPROB_TOL, far from the base model's."""
+    model, merged, adapter = versions
+    import json
+
+    from safetensors.torch import load_file
+
+    saved = load_file(str(adapter / ADAPTER_FILE))
+    assert saved and all(".model.text_model." in k for k in saved)
+    assert json.loads((adapter / ADAPTER_CONFIG).read_text())["exclude_modules"]
+    tasks, base = [shapes_task(i) for i in range(3)], load_model(vlm).eval()
+    for published in (merged, adapter):
+        engine = HFEngine(vlm, seed=0, max_batch=4)
+        engine.load_weights(published, version=1)
+        groups = sampled_groups(engine, tasks, temperature=1.0)
+        worst, tokens = worst_gap(model, groups, temperature=1.0, share_prompts=True)
+        off = worst_gap(base, groups, temperature=1.0, share_prompts=True)[0]
+        print(f"hf with the VLM's LoRA version {published.name} ({'adapter' if published == adapter else 'merged'}): "
+              f"behaviour vs trainer log-probs over {tokens} tokens, max abs diff {worst:.2e} (the base model's "
+              f"{off:.2e})")
+        assert tokens >= 3 * 4 * 4 and worst < LOGPROB_TOL and off > 100 * LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_vllm_samples_a_vlm_lora_adapter_version(vlm, versions):
+    """vLLM on the tiny VLM opened with enable_lora loads the adapter version (text-model tensors
+    only, as vLLM adapts a VLM's text model) and samples with the pictures and the adapted model's
+    log-probs within LOGPROB_TOL."""
+    from engines.choice import open_engine
+
+    need_vllm()
+    model, _, adapter = versions
+    engine = open_engine("vllm", vlm, seed=0, lora_rank=4)
+    try:
+        engine.load_weights(adapter, version=2)
+        groups = sampled_groups(engine, [shapes_task(i) for i in range(3)], temperature=1.0)
+        worst, tokens = worst_gap(model, groups, temperature=1.0, share_prompts=True)
+        off = worst_gap(load_model(vlm).eval(), groups, temperature=1.0, share_prompts=True)[0]
+        print(f"vllm with the VLM's LoRA adapter: behaviour vs trainer log-probs over {tokens} tokens, max abs diff "
+              f"{worst:.2e} (the base model's {off:.2e})")
+        assert tokens >= 3 * 4 * 4 and worst < LOGPROB_TOL and off > 100 * LOGPROB_TOL
+    finally:
+        del engine
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("publish", ["merged", "adapter"])
+def test_the_trainer_trains_a_vlms_lora_adapters_and_the_engine_follows(tmp_path, redis_url, r, vlm, publish):
+    """The trainer process with [trainer.lora] on groups with pictures: it trains the text model's
+    adapters alone (the vision tower and connector published as they were) and publishes each
+    version `publish`'s way; the HF engine loads the last one and samples with the log-probs of the
+    trainer's model rebuilt from its saved state."""
+    from safetensors.torch import load_file
+
+    from tests.harness.pipeline import train_groups
+    from trainer.schedule import build_scheduler
+    from trainer.state import load_state
+
+    run, rng = f"vl-{publish}", random.Random(0)
+    engine = HFEngine(vlm, seed=0, max_batch=4)
+    for g in sampled_groups(engine, [shapes_task(rng.randrange(100), n=4) for _ in range(4)], temperature=1.0):
+        r.xadd(Keys(run).samples, {PAYLOAD: encode(g)})
+    lora = {"rank": 4, "alpha": 8.0, "target_modules": TARGETS, "publish": publish}
+    train_groups(tmp_path, redis_url, vlm, run=run, max_steps=2, lr=0.05, lora=lora)
+
+    trainer_model = apply_lora(load_model(vlm), rank=4, alpha=8.0, dropout=0.0, target_modules=TARGETS)
+    trained = [p for p in trainer_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=0.05)
+    load_state(trainer_model, optimizer, build_scheduler(optimizer, schedule="constant", warmup_steps=0,
+                                                          total_steps=0),
+               path=tmp_path / "out" / "trainer_state" / "step_2")
+    assert len(optimizer.state) == len(trained) == 2 * 2 * 2  # A and B of q and v in 2 layers
+    trainer_model.eval()
+    published = tmp_path / "out" / "checkpoints" / "step_2"
+    start = load_file(vlm / "model.safetensors")
+    if publish == "merged":
+        after = load_file(published / "model.safetensors")
+        moved = sorted(k for k in start if not torch.equal(start[k], after[k]))
+        assert after.keys() == start.keys() and moved
+        assert all(k.startswith("model.text_model.") and k.endswith(("q_proj.weight", "v_proj.weight"))
+                   for k in moved), moved
+    else:
+        assert sorted(p.name for p in published.iterdir()) == [ADAPTER_CONFIG, ADAPTER_FILE]
+    engine.load_weights(published, version=2)
+    groups = sampled_groups(engine, [shapes_task(i) for i in range(3)], temperature=1.0)
+    worst, tokens = worst_gap(trainer_model, groups, temperature=1.0, share_prompts=True)
+    print(f"trainer-published VLM LoRA ({publish}) in the HF engine: max abs diff {worst:.2e} over {tokens} tokens")
+    assert tokens > 0 and worst < LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_vlms_lora_adapters_as_one(tmp_path, redis_url, r, vlm):
+    """The trainer under FSDP2 on gloo with [trainer.lora] on the VLM (built on `meta`, adapted
+    there, each rank reading its own rows of the frozen weights): two ranks give the losses and the
+    published adapter of one process, its tensors the text model's alone."""
+    from safetensors.torch import load_file
+
+    from tests.harness.configs import write_config
+    from tests.harness.metrics import read_steps
+    from tests.harness.pipeline import QUARANTINE_OFF, run_trainer
+
+    engine = HFEngine(vlm, seed=0, max_batch=4)
+    groups = sampled_groups(engine, [shapes_task(i) for i in range(8)], temperature=1.0)
+    lora = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "publish": "adapter"}
+    for name, nproc in (("one", 1), ("two", 2)):
+        for g in groups:
+            r.xadd(Keys(name).samples, {PAYLOAD: encode(g)})
+        config = write_config(tmp_path / f"{name}.toml", run=name, redis_url=redis_url, output_dir=tmp_path / name,
+                              model={"path": str(vlm), "dtype": "float32"}, base={},
+                              rollout={"group_size": 4, "prompts_per_step": 4, "max_staleness": 2},
+                              trainer={"max_steps": 2, "lr": 0.02, "micro_batch_size": 3, "threads": 1,
+                                       "keep_checkpoints": 2, "lora": lora, **QUARANTINE_OFF})
+        run_trainer(config, cwd=tmp_path, nproc=nproc)
+    one, two = (read_steps(tmp_path / n / "metrics.jsonl") for n in ("one", "two"))
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-6 and a["tokens/trained"] == b["tokens/trained"] > 0
+    a, b = (load_file(tmp_path / n / "checkpoints" / "step_2" / ADAPTER_FILE) for n in ("one", "two"))
+    assert a.keys() == b.keys() and all(".model.text_model." in k for k in a)
+    same = max((a[k] - b[k]).abs().max().item() for k in a)
+    moved = max(a[k].abs().max().item() for k in a if ".lora_B." in k)
+    print(f"VLM LoRA adapters at world sizes 1 and 2: largest difference {same:.3g} (B moved by up to {moved:.3g})")
+    assert same < 1e-5 and moved > 1e-4
