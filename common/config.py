@@ -334,6 +334,10 @@ class SftSource(_Source, _Files):
     # Conversations longer than this many tokens (prompt + completion) are cut to it; the producer
     # counts them (producer hash: sft_truncated, sft_tokens_cut).
     max_length: int = Field(2048, ge=2)
+    # Column holding each conversation's images, for a vision-language model, shown before the
+    # text of its first user message (which must come before the first assistant turn): the forms
+    # of a dataset source's image_column (a path, bytes, a {bytes, path} map, or a list); "" = none.
+    image_column: str = ""
 
     @model_validator(mode="before")
     @classmethod

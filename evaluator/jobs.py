@@ -27,7 +27,7 @@ from common.checkpoints import adapter_base, adapter_rank, is_adapter_dir, verif
 from common.config import GeneratorConfig, SourceConfig, source_config
 from common.evals import EvalRequest, EvalResult, read_request, record_eval
 from common.keys import Keys
-from common.messages import PromptTask
+from common.messages import MessageError, PromptTask
 from engines.base import Engine, SamplingSettings
 from engines.choice import engine_name, open_for_settings
 from tasks.rows import Prompt, eval_prompts
@@ -122,12 +122,18 @@ def evaluate(req: EvalRequest) -> EvalResult:
 def score_source(engine: Engine, source: SourceConfig, problems: list[Prompt],
                  req: EvalRequest) -> dict[int, list[bool]]:
     """{1: greedy hit per problem, k: whether any of k samples hit}; a hit is a reward of at least
-    req.pass_reward from the source's reward functions (an error is a miss)."""
+    req.pass_reward from the source's reward functions (an error is a miss). A problem's images
+    (a visual task's, or a data set's image_column) are shown as the generator shows them
+    (common/vision.py); a model that takes no images refuses the source, naming it (MessageError)."""
     funcs = rewards.load_all(source.reward_functions)
     conversational = rewards.conversational(source)  # TRL functions get messages, else text
-    tasks = [PromptTask(id=p.id, messages=p.messages, text=p.text, meta=p.meta, n=1, admitted_at=req.version)
-             for p in problems]
-    prompts = [engine.prompt_ids(t) for t in tasks]
+    tasks = [PromptTask(id=p.id, messages=p.messages, text=p.text, meta=p.meta, n=1, admitted_at=req.version,
+                        images=p.images) for p in problems]
+    try:
+        prompts = [engine.prompt_ids(t) for t in tasks]
+    except MessageError as err:
+        raise MessageError(f"evaluator: source {source.name!r}: {err}") from None
+    images = [t.images for t in tasks]
 
     def hits(task: PromptTask, completions: list[list[int]]) -> list[bool]:
         texts = [(engine.decode(ids), ids) for ids in completions]
@@ -136,21 +142,29 @@ def score_source(engine: Engine, source: SourceConfig, problems: list[Prompt],
                                      meta=task.meta, state=rewards.TrainerState(global_step=req.version))
         return [error is None and reward >= req.pass_reward for reward, _, error in scored]
 
-    greedy = in_chunks(lambda chunk: engine.greedy(chunk, max_new_tokens=req.max_new_tokens), prompts, req)
+    greedy = in_chunks(lambda chunk, shown: engine.greedy(chunk, max_new_tokens=req.max_new_tokens, **shown),
+                       prompts, images, req)
     out = {1: [hits(t, [ids])[0] for ids, t in zip(greedy, tasks, strict=True)]}
     if req.pass_k:
         sampling = SamplingSettings(n=req.pass_k, max_new_tokens=req.max_new_tokens, temperature=req.temperature)
-        groups = in_chunks(lambda chunk: engine.sample(chunk, sampling), prompts, req)
+        groups = in_chunks(lambda chunk, shown: engine.sample(chunk, sampling, **shown), prompts, images, req)
         out[req.pass_k] = [any(hits(t, [s.ids for s in group])) for group, t in zip(groups, tasks, strict=True)]
     return out
 
 
-def in_chunks(generate, prompts: list[list[int]], req: EvalRequest) -> list:
-    """`generate(prompts)`, CHUNK prompts a call, stopping between two calls if the worker is asked to."""
-    out = []
-    for i in range(0, len(prompts), CHUNK):
-        stop_if_asked(req)
-        out += generate(prompts[i:i + CHUNK])
+def in_chunks(generate, prompts: list[list[int]], images: list[tuple[bytes, ...]], req: EvalRequest) -> list:
+    """`generate(prompts, shown)` of each prompt, in their order, CHUNK prompts a call, stopping between
+    two calls if the worker is asked to. A call's prompts have as many images each (what one batch
+    of the engine's takes), `shown` {"images": theirs}, or {} for prompts without."""
+    out: list = [None] * len(prompts)
+    for count in sorted({len(shown) for shown in images}):
+        at = [i for i, shown in enumerate(images) if len(shown) == count]
+        for j in range(0, len(at), CHUNK):
+            stop_if_asked(req)
+            part = at[j:j + CHUNK]
+            made = generate([prompts[i] for i in part], {"images": [images[i] for i in part]} if count else {})
+            for i, m in zip(part, made, strict=True):
+                out[i] = m
     return out
 
 

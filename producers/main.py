@@ -10,12 +10,13 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from typing import Any
 
 import redis
 
 from common.config import Config, SftSource
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
-from common.messages import PromptTask, SampleGroup, encode
+from common.messages import MessageError, PromptTask, SampleGroup, encode
 from common.models import resolve_model_path
 from common.progress import (
     SourcePosition,
@@ -71,13 +72,15 @@ def sources_at(config: Config, positions: dict[str, tuple[int, int]]) -> list[So
             for i, s in enumerate(config.sources)]
 
 
-def sft_group(source: Source, made: Prompt, tokenizer) -> tuple[SampleGroup | Skipped, int]:
+def sft_group(source: Source, made: Prompt, tokenizer, processor=None) -> tuple[SampleGroup | Skipped, int]:
     """(the conversation's SampleGroup cut to the source's max_length, tokens cut), or
-    (Skipped, 0) when it has nothing to train on."""
+    (Skipped, 0) when it has nothing to train on. `processor`: a vision-language model's, which
+    lays out a conversation's images (None: a text model, which skips a conversation with any)."""
     try:
-        group = conversation_group(tokenizer, made.messages, group_id=made.id)
-    except AssertionError as err:  # no assistant turn, or one the template cannot render
-        return Skipped(id=made.id, reason=str(err)), 0
+        group = conversation_group(tokenizer, made.messages, group_id=made.id, images=made.images,
+                                   processor=processor)
+    except (AssertionError, MessageError) as err:  # no assistant turn, one the template cannot render,
+        return Skipped(id=made.id, reason=str(err)), 0  # or images the model cannot see
     group, cut = truncate(group, max_length=source.config.max_length)
     if group is None:
         return Skipped(id=made.id, reason=f"no assistant token within max_length "
@@ -86,11 +89,13 @@ def sft_group(source: Source, made: Prompt, tokenizer) -> tuple[SampleGroup | Sk
 
 
 def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[float], seed: int,
-          admitted: int, count: int, n: int, version: int, tokenizer=None) -> list[tuple[Source, Skipped]]:
+          admitted: int, count: int, n: int, version: int, tokenizer=None,
+          processor=None) -> list[tuple[Source, Skipped]]:
     """Push `count` prompts, the `admitted`-th onwards, each from the source the mixture picks;
     every source's position moves forward in the same transaction. Returns the rows skipped.
 
-    With a `tokenizer` (sft sources) each is a conversation's SampleGroup on the samples stream."""
+    With a `tokenizer` (sft sources) each is a conversation's SampleGroup on the samples stream,
+    its images laid out by `processor` (a vision-language model's; `sft_group`)."""
     pipe = r.pipeline(transaction=True)
     skipped = []
     ids = []
@@ -101,7 +106,7 @@ def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[fl
         while True:
             made, cut = source.take(), 0
             if tokenizer is not None and not isinstance(made, Skipped):
-                made, cut = sft_group(source, made, tokenizer)
+                made, cut = sft_group(source, made, tokenizer, processor)
             if not isinstance(made, Skipped):
                 break
             skipped.append((source, made))
@@ -125,6 +130,17 @@ def admit(r: redis.Redis, keys: Keys, *, sources: list[Source], weights: list[fl
     return skipped
 
 
+def sft_tokenizers(config: Config) -> tuple[Any, Any]:
+    """The model's tokenizer, and its processor where it is a vision-language model (None otherwise),
+    which turn conversations into SFT groups (`sft_group`)."""
+    from transformers import AutoTokenizer
+
+    from common.vision import is_vision_model, load_processor
+
+    path = resolve_model_path(config.model.path)
+    return AutoTokenizer.from_pretrained(path), load_processor(path) if is_vision_model(path) else None
+
+
 def run(config: Config) -> None:
     keys = Keys(config.run)
     stop = False
@@ -143,11 +159,9 @@ def run(config: Config) -> None:
 
     r = connect(config.redis_url, process="producer")
     sft = any(isinstance(s, SftSource) for s in config.sources)  # then all are (DataConfig checks)
-    tokenizer = None
+    tokenizer = processor = None
     if sft:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
+        tokenizer, processor = sft_tokenizers(config)
         ensure_group(r, keys.samples, TRAINER_GROUP)
     else:
         ensure_group(r, keys.prompts, GENERATORS_GROUP)
@@ -183,7 +197,8 @@ def run(config: Config) -> None:
             continue
         # ---- admit them; the position moves forward in the same transaction
         skipped = admit(r, keys, sources=sources, weights=weights, seed=seed, admitted=admitted,
-                        count=count, n=config.rollout.group_size, version=version, tokenizer=tokenizer)
+                        count=count, n=config.rollout.group_size, version=version, tokenizer=tokenizer,
+                        processor=processor)
         for source, row in skipped:
             where = getattr(source.config, "path", "") or source.name
             print(f"producer: skipped row {row.id} of {where}: {row.reason}",

@@ -155,3 +155,8 @@ def always(completions, **kwargs):
 def asked_two_plus_two(*, prompt: str, **_) -> float:
     """1.0 when the reward is shown "What is 2 + 2?" as the prompt (the last user message)."""
     return 1.0 if prompt == "What is 2 + 2?" else 0.0
+
+
+def says(*, completion: str, meta: dict, **_) -> float:
+    """1.0 when the completion is exactly the problem's `said` column (a meta column)."""
+    return 1.0 if completion == meta["said"] else 0.0
