@@ -5,7 +5,8 @@ The generator's HF engine and the trainer both call `pixel_inputs` on the same i
 (common/images.py) with the same processor (the one saved beside the model), so the pixel values
 (and the log-probs) they compute agree. A vision-language model here is one whose config has a
 `vision_config` (Idefics3 / SmolVLM, whose image features replace the `<image>` tokens in order,
-at 1-D positions like text: what packs end to end as text does).
+at 1-D positions like text: what packs end to end as text does; Qwen2-VL and Qwen2.5-VL, whose image tokens sit
+at 3-D positions, trainer/vision.py `mrope_positions`).
 """
 
 from __future__ import annotations
@@ -58,14 +59,49 @@ def load_processor(path: str | Path) -> Any:
     template)."""
     from transformers import AutoProcessor
 
-    return AutoProcessor.from_pretrained(str(path))
+    try:
+        return AutoProcessor.from_pretrained(str(path))
+    except ImportError as err:  # transformers builds Qwen2-VL's video processor only with torchvision
+        if "Torchvision" not in str(err) or "VideoProcessor" not in str(err):
+            raise
+        return ImagesOnly(path)
 
 
-def prompt_ids(processor: Any, task: Any) -> list[int]:
-    """A prompt's token ids with its images: the chat template over its messages with the images
-    before the first user message's text (common/images.py `image_messages`), each image's tokens
-    laid out as the processor lays them; MessageError when the model has no processor (it takes no
-    images) or the prompt is plain text."""
+class ImagesOnly:
+    """A Qwen2-VL-style processor without its video processor, which transformers builds only with
+    torchvision (absent here): the model's tokenizer (and chat template) and image processor, each
+    image's `<|image_pad|>` token laid out as Qwen2VLProcessor lays it (one a merged patch: its
+    image_grid_thw's product / merge_size^2), with the `mm_token_type_ids` it returns (1 on image
+    tokens)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.image_processor = AutoImageProcessor.from_pretrained(str(path))
+        self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
+
+    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> str:
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def __call__(self, *, text: list[str], images: list[list[Any]], add_special_tokens: bool = False) -> dict[str, Any]:
+        grids = iter(self.image_processor(images=images)["image_grid_thw"])
+        merge = self.image_processor.merge_size ** 2
+        ids = []
+        for row in text:
+            pieces = row.split(self.image_token)
+            laid = pieces[0] + "".join(self.image_token * (int(next(grids).prod()) // merge) + rest
+                                       for rest in pieces[1:])
+            ids.append(self.tokenizer.encode(laid, add_special_tokens=add_special_tokens))
+        image = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        return {"input_ids": ids, "mm_token_type_ids": [[int(i == image) for i in row] for row in ids]}
+
+
+def prompt_ids(processor: Any, task: Any, *, tools: list[dict] | None = None) -> list[int]:
+    """A prompt's token ids with its images: the chat template over its messages (and `tools`'
+    schemas: an episode's) with the images before the first user message's text
+    (common/images.py `image_messages`), each image's tokens laid out as the processor lays them;
+    MessageError when the model has no processor (it takes no images) or the prompt is plain text."""
     if processor is None:
         raise MessageError(f"prompt {task.id}: {len(task.images)} images, but the model takes no images "
                            "(not a vision-language model)")
@@ -75,7 +111,7 @@ def prompt_ids(processor: Any, task: Any) -> list[int]:
         messages = image_messages(task.messages, len(task.images))
     except ValueError as err:
         raise MessageError(f"prompt {task.id}: {err}") from None
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = chat_text(processor, messages, tools)
     try:
         pictures = [open_image(img) for img in task.images]
     except ValueError as err:
@@ -84,13 +120,18 @@ def prompt_ids(processor: Any, task: Any) -> list[int]:
     return [int(i) for i in out["input_ids"][0]]
 
 
-def placeholder_ids(processor: Any, task: Any) -> list[int]:
+def placeholder_ids(processor: Any, task: Any, *, tools: list[dict] | None = None) -> list[int]:
     """A prompt's token ids with one image token standing for each image, before the processor lays
     out each image's tokens (what vLLM takes with the images, to lay them out itself: the same ids
     as `prompt_ids`)."""
-    messages = image_messages(task.messages, len(task.images))
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = chat_text(processor, image_messages(task.messages, len(task.images)), tools)
     return processor.tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_text(processor: Any, messages: list[dict], tools: list[dict] | None) -> str:
+    """The processor's chat template over `messages` (and `tools`' schemas), with the generation prompt."""
+    extra = {"tools": tools} if tools else {}
+    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
 
 def pixel_inputs(processor: Any, images: list[tuple[bytes, ...]], *, device: Any = None,

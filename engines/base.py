@@ -13,6 +13,7 @@ the behaviour log-probs the trainer's off-policy correction divides by.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,10 +122,13 @@ class Engine(Protocol):
         """Whether any added request has not come back from `step` yet."""
 
     def sample(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Sampled]]:
-        """`sampling.n` completions of each prompt: result[i][j] is prompt i's j-th (add + step)."""
+        """`sampling.n` completions of each prompt: result[i][j] is prompt i's j-th (add + step).
+        (HF and vLLM engines) `images=`: each prompt's images, its ids laid out with them by
+        `prompt_ids` (HF: as many in each prompt of one call)."""
 
     def greedy(self, prompts: list[list[int]], *, max_new_tokens: int) -> list[list[int]]:
-        """The greedy completion of each prompt (eos included where one was reached)."""
+        """The greedy completion of each prompt (eos included where one was reached). (HF and vLLM
+        engines) `images=`: each prompt's images, as `sample` takes them."""
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -178,9 +182,14 @@ def episode_messages(task, *, system: str | None) -> list[dict[str, str]]:
     return messages
 
 
-def episode_prompt_ids(tokenizer, task, *, system: str | None, tools: list[dict] | None) -> list[int]:
+def episode_prompt_ids(engine, task, *, system: str | None, tools: list[dict] | None) -> list[int]:
     """An episode's prompt ids: its opening messages (episode_messages), the tools' schemas for
-    templates that render them, and the generation prompt."""
+    templates that render them, and the generation prompt; a prompt with images, laid out with
+    them by the engine (`prompt_ids`, the HF and vLLM engines': common/vision.py)."""
+    if task.images:
+        episode = dataclasses.replace(task, messages=episode_messages(task, system=system), text=None)
+        return engine.prompt_ids(episode, tools=tools)
+    tokenizer = engine.tokenizer
     text = tokenizer.apply_chat_template(episode_messages(task, system=system), tools=tools, tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)

@@ -157,9 +157,9 @@ class HFEngine:
         if routing_replay and self.routing is None:
             raise ValueError(f"{self.path}: routing replay on a dense model: there are no experts to record")
 
-    def prompt_ids(self, task: PromptTask) -> list[int]:
+    def prompt_ids(self, task: PromptTask, *, tools: list[dict] | None = None) -> list[int]:
         if task.images:
-            return vision.prompt_ids(self.processor, task)
+            return vision.prompt_ids(self.processor, task, tools=tools)
         return chat_prompt_ids(self.tokenizer, task)
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings, *,
@@ -206,12 +206,15 @@ class HFEngine:
         return [Finished(request_id=q.request_id, samples=[row.sampled() for row in q.rows]) for q in done]
 
     @torch.no_grad()
-    def sample(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Sampled]]:
-        """`sampling.n` completions of each prompt, in one batch: result[i][j] is prompt i's j-th."""
+    def sample(self, prompts: list[list[int]], sampling: SamplingSettings, *,
+               images: list[tuple[bytes, ...]] | None = None) -> list[list[Sampled]]:
+        """`sampling.n` completions of each prompt, in one batch: result[i][j] is prompt i's j-th.
+        `images`: each prompt's (its `prompt_ids` laid out with them; as many in each), or None."""
         assert prompts and all(prompts), "sample() needs non-empty prompts"
         n = sampling.n
         rows = self._generate([p for p in prompts for _ in range(n)],
-                              budgets=[sampling.max_new_tokens] * (len(prompts) * n), sampling=sampling)
+                              budgets=[sampling.max_new_tokens] * (len(prompts) * n), sampling=sampling,
+                              images=None if images is None else [tuple(i) for i in images for _ in range(n)])
         samples = [Sampled(ids=ids, logprobs=lps, finish=finish or "length", versions=[(0, self.version)],
                            experts=experts)
                    for ids, lps, finish, experts in rows]
@@ -229,10 +232,12 @@ class HFEngine:
         input_ids, attention_mask = self._left_pad(prefixes)
         width = input_ids.shape[1]
         stop = Budget(torch.tensor(budgets, device=input_ids.device) + width, yield_when)
+        pixels = None if images is None else vision.pixel_inputs(self.processor, images, device=input_ids.device,
+                                                                  dtype=self.model.dtype)
+        if pixels is not None and "image_grid_thw" in pixels:  # Qwen2-VL: its 3-D positions start at the image tokens
+            pixels["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).int()
         with self._using(adapter), self._recording() as record:
-            out = self._sample(input_ids, attention_mask, sampling, budgets, stop, pixels=None if images is None
-                               else vision.pixel_inputs(self.processor, images, device=input_ids.device,
-                                                        dtype=self.model.dtype))
+            out = self._sample(input_ids, attention_mask, sampling, budgets, stop, pixels=pixels)
         new = out.sequences[:, width:]  # (B, T)
         experts = self._experts(record, rows=len(prefixes), tokens=new.shape[1])  # (B, T, layers, k) or None
         scores = torch.stack(out.scores, dim=1).float()  # (B, T, V) processed: logits / T, truncated
@@ -326,14 +331,21 @@ class HFEngine:
         return input_ids, attention_mask
 
     @torch.no_grad()
-    def greedy(self, prompts: list[list[int]], *, max_new_tokens: int) -> list[list[int]]:
-        """The greedy completion of each prompt (eos included where one was reached)."""
+    def greedy(self, prompts: list[list[int]], *, max_new_tokens: int,
+               images: list[tuple[bytes, ...]] | None = None) -> list[list[int]]:
+        """The greedy completion of each prompt (eos included where one was reached). `images`:
+        each prompt's (its `prompt_ids` laid out with them; as many in each), or None."""
         assert prompts and all(prompts), "greedy() needs non-empty prompts"
+        assert images is None or self.processor is not None, "greedy() with images, but a text model"
         input_ids, attention_mask = self._left_pad(prompts)
+        pixels = {} if images is None else vision.pixel_inputs(self.processor, [tuple(i) for i in images],
+                                                               device=input_ids.device, dtype=self.model.dtype)
+        if "image_grid_thw" in pixels:  # Qwen2-VL: its 3-D positions start at the image tokens (as `_generate`)
+            pixels["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).int()
         with self._using(None):
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                                       top_k=None, top_p=None, temperature=None, max_new_tokens=max_new_tokens,
-                                      pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
+                                      pad_token_id=self.pad_id, eos_token_id=self.eos_ids, **pixels)
         completions = []
         for row in out[:, input_ids.shape[1]:].tolist():
             stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)

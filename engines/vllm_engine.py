@@ -46,7 +46,7 @@ from common.config import GeneratorConfig
 from common.messages import PromptTask
 from common.models import experts_of
 from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
-from engines.vllm_worker import refresh_tied_lm_head
+from engines.vllm_worker import keep_model_path, refresh_tied_lm_head
 
 if TYPE_CHECKING:
     import torch
@@ -92,6 +92,9 @@ class VLLMEngine:
             if threads > 0:  # a share of the cores (the trainer has the rest): no pinning to all of them
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
                 os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        refused = needs_torchvision(Path(path))
+        if refused is not None:
+            raise ValueError(refused)
         from vllm import LLM  # late: importing vLLM takes seconds
 
         self.path = Path(path)
@@ -130,13 +133,13 @@ class VLLMEngine:
         self.max_running = max_num_seqs  # requests (of n sequences each): the scheduler queues the rest
         self._next = 0
 
-    def prompt_ids(self, task: PromptTask) -> list[int]:
+    def prompt_ids(self, task: PromptTask, *, tools: list[dict] | None = None) -> list[int]:
         if task.images:  # the image tokens laid out as the processor lays them (what the trainer reads)
-            ids = vision.prompt_ids(self._processor, task)
+            ids = vision.prompt_ids(self._processor, task, tools=tools)
             # vLLM lays them out itself from one image token per image: what `add` gives it for these ids
             if len(self._placeholders) >= 4096:  # prompts of so many texts: forget the oldest
                 del self._placeholders[next(iter(self._placeholders))]
-            self._placeholders[tuple(ids)] = vision.placeholder_ids(self._processor, task)
+            self._placeholders[tuple(ids)] = vision.placeholder_ids(self._processor, task, tools=tools)
             return ids
         return chat_prompt_ids(self.tokenizer, task)
 
@@ -161,12 +164,24 @@ class VLLMEngine:
         if images:  # vLLM's multimodal inputs: it lays out the image tokens and makes the pixel values
             from common.images import open_image
 
-            placeholders = self._placeholders.get(tuple(prompt_ids))
+            placeholders = self._vllm_ids(prompt_ids)
             assert placeholders is not None, f"request {request_id}: images, but not ids of this engine's prompt_ids"
             prompt = {"prompt_token_ids": placeholders, "multi_modal_data": {"image": [open_image(i) for i in images]}}
         self._engine.add_request(request_id, prompt, self._params(sampling), lora_request=self._lora.get(adapter))
         self._rows[request_id] = [Row() for _ in range(sampling.n)]
         self._adapter_of[request_id] = adapter
+
+    def _vllm_ids(self, prompt_ids: list[int]) -> list[int] | None:
+        """vLLM's input ids for laid-out ids: those of the prompt (`prompt_ids`' record) they are, or
+        begin with, then what follows it as it is (an episode's turns so far); None: no such prompt."""
+        ids = tuple(prompt_ids)
+        if ids in self._placeholders:
+            return self._placeholders[ids]
+        for n in sorted({len(k) for k in self._placeholders if len(k) < len(ids)}, reverse=True):
+            head = self._placeholders.get(ids[:n])
+            if head is not None:
+                return head + list(ids[n:])
+        return None
 
     def adapter_version(self, name: str | None) -> int:
         """The version last loaded as the adapter `name` (0 before any); None: `version`, that of
@@ -206,13 +221,15 @@ class VLLMEngine:
             finish = "stop" if c.finish_reason == "stop" and last in self.eos_ids else "length"
         row.extend(ids, logprobs, version=version, finish=finish)
 
-    def sample(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Sampled]]:
-        """`sampling.n` completions of each prompt: result[i][j] is prompt i's j-th (add + step)."""
+    def sample(self, prompts: list[list[int]], sampling: SamplingSettings, *,
+               images: list[tuple[bytes, ...]] | None = None) -> list[list[Sampled]]:
+        """`sampling.n` completions of each prompt: result[i][j] is prompt i's j-th (add + step).
+        `images`: each prompt's (its ids from this engine's `prompt_ids`), or None."""
         assert prompts and all(prompts), "sample() needs non-empty prompts"
         assert not self._rows, "sample() runs alone: requests are already in flight"
         ids = [self._request_id() for _ in prompts]
-        for rid, prompt in zip(ids, prompts, strict=True):
-            self.add(rid, prompt, sampling)
+        for k, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            self.add(rid, prompt, sampling, images=tuple(images[k]) if images is not None else ())
         got: dict[str, list[Sampled]] = {}
         while self._rows:
             got.update((f.request_id, f.samples) for f in self.step())
@@ -222,12 +239,27 @@ class VLLMEngine:
         self._next += 1
         return f"_sample-{self._next}"
 
-    def greedy(self, prompts: list[list[int]], *, max_new_tokens: int) -> list[list[int]]:
-        """The greedy completion of each prompt (eos included where one was reached)."""
+    def greedy(self, prompts: list[list[int]], *, max_new_tokens: int,
+               images: list[tuple[bytes, ...]] | None = None) -> list[list[int]]:
+        """The greedy completion of each prompt (eos included where one was reached). `images`:
+        each prompt's (its ids from this engine's `prompt_ids`: vLLM's multimodal inputs, as `add`
+        gives them), or None."""
         from vllm import SamplingParams
 
+        from common.images import open_image
+
         assert prompts and all(prompts), "greedy() needs non-empty prompts"
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
+        inputs: list[dict] = []
+        for k, p in enumerate(prompts):
+            shown = images[k] if images is not None else ()
+            if not shown:
+                inputs.append({"prompt_token_ids": p})
+                continue
+            placeholders = self._vllm_ids(p)
+            assert placeholders is not None, "greedy() with images, but not ids of this engine's prompt_ids"
+            inputs.append({"prompt_token_ids": placeholders,
+                           "multi_modal_data": {"image": [open_image(i) for i in shown]}})
+        outs = self.llm.generate(inputs,
                                  SamplingParams(n=1, temperature=0.0, max_tokens=max_new_tokens,
                                                 stop_token_ids=self.eos_ids, detokenize=False),
                                  use_tqdm=False, lora_request=self._lora.get(None))
@@ -264,6 +296,8 @@ class VLLMEngine:
                 raise RuntimeError(f"vLLM could not reload {path} ({type(err).__name__}: {err}); the engine's "
                                    "weights are no longer whole, so the generator stops (a launcher starts it "
                                    "again on the newest weights)") from err
+            finally:
+                self.llm.collective_rpc(keep_model_path, args=(str(self.path),))
         self._reloaded(version)
 
     def load_adapter(self, path: str | Path, *, version: int, name: str | None = None) -> None:
@@ -352,6 +386,25 @@ def _without_reload_warnings(layers: set[str]) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(keep)
+
+
+# vision-language architectures whose vLLM model (vllm/model_executor/models/qwen2_vl.py, which
+# qwen2_5_vl.py imports) imports transformers' Qwen2-VL image processor, which imports torchvision
+TORCHVISION_MODELS = ("qwen2_vl", "qwen2_5_vl")
+
+
+def needs_torchvision(path: Path) -> str | None:
+    """Why vLLM cannot open the model at `path` here (a Qwen2-VL or Qwen2.5-VL without torchvision,
+    which vLLM reports only as "failed to be inspected"), or None."""
+    import importlib.util
+    import json
+
+    config = path / "config.json"
+    kind = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if kind in TORCHVISION_MODELS and importlib.util.find_spec("torchvision") is None:
+        return (f"{path}: vLLM serves a {kind} model only with torchvision installed (its model module imports "
+                "transformers' Qwen2-VL image processor, which imports torchvision); use generator.engine = \"hf\"")
+    return None
 
 
 def _lora_options(rank: int, adapters: int = 1, *, cuda: bool = True) -> dict:

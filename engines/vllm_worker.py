@@ -26,6 +26,15 @@ def refresh_tied_lm_head(worker: Any) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
+def keep_model_path(worker: Any, path: str) -> None:
+    """After a reload from disk, the model config's path back to the model the engine opened: vLLM
+    points it at the weights it loaded (model_executor/model_loader/reload/inplace.py), and what it
+    reads from there later (a vision-language model's processor, loaded again for the next picture
+    once the multimodal cache is reset) would come from a checkpoint the trainer may since have
+    deleted. The weights are all it takes from a checkpoint."""
+    worker.model_runner.vllm_config.model_config.model = path
+
+
 class WorkerExtension:
     """Mixed into vLLM's worker class by `--worker-extension-cls`: `self` is the worker."""
 

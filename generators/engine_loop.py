@@ -123,7 +123,8 @@ async def add_turns(g: Generator, state: State, *, room: int) -> int:
     batch = [state.turns.popleft() for _ in range(min(len(state.turns), room))]
     for turn in batch:
         state.sampling[turn.request_id] = turn
-    await run_on_engine(g.engine_thread, add_all, g.engine, [(t.request_id, t.ids, t.sampling) for t in batch],
+    await run_on_engine(g.engine_thread, add_all, g.engine,
+                        [(t.request_id, t.ids, t.sampling, t.images) for t in batch],
                         timeout_s=g.settings.engine_timeout_s)
     return len(batch)
 

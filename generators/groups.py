@@ -143,7 +143,8 @@ async def play_and_publish(g: Generator, state: State, held: Held) -> None:
     assert task.source is not None, f"prompt {task.id}: played, but it names no source"
     try:
         group, played = await play(g.engine, g.envs, held, spec=g.specs[task.source],
-                                   limits=g.episode_limits[task.source], sample=partial(sample_turn, g, state),
+                                   limits=g.episode_limits[task.source],
+                                   sample=partial(sample_turn, g, state, images=task.images),
                                    generator_id=g.id)
         # weights are not loaded while episodes play: what the state says of its version holds
         group = dataclasses.replace(group, published_at=state.published.get(group.newest_version, 0.0))
@@ -173,7 +174,7 @@ async def play(engine: Engine, envs: EnvRunner, held: Held, *, spec: Spec, limit
     """A prompt's n episodes, played within the model's context with `sample` taking each model
     turn, as its group (version: the held prompt's) and the episodes themselves."""
     task = held.task
-    prompt_ids = episode_prompt_ids(engine.tokenizer, task, system=spec.system, tools=spec.tools)
+    prompt_ids = episode_prompt_ids(engine, task, system=spec.system, tools=spec.tools)
     room = engine.context_length - len(prompt_ids)  # the episode must fit the model's positions
     assert room > 0, f"prompt {task.id}: {len(prompt_ids)} tokens fill the model's context"
     limits = dataclasses.replace(limits, max_tokens=min(limits.max_tokens, room))
@@ -184,15 +185,18 @@ async def play(engine: Engine, envs: EnvRunner, held: Held, *, spec: Spec, limit
     group = SampleGroup(
         id=task.id, prompt_id=task.id, prompt_ids=prompt_ids, version=held.version, generator=generator_id,
         engine=engine.name, completions=completions,
-        timings={"queue": held.added_at - held.taken_at, "generate": t0 - held.added_at, "reward": 0.0})
+        timings={"queue": held.added_at - held.taken_at, "generate": t0 - held.added_at, "reward": 0.0},
+        images=task.images)
     return group, played
 
 
-async def sample_turn(g: Generator, state: State, ids: list[int], max_new_tokens: int) -> Sampled:
-    """One model turn of an episode: queued for the engine loop, which samples it among the rest."""
+async def sample_turn(g: Generator, state: State, ids: list[int], max_new_tokens: int, *,
+                      images: tuple[bytes, ...] = ()) -> Sampled:
+    """One model turn of an episode: queued for the engine loop, which samples it among the rest
+    (with the prompt's `images`, whose tokens `ids` begin with)."""
     state.turn_count += 1
     turn = Turn(request_id=f"turn-{state.turn_count}", ids=ids,
-                sampling=dataclasses.replace(g.sampling, n=1, max_new_tokens=max_new_tokens))
+                sampling=dataclasses.replace(g.sampling, n=1, max_new_tokens=max_new_tokens), images=images)
     state.turns.append(turn)
     state.wake.set()
     await turn.done.wait()

@@ -66,6 +66,7 @@ class Turn:
     request_id: str
     ids: list[int]  # the episode's ids so far (prompt included)
     sampling: SamplingSettings
+    images: tuple[bytes, ...] = ()  # the prompt's (common/images.py), laid out in `ids`
     done: trio.Event = field(default_factory=trio.Event)
     result: Sampled | None = None
     error: str | None = None  # why the engine failed the turn; None: it did not

@@ -23,6 +23,7 @@ from engines.hf_engine import HFEngine
 from tasks import shapes
 from tests.harness.models import LOGPROB_TOL, tiny_vlm
 from tests.harness.needs import need
+from tests.harness.vlm import sampled_groups, shapes_task, worst_gap
 from trainer.checkpoints import load_model
 from trainer.logprobs import sequence_logprobs
 from trainer.step import log_probs, step_batches
@@ -45,13 +46,6 @@ def any_engine(request, vlm, vlm_engine):
         return vlm_engine
     need("vllm")
     return open_engine("vllm", vlm, seed=0)
-
-
-def shapes_task(index: int, *, n: int = 4) -> PromptTask:
-    """The `index`-th shapes problem as the producer writes it."""
-    question, meta, images = shapes.make_prompt(shapes.Options(), seed=0, index=index)
-    return PromptTask(id=f"shapes:0:{index}", messages=[{"role": "user", "content": question}], text=None,
-                      meta=meta, n=n, admitted_at=0, source="shapes", images=tuple(images))
 
 
 def picture(colour: str = "red", size: int = 40) -> bytes:
@@ -198,36 +192,6 @@ def test_the_engine_shows_the_picture_as_image_tokens_and_a_text_model_refuses_o
         chat_prompt_ids(vlm_engine.tokenizer, shapes_task(1))
 
 
-def sampled_groups(engine, tasks: list[PromptTask], *, temperature: float) -> list[SampleGroup]:
-    """Each task's completions as the generator writes them, its images carried (rewards alternating,
-    so that every completion trains)."""
-    ids = {t.id: engine.prompt_ids(t) for t in tasks}
-    for t in tasks:
-        engine.add(t.id, ids[t.id], SamplingSettings(n=t.n, max_new_tokens=12, temperature=temperature),
-                   images=t.images)
-    done = {}
-    while engine.has_unfinished():
-        done.update((f.request_id, f.samples) for f in engine.step())
-    return [SampleGroup(id=t.id, prompt_id=t.id, prompt_ids=ids[t.id], version=0, generator="test", engine="hf",
-                        completions=[Completion(ids=s.ids, logprobs=s.logprobs, reward=float(j % 2), rewards={},
-                                                finish=s.finish, text="") for j, s in enumerate(done[t.id])],
-                        images=t.images) for t in tasks]
-
-
-def worst_gap(model, groups: list[SampleGroup], *, temperature: float, share_prompts: bool) -> tuple[float, int]:
-    """The largest |trainer - behaviour| log-prob over the groups' trained tokens, and their count."""
-    batches = step_batches(groups, micro_batch_size=5, micro_batch_tokens=0, pack=True,
-                           share_prompts=share_prompts)[0].batches
-    worst, tokens = 0.0, 0
-    with torch.no_grad():
-        for mb in batches:
-            assert mb.packed is not None and mb.packed.images
-            logp, _ = log_probs(partial(sequence_logprobs, temperature=temperature), model, mb)
-            worst = max(worst, ((logp - mb.behaviour_logp).abs() * mb.mask).max().item())
-            tokens += int(mb.mask.sum())
-    return worst, tokens
-
-
 @pytest.mark.parametrize(("temperature", "share_prompts"), [(1.0, True), (0.7, False)])
 def test_engine_logprobs_agree_with_the_trainers_on_the_vlm(any_engine, vlm_engine, vlm, share_prompts,
                                                            temperature):
@@ -318,8 +282,10 @@ def test_the_viewer_shows_the_picture_beside_the_completions():
 
 
 @pytest.mark.slow
-def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, vlm):
-    """Producer, an HF generator and the trainer as OS processes on the tiny VLM and the shapes task:
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, vlm, engine):
+    """Producer, a generator (HF's engine, or vLLM's with the pictures as its multimodal inputs and
+    each version reloaded in place) and the trainer as OS processes on the tiny VLM and the shapes task:
     each group carries its prompt's picture, every step trains, the tokens sampled by the weights
     the trainer holds differ from its own log-probs (computed with those pictures) by no more than
     LOGPROB_TOL (without them they differ by about 0.1), and each
@@ -327,15 +293,18 @@ def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, v
     from tests.harness.configs import write_config
     from tests.harness.pipeline import Pipeline, metrics
 
+    if engine == "vllm":
+        need("vllm")
     steps = 3
     env = write_config(tmp_path / "run.toml", run="vlm", redis_url=redis_url, output_dir=tmp_path / "run",
-                       model=vlm, task={"name": "shapes"}, generator={"engine": "hf", "batch_prompts": 2, "threads": 1},
+                       model=vlm, task={"name": "shapes"},
+                       generator={"engine": engine, "batch_prompts": 2, "threads": 1},
                        trainer={"max_steps": steps, "lr": 1e-3, "micro_batch_size": 8, "threads": 1,
                                 "keep_checkpoints": 2})
     pipe = Pipeline(tmp_path, env)
     for name in ("producer", "generator", "trainer"):
         pipe.start(name)
-    pipe.finish()
+    pipe.finish(timeout=600)  # vLLM's start-up on a loaded machine included
     groups = [decode_group(f[PAYLOAD]) for _, f in r.xrange(Keys("vlm").samples)]
     assert groups and all(g.images == shapes_task(int(g.prompt_id.rsplit(":", 1)[1])).images for g in groups)
     seen = metrics(tmp_path)
@@ -397,13 +366,18 @@ def test_an_engine_samples_from_a_reloaded_vlm_checkpoint(any_engine, vlm, tiny_
     """A VLM checkpoint with other weights (another seed's: the vision tower's and connector's too)
     loaded into a running engine (load_weights, as between steps): what it samples from then on
     with the pictures has the new weights' log-probs, within LOGPROB_TOL of the trainer's over that
-    checkpoint, and far from the first weights'; loading the first weights back gives theirs again."""
+    checkpoint, and far from the first weights'; loading the first weights back gives theirs again.
+    The checkpoint is gone while the engine samples (as the trainer deletes old ones,
+    `keep_checkpoints`): the engine reads nothing from it once loaded (vLLM pointed its model config
+    there, and loaded the processor from there again for the next picture)."""
     step = tiny_vlm(tiny_model, tmp_path / "step_1", seed=1)
     tasks = [shapes_task(i) for i in range(3)]
     first, new = load_model(vlm).eval(), load_model(step).eval()
     try:
         any_engine.load_weights(step, version=1)
+        step.rename(tmp_path / "gone")
         groups = sampled_groups(any_engine, tasks, temperature=1.0)
+        (tmp_path / "gone").rename(step)  # the trainer's side reads the processor from it
         worst, tokens = worst_gap(new, groups, temperature=1.0, share_prompts=True)
         old = worst_gap(first, groups, temperature=1.0, share_prompts=True)[0]
         print(f"{any_engine.name} reloaded with another VLM checkpoint: behaviour vs trainer log-probs over {tokens} "
@@ -428,3 +402,58 @@ def test_opening_the_engine_reads_the_models_config_once(vlm, monkeypatch):
     vision.vision_config_at.cache_clear()  # as at start-up
     engine = HFEngine(vlm, seed=0, max_batch=1)
     assert engine.processor is not None and vision.is_vision_model(vlm) and len(reads) == 1, reads
+
+
+# ---------------------------------------------------------------------- episodes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_generator_plays_episodes_with_the_prompts_picture(engine, tmp_path, redis_url, r, vlm, vlm_engine):
+    """A source with an environment on the tiny VLM: each model turn of an episode is sampled with
+    the prompt's picture (its image tokens at the start of every turn's ids; vLLM given them as its
+    multimodal inputs again), the group carries the picture, and the trainer's log-probs over the
+    whole episode, computed with it, are the behaviour log-probs on the model's turns (within
+    LOGPROB_TOL); with another prompt's picture they are far off."""
+    from common.keys import GENERATORS_GROUP
+    from tests.harness.configs import write_config
+    from tests.harness.processes import spawn, stop, wait_for
+
+    need(engine)
+    keys = Keys("vep")
+    write_config(tmp_path / "run.toml", run="vep", redis_url=redis_url, model=vlm, base={},
+                 rollout={"max_new_tokens": 5, "temperature": 1.0},
+                 generator={"engine": engine, "threads": 1, "env_workers": 1},
+                 data={"sources": [{"name": "shapes", "kind": "shapes", "environment": "tests.env_fixtures:Echo",
+                                    "max_turns": 3}]})
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    tasks = [shapes_task(i, n=2) for i in range(3)]
+    for t in tasks:
+        r.xadd(keys.prompts, {PAYLOAD: encode(t)})
+    log = tmp_path / "generator.log"
+    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(tmp_path / "run.toml")},
+                 log=log)
+    try:
+        wait_for(lambda: r.xlen(keys.samples) >= 3, timeout=600, what="3 groups", procs=[proc])
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    groups = sorted((decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)), key=lambda g: g.id)
+    assert [g.images for g in groups] == [t.images for t in tasks]
+    for g, t in zip(groups, tasks, strict=True):
+        assert list(g.prompt_ids) == vlm_engine.prompt_ids(t)  # the picture's tokens laid out as the processor does
+        for c in g.completions:  # three model turns between the environment's two
+            assert c.finish == "turns" and c.loss_mask is not None and 0 in c.loss_mask
+            assert c.text.count("turn 0: 12 + 34") == 1 and c.text.count("turn 1: 12 + 34") == 1
+    model = load_model(vlm).eval()
+    for share in (True, False):
+        groups = [SampleGroup(**{**{f: getattr(g, f) for f in g.__slots__},
+                                 "completions": [Completion(**{**{f: getattr(c, f) for f in c.__slots__},
+                                                               "reward": float(j % 2)})
+                                                 for j, c in enumerate(g.completions)]}) for g in groups]
+        worst, tokens = worst_gap(model, groups, temperature=1.0, share_prompts=share)
+        print(f"{engine}: episodes with pictures, share_prompts={share}: trainer vs behaviour log-probs over "
+              f"{tokens} model tokens, max abs diff {worst:.2e}")
+        assert tokens >= 3 * 2 * 3 and worst < LOGPROB_TOL
+    swapped = [SampleGroup(**{**{f: getattr(g, f) for f in g.__slots__}, "images": groups[(i + 1) % 3].images})
+               for i, g in enumerate(groups)]
+    assert worst_gap(model, swapped, temperature=1.0, share_prompts=True)[0] > 100 * LOGPROB_TOL

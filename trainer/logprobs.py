@@ -98,12 +98,14 @@ def packed_attention(model: torch.nn.Module) -> str | None:
 
 def final_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
                  position_ids: Tensor | None = None, images: tuple[bytes, ...] = (),
-                 prompt_at: Tensor | None = None, pixels: dict[str, Tensor] | None = None) -> Tensor:
+                 prompt_at: Tensor | None = None, pixels: dict[str, Tensor] | None = None,
+                 docs: Tensor | None = None) -> Tensor:
     """The hidden states the model's head is applied to, (B, T, H): the decoder's output, caught as
     the whole model runs (its forward hooks, FSDP's unsharding and mixed precision included). A
     vision-language model's `images` (the sequences' in order) go in as the pixel values its
     processor makes of them, their features in place of the image tokens of the prompt positions
-    `prompt_at` (trainer/vision.py `showing`); `pixels`: those pixel values made beforehand (else here)."""
+    `prompt_at` (trainer/vision.py `showing`; `docs`: the packed rows' documents, for 3-D positions);
+    `pixels`: those pixel values made beforehand (else here)."""
     caught: list[Tensor] = []
     hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: caught.append(out.last_hidden_state))
     extra = {} if position_ids is None else {"position_ids": position_ids}
@@ -112,9 +114,10 @@ def final_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tens
         # positions; the model's own (over its mask's positions) would not take a packed mask
         extra["output_router_logits"] = False
     try:
-        with showing(model, input_ids, images, prompt_at, pixels) if images else nullcontext({}) as shown:
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1, **extra,
-                  **shown)
+        with showing(model, input_ids, images, prompt_at, pixels, position_ids=position_ids,
+                     docs=docs) if images else nullcontext({}) as shown:
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1,
+                  **{**extra, **shown})  # Qwen2-VL's 3-D positions over the 1-D ones
     finally:
         hook.remove()
     assert len(caught) == 1, f"the decoder ran {len(caught)} times in one forward pass"
@@ -166,7 +169,7 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask:
     impl = packed_attention(model) if packed is not None else None
     if impl is not None and positions is not None:
         hidden = final_hidden(model, packed.ids, packed.attention(PACKED_ATTENTION[impl]), packed.position_ids,
-                              images=packed.images, prompt_at=packed.segments == 0, pixels=pixels)
+                              images=packed.images, prompt_at=packed.segments == 0, pixels=pixels, docs=packed.docs)
         return _at_positions(head, hidden, targets, positions, temperature=temperature, top_k=top_k, top_p=top_p,
                              entropy=entropy, chunk_tokens=chunk_tokens, rows_at=packed.at[positions])
     hidden = final_hidden(model, input_ids, attention_mask, images=images)  # (B, T, H)

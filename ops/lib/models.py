@@ -67,12 +67,12 @@ ADAPTED = ["q_proj", "v_proj"]  # the modules `adapted` puts adapters on
 
 
 def adapted(model_dir, *, seed: int, rank: int = 4) -> torch.nn.Module:
-    """The model with adapters of `rank` on q and v, B random (a trained adapter, not a zero one)."""
-    from transformers import AutoModelForCausalLM
-
+    """The model with adapters of `rank` on q and v (a vision-language model's: its text model's), B
+    random (a trained adapter, not a zero one)."""
+    from common.vision import model_class
     from trainer.lora import apply_lora
 
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), rank=rank, alpha=8.0,
+    model = apply_lora(model_class(model_dir).from_pretrained(model_dir, dtype=torch.float32), rank=rank, alpha=8.0,
                        dropout=0.0, target_modules=ADAPTED)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -126,4 +126,60 @@ def tiny_vlm(tiny_model: Path, dst: Path, *, seed: int = 0, image_size: int = 32
     torch.manual_seed(seed)
     Idefics3ForConditionalGeneration(cfg).save_pretrained(dst, safe_serialization=True)
     processor.save_pretrained(dst)
+    return dst
+
+
+QWEN2_VL_CHAT_TEMPLATE = VLM_CHAT_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def tiny_qwen2_vl(tiny_model: Path, dst: Path, *, seed: int = 0, image_size: int = 32, patch_size: int = 8,
+                  kind: str = "qwen2_vl") -> Path:
+    """A tiny random Qwen2-VL (`kind` "qwen2_5_vl": Qwen2.5-VL, its vision tower two layers, the first
+    attending within windows of 2 x 2 patches) over the tiny dense model's tokenizer (Qwen2-VL's
+    special tokens added), with the processor that feeds it: a one-layer vision tower (width 32) over patches of
+    `patch_size` pixels, merged 2 x 2 into the two-layer Qwen2 text model (hidden size 64, M-RoPE
+    sections 4/6/6 of its 16 frequencies); the image processor resizes a picture to at most
+    `image_size`^2 pixels (a 48-pixel square to 32: a 4 x 4 patch grid), each image shown as
+    (image_size / patch_size / 2)^2 `<|image_pad|>` tokens (4 by default) between `<|vision_start|>`
+    and `<|vision_end|>`, at 3-D (temporal, height, width) positions (transformers' `get_rope_index`).
+    Saved as the trainer saves a checkpoint (safetensors), with the processor, tokenizer and chat
+    template (QWEN2_VL_CHAT_TEMPLATE)."""
+    import json
+
+    import transformers
+    from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+
+    assert kind in ("qwen2_vl", "qwen2_5_vl"), f"kind must be qwen2_vl or qwen2_5_vl, got {kind!r}"
+    name = "Qwen2VL" if kind == "qwen2_vl" else "Qwen2_5_VL"
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
+    tok.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    factor = patch_size * 2
+    images = Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=2, temporal_patch_size=2,
+                                      size={"shortest_edge": factor * factor, "longest_edge": image_size * image_size})
+    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "vision_end", "image_pad",
+                                                                       "video_pad")}
+    text = {"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+            "sliding_window": None, "use_sliding_window": False, "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id, "bos_token_id": None, "tie_word_embeddings": False}
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2,
+              "patch_size": patch_size, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    if kind == "qwen2_5_vl":
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "num_heads": 2,
+                  "patch_size": patch_size, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                  "window_size": factor, "fullatt_block_indexes": [1]}
+    cfg = getattr(transformers, f"{name}Config")(
+        text_config=text, vision_config=vision, image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
+        vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    getattr(transformers, f"{name}ForConditionalGeneration")(cfg).save_pretrained(dst, safe_serialization=True)
+    # the processor's files as Qwen2VLProcessor saves them (it is built only with torchvision, for its
+    # video processor; common/vision.py `load_processor` reads them without)
+    tok.save_pretrained(dst)
+    images.save_pretrained(dst)
+    (dst / "processor_config.json").write_text(json.dumps({"processor_class": f"{name}Processor"}))
     return dst

@@ -10,7 +10,7 @@ import torch
 
 from common.keys import PAYLOAD, Keys
 from common.messages import WeightVersion, encode
-from ops.lib.models import perturbed_copy, reference_logprobs, tied_variant, tiny_vlm  # noqa: F401 (the harness's)
+from ops.lib.models import perturbed_copy, reference_logprobs, tied_variant, tiny_qwen2_vl, tiny_vlm  # noqa: F401
 
 # fp32, one sequence: the engine's log-prob of each sampled token against the trainer's
 # log_softmax(logits / T) over a plain forward pass. Measured in tests/test_engines.py (2026-11-23):

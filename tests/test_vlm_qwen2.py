@@ -1,0 +1,133 @@
+"""Vision-language RL on a Qwen2-VL and a Qwen2.5-VL: tiny random ones (tests/harness/models.py
+`tiny_qwen2_vl`), whose image tokens sit at 3-D (M-RoPE) positions; the HF engine samples with the pictures and the
+trainer's packed pass gives each sequence the positions the model gives it alone
+(trainer/vision.py `mrope_positions`). Run with -s to see the measured log-prob differences."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.messages import PromptTask, SampleGroup
+from engines.hf_engine import HFEngine
+from tests.harness.models import LOGPROB_TOL, tiny_qwen2_vl
+from tests.harness.vlm import sampled_groups, shapes_task, worst_gap
+from trainer.checkpoints import load_model
+from trainer.step import step_batches
+from trainer.vision import mrope_positions, pixel_values_of
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen_vl(request, tiny_model, tmp_path_factory) -> Path:
+    return tiny_qwen2_vl(tiny_model, tmp_path_factory.mktemp(request.param) / "model", kind=request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen_engine(qwen_vl) -> HFEngine:
+    return HFEngine(qwen_vl, seed=0, max_batch=4)
+
+
+def asking(index: int, more: str) -> PromptTask:
+    """The `index`-th shapes problem with `more` after its question (prompts of other lengths)."""
+    task = shapes_task(index)
+    return PromptTask(**{**{f: getattr(task, f) for f in task.__slots__},
+                         "messages": [{"role": "user", "content": task.messages[0]["content"] + more}]})
+
+
+@pytest.mark.parametrize(("temperature", "share_prompts"), [(1.0, True), (0.7, False)])
+def test_hf_engine_logprobs_agree_with_the_trainers_on_qwen2_vl(qwen_engine, qwen_vl, temperature, share_prompts):
+    """Behaviour log-probs of completions the HF engine samples from the tiny Qwen2-VL with each
+    prompt's picture (its `<|image_pad|>` tokens laid out by the processor: 4 a 32-pixel picture;
+    prompts of three lengths, left-padded in one batch), against the trainer's packed pass over them
+    with the same pictures: within LOGPROB_TOL on every token, as for text and Idefics3. With each
+    other's pictures they are far off."""
+    tasks = [asking(0, ""), asking(1, " Count them one by one, carefully."), asking(2, " Go.")]
+    pad = qwen_engine.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert [qwen_engine.prompt_ids(t).count(pad) for t in tasks] == [4, 4, 4]
+    assert len({len(qwen_engine.prompt_ids(t)) for t in tasks}) == 3
+    groups = sampled_groups(qwen_engine, tasks, temperature=temperature)
+    model = load_model(qwen_vl).eval()
+    worst, tokens = worst_gap(model, groups, temperature=temperature, share_prompts=share_prompts)
+    print(f"hf on the tiny {model.config.model_type}, T={temperature}, share_prompts={share_prompts}: behaviour vs "
+          f"trainer log-probs over {tokens} tokens, max abs diff {worst:.2e} (tolerance {LOGPROB_TOL:.0e})")
+    assert tokens >= 3 * 4 * 4 and worst < LOGPROB_TOL
+    swapped = [SampleGroup(**{**{f: getattr(g, f) for f in g.__slots__}, "images": groups[(i + 1) % 3].images})
+               for i, g in enumerate(groups)]
+    assert worst_gap(model, swapped, temperature=temperature, share_prompts=share_prompts)[0] > 100 * LOGPROB_TOL
+
+
+def test_packed_qwen2_vl_sequences_get_the_3d_positions_the_model_gives_each_alone(qwen_engine, qwen_vl):
+    """A packed micro-batch of two prompts' completions, shared prompts and not: each position's
+    (temporal, height, width) position is the one the model's `get_rope_index` gives its sequence
+    (prompt and completion) alone, the picture's tokens on a 2 x 2 grid (not 1-D), the text after
+    it continuing from there."""
+    groups = sampled_groups(qwen_engine, [shapes_task(i, n=2) for i in range(2)], temperature=1.0)
+    model = load_model(qwen_vl).eval()
+    core, token = model.model, model.config.image_token_id
+    for share in (True, False):
+        mb = step_batches(groups, micro_batch_size=8, micro_batch_tokens=0, pack=True,
+                          share_prompts=share)[0].batches[0]
+        packed = mb.packed
+        grids = pixel_values_of(model, packed.images, device=torch.device("cpu"))["image_grid_thw"]
+        got = mrope_positions(core, packed.ids, packed.position_ids, packed.docs, packed.segments == 0, grids, token)
+        assert len(packed.images) == (2 if share else 4) and got.shape == (3, *packed.ids.shape)
+        flat = packed.at.view(mb.input_ids.shape)  # (B, T): the packed position predicting each target
+        for row, g in enumerate(groups[i] for i in range(2) for _ in range(2)):
+            prompt = torch.tensor(g.prompt_ids)
+            c = g.completions[row % 2]
+            ids = torch.cat([prompt, torch.tensor(c.ids[:-1], dtype=torch.long)])[None]  # its inputs
+            assert torch.equal(mb.input_ids[row, :ids.shape[1]], ids[0])
+            types = torch.zeros_like(ids)
+            types[0, :len(prompt)] = prompt == token
+            alone, _ = core.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grids[:1])  # (3, 1, n)
+            p, n = len(prompt), len(c.ids)
+            where = flat[row, p - 1:p - 1 + n]  # its prompt's last token and its completion's inputs, packed
+            assert torch.equal(got[:, 0, where], alone[:, 0, p - 1:p - 1 + n]), (share, row)
+            image = (prompt == token).nonzero().squeeze(1)  # 4 tokens: a 2 x 2 grid from its first position
+            first = int(image[0])
+            assert alone[:, 0, image].tolist() == [[first] * 4, [first, first, first + 1, first + 1],
+                                                   [first, first + 1, first, first + 1]]
+            assert int(alone[0, 0, -1]) == ids.shape[1] - 1 - 2  # the grid of 4 took 2 positions
+
+
+def test_vllm_refuses_qwen2_vl_without_torchvision(qwen_vl):
+    """vLLM's Qwen2-VL model (which its Qwen2.5-VL's imports) imports transformers' torchvision image
+    processor: without torchvision (this machine's packages) the vLLM engine refuses the model at
+    once, saying so and naming the engine that samples it, where vLLM itself would fail its
+    start-up "to inspect" the model."""
+    import importlib.util
+
+    from engines.vllm_engine import VLLMEngine
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: vLLM may serve Qwen2-VL")
+    with pytest.raises(ValueError, match=r"vLLM serves a qwen2(_5)?_vl model only with torchvision installed.*"
+                                         r"generator\.engine = \"hf\""):
+        VLLMEngine(qwen_vl)
+
+
+def test_the_trainer_refuses_a_vlm_whose_image_features_it_does_not_place():
+    """A Qwen3-VL (other 3-D positions, its image features added at deeper layers too) is not trained
+    with positions or features this trainer would get wrong: its pass is refused, naming the
+    architectures it takes."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from common.models import ModelError
+    from trainer.vision import showing
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+    config = Qwen3VLConfig(
+        text_config={"vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "rope_parameters": rope},
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                       "patch_size": 8, "num_position_embeddings": 16, "deepstack_visual_indexes": []},
+        image_token_id=60)
+    ids = torch.tensor([[1, 60, 60, 60, 60, 2, 3]])
+    model = Qwen3VLForConditionalGeneration(config)
+    named = r"Qwen3VLForConditionalGeneration: not a .* trainer places \(Idefics3, SmolVLM, Qwen2-VL, Qwen2\.5-VL\)"
+    with pytest.raises(ModelError, match=named), \
+            showing(model, ids, (b"picture",), torch.ones_like(ids, dtype=torch.bool),
+                    position_ids=torch.arange(7)[None], docs=torch.zeros_like(ids)):
+        pass
