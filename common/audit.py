@@ -12,7 +12,8 @@ import redis
 
 from common.deadletters import count_dead_letters
 from common.heartbeats import read_counters
-from common.keys import GENERATORS_GROUP, TRAINER_GROUP, Keys
+from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
+from common.messages import peek_id
 from common.progress import count_outstanding, read_dropped, read_producer, read_trainer
 from common.streams import group_backlog
 
@@ -21,13 +22,46 @@ def _added(r: redis.Redis, stream: str) -> int:
     return r.xinfo_stream(stream)["entries-added"] if r.exists(stream) else 0
 
 
+def _unread_copies(r: redis.Redis, keys: Keys) -> int:
+    """Group entries the trainer has not acknowledged (waiting, or read and not yet turned away)
+    whose id is already trained: copies it refuses as duplicates once it reads them. A generator
+    cut off past `claim_idle_s` writes such a copy of a prompt another generator took over and the
+    trainer trained; written after the trainer stopped, it waits in the stream."""
+    if not r.exists(keys.samples):
+        return 0
+    info = {g["name"].decode(): g for g in r.xinfo_groups(keys.samples)}.get(TRAINER_GROUP)
+    delivered, unacked = b"0-0", set()
+    if info is not None:
+        delivered = info["last-delivered-id"]
+        delivered = delivered if isinstance(delivered, bytes) else delivered.encode()
+        if info["pending"]:
+            unacked = {p["message_id"] for p in r.xpending_range(
+                keys.samples, TRAINER_GROUP, min="-", max="+", count=info["pending"])}
+    start, copies = (min(unacked, key=_entry_key) if unacked else b"(" + delivered), 0
+    while entries := r.xrange(keys.samples, min=start, count=1000):
+        for entry_id, fields in entries:
+            if _entry_key(entry_id) <= _entry_key(delivered) and entry_id not in unacked:
+                continue  # acknowledged
+            gid = peek_id(fields.get(PAYLOAD, b""))
+            copies += gid is not None and r.zscore(keys.trained, gid) is not None
+        start = b"(" + entries[-1][0]
+    return copies
+
+
+def _entry_key(entry_id: bytes) -> tuple[int, int]:
+    ms, seq = entry_id.split(b"-")
+    return int(ms), int(seq)
+
+
 def accounting(r: redis.Redis, keys: Keys) -> dict[str, int]:
     """Where every admitted prompt of a run is (streams may have been trimmed).
 
     `admitted` should equal `trained + dropped + pending`: groups trained (acknowledged with a
     saved trainer state), groups or prompts given up for a counted reason (too stale, dead
     letters), and prompts or groups still in a stream (waiting, or delivered and unacknowledged).
-    `duplicate` counts extra groups refused for an id already trained; `prompt_entries` and
+    `duplicate` counts extra groups made from a prompt already trained: refused by the trainer
+    (`duplicate_refused`) or still in the samples stream (`duplicate_unread`, not pending: their
+    prompt is trained and the trainer will refuse them); `prompt_entries` and
     `sample_entries` are every entry ever added to the two streams; `outstanding` the admitted
     prompts neither trained nor dropped, by id, and `prompts_dropped` those dropped, by id.
     """
@@ -41,7 +75,7 @@ def accounting(r: redis.Redis, keys: Keys) -> dict[str, int]:
         "dead_groups": t.groups_dead,
         "dead_prompts": count_dead_letters(r, keys.prompts_dead),
         "dropped_zero_variance": read_counters(r, keys).groups_dropped_zero_variance,
-        "duplicate": t.groups_duplicate,
+        "duplicate_refused": t.groups_duplicate, "duplicate_unread": _unread_copies(r, keys),
         "prompts_waiting": prompts_waiting, "prompts_pending": prompts_pending,
         "samples_waiting": samples_waiting, "samples_pending": samples_pending,
         "prompt_entries": _added(r, keys.prompts), "sample_entries": _added(r, keys.samples),
@@ -49,7 +83,9 @@ def accounting(r: redis.Redis, keys: Keys) -> dict[str, int]:
     }
     acc["dropped"] = (acc["dropped_stale"] + acc["dead_groups"] + acc["dead_prompts"]
                       + acc["dropped_zero_variance"])
-    acc["pending"] = prompts_waiting + prompts_pending + samples_waiting + samples_pending
+    acc["duplicate"] = acc["duplicate_refused"] + acc["duplicate_unread"]
+    acc["pending"] = (prompts_waiting + prompts_pending + samples_waiting + samples_pending
+                      - acc["duplicate_unread"])
     return acc
 
 
@@ -67,7 +103,7 @@ def unaccounted(acc: dict[str, int]) -> list[str]:
     if acc["admitted"] != acc["trained"] + acc["prompts_dropped"] + acc["outstanding"]:
         wrong.append(f"admitted ids unsettled: admitted {acc['admitted']} != trained {acc['trained']} + "
                      f"dropped by id {acc['prompts_dropped']} + outstanding {acc['outstanding']}")
-    groups = (acc["trained"] + acc["dropped_stale"] + acc["dead_groups"] + acc["duplicate"]
+    groups = (acc["trained"] + acc["dropped_stale"] + acc["dead_groups"] + acc["duplicate_refused"]
               + acc["samples_waiting"] + acc["samples_pending"])
     if acc["sample_entries"] != groups:  # every group entry is one prompt's, or a refused duplicate
         wrong.append(f"group entries {acc['sample_entries']} != groups accounted for {groups}")

@@ -22,4 +22,4 @@ def report(fault: str, at_kill: dict, after: dict) -> None:
           f"admitted {at_kill['admitted']})")
     print(f"{fault}: after recovery: admitted {after['admitted']} = trained {after['trained']} + dropped "
           f"{after['dropped']} (stale {after['dropped_stale']}, dead {after['dead_groups'] + after['dead_prompts']}) "
-          f"+ pending {after['pending']}; duplicates refused {after['duplicate']}")
+          f"+ pending {after['pending']}; duplicates {after['duplicate']} (refused {after['duplicate_refused']})")
