@@ -24,9 +24,9 @@ def _added(r: redis.Redis, stream: str) -> int:
 
 def _unread_copies(r: redis.Redis, keys: Keys) -> int:
     """Group entries the trainer has not acknowledged (waiting, or read and not yet turned away)
-    whose id is already trained: copies it refuses as duplicates once it reads them. A generator
-    cut off past `claim_idle_s` writes such a copy of a prompt another generator took over and the
-    trainer trained; written after the trainer stopped, it waits in the stream."""
+    whose id is already trained, or is an earlier unacknowledged entry's: copies it refuses as
+    duplicates once it reads them. A generator cut off past `claim_idle_s` writes such a copy of a
+    prompt another generator took over; written after the trainer stopped, it waits in the stream."""
     if not r.exists(keys.samples):
         return 0
     info = {g["name"].decode(): g for g in r.xinfo_groups(keys.samples)}.get(TRAINER_GROUP)
@@ -37,13 +37,15 @@ def _unread_copies(r: redis.Redis, keys: Keys) -> int:
         if info["pending"]:
             unacked = {p["message_id"] for p in r.xpending_range(
                 keys.samples, TRAINER_GROUP, min="-", max="+", count=info["pending"])}
-    start, copies = (min(unacked, key=_entry_key) if unacked else b"(" + delivered), 0
+    start, copies, unread = (min(unacked, key=_entry_key) if unacked else b"(" + delivered), 0, set()
     while entries := r.xrange(keys.samples, min=start, count=1000):
         for entry_id, fields in entries:
             if _entry_key(entry_id) <= _entry_key(delivered) and entry_id not in unacked:
                 continue  # acknowledged
             gid = peek_id(fields.get(PAYLOAD, b""))
-            copies += gid is not None and r.zscore(keys.trained, gid) is not None
+            if gid is not None:
+                copies += gid in unread or r.zscore(keys.trained, gid) is not None
+                unread.add(gid)
         start = b"(" + entries[-1][0]
     return copies
 

@@ -69,7 +69,7 @@ def test_what_waits_in_a_stream_is_counted_after_redis_replays_its_append_only_f
 
 def test_copies_of_a_trained_group_left_in_the_stream_count_as_duplicates_not_pending(r):
     """A generator cut off past claim_idle_s writes copies of prompts another generator took over
-    and the trainer trained; written after the trainer stopped they wait in the samples stream. The
+    (trained, or not yet); written after the trainer stopped they wait in the samples stream. The
     audit counts them as groups made twice, not as prompts still to train (the trainer refuses them
     when it reads them)."""
     import msgpack
@@ -84,14 +84,15 @@ def test_copies_of_a_trained_group_left_in_the_stream_count_as_duplicates_not_pe
     r.xadd(keys.samples, {PAYLOAD: msgpack.packb({"id": "p1"})})  # a copy, read and not yet turned away
     r.xreadgroup(TRAINER_GROUP, "rank0", {keys.samples: ">"}, count=1)
     r.xadd(keys.samples, {PAYLOAD: msgpack.packb({"id": "p2"})})  # a group still to train
+    r.xadd(keys.samples, {PAYLOAD: msgpack.packb({"id": "p2"})})  # and its copy
     r.xadd(keys.samples, {PAYLOAD: msgpack.packb({"id": "p1"})})  # a copy waiting
     r.xadd(keys.samples, {PAYLOAD: b"\x00junk"})  # no id: pending until the trainer dead-letters it
     acc = accounting(r, keys)
-    assert (acc["samples_pending"], acc["samples_waiting"]) == (1, 3)
-    assert (acc["duplicate_unread"], acc["duplicate_refused"], acc["duplicate"]) == (2, 0, 2)
+    assert (acc["samples_pending"], acc["samples_waiting"]) == (1, 4)
+    assert (acc["duplicate_unread"], acc["duplicate_refused"], acc["duplicate"]) == (3, 0, 3)
     assert acc["pending"] == 2
     assert not [line for line in unaccounted(acc) if line.startswith("group entries")], unaccounted(acc)
-    assert "2 group(s) made twice from one prompt" in unaccounted(acc)
+    assert "3 group(s) made twice from one prompt" in unaccounted(acc)
 
 
 def test_a_process_started_before_redis_waits_for_it_and_says_so(tmp_path, capsys):
