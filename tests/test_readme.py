@@ -103,6 +103,11 @@ ADD2 = ("ROLLOUTS_TASK__MAX_OPERAND=99 ROLLOUTS_TASK__OPS='[\"+\"]' ROLLOUTS_ROL
 ADD2_PLOT = "ROLLOUTS_RUN=add2 ROLLOUTS_OUTPUT_DIR=runs/add2 .venv/bin/rollouts plot --config configs/demo.toml"
 POOL_RUNS = {"add": 'toml: # add.toml\nrun = "add"', "countdown": 'toml: # countdown.toml\nrun = "countdown"'}
 POOL = ".venv/bin/python -m generators --id pool --runs add.toml,countdown.toml"
+MOE = 'toml: # moe.toml\nrun = "moe"'
+MOE_CHECK = "ROLLOUTS_CONFIG=moe.toml .venv/bin/rollouts check"
+MOE_RUN = "ROLLOUTS_CONFIG=moe.toml ./ops/run"
+SHAPES = 'toml: # shapes.toml\nrun = "shapes"'
+SHAPES_RUN = "ROLLOUTS_CONFIG=shapes.toml ./ops/run"
 # Each block (by its key) and the test that runs it as written.
 RUN = {
     "./ops/run": "test_ops_run_trains_the_demo_status_and_plot_show_it_and_a_second_start_resumes_it",
@@ -141,6 +146,8 @@ RUN = {
                      "ROLLOUTS_CONFIG=$run.toml .venv/bin/python -m producers &",
                      "ROLLOUTS_CONFIG=$run.toml .venv/bin/python -m trainer &", "done", POOL],
                     "test_two_runs_train_on_one_generator_killed_and_started_again"),
+    **dict.fromkeys([MOE, MOE_CHECK, MOE_RUN], "test_an_moe_run_with_routing_replay_as_written"),
+    **dict.fromkeys([SHAPES, SHAPES_RUN], "test_a_vision_language_run_on_shapes_as_written"),
 }
 # Each block that does not run here, and why.
 NOT_RUN = {
@@ -580,6 +587,89 @@ def test_two_runs_train_on_one_generator_killed_and_started_again(checkout, user
         assert trained_twice(checkout / f"runs/{run}/metrics.jsonl") == [], run
         steps = read_steps(checkout / f"runs/{run}/metrics.jsonl")
         assert [s["step"] for s in steps] == [1, 2, 3], (run, steps)
+
+
+# ---------------------------------------------------------------------- MoE and VLM runs
+
+
+WATCHER = "readme-test"  # a consumer group of the test's own on a run's samples stream
+
+
+def watch_groups(redis_url: str, run: str, proc) -> None:
+    """Once Redis answers, a consumer group of the test's own on the run's samples stream, from its
+    start: the stream is trimmed of what every group has read, so the groups stay for `seen_groups`."""
+    r = redis.Redis.from_url(redis_url)
+
+    def watching() -> bool:
+        try:
+            r.xgroup_create(Keys(run).samples, WATCHER, id="0", mkstream=True)
+            return True
+        except redis.ConnectionError:  # Redis not up yet
+            return False
+
+    wait_for(watching, timeout=300, what="Redis", procs=[proc], poll=0.05)
+
+
+def seen_groups(redis_url: str, run: str, count: int) -> list:
+    """Up to `count` of the run's groups, oldest first, as its generators wrote them (while Redis runs)."""
+    from common.keys import PAYLOAD
+    from common.messages import decode_group
+
+    r = redis.Redis.from_url(redis_url)
+    read = r.xreadgroup(WATCHER, "test", {Keys(run).samples: ">"}, count=count)
+    return [decode_group(f[PAYLOAD]) for _, entries in read for _, f in entries]
+
+
+@pytest.mark.slow
+def test_an_moe_run_with_routing_replay_as_written(checkout, user_env, tmp_path, tiny_model):
+    """docs/training.md "Mixture-of-experts models": `rollouts check` on moe.toml prints the mismatch
+    with and without routing replay, and ./ops/run trains the MoE, its groups carrying the experts
+    that sampled each token (a tiny random Qwen3-MoE in Qwen3-30B-A3B's place)."""
+    from tests.harness.models import tiny_moe
+
+    (checkout / "moe.toml").write_text(config_block(MOE))
+    env = {**user_env, "ROLLOUTS_MODEL__PATH": str(tiny_moe(tiny_model, tmp_path / "moe"))}
+    check = run_once(MOE_CHECK, cwd=checkout, env=env, timeout=600)
+    assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
+    routing = re.search(r"^routing +mean \|log-ratio\| (\S+) with routing replay, (\S+) without .* "
+                        r"2 MoE layers, top 2 of 4 experts; generator.routing_replay = on$", check.stdout, re.M)
+    assert routing and float(routing[1]) < 1e-3, check.stdout
+    run = Shell(block(MOE_RUN).text, cwd=checkout, env=env, log=tmp_path / "run.log")
+    try:
+        watch_groups(env["ROLLOUTS_REDIS_URL"], "moe", run.proc)
+        run.wait_for(r"trainer\.1\s+\| step\s+2 \|", timeout=600, what="the MoE run's second step")
+        groups = seen_groups(env["ROLLOUTS_REDIS_URL"], "moe", 4)
+        run.ctrl_c()
+    finally:
+        run.kill()
+    assert "trainer: run 'moe'" in run.text(), run.text()[-4000:]
+    assert len(read_steps(checkout / "runs/moe/metrics.jsonl")) >= 2
+    assert groups and all(g.routing == (2, 2, 4) for g in groups), [g.routing for g in groups]
+    assert all(c.experts is not None and len(c.experts) == len(c.ids) for g in groups for c in g.completions)
+
+
+@pytest.mark.slow
+def test_a_vision_language_run_on_shapes_as_written(checkout, user_env, tmp_path, tiny_model):
+    """docs/training.md "Vision-language models": ./ops/run trains a VLM on the shapes task, each
+    group carrying its prompt's picture and sampled with it (the mismatch of a run sampling with
+    the trainer's own weights), a tiny random Idefics3 in SmolVLM's place."""
+    from tests.harness.models import tiny_vlm
+
+    (checkout / "shapes.toml").write_text(config_block(SHAPES))
+    env = {**user_env, "ROLLOUTS_MODEL__PATH": str(tiny_vlm(tiny_model, tmp_path / "vlm"))}
+    run = Shell(block(SHAPES_RUN).text, cwd=checkout, env=env, log=tmp_path / "run.log")
+    try:
+        watch_groups(env["ROLLOUTS_REDIS_URL"], "shapes", run.proc)
+        run.wait_for(r"trainer\.1\s+\| step\s+2 \|", timeout=600, what="the VLM run's second step")
+        groups = seen_groups(env["ROLLOUTS_REDIS_URL"], "shapes", 4)
+        run.ctrl_c()
+    finally:
+        run.kill()
+    assert "trainer: run 'shapes'" in run.text(), run.text()[-4000:]
+    steps = read_steps(checkout / "runs/shapes/metrics.jsonl")
+    fresh = [m["mismatch/by_staleness"]["0"] for m in steps if "0" in m["mismatch/by_staleness"]]
+    assert len(steps) >= 2 and fresh and max(fresh) < 1e-3, steps  # sampled by the weights it trains
+    assert groups and all(len(g.images) == 1 for g in groups), [len(g.images) for g in groups]
 
 
 # ---------------------------------------------------------------------- docs/operations.md
