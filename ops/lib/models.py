@@ -1,6 +1,6 @@
 """Checkpoints the tests and the benchmarks make (a model's weights plus noise, the tiny model with
-tied embeddings, LoRA adapters with random weights, a tiny vision-language model) and the trainer's
-log-probs under one."""
+tied embeddings, LoRA adapters with random weights, tiny mixture-of-experts and vision-language
+models) and the trainer's log-probs under one."""
 
 from __future__ import annotations
 
@@ -58,6 +58,34 @@ def tied_variant(tiny_model: Path, dst: Path) -> Path:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(dst, safe_serialization=True)
     for f in tiny_model.iterdir():
+        if "token" in f.name or f.name == "chat_template.jinja":
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def tiny_moe(tiny_model: Path, dst: Path, *, seed: int = 0, router_std: float = 0.5, **fields: object) -> Path:
+    """A tiny random Qwen3-MoE beside the tiny dense model: its tokenizer and chat template, two
+    layers of hidden size 64, each a sparse block of 4 experts (intermediate size 32) routing each
+    token to 2; `fields` set the rest of its Qwen3MoeConfig (output_router_logits,
+    router_aux_loss_coef, ...). Router weights of std `router_std`: at 0.5 their logits are far
+    apart (a clear choice of experts), at transformers' init (0.02) near ties. Saved as the trainer
+    saves a checkpoint (safetensors)."""
+    from transformers import AutoConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    dense = AutoConfig.from_pretrained(tiny_model)
+    cfg = Qwen3MoeConfig(**{"vocab_size": dense.vocab_size, "hidden_size": 64, "intermediate_size": 128,
+                            "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                            "head_dim": 32, "max_position_embeddings": 512, "eos_token_id": dense.eos_token_id,
+                            "pad_token_id": dense.pad_token_id, "bos_token_id": None,
+                            "tie_word_embeddings": False, **fields})
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, router_std)
+    model.save_pretrained(dst, safe_serialization=True)
+    for f in Path(tiny_model).iterdir():
         if "token" in f.name or f.name == "chat_template.jinja":
             shutil.copy(f, dst / f.name)
     return dst

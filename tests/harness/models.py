@@ -10,7 +10,14 @@ import torch
 
 from common.keys import PAYLOAD, Keys
 from common.messages import WeightVersion, encode
-from ops.lib.models import perturbed_copy, reference_logprobs, tied_variant, tiny_qwen2_vl, tiny_vlm  # noqa: F401
+from ops.lib.models import (  # noqa: F401
+    perturbed_copy,
+    reference_logprobs,
+    tied_variant,
+    tiny_moe,
+    tiny_qwen2_vl,
+    tiny_vlm,
+)
 
 # fp32, one sequence: the engine's log-prob of each sampled token against the trainer's
 # log_softmax(logits / T) over a plain forward pass. Measured in tests/test_engines.py (2026-11-23):
@@ -48,34 +55,6 @@ def publish_weights(r, keys: Keys, wv: WeightVersion) -> None:
         pipe.xadd(keys.weights, {PAYLOAD: encode(wv)})
         pipe.set(keys.weights_latest, encode(wv))
         pipe.execute()
-
-
-def tiny_moe(tiny_model: Path, dst: Path, *, seed: int = 0, **fields: object) -> Path:
-    """A tiny random Qwen3-MoE beside the tiny dense model: its tokenizer and chat template, two
-    layers of hidden size 64, each a sparse block of 4 experts (intermediate size 32) routing each
-    token to 2; `fields` set the rest of its Qwen3MoeConfig (output_router_logits,
-    router_aux_loss_coef, ...). Saved as the trainer saves a checkpoint (safetensors)."""
-    import shutil
-
-    from transformers import AutoConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    dense = AutoConfig.from_pretrained(tiny_model)
-    cfg = Qwen3MoeConfig(**{"vocab_size": dense.vocab_size, "hidden_size": 64, "intermediate_size": 128,
-                            "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
-                            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-                            "head_dim": 32, "max_position_embeddings": 512, "eos_token_id": dense.eos_token_id,
-                            "pad_token_id": dense.pad_token_id, "bos_token_id": None,
-                            "tie_word_embeddings": False, **fields})
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():  # router logits far apart (init std 0.02 nearly ties them): a clear choice of experts
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
-    model.save_pretrained(dst, safe_serialization=True)
-    for f in Path(tiny_model).iterdir():
-        if "token" in f.name or f.name == "chat_template.jinja":
-            shutil.copy(f, dst / f.name)
-    return dst
 
 
 # The tiny VLM's chat template: a message's content is its text, or a list of parts ({"type": "image"}
