@@ -14,6 +14,10 @@ when decoded (common/messages.py).
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import numpy as np
 import torch
 
 from common.models import experts_of
@@ -64,3 +68,55 @@ def top_k_output(out: object, what: str) -> tuple[torch.Tensor, torch.Tensor, to
         raise RoutingError(f"{what}: its router returns {type(out).__name__}, not (logits, top-k weights, top-k "
                            "indices): routing replay cannot read or force its experts")
     return out
+
+
+def router_layers(model: torch.nn.Module) -> list[int]:
+    """The index, among all of `model`'s decoder layers, of each router's layer, in `routers` order
+    (a model may keep some layers dense: Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`)."""
+    mine = {id(m) for m in routers(model)}
+    found = []
+    for name, module in model.named_modules():
+        if id(module) in mine:
+            at = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+            if at is None:
+                raise RoutingError(f"{type(model).__name__}: router {name} is in no numbered decoder layer")
+            found.append(int(at[1]))
+    return found
+
+
+def moe_layers(model_dir: str | Path) -> tuple[list[int], tuple[int, int, int]]:
+    """The MoE layers' indices among all decoder layers of the model at `model_dir` (`router_layers`)
+    and its routing, (MoE layers, experts per token, routed experts), read from the model built on
+    `meta` (no weights loaded); RoutingError for a dense model or one whose routers it cannot read."""
+    from transformers import AutoConfig
+
+    from common.vision import model_class
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = model_class(model_dir).from_config(config)
+    routing = routing_of(model)
+    if routing is None:
+        raise RoutingError(f"{model_dir}: a dense model, with no experts to record")
+    return router_layers(model), routing
+
+
+def sampled_experts(routed: np.ndarray, *, tokens: int, layers: list[int], routing: tuple[int, int, int],
+                    what: str) -> np.ndarray:
+    """The experts that chose each of a completion's `tokens` sampled tokens, (tokens, MoE layers,
+    top_k), from an engine's record of every decoder layer's routing at each input position
+    (vLLM's `routed_experts`: (positions, all layers, top_k), a row per position fed to the model,
+    its last the input of the last sampled token's forward pass): its last `tokens` rows, at the
+    MoE layers. The pass whose logits sampled token i took position prompt_len - 1 + i as input."""
+    routed = np.asarray(routed)
+    n_layers, top_k, experts = routing
+    if routed.ndim != 3 or routed.shape[2] != top_k or routed.shape[1] <= max(layers, default=-1):
+        raise RoutingError(f"{what}: routed experts of shape {routed.shape}, where (positions, layers above "
+                           f"{max(layers, default=-1)}, {top_k}) was expected")
+    if len(routed) < tokens:
+        raise RoutingError(f"{what}: routed experts of {len(routed)} positions for {tokens} sampled tokens")
+    out = routed[len(routed) - tokens:, layers, :]
+    if tokens and (out.min() < 0 or out.max() >= experts):
+        raise RoutingError(f"{what}: a routed expert index outside 0..{experts - 1}")
+    assert out.shape[1] == n_layers, (out.shape, routing)
+    return out.astype(np.uint16)  # as the HF engine gives them; the wire packs them to its own width

@@ -45,6 +45,7 @@ from common.checkpoints import CheckpointError, check_fits, is_adapter_dir, shap
 from common.config import GeneratorConfig
 from common.messages import PromptTask
 from common.models import experts_of
+from common.routing import RoutingError, moe_layers, sampled_experts
 from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
 from engines.vllm_worker import keep_model_path, refresh_tied_lm_head
 
@@ -76,12 +77,12 @@ class VLLMEngine:
                    gpu_memory_utilization=settings.gpu_memory_utilization, max_num_seqs=max_running,
                    threads=settings.threads, tensor_parallel_size=settings.tensor_parallel_size,
                    max_model_len=settings.max_model_len, enforce_eager=settings.enforce_eager,
-                   lora_rank=lora_rank, adapters=adapters)
+                   lora_rank=lora_rank, adapters=adapters, routing_replay=settings.routing_replay)
 
     def __init__(self, path: str | Path, *, dtype: str = "float32", seed: int = 0, kv_cache_gib: float = 1.0,
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, threads: int = 0,
                  tensor_parallel_size: int = 1, max_model_len: int = 0, enforce_eager: bool = False,
-                 lora_rank: int = 0, adapters: int = 1) -> None:
+                 lora_rank: int = 0, adapters: int = 1, routing_replay: bool = False) -> None:
         assert dtype in DTYPES, f"dtype must be one of {DTYPES}, got {dtype!r}"
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -92,6 +93,9 @@ class VLLMEngine:
             if threads > 0:  # a share of the cores (the trainer has the rest): no pinning to all of them
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
                 os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        # Routing replay: vLLM returns every decoder layer's experts at each position (its auxiliary
+        # output, on its V2 model runner, which needs Triton: a CUDA build), the MoE layers' kept.
+        self._moe_layers, self.routing = routing_options(Path(path), routing_replay, cuda=cuda)
         refused = needs_torchvision(Path(path))
         if refused is not None:
             raise ValueError(refused)
@@ -111,7 +115,9 @@ class VLLMEngine:
                        gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                        load_format="safetensors",  # never a pickled .bin
                        async_scheduling=False,  # a step's tokens are sampled with the weights it ran
-                       use_tqdm_on_load=False, **_lora_options(lora_rank, adapters, cuda=cuda))
+                       use_tqdm_on_load=False, **_lora_options(lora_rank, adapters, cuda=cuda),
+                       **({"enable_return_routed_experts": True, "enable_prefix_caching": True}
+                          if self.routing is not None else {}))
         self.lora_rank = lora_rank
         self.adapters = adapters  # LoRA adapters held at once (with lora_rank > 0)
         # the LoRARequest of each adapter loaded (load_adapter), by name (None: the default one); {}: weights alone
@@ -143,7 +149,9 @@ class VLLMEngine:
             return ids
         return chat_prompt_ids(self.tokenizer, task)
 
-    def _params(self, sampling: SamplingSettings):
+    def _params(self, sampling: SamplingSettings, *, routed_from: int = 0):
+        """vLLM's sampling parameters; with routing replay, its routed experts returned from input
+        position `routed_from` on (the prompt's last: the forward pass that samples the first token)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -151,7 +159,8 @@ class VLLMEngine:
             n=sampling.n, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
             top_p=sampling.top_p, top_k=sampling.top_k, min_p=0.0, repetition_penalty=1.0,
             presence_penalty=0.0, frequency_penalty=0.0, stop_token_ids=self.eos_ids, logprobs=0,
-            detokenize=False, output_kind=RequestOutputKind.DELTA)  # tokens as sampled: each tagged with its version
+            detokenize=False, output_kind=RequestOutputKind.DELTA,  # tokens as sampled: each tagged with its version
+            **({"routed_experts_prompt_start": routed_from} if self.routing is not None else {}))
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings, *,
             images: tuple[bytes, ...] = (), adapter: str | None = None) -> None:
@@ -167,7 +176,11 @@ class VLLMEngine:
             placeholders = self._vllm_ids(prompt_ids)
             assert placeholders is not None, f"request {request_id}: images, but not ids of this engine's prompt_ids"
             prompt = {"prompt_token_ids": placeholders, "multi_modal_data": {"image": [open_image(i) for i in images]}}
-        self._engine.add_request(request_id, prompt, self._params(sampling), lora_request=self._lora.get(adapter))
+        # routed experts from the prompt's last position (vLLM's own: it lays out an image's tokens itself,
+        # so from 0 there: the rows sampled_experts keeps are the last ones either way)
+        routed_from = 0 if images else len(prompt["prompt_token_ids"]) - 1
+        self._engine.add_request(request_id, prompt, self._params(sampling, routed_from=routed_from),
+                                 lora_request=self._lora.get(adapter))
         self._rows[request_id] = [Row() for _ in range(sampling.n)]
         self._adapter_of[request_id] = adapter
 
@@ -204,14 +217,15 @@ class VLLMEngine:
                 continue
             version = self.adapter_version(self._adapter_of[out.request_id])
             for c in out.outputs:  # this step's new tokens of each completion that has any
-                self._extend(rows[c.index], c, version=version)
+                self._extend(rows[c.index], c, version=version, what=f"request {out.request_id}")
             if out.finished:
                 del self._rows[out.request_id], self._adapter_of[out.request_id]
                 done.append(Finished(request_id=out.request_id, samples=[row.sampled() for row in rows]))
         return done
 
-    def _extend(self, row: Row, c, *, version: int) -> None:
-        """Append a completion's new tokens, sampled with the weights (and adapter) of `version`."""
+    def _extend(self, row: Row, c, *, version: int, what: str) -> None:
+        """Append a completion's new tokens, sampled with the weights (and adapter) of `version`;
+        with routing replay, its last output carries the experts of all its tokens."""
         ids = list(c.token_ids)
         assert c.logprobs is not None and len(c.logprobs) == len(ids), "vLLM returned no log-prob per token"
         logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
@@ -220,6 +234,11 @@ class VLLMEngine:
             last = ids[-1] if ids else (row.ids[-1] if row.ids else None)
             finish = "stop" if c.finish_reason == "stop" and last in self.eos_ids else "length"
         row.extend(ids, logprobs, version=version, finish=finish)
+        if finish is not None and self.routing is not None:
+            if c.routed_experts is None:
+                raise RoutingError(f"{what}: vLLM returned no routed experts (enable_return_routed_experts is on)")
+            row.experts = [sampled_experts(c.routed_experts, tokens=len(row.ids), layers=self._moe_layers,
+                                           routing=self.routing, what=what)]
 
     def sample(self, prompts: list[list[int]], sampling: SamplingSettings, *,
                images: list[tuple[bytes, ...]] | None = None) -> list[list[Sampled]]:
@@ -391,6 +410,19 @@ def _without_reload_warnings(layers: set[str]) -> Iterator[None]:
 # vision-language architectures whose vLLM model (vllm/model_executor/models/qwen2_vl.py, which
 # qwen2_5_vl.py imports) imports transformers' Qwen2-VL image processor, which imports torchvision
 TORCHVISION_MODELS = ("qwen2_vl", "qwen2_5_vl")
+
+
+def routing_options(path: Path, routing_replay: bool, *, cuda: bool) -> tuple[list[int], tuple[int, int, int] | None]:
+    """(the MoE layers' indices among all decoder layers, the model's routing) where the engine
+    records the routed experts (routing replay), ([], None) where it does not; RoutingError where it
+    cannot: a dense model, and vLLM without CUDA (vllm-cpu: its V2 model runner needs Triton)."""
+    if not routing_replay:
+        return [], None
+    if not cuda:
+        raise RoutingError(f"{path}: vLLM returns routed experts on its V2 model runner only, which needs Triton "
+                           "(a CUDA build); vllm-cpu cannot: use the hf engine for routing replay on a CPU")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    return moe_layers(path)
 
 
 def needs_torchvision(path: Path) -> str | None:

