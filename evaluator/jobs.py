@@ -32,8 +32,9 @@ from engines.base import Engine, SamplingSettings
 from engines.choice import engine_name, open_for_settings
 from tasks.rows import Prompt, eval_prompts
 
-# The worker process's one loaded engine. A job function is all RQ can call, so the state an
-# RQ worker keeps between jobs lives here; nothing else reads it.
+# The worker process's one loaded engine, under what it was opened for: the engine's name, or, for
+# LoRA adapters, "<name> with adapters on <base model>". A job function is all RQ can call, so the
+# state an RQ worker keeps between jobs lives here; nothing else reads it.
 _ENGINE: dict[str, Engine] = {}
 # Set by the worker on a stop request: the job in hand ends before its next CHUNK of problems.
 STOP = threading.Event()
@@ -51,24 +52,25 @@ def stop_if_asked(req: EvalRequest) -> None:
 
 def engine_for(req: EvalRequest) -> Engine:
     """The loaded engine (the request's, opened as a generator opens it from the same [generator]
-    table) with the weights of the checkpoint it names in it."""
+    table) with the weights of the checkpoint it names in it; a LoRA adapter on the base model it
+    names (the engine opened again where it was opened for another base or for full weights)."""
     name = engine_name(req.engine)
     adapter = is_adapter_dir(req.path)  # trainer.lora.publish = "adapter": loaded onto its base model
     if adapter and name not in ("hf", "vllm"):
         raise ValueError(f"evaluator: checkpoint {req.path} is a LoRA adapter (trainer.lora.publish = \"adapter\") "
                          f"and the {name} engine cannot load adapters: set eval.engine = \"hf\" or \"vllm\"")
-    engine = _ENGINE.get(name)
-    if engine is not None and adapter and name == "vllm" and not getattr(engine, "lora_rank", 0):
-        _ENGINE.clear()  # opened on full weights, without LoRA: opened again for adapters
-        engine = None
+    opened_on = adapter_base(req.path) if adapter else req.path
+    # An adapter goes on its base model as it was: not on full weights loaded before (a checkpoint
+    # published merged), nor on another base; full weights do not go into an engine holding adapters.
+    key = f"{name} with adapters on {opened_on}" if adapter else name
+    engine = _ENGINE.get(key)
     if engine is None:
         _ENGINE.clear()  # one engine in memory: a run whose engine changed gets the new one alone
         settings = GeneratorConfig.model_validate({**req.engine_settings, "inflight_updates": False,
                                                    "routing_replay": False})  # nothing trains on its samples
-        opened_on = adapter_base(req.path) if adapter else req.path
-        engine = _ENGINE[name] = open_for_settings(name, opened_on, settings=settings, dtype=req.dtype, seed=0,
-                                                   max_running=CHUNK * max(req.pass_k, 1),
-                                                   lora_rank=adapter_rank(req.path) if adapter else 0)
+        engine = _ENGINE[key] = open_for_settings(name, opened_on, settings=settings, dtype=req.dtype, seed=0,
+                                                  max_running=CHUNK * max(req.pass_k, 1),
+                                                  lora_rank=adapter_rank(req.path) if adapter else 0)
         engine.version = 0 if adapter else req.version
         threads = torch.get_num_threads()  # the generators' generator.threads, or torch's default
         print(f"evaluator: the {name} engine ({req.dtype}, {threads} thread{'s' * (threads > 1)}) on {opened_on}",

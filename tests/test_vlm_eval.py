@@ -143,3 +143,45 @@ def test_a_text_model_refuses_problems_with_pictures_naming_the_source(tiny_mode
     with pytest.raises(MessageError, match=r"evaluator: source 'pictures': prompt eval:pictures:0: 1 images, "
                                            r"but the model takes no images \(not a vision-language model\)"):
         jobs.evaluate(request(tiny_model, [source], prompts=1))
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_the_evaluator_scores_a_vlm_lora_adapter_version_as_its_weights_merged(engine, vlm, tmp_path,
+                                                                              monkeypatch):
+    """A VLM run that publishes its LoRA adapters alone (trainer.lora.publish = "adapter"): the
+    evaluator loads the adapter onto its base VLM and scores problems with pictures with it. On a
+    data set whose answers are the adapted model's own greedy answers worked out by hand, pass@1
+    and pass@2 of the adapter version are the share that holds them, as are those of the same
+    weights published merged (evaluated first, by the same evaluator: the adapter goes on the base
+    model, not on the merged weights); the base model's answers by hand make another share."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.harness.adapters import adapted
+    from trainer.checkpoints import write_checkpoint
+
+    need(engine)
+    monkeypatch.setattr(jobs, "_ENGINE", {})
+    processor = load_processor(vlm)
+    model = adapted(vlm, seed=7)
+    with torch.no_grad():  # B a tenth of `adapted`'s: on this lm_head, the picture still changes the answer
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.mul_(0.1)
+    merged, _ = write_checkpoint(model, checkpoint_dir=tmp_path / "ckpt", step=1, source_dir=vlm)
+    adapter, _ = write_checkpoint(model, checkpoint_dir=tmp_path / "ckpt", step=2, source_dir=vlm, adapter=True)
+    pictures, want = pictures_source(tmp_path, model, processor)
+    base = AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32).eval()
+    rows = [json.loads(line) for line in (tmp_path / "pictures.jsonl").read_text().splitlines()]
+    base_said = [said_by_hand(base, processor, row["question"], [(tmp_path / f).read_bytes() for f in
+                                                                  (row["image"] if isinstance(row["image"], list)
+                                                                   else [row["image"]])]) for row in rows]
+    base_want = sum(s == row["said"] for s, row in zip(base_said, rows, strict=True)) / len(rows)
+    assert base_want != want, "the adapter hardly changes the model's greedy answers"
+    got = {}
+    if engine == "hf":  # vLLM opened on full weights is opened again for adapters: nothing to show there
+        got["merged"] = jobs.evaluate(request(merged, [pictures], engine=engine, version=1)).by_source["pictures"]
+    got["adapter"] = jobs.evaluate(request(adapter, [pictures], engine=engine, version=2)).by_source["pictures"]
+    print(f"evaluator ({engine}) on the tiny VLM's LoRA version: {got} (by hand {want:.3f}, the base model's "
+          f"{base_want:.3f})")
+    for by_k in got.values():
+        assert by_k[1] == by_k[2] == pytest.approx(want)

@@ -18,8 +18,8 @@ from common.models import ModelError
 from engines.hf_engine import HFEngine
 from tests.harness.adapters import TARGETS, adapted
 from tests.harness.models import LOGPROB_TOL, tiny_vlm
-from tests.harness.needs import need_vllm
-from tests.harness.vlm import sampled_groups, shapes_task, worst_gap
+from tests.harness.needs import need, need_vllm
+from tests.harness.vlm import sampled_by_runs, sampled_groups, shapes_task, worst_gap
 from trainer.checkpoints import load_model, write_checkpoint
 from trainer.lora import apply_lora
 
@@ -103,6 +103,40 @@ def test_vllm_samples_a_vlm_lora_adapter_version(vlm, versions):
         assert tokens >= 3 * 4 * 4 and worst < LOGPROB_TOL and off > 100 * LOGPROB_TOL
     finally:
         del engine
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_a_generator_pool_samples_each_runs_pictures_with_its_own_adapter(engine, vlm, versions, tmp_path):
+    """Two runs' adapters on one engine over the tiny VLM, each run's requests through its RunEngine
+    (generators/pool.py, as `python -m generators --runs a.toml,b.toml` wires them): the prompts
+    with pictures of both runs, queued together, are each sampled with their own run's adapter and
+    pictures, their behaviour log-probs those of that run's trainer model within LOGPROB_TOL, far
+    from the other run's."""
+    from common.config import GeneratorConfig
+    from engines.choice import open_for_settings
+    from generators.pool import run_engines
+
+    need(engine)
+    models = {"a": versions[0], "b": adapted(vlm, seed=8)}
+    published = {"a": versions[2], "b": write_checkpoint(models["b"], checkpoint_dir=tmp_path, step=5, source_dir=vlm,
+                                                         adapter=True)[0]}
+    opened = HFEngine(vlm, seed=0, max_batch=4) if engine == "hf" else open_for_settings(
+        "vllm", vlm, settings=GeneratorConfig.model_validate({"threads": 1}), dtype="float32", seed=0, max_running=8,
+        lora_rank=4, adapters=2)
+    try:
+        runs = dict(zip(models, run_engines(opened, list(models)), strict=True))
+        for version, (run, path) in enumerate(published.items(), start=3):
+            runs[run].load_weights(path, version=version)
+        assert [runs[run].version for run in models] == [3, 4]
+        groups = sampled_by_runs(runs, [shapes_task(i) for i in range(3)], temperature=1.0)
+        for run, other in (("a", "b"), ("b", "a")):
+            worst, tokens = worst_gap(models[run], groups[run], temperature=1.0, share_prompts=True)
+            off = worst_gap(models[other], groups[run], temperature=1.0, share_prompts=True)[0]
+            print(f"{engine} pool on the tiny VLM, run {run}: behaviour vs its trainer's log-probs over {tokens} "
+                  f"tokens, max abs diff {worst:.2e} (run {other}'s {off:.2e})")
+            assert tokens >= 3 * 4 * 4 and worst < LOGPROB_TOL and off > 100 * LOGPROB_TOL
+    finally:
+        del opened
 
 
 @pytest.mark.slow

@@ -24,17 +24,29 @@ def shapes_task(index: int, *, n: int = 4) -> PromptTask:
 def sampled_groups(engine, tasks: list[PromptTask], *, temperature: float) -> list[SampleGroup]:
     """Each task's completions as the generator writes them, its images carried (rewards alternating,
     so that every completion trains)."""
-    ids = {t.id: engine.prompt_ids(t) for t in tasks}
-    for t in tasks:
-        engine.add(t.id, ids[t.id], SamplingSettings(n=t.n, max_new_tokens=12, temperature=temperature),
-                   images=t.images)
-    done = {}
-    while engine.has_unfinished():
-        done.update((f.request_id, f.samples) for f in engine.step())
-    return [SampleGroup(id=t.id, prompt_id=t.id, prompt_ids=ids[t.id], version=0, generator="test", engine="hf",
-                        completions=[Completion(ids=s.ids, logprobs=s.logprobs, reward=float(j % 2), rewards={},
-                                                finish=s.finish, text="") for j, s in enumerate(done[t.id])],
-                        images=t.images) for t in tasks]
+    return sampled_by_runs({"": engine}, tasks, temperature=temperature)[""]
+
+
+def sampled_by_runs(engines: dict, tasks: list[PromptTask], *, temperature: float) -> dict[str, list[SampleGroup]]:
+    """`sampled_groups` of each run's engine (a generator pool's RunEngines over one engine, by run):
+    every run's requests queued before any is stepped, then each run's engine stepped in turn."""
+    ids = {t.id: next(iter(engines.values())).prompt_ids(t) for t in tasks}
+    for engine in engines.values():
+        for t in tasks:
+            engine.add(t.id, ids[t.id], SamplingSettings(n=t.n, max_new_tokens=12, temperature=temperature),
+                       images=t.images)
+    done: dict[str, dict] = {run: {} for run in engines}
+    while any(engine.has_unfinished() for engine in engines.values()):
+        for run, engine in engines.items():
+            if engine.has_unfinished():
+                done[run].update((f.request_id, f.samples) for f in engine.step())
+    return {run: [SampleGroup(id=t.id, prompt_id=t.id, prompt_ids=ids[t.id], version=0, generator="test",
+                              engine="hf", completions=[Completion(ids=s.ids, logprobs=s.logprobs,
+                                                                   reward=float(j % 2), rewards={}, finish=s.finish,
+                                                                   text="")
+                                                        for j, s in enumerate(done[run][t.id])],
+                              images=t.images) for t in tasks]
+            for run in engines}
 
 
 def worst_gap(model, groups: list[SampleGroup], *, temperature: float, share_prompts: bool) -> tuple[float, int]:
