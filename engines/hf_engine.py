@@ -391,15 +391,16 @@ class HFEngine:
         """A checkpoint in the hub's layout that transformers converts as it loads (an MoE's experts:
         one tensor each in the files, fused in the model; the trainer writes that layout): if it fits
         the model's own tensors in that layout, load it whole (a second copy of the weights, for a
-        moment), copy it in and return True; False if the model converts nothing."""
-        from transformers import AutoModelForCausalLM
+        moment), copy it in and return True; False if the model converts nothing. A vision-language
+        model's is read by its own class (Qwen2-VL's files name `model.layers`, `visual`; its module
+        `model.language_model.layers`, `model.visual`)."""
         from transformers.modeling_utils import revert_weight_conversion
 
         hub = revert_weight_conversion(self.model, dict(own))
         if set(hub) == set(own):
             return False
         check_fits(path, {k: tuple(v.shape) for k, v in hub.items()}, tied=tied)  # CheckpointError if not
-        fresh = AutoModelForCausalLM.from_pretrained(path, dtype=self.model.dtype, use_safetensors=True).state_dict()
+        fresh = model_class(path).from_pretrained(path, dtype=self.model.dtype, use_safetensors=True).state_dict()
         if set(fresh) != set(own) or any(fresh[k].shape != v.shape for k, v in own.items()):
             raise CheckpointError(f"checkpoint {path}: converted as transformers loads it, it does not fit the model")
         for name, tensor in own.items():

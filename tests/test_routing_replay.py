@@ -377,19 +377,20 @@ def test_an_moe_run_replays_the_generators_routing_end_to_end(tmp_path, redis_ur
     tokens sampled by the weights the trainer holds differ from its replayed log-probs by no more
     than LOGPROB_TOL."""
     from tests.harness.configs import write_config
-    from tests.harness.pipeline import RUN, Pipeline, metrics
+    from tests.harness.pipeline import RUN, Pipeline, keep_groups, metrics
 
     steps = 2
     env = write_config(tmp_path / "run.toml", run=RUN, redis_url=redis_url, output_dir=tmp_path / "run", model=moe,
                        generator={"engine": "hf", "routing_replay": True},
                        trainer={"max_steps": steps, "state_every": 0})
     pipe = Pipeline(tmp_path, env)
+    keys = Keys(RUN)
+    keep_groups(r, keys)  # the trainer would trim what it trained
     for name in ("producer", "generator", "trainer"):
         pipe.start(name)
     pipe.finish()
     seen = metrics(tmp_path)
     assert [m["step"] for m in seen] == list(range(1, steps + 1))
-    keys = Keys(RUN)
     groups = [decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)]
     assert groups and all(g.routing == (2, 2, 4) and all(c.experts is not None for c in g.completions) for g in groups)
     assert r.xlen(keys.samples_dead) == 0

@@ -282,19 +282,25 @@ def test_the_viewer_shows_the_picture_beside_the_completions():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, vlm, engine):
+@pytest.mark.parametrize("engine", ["hf", "vllm", "hf-qwen2_vl"])
+def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, vlm, tiny_model, engine):
     """Producer, a generator (HF's engine, or vLLM's with the pictures as its multimodal inputs and
     each version reloaded in place) and the trainer as OS processes on the tiny VLM and the shapes task:
     each group carries its prompt's picture, every step trains, the tokens sampled by the weights
     the trainer holds differ from its own log-probs (computed with those pictures) by no more than
     LOGPROB_TOL (without them they differ by about 0.1), and each
-    checkpoint is an Idefics3 with its processor beside it, which the engine loads and samples from."""
+    checkpoint is an Idefics3 with its processor beside it, which the engine loads and samples from.
+    "hf-qwen2_vl": the same on the tiny Qwen2-VL (3-D positions; vLLM refuses it without torchvision)."""
     from tests.harness.configs import write_config
-    from tests.harness.pipeline import Pipeline, metrics
+    from tests.harness.models import tiny_qwen2_vl
+    from tests.harness.pipeline import Pipeline, keep_groups, metrics
 
     if engine == "vllm":
         need("vllm")
+    architecture = "Idefics3ForConditionalGeneration"
+    if engine == "hf-qwen2_vl":
+        engine, vlm, architecture = "hf", tiny_qwen2_vl(tiny_model, tmp_path / "qwen2_vl"), \
+            "Qwen2VLForConditionalGeneration"
     steps = 3
     env = write_config(tmp_path / "run.toml", run="vlm", redis_url=redis_url, output_dir=tmp_path / "run",
                        model=vlm, task={"name": "shapes"},
@@ -302,6 +308,7 @@ def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, v
                        trainer={"max_steps": steps, "lr": 1e-3, "micro_batch_size": 8, "threads": 1,
                                 "keep_checkpoints": 2})
     pipe = Pipeline(tmp_path, env)
+    keep_groups(r, Keys("vlm"))  # the trainer would trim what it trained
     for name in ("producer", "generator", "trainer"):
         pipe.start(name)
     pipe.finish(timeout=600)  # vLLM's start-up on a loaded machine included
@@ -313,7 +320,7 @@ def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, v
     print("mismatch of tokens sampled by the trainer's own weights:", [f"{x:.2e}" for x in fresh])
     assert fresh and max(fresh) < LOGPROB_TOL
     last = tmp_path / "run" / "checkpoints" / f"step_{steps}"
-    assert type(load_model(last)).__name__ == "Idefics3ForConditionalGeneration"
+    assert type(load_model(last)).__name__ == architecture
     assert (last / "processor_config.json").is_file()
     engine = HFEngine(last, seed=0)
     task = shapes_task(3, n=1)
@@ -326,18 +333,25 @@ def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, v
 
 
 @pytest.mark.slow
-def test_two_ranks_train_the_vlm_as_one(tmp_path, redis_url, r, vlm_engine, vlm):
+@pytest.mark.parametrize("kind", ["idefics3", "qwen2_vl"])
+def test_two_ranks_train_the_vlm_as_one(tmp_path, redis_url, r, vlm_engine, vlm, tiny_model, kind):
     """The trainer process under FSDP2 on gloo on groups with pictures: two ranks (each transformer
     block of the text model and of the vision tower sharded, each rank making the pixel values of
     its own micro-batches) give the losses, gradient norms and weights of one process, as on the
     dense model (tests/test_trainer_fsdp.py); the vision tower's weights moved, so its gradients
-    went through the sharded pass too."""
+    went through the sharded pass too. On the tiny Idefics3 and on the tiny Qwen2-VL (its tower
+    `model.visual`, its blocks `blocks`, its text positions 3-D)."""
     from safetensors.torch import load_file
 
     from tests.harness.metrics import assert_same_grad_norms, read_steps
+    from tests.harness.models import tiny_qwen2_vl
     from tests.harness.pipeline import run_ranks
 
-    groups = sampled_groups(vlm_engine, [shapes_task(i) for i in range(8)], temperature=1.0)
+    engine, tower = vlm_engine, "vision_model"
+    if kind == "qwen2_vl":
+        vlm = tiny_qwen2_vl(tiny_model, tmp_path / "qwen2_vl")
+        engine, tower = HFEngine(vlm, seed=0, max_batch=4), "visual"
+    groups = sampled_groups(engine, [shapes_task(i) for i in range(8)], temperature=1.0)
     for name in ("one", "two"):
         for g in groups:
             r.xadd(Keys(name).samples, {PAYLOAD: encode(g)})
@@ -352,7 +366,7 @@ def test_two_ranks_train_the_vlm_as_one(tmp_path, redis_url, r, vlm_engine, vlm)
     start = load_file(vlm / "model.safetensors")
     assert a.keys() == b.keys() == start.keys()  # the hub's layout, vision tower included
     same = max((a[k] - b[k]).abs().max().item() for k in a)
-    vision = max((a[k] - start[k]).abs().max().item() for k in a if "vision_model" in k)
+    vision = max((a[k] - start[k]).abs().max().item() for k in a if tower in k)
     print(f"largest parameter difference between world sizes 1 and 2: {same:.3g}; "
           f"the vision tower moved by up to {vision:.3g}")
     assert same < 1e-5 and vision > 1e-4

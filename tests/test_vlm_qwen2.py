@@ -5,12 +5,13 @@ trainer's packed pass gives each sequence the positions the model gives it alone
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from common.messages import PromptTask, SampleGroup
+from common.messages import Completion, PromptTask, SampleGroup
 from engines.hf_engine import HFEngine
 from tests.harness.models import LOGPROB_TOL, tiny_qwen2_vl
 from tests.harness.vlm import sampled_groups, shapes_task, worst_gap
@@ -131,3 +132,112 @@ def test_the_trainer_refuses_a_vlm_whose_image_features_it_does_not_place():
             showing(model, ids, (b"picture",), torch.ones_like(ids, dtype=torch.bool),
                     position_ids=torch.arange(7)[None], docs=torch.zeros_like(ids)):
         pass
+
+
+def test_a_sharded_qwen2_vl_shards_its_vision_blocks_and_saves_under_the_checkpoints_names(qwen_vl):
+    """FSDP2 shards each block of the vision tower (`model.visual.blocks`) as the text model's, and a
+    checkpoint written from the sharded model (each sharded module's class then `FSDP<Class>`, as
+    `fully_shard` makes it) holds the names the model was read from (`model.layers`, `visual`), not
+    the module's (`model.language_model.layers`, `model.visual`), as one process's does."""
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoConfig
+
+    from common.vision import model_class
+    from trainer.checkpoints import hf_tensors
+    from trainer.parallel import vision_blocks
+
+    # built from its config, as each rank builds it (trainer/loading.py `sharded_from_meta`)
+    model = model_class(qwen_vl).from_config(AutoConfig.from_pretrained(qwen_vl))
+    blocks = model.model.visual.blocks
+    assert len(blocks) > 0 and vision_blocks(model) == list(blocks)
+    hub = set(load_file(qwen_vl / "model.safetensors"))
+    assert set(hf_tensors(model, model.state_dict(), None)) == hub
+    state = model.state_dict()
+    for m in [*blocks, *model.model.language_model.layers, model]:
+        m.__class__ = type(f"FSDP{type(m).__name__}", (FSDPModule, type(m)), {})
+    assert set(hf_tensors(model, state, None)) == hub
+    assert type(model).__name__.startswith("FSDP")  # as sharded still, once saved
+
+
+def test_the_hf_engine_reloads_a_qwen2_vl_checkpoint_with_other_weights(qwen_engine, qwen_vl, tiny_model, tmp_path):
+    """A checkpoint in the hub's layout (`model.layers`, `visual`: what the trainer writes) loaded
+    into a running engine between steps: it samples with the new weights (the trainer's log-probs
+    over them agree within LOGPROB_TOL, the first weights' do not), and the first load back."""
+    kind = json.loads((qwen_vl / "config.json").read_text())["model_type"]
+    step = tiny_qwen2_vl(tiny_model, tmp_path / "step_1", seed=1, kind=kind)
+    tasks = [shapes_task(i, n=2) for i in range(2)]
+    first, new = load_model(qwen_vl).eval(), load_model(step).eval()
+    try:
+        qwen_engine.load_weights(step, version=1)
+        groups = sampled_groups(qwen_engine, tasks, temperature=1.0)
+        worst = worst_gap(new, groups, temperature=1.0, share_prompts=True)[0]
+        old = worst_gap(first, groups, temperature=1.0, share_prompts=True)[0]
+        assert worst < LOGPROB_TOL and old > 100 * LOGPROB_TOL
+    finally:
+        qwen_engine.load_weights(qwen_vl, version=0)
+    back = sampled_groups(qwen_engine, tasks, temperature=1.0)
+    assert worst_gap(first, back, temperature=1.0, share_prompts=True)[0] < LOGPROB_TOL
+
+
+def test_a_vlm_completion_continued_after_an_inflight_update_keeps_its_pictures(qwen_engine, qwen_vl, tiny_model,
+                                                                               tmp_path):
+    """generator.inflight_updates on the HF engine and a VLM: the engine yields mid-completion (each
+    completion holding SWITCH sampled tokens), loads another version, and continues each sequence
+    with its pictures' pixel values and 3-D positions kept: every token's behaviour log-prob is the
+    trainer's (with the pictures) under the version that sampled it, within LOGPROB_TOL, and
+    far from the other version's."""
+    from functools import partial
+
+    from engines.base import SamplingSettings
+    from generators.inflight import group_versions
+    from trainer.logprobs import sequence_logprobs
+    from trainer.step import log_probs
+
+    switch = 3
+    kind = json.loads((qwen_vl / "config.json").read_text())["model_type"]
+    step = tiny_qwen2_vl(tiny_model, tmp_path / "step_1", seed=1, kind=kind)
+    tasks = [shapes_task(i, n=2) for i in range(2)]
+    prompts = {t.id: qwen_engine.prompt_ids(t) for t in tasks}
+    sampling = SamplingSettings(n=2, max_new_tokens=10, temperature=1.0)
+    tokens = 0
+
+    def announced() -> bool:  # asked once per sampled token
+        nonlocal tokens
+        tokens += 1
+        return tokens >= switch
+
+    try:
+        for t in tasks:
+            qwen_engine.add(t.id, prompts[t.id], sampling, images=t.images)
+        finished = qwen_engine.step(yield_when=announced)
+        assert qwen_engine.has_unfinished()
+        qwen_engine.load_weights(step, version=1)
+        while qwen_engine.has_unfinished():
+            finished += qwen_engine.step(yield_when=lambda: False)
+    finally:
+        qwen_engine.load_weights(qwen_vl, version=0)
+    done = {f.request_id: f.samples for f in finished}
+    groups = []
+    for t in tasks:
+        version, spans = group_versions(done[t.id], added_at=0)
+        groups.append(SampleGroup(id=t.id, prompt_id=t.id, prompt_ids=prompts[t.id], version=version, generator="g",
+                                  engine="hf", images=t.images, completions=[
+                                      Completion(ids=s.ids, logprobs=s.logprobs, reward=float(j), rewards={},
+                                                 finish=s.finish, text="", versions=span)
+                                      for j, (s, span) in enumerate(zip(done[t.id], spans, strict=True))]))
+    (mb, *_), = [step_batches(groups, micro_batch_size=8, micro_batch_tokens=0, pack=True,
+                              share_prompts=True)[0].batches]
+    assert mb.packed is not None and mb.packed.images
+    trained = mb.mask > 0
+    per_version = {}
+    with torch.no_grad():
+        for version, path in ((0, qwen_vl), (1, step)):
+            logp, _ = log_probs(partial(sequence_logprobs, temperature=1.0), load_model(path).eval(), mb)
+            per_version[version] = (logp - mb.behaviour_logp).abs()
+    for version in (0, 1):
+        own, other = trained & (mb.versions == version), trained & (mb.versions == 1 - version)
+        assert int(own.sum()) >= 4, f"tokens sampled by version {version}"
+        assert per_version[version][own].max() < LOGPROB_TOL, f"version {version}'s tokens: its log-probs"
+        assert per_version[1 - version][own].max() > 100 * LOGPROB_TOL, "the other version's differ"
+        assert other.any()

@@ -15,6 +15,7 @@ weights.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -211,8 +212,28 @@ def hf_tensors(hf: torch.nn.Module, state_dict: dict[str, torch.Tensor],
     for key in getattr(hf, "_keys_to_ignore_on_save", None) or []:
         state.pop(key, None)
     state = remove_tied_weights_from_state_dict(state, hf)
-    state = revert_weight_conversion(hf, state)
+    with unsharded_class_names(hf):
+        state = revert_weight_conversion(hf, state)
     return in_dtype(state, dtype)
+
+
+@contextlib.contextmanager
+def unsharded_class_names(hf: torch.nn.Module):
+    """`hf`'s FSDP2-sharded submodels (`fully_shard` makes each an `FSDP<Class>`) under their own
+    classes while inside: transformers finds the names a model's checkpoint has (Qwen2-VL's
+    `model.layers`, `visual`, where the module has `model.language_model.layers`, `model.visual`)
+    by each submodel's class name, which a sharded one would not match, and would write the
+    module's names instead."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [(m, type(m)) for m in hf.modules() if isinstance(m, FSDPModule)]
+    try:
+        for m, cls in sharded:
+            m.__class__ = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+        yield
+    finally:
+        for m, cls in sharded:
+            m.__class__ = cls
 
 
 def remove_unfinished(checkpoint_dir: Path) -> None:

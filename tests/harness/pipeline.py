@@ -168,6 +168,13 @@ def trained_once(r, tmp_path: Path, steps: int) -> list[str]:
     return ids
 
 
+def keep_groups(r, keys: Keys, group: str = "watch") -> None:
+    """A consumer group of the test's own on the run's samples stream, from its start, made before
+    any process does: the trainer trims the stream of what every group has acknowledged, so every
+    group written stays in it for the test to read (with XRANGE, or read as `group`)."""
+    r.xgroup_create(keys.samples, group, id="0", mkstream=True)
+
+
 def run_watching_groups(tmp_path: Path, r, keys: Keys, env: dict[str, str]) -> tuple[list[dict], list]:
     """The Procfile's generators, trainer and producers under `env` until the trainer exits (its
     max_steps), each process asserted to exit 0: the run's step metrics, and every group it wrote,
@@ -177,7 +184,7 @@ def run_watching_groups(tmp_path: Path, r, keys: Keys, env: dict[str, str]) -> t
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    r.xgroup_create(keys.samples, "watch", id="0", mkstream=True)
+    keep_groups(r, keys)
     procs = {name: spawn(name, cwd=tmp_path, env=env, log=logs / f"{name}.log")
              for name in ("generators", "trainer", "producers")}
     seen = {}
