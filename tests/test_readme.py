@@ -620,6 +620,20 @@ def seen_groups(redis_url: str, run: str, count: int) -> list:
     return [decode_group(f[PAYLOAD]) for _, entries in read for _, f in entries]
 
 
+def two_steps_of(command: str, run: str, *, cwd: Path, env: dict[str, str], log: Path) -> tuple[Shell, list]:
+    """`command` (an ./ops/run of the run `run`) until the trainer's second step, then Ctrl-C; the
+    finished shell and the run's first groups (up to 4), watched from when Redis answers."""
+    shell = Shell(command, cwd=cwd, env=env, log=log)
+    try:
+        watch_groups(env["ROLLOUTS_REDIS_URL"], run, shell.proc)
+        shell.wait_for(r"trainer\.1\s+\| step\s+2 \|", timeout=600, what=f"the {run} run's second step")
+        groups = seen_groups(env["ROLLOUTS_REDIS_URL"], run, 4)
+        shell.ctrl_c()
+    finally:
+        shell.kill()
+    return shell, groups
+
+
 @pytest.mark.slow
 def test_an_moe_run_with_routing_replay_as_written(checkout, user_env, tmp_path, tiny_model):
     """docs/training.md "Mixture-of-experts models": `rollouts check` on moe.toml prints the mismatch
@@ -634,14 +648,7 @@ def test_an_moe_run_with_routing_replay_as_written(checkout, user_env, tmp_path,
     routing = re.search(r"^routing +mean \|log-ratio\| (\S+) with routing replay, (\S+) without .* "
                         r"2 MoE layers, top 2 of 4 experts; generator.routing_replay = on$", check.stdout, re.M)
     assert routing and float(routing[1]) < 1e-3, check.stdout
-    run = Shell(block(MOE_RUN).text, cwd=checkout, env=env, log=tmp_path / "run.log")
-    try:
-        watch_groups(env["ROLLOUTS_REDIS_URL"], "moe", run.proc)
-        run.wait_for(r"trainer\.1\s+\| step\s+2 \|", timeout=600, what="the MoE run's second step")
-        groups = seen_groups(env["ROLLOUTS_REDIS_URL"], "moe", 4)
-        run.ctrl_c()
-    finally:
-        run.kill()
+    run, groups = two_steps_of(block(MOE_RUN).text, "moe", cwd=checkout, env=env, log=tmp_path / "run.log")
     assert "trainer: run 'moe'" in run.text(), run.text()[-4000:]
     assert len(read_steps(checkout / "runs/moe/metrics.jsonl")) >= 2
     assert groups and all(g.routing == (2, 2, 4) for g in groups), [g.routing for g in groups]
@@ -657,14 +664,7 @@ def test_a_vision_language_run_on_shapes_as_written(checkout, user_env, tmp_path
 
     (checkout / "shapes.toml").write_text(config_block(SHAPES))
     env = {**user_env, "ROLLOUTS_MODEL__PATH": str(tiny_vlm(tiny_model, tmp_path / "vlm"))}
-    run = Shell(block(SHAPES_RUN).text, cwd=checkout, env=env, log=tmp_path / "run.log")
-    try:
-        watch_groups(env["ROLLOUTS_REDIS_URL"], "shapes", run.proc)
-        run.wait_for(r"trainer\.1\s+\| step\s+2 \|", timeout=600, what="the VLM run's second step")
-        groups = seen_groups(env["ROLLOUTS_REDIS_URL"], "shapes", 4)
-        run.ctrl_c()
-    finally:
-        run.kill()
+    run, groups = two_steps_of(block(SHAPES_RUN).text, "shapes", cwd=checkout, env=env, log=tmp_path / "run.log")
     assert "trainer: run 'shapes'" in run.text(), run.text()[-4000:]
     steps = read_steps(checkout / "runs/shapes/metrics.jsonl")
     fresh = [m["mismatch/by_staleness"]["0"] for m in steps if "0" in m["mismatch/by_staleness"]]

@@ -94,6 +94,20 @@ def gaps(model, groups: list[SampleGroup], **batching) -> tuple[float, float, in
     return worst, total / tokens, tokens
 
 
+def routed_positions(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
+    """(positions, MoE layers, k): the experts a plain forward of `model` over prompt + ids routes
+    each position to."""
+    seen: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _a, o: seen.append(o[2])) for m in routers(model)]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prompt + ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(seen, dim=1)
+
+
 def test_the_hf_engine_records_the_experts_that_chose_each_token(engine):
     """Each sampled token's experts, in every MoE layer, are those a plain forward over prompt +
     completion routes the position predicting it to (the prompt's last for the first token)."""
@@ -102,14 +116,7 @@ def test_the_hf_engine_records_the_experts_that_chose_each_token(engine):
     checked = 0
     for prompt, samples in zip(PROMPTS, out, strict=False):
         for s in samples:
-            seen: list[torch.Tensor] = []
-            hooks = [m.register_forward_hook(lambda _m, _a, o, seen=seen: seen.append(o[2]))
-                     for m in routers(engine.model)]
-            with torch.no_grad():
-                engine.model(input_ids=torch.tensor([prompt + s.ids]))
-            for h in hooks:
-                h.remove()
-            want = torch.stack(seen, dim=1)[len(prompt) - 1:len(prompt) - 1 + len(s.ids)]  # (tokens, layers, k)
+            want = routed_positions(engine.model, prompt, s.ids)[len(prompt) - 1:len(prompt) - 1 + len(s.ids)]
             assert s.experts is not None and s.experts.shape == (len(s.ids), 2, 2)
             assert np.array_equal(s.experts, want.numpy()), (s.experts.tolist(), want.tolist())
             checked += len(s.ids)
@@ -324,15 +331,8 @@ def test_vllms_routed_experts_become_each_sampled_tokens_experts(moe_with_a_dens
     checked = 0
     for prompt, samples in zip(PROMPTS, out, strict=False):
         for s in samples:
-            seen: list[torch.Tensor] = []
-            hooks = [m.register_forward_hook(lambda _m, _a, o, seen=seen: seen.append(o[2]))
-                     for m in routers(engine.model)]
-            with torch.no_grad():
-                engine.model(input_ids=torch.tensor([prompt + s.ids]))
-            for h in hooks:
-                h.remove()
             every = np.full((len(prompt) + len(s.ids), 3, 2), 99, dtype=np.uint8)  # (positions, all layers, k)
-            every[:, layers] = torch.stack(seen, dim=1).numpy()
+            every[:, layers] = routed_positions(engine.model, prompt, s.ids).numpy()
             for start in (len(prompt) - 1, 0):
                 routed = every[start:-1]  # vLLM: up to the last sampled token, which no pass took as input
                 got = sampled_experts(routed, tokens=len(s.ids), layers=layers, routing=routing, what="r")
@@ -488,13 +488,7 @@ def test_vllm_on_cuda_returns_the_experts_that_sampled_each_token(moe_with_a_den
     for prompt, samples in zip(PROMPTS, out, strict=True):
         for s in samples:
             assert s.experts is not None and s.experts.shape == (len(s.ids), 2, 2), s
-            seen: list[torch.Tensor] = []
-            hooks = [m.register_forward_hook(lambda _m, _a, o, seen=seen: seen.append(o[2])) for m in routers(model)]
-            with torch.no_grad():
-                model(input_ids=torch.tensor([prompt + s.ids]))
-            for h in hooks:
-                h.remove()
-            own = torch.stack(seen, dim=1)[len(prompt) - 1:len(prompt) - 1 + len(s.ids)].numpy()
+            own = routed_positions(model, prompt, s.ids)[len(prompt) - 1:len(prompt) - 1 + len(s.ids)].numpy()
             agree += int((np.sort(s.experts, -1) == np.sort(own, -1)).all(-1).sum())
             pairs += len(s.ids) * 2
     print(f"\nvLLM's recorded experts agree with the trainer's own routing at {agree} of {pairs} (position, layer)")
