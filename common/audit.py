@@ -15,7 +15,7 @@ from common.heartbeats import read_counters
 from common.keys import GENERATORS_GROUP, PAYLOAD, TRAINER_GROUP, Keys
 from common.messages import peek_id
 from common.progress import count_outstanding, read_dropped, read_producer, read_trainer
-from common.streams import group_backlog
+from common.streams import entry_key, group_backlog
 
 
 def _added(r: redis.Redis, stream: str) -> int:
@@ -37,10 +37,10 @@ def _unread_copies(r: redis.Redis, keys: Keys) -> int:
         if info["pending"]:
             unacked = {p["message_id"] for p in r.xpending_range(
                 keys.samples, TRAINER_GROUP, min="-", max="+", count=info["pending"])}
-    start, copies, unread = (min(unacked, key=_entry_key) if unacked else b"(" + delivered), 0, set()
+    start, copies, unread = (min(unacked, key=entry_key) if unacked else b"(" + delivered), 0, set()
     while entries := r.xrange(keys.samples, min=start, count=1000):
         for entry_id, fields in entries:
-            if _entry_key(entry_id) <= _entry_key(delivered) and entry_id not in unacked:
+            if entry_key(entry_id) <= entry_key(delivered) and entry_id not in unacked:
                 continue  # acknowledged
             gid = peek_id(fields.get(PAYLOAD, b""))
             if gid is not None:
@@ -48,11 +48,6 @@ def _unread_copies(r: redis.Redis, keys: Keys) -> int:
                 unread.add(gid)
         start = b"(" + entries[-1][0]
     return copies
-
-
-def _entry_key(entry_id: bytes) -> tuple[int, int]:
-    ms, seq = entry_id.split(b"-")
-    return int(ms), int(seq)
 
 
 def accounting(r: redis.Redis, keys: Keys) -> dict[str, int]:

@@ -27,7 +27,7 @@ import msgpack
 import redis
 
 from common.keys import PAYLOAD, Keys
-from common.streams import ensure_group
+from common.streams import ensure_group, entry_key
 
 FORMAT = "rollouts-recording"
 VERSION = 1
@@ -144,7 +144,7 @@ def record(r: redis.Redis, keys: Keys, *, streams: list[str], out: Path, model: 
         while not stop():
             reply = r.xreadgroup(group, consumer, {k: cursor for k in names}, count=256,
                                  block=None if cursor == "0" else BLOCK_MS)
-            got = sorted(((_id_key(eid), names[_str(key)], eid, fields)
+            got = sorted(((entry_key(eid), names[_str(key)], eid, fields)
                           for key, entries in reply or [] for eid, fields in entries if fields is not None),
                          key=lambda e: e[0])
             if cursor == "0" and not got:
@@ -174,11 +174,6 @@ def _str(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
 
-def _id_key(eid: bytes | str) -> tuple[int, int]:
-    ms, _, seq = _str(eid).partition("-")
-    return int(ms), int(seq or 0)
-
-
 # --------------------------------------------------------------------------- replay
 
 
@@ -202,7 +197,7 @@ def replay(r: redis.Redis, keys: Keys, path: str | Path, *, pace: str = "full", 
                                  "replay into a fresh run (another run name)")
     previous_ms = None
     for entry in entries:
-        ms = _id_key(entry.id)[0]
+        ms = entry_key(entry.id)[0]
         if pace == "recorded" and previous_ms is not None and ms > previous_ms:
             sleep((ms - previous_ms) / 1000)
         previous_ms = ms

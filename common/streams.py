@@ -99,6 +99,12 @@ def group_backlog(r: redis.Redis, stream: str, group: str) -> tuple[int, int]:
     return info["pending"], waiting
 
 
+def entry_key(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id as (milliseconds, sequence), for ordering ids as Redis does."""
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
 def _as_bytes(entry_id: bytes | str) -> bytes:
     return entry_id if isinstance(entry_id, bytes) else entry_id.encode()
 
