@@ -11,6 +11,8 @@ at 3-D positions, trainer/vision.py `mrope_positions`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from stat import S_ISREG
@@ -141,3 +143,57 @@ def pixel_inputs(processor: Any, images: list[tuple[bytes, ...]], *, device: Any
     the image processor makes them, on `device`, pixel values in `dtype` (None: as made)."""
     out = processor.image_processor(images=[[open_image(img) for img in row] for row in images], return_tensors="pt")
     return {k: v.to(device=device, dtype=dtype if k == "pixel_values" else None) for k, v in out.items()}
+
+
+# Where a vision-language model puts its image features: Idefics3 / SmolVLM in `inputs_merger`,
+# Qwen2(.5)-VL in `get_placeholder_mask`; each fills every image token of its input_ids.
+FEATURE_PLACERS = ("get_placeholder_mask", "inputs_merger")
+
+
+def feature_placers(model: Any) -> list[tuple[Any, str]]:
+    """(module, method name) of each of `model`'s modules whose class places image features."""
+    return [(m, name) for m in model.modules() for name in FEATURE_PLACERS if hasattr(type(m), name)]
+
+
+@contextmanager
+def features_at(model: Any, slots: Any, *, error: type[Exception] = ValueError) -> Iterator[None]:
+    """Within it, a pass of the vision-language `model` that is given pixel values puts the image
+    features into the positions `slots` (bool like its input_ids) alone, in order, and embeds any
+    other image token as text (one a completion sampled, fed again): each feature placer
+    (`feature_placers`) taken over on its instance for the pass. `error` where the features are not
+    as many as the slots, or the pass is not over the slots' positions. The trainer's packed passes
+    (trainer/vision.py `showing`) and the HF engine's prefill (engines/hf_engine.py) both place
+    them so, which is why their log-probs agree on a completion that sampled an image token."""
+    import torch
+
+    def at(inputs_embeds: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        if tuple(slots.shape) != tuple(inputs_embeds.shape[:2]):
+            raise error(f"image features placed in a pass over {tuple(inputs_embeds.shape[:2])} positions, but "
+                        f"the prompts' image tokens were found in {tuple(slots.shape)}")
+        if features is not None:
+            made = features.reshape(-1, inputs_embeds.shape[-1]).shape[0]
+            if made != int(slots.sum()):
+                raise error(f"the images make {made} image features, but the prompts hold {int(slots.sum())} "
+                            "image tokens")
+        return slots.unsqueeze(-1).to(inputs_embeds.device)  # (B, L, 1)
+
+    def placeholders(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor,
+                     image_features: torch.Tensor | None = None,
+                     video_features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = at(inputs_embeds, image_features)
+        return mask, torch.zeros_like(mask)  # no video
+
+    def merge(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor,
+              image_hidden_states: torch.Tensor) -> torch.Tensor:
+        features = image_hidden_states.reshape(-1, inputs_embeds.shape[-1])
+        return inputs_embeds.masked_scatter(at(inputs_embeds, features), features.to(inputs_embeds.dtype))
+
+    hooks = {"get_placeholder_mask": placeholders, "inputs_merger": merge}
+    owners = feature_placers(model)
+    for owner, name in owners:
+        setattr(owner, name, hooks[name])  # the instance's, over its class's, for this pass
+    try:
+        yield
+    finally:
+        for owner, name in owners:
+            delattr(owner, name)

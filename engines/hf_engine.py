@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,7 +196,8 @@ class HFEngine:
         cut = self._generate([q.prompt_ids + row.ids for q, row in rows],
                              budgets=[q.sampling.max_new_tokens - len(row.ids) for q, row in rows],
                              sampling=head.sampling, yield_when=yield_when,
-                             images=[q.images for q, _ in rows] if head.images else None, adapter=head.adapter)
+                             images=[q.images for q, _ in rows] if head.images else None, adapter=head.adapter,
+                             prompt_lengths=[len(q.prompt_ids) for q, _ in rows])
         version = self.adapter_version(head.adapter)
         for (_, row), (ids, logprobs, finish, experts) in zip(rows, cut, strict=True):
             row.extend(ids, logprobs, version=version, finish=finish, experts=experts)
@@ -223,20 +224,19 @@ class HFEngine:
     @torch.no_grad()
     def _generate(self, prefixes: list[list[int]], *, budgets: list[int], sampling: SamplingSettings,
                   yield_when: Callable[[], bool] | None = None, images: list[tuple[bytes, ...]] | None = None,
-                  adapter: str | None = None) -> list[tuple[list[int], list[float], str | None, np.ndarray | None]]:
+                  adapter: str | None = None, prompt_lengths: list[int] | None = None,
+                  ) -> list[tuple[list[int], list[float], str | None, np.ndarray | None]]:
         """One completion of each prefix, at most its budget of new tokens, in one `generate` call
-        with the LoRA adapter `adapter` (`_using`):
+        with the LoRA adapter `adapter` (`_using`), each prefix's `images` shown in its prompt (its
+        first `prompt_lengths` ids; None: all of them), the rest (a continued completion's) text:
         per row the new ids, their behaviour log-probs, "stop" (an eos ended it), "length" (its
         budget did) or None (a yield cut it short: to be continued), and with routing replay the
         experts that chose each new id ((ids, layers, top_k) uint16; else None)."""
         input_ids, attention_mask = self._left_pad(prefixes)
         width = input_ids.shape[1]
         stop = Budget(torch.tensor(budgets, device=input_ids.device) + width, yield_when)
-        pixels = None if images is None else vision.pixel_inputs(self.processor, images, device=input_ids.device,
-                                                                  dtype=self.model.dtype)
-        if pixels is not None and "image_grid_thw" in pixels:  # Qwen2-VL: its 3-D positions start at the image tokens
-            pixels["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).int()
-        with self._using(adapter), self._recording() as record:
+        pixels, slots = self._pixels(input_ids, prefixes, images, prompt_lengths)
+        with self._using(adapter), self._recording() as record, self._shown_at(slots):
             out = self._sample(input_ids, attention_mask, sampling, budgets, stop, pixels=pixels)
         new = out.sequences[:, width:]  # (B, T)
         experts = self._experts(record, rows=len(prefixes), tokens=new.shape[1])  # (B, T, layers, k) or None
@@ -323,6 +323,30 @@ class HFEngine:
         stacked = torch.stack(last).reshape(tokens, layers, rows, top_k).permute(2, 0, 1, 3)
         return stacked.to(torch.int32).cpu().numpy().astype(np.uint16)
 
+    def _shown_at(self, slots: torch.Tensor | None) -> AbstractContextManager:
+        """A prefill that puts its image features into `slots` alone (common/vision.py
+        `features_at`); None (no images): the model as it is."""
+        return nullcontext() if slots is None else vision.features_at(self.model, slots)
+
+    def _pixels(self, input_ids: torch.Tensor, prefixes: list[list[int]], images: list[tuple[bytes, ...]] | None,
+                prompt_lengths: list[int] | None = None) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
+        """The pixel inputs of each left-padded prefix's `images` (None: none), and where their
+        features go (bool like `input_ids`): the image tokens of each prefix's prompt, its first
+        `prompt_lengths` ids (None: all of it). An image token a completion sampled, fed again with
+        its prompt to continue it, stays text, as decoding embedded it and as the trainer embeds it
+        (trainer/vision.py): Qwen2-VL's 3-D positions (`mm_token_type_ids`) count the prompt's alone."""
+        if images is None:
+            return None, None
+        pixels = vision.pixel_inputs(self.processor, images, device=input_ids.device, dtype=self.model.dtype)
+        width = input_ids.shape[1]
+        prompt = torch.zeros_like(input_ids, dtype=torch.bool)
+        for row, (prefix, length) in enumerate(zip(prefixes, prompt_lengths or map(len, prefixes), strict=True)):
+            prompt[row, width - len(prefix):width - len(prefix) + length] = True
+        slots = (input_ids == self.model.config.image_token_id) & prompt
+        if "image_grid_thw" in pixels:  # Qwen2-VL: its 3-D positions start at the image tokens
+            pixels["mm_token_type_ids"] = slots.int()
+        return pixels, slots
+
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
         device = self.model.device
@@ -338,14 +362,11 @@ class HFEngine:
         assert prompts and all(prompts), "greedy() needs non-empty prompts"
         assert images is None or self.processor is not None, "greedy() with images, but a text model"
         input_ids, attention_mask = self._left_pad(prompts)
-        pixels = {} if images is None else vision.pixel_inputs(self.processor, [tuple(i) for i in images],
-                                                               device=input_ids.device, dtype=self.model.dtype)
-        if "image_grid_thw" in pixels:  # Qwen2-VL: its 3-D positions start at the image tokens (as `_generate`)
-            pixels["mm_token_type_ids"] = (input_ids == self.model.config.image_token_id).int()
-        with self._using(None):
+        pixels, slots = self._pixels(input_ids, prompts, None if images is None else [tuple(i) for i in images])
+        with self._using(None), self._shown_at(slots):
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                                       top_k=None, top_p=None, temperature=None, max_new_tokens=max_new_tokens,
-                                      pad_token_id=self.pad_id, eos_token_id=self.eos_ids, **pixels)
+                                      pad_token_id=self.pad_id, eos_token_id=self.eos_ids, **(pixels or {}))
         completions = []
         for row in out[:, input_ids.shape[1]:].tolist():
             stop = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
@@ -486,9 +507,62 @@ class HFEngine:
         CheckpointError, model unchanged, when they do not fit it."""
         own = self.model.state_dict()
         tied = {"lm_head.weight"} if self.model.config.get_text_config().tie_word_embeddings else set()
-        shapes_fit({k: tuple(t.shape) for k, t in tensors.items()}, {k: tuple(v.shape) for k, v in own.items()},
-                   tied=tied, what="the weights received")
+        shapes = {k: tuple(v.shape) for k, v in own.items()}
+        try:
+            shapes_fit({k: tuple(t.shape) for k, t in tensors.items()}, shapes, tied=tied, what="the weights received")
+        except CheckpointError:  # the checkpoint's layout (an MoE's experts one by one, a VLM's names)?
+            converted = in_model_layout(self.model, tensors)
+            if converted is None:
+                raise
+            shapes_fit({k: tuple(t.shape) for k, t in converted.items()}, shapes, tied=tied,
+                       what="the weights received, converted as transformers loads them")
+            tensors = converted
         with torch.no_grad():
             for name, t in tensors.items():
                 own[name].copy_(t)
         self.version = version
+
+
+def in_model_layout(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """`tensors` under a checkpoint's names and layout (what the trainer writes and broadcasts: an
+    MoE's experts one tensor each, a VLM's `model.layers`) converted as transformers' from_pretrained
+    converts them into `model`'s own (fused experts, `model.language_model.layers`): the inverse of
+    the trainer's `revert_weight_conversion`. None where the model converts nothing, or the tensors
+    do not convert (what is missing is then named by the fit check on the names as received)."""
+    from copy import deepcopy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        PrefixChange,
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:  # built without from_pretrained: transformers' mapping for its class
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+    if not conversions:
+        return None
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    pending: dict[str, WeightRenaming | WeightConverter] = {}
+    try:
+        for name, tensor in sorted(tensors.items(), key=lambda kv: dot_natural_key(kv[0])):
+            renamed, pattern = rename_source_key(name, renamings, converters)
+            if pattern is None:
+                transform = pending.setdefault(renamed, WeightRenaming(name, renamed))
+                pattern = name
+            else:  # each target its own converter, gathering its sources (every expert's tensor)
+                transform = pending.setdefault(renamed, deepcopy(by_pattern[pattern]))
+            transform.add_tensor(renamed, name, pattern, tensor)
+        out = {}
+        for first, transform in pending.items():
+            for target, value in transform.convert(first, model=model, config=model.config).items():
+                out[target] = value[0] if isinstance(value, list) else value
+    except Exception:  # noqa: BLE001 - a layout transformers cannot convert: refused by the caller's fit check
+        return None
+    return None if set(out) == set(tensors) else out

@@ -47,7 +47,7 @@ from common.messages import PromptTask
 from common.models import experts_of
 from common.routing import RoutingError, moe_layers, sampled_experts
 from engines.base import Finished, Row, Sampled, SamplingSettings, chat_prompt_ids, load_tokenizer, stop_ids
-from engines.vllm_worker import keep_model_path, refresh_tied_lm_head
+from engines.vllm_worker import forget_moe_kernels, keep_model_path, refresh_tied_lm_head
 
 if TYPE_CHECKING:
     import torch
@@ -128,8 +128,7 @@ class VLLMEngine:
         self.context_length = int(self.llm.llm_engine.model_config.max_model_len)
         text = self.llm.llm_engine.model_config.hf_text_config
         self._tied = {"lm_head.weight"} if text.tie_word_embeddings else set()
-        # vLLM on a CPU repacks an MoE's experts once, after the first load, and reloads them in place
-        # wrongly (tests/test_moe.py): such an engine refuses every reload (generators refuse it first).
+        # vLLM on a CPU repacks an MoE's experts once, after the first load: each reload resets them first
         self._moe_on_cpu = not cuda and experts_of(text) > 0
         self._rows: dict[str, list[Row]] = {}  # requests in flight: their n completions so far
         self._adapter_of: dict[str, str | None] = {}  # requests in flight: the adapter each samples with
@@ -302,8 +301,8 @@ class VLLMEngine:
         if self._lora:
             raise CheckpointError(f"checkpoint {path}: full weights, but this engine samples with LoRA adapters "
                                   "(trainer.lora.publish = \"adapter\"): restart it to load them")
-        self._can_reload(str(path))
         check_fits(path, self._shapes, tied=self._tied)
+        self._before_reload(str(path))
         # Layers with no tensor of their own in a checkpoint keep what they had, and vLLM warns
         # "Failed to load weights" for each on every reload: the rotary cache, and a tied lm_head
         # (repacked just below). Only those warnings are silenced.
@@ -357,9 +356,9 @@ class VLLMEngine:
         """load_weights from tensors in memory under the checkpoint's names (trainer.weight_transfer),
         through vLLM's in-place reload from an iterator; CheckpointError, weights unchanged, when
         they do not fit the model."""
-        self._can_reload("the weights received")
         shapes_fit({k: tuple(t.shape) for k, t in tensors.items()}, self._shapes, tied=self._tied,
                    what="the weights received")
+        self._before_reload("the weights received")
         expected = {"RotaryEmbedding"} | ({"ParallelLMHead"} if self._tied else set())
         with _without_reload_warnings(expected):
             try:
@@ -370,12 +369,16 @@ class VLLMEngine:
                                    "the engine's weights are no longer whole, so the generator stops") from err
         self._reloaded(version)
 
-    def _can_reload(self, what: str) -> None:
-        """CheckpointError, the weights unchanged, where this engine cannot reload in place."""
-        if self._moe_on_cpu:
-            raise CheckpointError(f"{what}: vLLM on a CPU reloads a mixture of experts in place wrongly (its "
-                                  "experts are repacked once, after the first load); open a new engine on it, or "
-                                  "use the hf engine")
+    def _before_reload(self, what: str) -> None:
+        """Make ready for an in-place reload. vLLM on a CPU prepacks an MoE's experts once, after the
+        first load, and its reload would copy new experts in raw: each MoE layer's kernel is dropped
+        first, so that the reload pads and prepacks them as a first load does
+        (engines/vllm_worker.py `forget_moe_kernels`). CheckpointError, the weights unchanged, where
+        an MoE layer's kernel is not one that can be dropped (a quantized MoE)."""
+        if self._moe_on_cpu and not sum(self.llm.collective_rpc(forget_moe_kernels)):
+            raise CheckpointError(f"{what}: vLLM on a CPU reloads this model's experts in place wrongly (they are "
+                                  "repacked once, after the first load, and its MoE layers are not the unquantized "
+                                  "ones this engine can reset); open a new engine on it, or use the hf engine")
 
     def _reloaded(self, version: int) -> None:
         if self._tied:

