@@ -282,7 +282,7 @@ def test_the_viewer_shows_the_picture_beside_the_completions():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hf", "vllm", "hf-qwen2_vl"])
+@pytest.mark.parametrize("engine", ["hf", "vllm", "hf-qwen2_vl", "hf-qwen2_5_vl"])
 def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, vlm, tiny_model, engine):
     """Producer, a generator (HF's engine, or vLLM's with the pictures as its multimodal inputs and
     each version reloaded in place) and the trainer as OS processes on the tiny VLM and the shapes task:
@@ -290,7 +290,8 @@ def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, v
     the trainer holds differ from its own log-probs (computed with those pictures) by no more than
     LOGPROB_TOL (without them they differ by about 0.1), and each
     checkpoint is an Idefics3 with its processor beside it, which the engine loads and samples from.
-    "hf-qwen2_vl": the same on the tiny Qwen2-VL (3-D positions; vLLM refuses it without torchvision)."""
+    "hf-qwen2_vl", "hf-qwen2_5_vl": the same on the tiny Qwen2-VL and Qwen2.5-VL (3-D positions; vLLM
+    refuses them without torchvision)."""
     from tests.harness.configs import write_config
     from tests.harness.models import tiny_qwen2_vl
     from tests.harness.pipeline import Pipeline, keep_groups, metrics
@@ -298,9 +299,11 @@ def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, v
     if engine == "vllm":
         need("vllm")
     architecture = "Idefics3ForConditionalGeneration"
-    if engine == "hf-qwen2_vl":
-        engine, vlm, architecture = "hf", tiny_qwen2_vl(tiny_model, tmp_path / "qwen2_vl"), \
-            "Qwen2VLForConditionalGeneration"
+    if engine in ("hf-qwen2_vl", "hf-qwen2_5_vl"):
+        kind = engine.removeprefix("hf-")
+        engine, vlm = "hf", tiny_qwen2_vl(tiny_model, tmp_path / kind, kind=kind)
+        architecture = {"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[kind]
     steps = 3
     env = write_config(tmp_path / "run.toml", run="vlm", redis_url=redis_url, output_dir=tmp_path / "run",
                        model=vlm, task={"name": "shapes"},
@@ -333,14 +336,14 @@ def test_the_vlm_trains_on_shapes_through_the_pipeline(tmp_path, redis_url, r, v
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["idefics3", "qwen2_vl"])
+@pytest.mark.parametrize("kind", ["idefics3", "qwen2_vl", "qwen2_5_vl"])
 def test_two_ranks_train_the_vlm_as_one(tmp_path, redis_url, r, vlm_engine, vlm, tiny_model, kind):
     """The trainer process under FSDP2 on gloo on groups with pictures: two ranks (each transformer
     block of the text model and of the vision tower sharded, each rank making the pixel values of
     its own micro-batches) give the losses, gradient norms and weights of one process, as on the
     dense model (tests/test_trainer_fsdp.py); the vision tower's weights moved, so its gradients
-    went through the sharded pass too. On the tiny Idefics3 and on the tiny Qwen2-VL (its tower
-    `model.visual`, its blocks `blocks`, its text positions 3-D)."""
+    went through the sharded pass too. On the tiny Idefics3 and on the tiny Qwen2-VL and Qwen2.5-VL
+    (its tower `model.visual`, its blocks `blocks`, its text positions 3-D)."""
     from safetensors.torch import load_file
 
     from tests.harness.metrics import assert_same_grad_norms, read_steps
@@ -348,8 +351,8 @@ def test_two_ranks_train_the_vlm_as_one(tmp_path, redis_url, r, vlm_engine, vlm,
     from tests.harness.pipeline import run_ranks
 
     engine, tower = vlm_engine, "vision_model"
-    if kind == "qwen2_vl":
-        vlm = tiny_qwen2_vl(tiny_model, tmp_path / "qwen2_vl")
+    if kind != "idefics3":
+        vlm = tiny_qwen2_vl(tiny_model, tmp_path / kind, kind=kind)
         engine, tower = HFEngine(vlm, seed=0, max_batch=4), "visual"
     groups = sampled_groups(engine, [shapes_task(i) for i in range(8)], temperature=1.0)
     for name in ("one", "two"):

@@ -45,14 +45,17 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: floa
     except ValueError as err:  # e.g. no module matches target_modules
         from common.models import ModelError
 
+        unmatched = "not found in the base model" in str(err) or "No modules were targeted" in str(err)
         why = (f" (a vision-language model's adapters go on its text model only, not on {', '.join(left_out)}: "
-               "name modules of its text model)") if left_out else ""
+               "name modules of its text model)") if left_out and unmatched else ""
         raise ModelError(f"trainer.lora.target_modules: {err}{why}") from None
 
 
 def towers(model: torch.nn.Module) -> list[str]:
     """The names of a vision-language model's parts beside its text model (Idefics3 / SmolVLM:
-    `model.vision_model`, the vision tower, and `model.connector`), which LoRA leaves unadapted:
+    `model.vision_model`, the vision tower, and `model.connector`; Qwen2-VL and Qwen2.5-VL:
+    `model.visual`, whose blocks have their own `qkv`, `proj`, `fc1`, `fc2` or `gate_proj`,
+    `up_proj`, `down_proj`), which LoRA leaves unadapted:
     vLLM adapts a VLM's text model only (its tower and connector adapters are an experimental
     option, off by default), so an adapter on them would be sampled without them; and the text
     model is what learns to answer. [] for a text model."""
