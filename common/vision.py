@@ -145,6 +145,37 @@ def pixel_inputs(processor: Any, images: list[tuple[bytes, ...]], *, device: Any
     return {k: v.to(device=device, dtype=dtype if k == "pixel_values" else None) for k, v in out.items()}
 
 
+class Unexpanded:
+    """What vLLM takes for the prompts an engine laid out (the `keep` latest): their ids with one
+    image token an image (`placeholder_ids`), which vLLM expands itself from its multimodal inputs
+    (and would expand again if given `prompt_ids`' expanded ones), by the laid-out ids the trainer
+    reads. Both vLLM engines (in process, and a `vllm serve`) keep one."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self.keep = keep
+        self._ids: dict[tuple[int, ...], list[int]] = {}  # laid-out prompt ids -> vLLM's input ids
+
+    def prompt_ids(self, processor: Any, task: Any, *, tools: list[dict] | None = None) -> list[int]:
+        """`prompt_ids` of the task, its unexpanded ids remembered."""
+        ids = prompt_ids(processor, task, tools=tools)
+        if len(self._ids) >= self.keep:  # prompts of so many texts: forget the oldest
+            del self._ids[next(iter(self._ids))]
+        self._ids[tuple(ids)] = placeholder_ids(processor, task, tools=tools)
+        return ids
+
+    def of(self, laid_out: list[int]) -> list[int] | None:
+        """vLLM's input ids for laid-out ids: those of the prompt they are, or begin with, then what
+        follows it as it is (an episode's turns so far); None: no prompt remembered."""
+        ids = tuple(laid_out)
+        if ids in self._ids:
+            return self._ids[ids]
+        for n in sorted({len(k) for k in self._ids if len(k) < len(ids)}, reverse=True):
+            head = self._ids.get(ids[:n])
+            if head is not None:
+                return head + list(ids[n:])
+        return None
+
+
 # Where a vision-language model puts its image features: Idefics3 / SmolVLM in `inputs_merger`,
 # Qwen2(.5)-VL in `get_placeholder_mask`; each fills every image token of its input_ids.
 FEATURE_PLACERS = ("get_placeholder_mask", "inputs_merger")

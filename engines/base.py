@@ -157,12 +157,13 @@ def load_tokenizer(path: str | Path):
 
 def chat_prompt_ids(tokenizer, task) -> list[int]:
     """The prompt's token ids: chat template with the generation prompt, or the plain text.
-    MessageError for a prompt with images: only the HF engine samples those (common/vision.py)."""
+    MessageError for a prompt with images: the engines that sample those lay them out with their
+    processor (common/vision.py); the SGLang engine does not."""
     if getattr(task, "images", ()):
         from common.messages import MessageError
 
         raise MessageError(f"prompt {task.id}: {len(task.images)} images, but this engine samples text only "
-                           "(generator.engine = \"hf\" samples vision-language prompts)")
+                           "(generator.engine = \"hf\", \"vllm\" or \"openai\" samples vision-language prompts)")
     if task.messages is not None:
         text = tokenizer.apply_chat_template(task.messages, tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)

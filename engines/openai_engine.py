@@ -23,10 +23,22 @@ a CPU vLLM's in-place reload leaves the tied lm_head's packed weight from the ol
 after each reload POST /collective_rpc {"method": "refresh_tied_lm_head"} repacks it (see
 engines/vllm_worker.py). The engine calls it once at start-up too, so a server started without
 the extension is refused there, with the flag named, and not at the first reload.
+
+A vision-language model (common/vision.py): a prompt with images is laid out as the in-process
+engines lay it (`prompt_ids`: each image's tokens expanded by the processor, the ids the trainer
+reads) and sent to vLLM's token-in/token-out endpoint POST /inference/v1/generate (the server
+started with `--enable-scale-out`; checked at start-up) with one image token standing for each
+image (`vision.placeholder_ids`: the server expands it itself, and would expand an expanded one
+again) and the images as data URLs in `content_parts`; completions come back as token ids, each
+with its log-prob. Text prompts keep /v1/completions. After a reload the engine also resets the
+server's encoder cache (/reset_encoder_cache: vLLM's reload empties the worker's and not the
+scheduler's, and the next request with an image seen before would stop the server on an "Encoder
+cache miss") and its multimodal cache (/reset_mm_cache).
 """
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import http.client
 import json
@@ -36,6 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common import vision
 from common.checkpoints import check_fits, tensor_shapes
 from common.config import GeneratorConfig
 from common.messages import PromptTask
@@ -71,6 +84,9 @@ class OpenAIEngine:
         config = json.loads((self.path / "config.json").read_text())
         # an lm_head that shares the embedding: save_pretrained leaves it out of a checkpoint
         self._tied = {"lm_head.weight"} if config.get("tie_word_embeddings", False) else set()
+        # a vision-language model's processor (its images' token layout, as the other engines'); None: a text model
+        self._processor = vision.load_processor(self.path) if vision.is_vision_config(config) else None
+        self._placeholders = vision.Unexpanded()  # laid-out prompt ids -> what the server takes for them
         self.model, self.context_length = self._connect(config)
         self.max_running = max_running
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_running, thread_name_prefix="request")
@@ -89,17 +105,47 @@ class OpenAIEngine:
                 raise ServerError(f"{self.url} cannot refresh the tied lm_head of {self.path} after a reload: start "
                                   f"it with --worker-extension-cls {EXTENSION} (this checkout on its PYTHONPATH) "
                                   f"and VLLM_SERVER_DEV_MODE=1 ({err})") from None
+        if self._processor is not None:  # images go through the token-in/token-out endpoint: is it on?
+            try:
+                self._post("/inference/v1/generate", {})  # refused as incomplete where it is on
+            except ServerError as err:
+                if "HTTP 403" in str(err) or "HTTP 404" in str(err):
+                    raise ServerError(f"{self.url} cannot sample prompts with images of the vision-language model "
+                                      f"{self.path}: start it with --enable-scale-out (POST /inference/v1/generate; "
+                                      f"{err})") from None
         return models[0]["id"], int(models[0].get("max_model_len") or config["max_position_embeddings"])
 
     # ------------------------------------------------------------------ the Engine interface
 
-    def prompt_ids(self, task: PromptTask) -> list[int]:
+    def prompt_ids(self, task: PromptTask, *, tools: list[dict] | None = None) -> list[int]:
+        if task.images:  # the image tokens laid out as the processor lays them (what the trainer reads)
+            # MessageError for a text model; the server lays the image tokens out itself from one an image
+            return self._placeholders.prompt_ids(self._processor, task, tools=tools)
         return chat_prompt_ids(self.tokenizer, task)
 
-    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings) -> None:
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingSettings, *,
+            images: tuple[bytes, ...] = ()) -> None:
+        """Queue a request; `images`: a vision-language prompt's (its ids from `prompt_ids`, or
+        those followed by an episode's turns so far)."""
         assert prompt_ids, f"request {request_id}: empty prompt"
         assert request_id not in self._in_flight, f"request {request_id} is already in flight"
-        self._in_flight[request_id] = self._pool.submit(self._complete, list(prompt_ids), sampling)
+        self._in_flight[request_id] = self._submit(list(prompt_ids), sampling, tuple(images),
+                                                   what=f"request {request_id}")
+
+    def _submit(self, prompt_ids: list[int], sampling: SamplingSettings | dict[str, Any], images: tuple[bytes, ...],
+                *, what: str) -> concurrent.futures.Future[list[Sampled]]:
+        """A request in flight: text through /v1/completions, a prompt with images through the
+        token-in/token-out endpoint (`sampling`: there, vLLM's sampling parameters as they are)."""
+        if not images:
+            assert isinstance(sampling, SamplingSettings)
+            return self._pool.submit(self._complete, prompt_ids, sampling)
+        assert self._processor is not None, f"{what}: images, but a text model"
+        ids = self._placeholders.of(prompt_ids)
+        assert ids is not None, f"{what}: images, but not ids of this engine's prompt_ids"
+        params = sampling if isinstance(sampling, dict) else {
+            "n": sampling.n, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "top_k": sampling.top_k or -1}
+        return self._pool.submit(self._generate, ids, images, params)
 
     def has_unfinished(self) -> bool:
         return bool(self._in_flight)
@@ -117,13 +163,23 @@ class OpenAIEngine:
         done = [rid for rid, f in self._in_flight.items() if f.done()]
         return [_finished(rid, self._in_flight.pop(rid)) for rid in done]
 
-    def sample(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Sampled]]:
+    def sample(self, prompts: list[list[int]], sampling: SamplingSettings, *,
+               images: list[tuple[bytes, ...]] | None = None) -> list[list[Sampled]]:
+        """`images`: each prompt's (its ids from `prompt_ids`), or None."""
         assert prompts and all(prompts), "sample() needs non-empty prompts"
-        futures = [self._pool.submit(self._complete, p, sampling) for p in prompts]
+        futures = [self._submit(list(p), sampling, tuple(images[i]) if images else (), what=f"prompt {i}")
+                   for i, p in enumerate(prompts)]
         return [f.result() for f in futures]
 
-    def greedy(self, prompts: list[list[int]], *, max_new_tokens: int) -> list[list[int]]:
+    def greedy(self, prompts: list[list[int]], *, max_new_tokens: int,
+               images: list[tuple[bytes, ...]] | None = None) -> list[list[int]]:
+        """`images`: each prompt's (its ids from `prompt_ids`), or None."""
         assert prompts and all(prompts), "greedy() needs non-empty prompts"
+        if images:
+            params = {"n": 1, "max_tokens": max_new_tokens, "temperature": 0.0}
+            futures = [self._submit(list(p), params, tuple(images[i]), what=f"prompt {i}")
+                       for i, p in enumerate(prompts)]
+            return [f.result()[0].ids for f in futures]
         futures = [self._pool.submit(self._post, "/v1/completions", {
             "model": self.model, "prompt": p, "max_tokens": max_new_tokens, "temperature": 0.0,
             "stop_token_ids": self.eos_ids, "logprobs": 0, "return_tokens_as_token_ids": True,
@@ -142,6 +198,9 @@ class OpenAIEngine:
         if self._tied:  # else its logits come from the old embedding (engines/vllm_worker.py)
             self._post("/collective_rpc", {"method": "refresh_tied_lm_head"})
         self._post("/reset_prefix_cache", None)  # cached KV was computed with the old weights
+        if self._processor is not None:  # a VLM: its images' encoder outputs came from the old vision tower,
+            self._post("/reset_encoder_cache", None)  # and the reload left the scheduler's record of them
+            self._post("/reset_mm_cache", None)
         self.version = version
 
     def close(self) -> None:
@@ -160,6 +219,31 @@ class OpenAIEngine:
         if len(choices) != sampling.n:
             raise ServerError(f"asked for {sampling.n} completions, got {len(choices)}")
         return [self._sampled(c) for c in choices]
+
+    def _generate(self, ids: list[int], images: tuple[bytes, ...], params: dict[str, Any]) -> list[Sampled]:
+        """`params["n"]` completions of the server's input ids `ids` (one image token an image) with
+        `images`, through the token-in/token-out endpoint; `params`: n, max_tokens, temperature (and
+        top_p, top_k), nothing else changing sampling."""
+        out = self._post("/inference/v1/generate", {
+            "model": self.model, "token_ids": ids, "output_mode": "tokens",
+            "content_parts": [{"type": "image_url", "url": _data_url(img)} for img in images],
+            "sampling_params": {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                                "presence_penalty": 0.0, "frequency_penalty": 0.0, **params,
+                                "stop_token_ids": self.eos_ids, "logprobs": 0, "detokenize": False,
+                                "skip_special_tokens": False}})
+        choices = sorted(out.get("choices") or [], key=lambda c: c["index"])
+        if len(choices) != params["n"]:
+            raise ServerError(f"asked for {params['n']} completions, got {len(choices)}")
+        return [self._generated(c) for c in choices]
+
+    def _generated(self, choice: dict[str, Any]) -> Sampled:
+        """A choice of /inference/v1/generate: its token ids, each one's log-prob (`logprobs.content`)."""
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if [int(c["token_id"]) for c in content] != ids or not ids:
+            raise ServerError(f"{len(ids)} token ids but log-probs of {len(content)} tokens, or of others")
+        stopped = choice.get("finish_reason") == "stop" and ids[-1] in self.eos_ids
+        return Sampled(ids=ids, logprobs=[float(c["logprob"]) for c in content], finish="stop" if stopped else "length")
 
     def _sampled(self, choice: dict[str, Any]) -> Sampled:
         ids = _token_ids(choice)
@@ -200,6 +284,12 @@ def _finished(request_id: str, future: concurrent.futures.Future[list[Sampled]])
         return Finished(request_id=request_id, samples=future.result())
     except ServerError as err:
         return Finished(request_id=request_id, samples=[], error=str(err))
+
+
+def _data_url(img: bytes) -> str:
+    """An image file's bytes (PNG or JPEG: common/images.py) as a data URL the server reads."""
+    kind = "jpeg" if img.startswith(b"\xff\xd8\xff") else "png"
+    return f"data:image/{kind};base64,{base64.b64encode(img).decode()}"
 
 
 def _token_ids(choice: dict[str, Any]) -> list[int]:

@@ -134,18 +134,13 @@ class VLLMEngine:
         self._adapter_of: dict[str, str | None] = {}  # requests in flight: the adapter each samples with
         # a vision-language model's processor (its images' token layout, as the HF engine's); None: a text model
         self._processor = vision.load_processor(self.path) if vision.is_vision_model(self.path) else None
-        self._placeholders: dict[tuple[int, ...], list[int]] = {}  # laid-out prompt ids -> vLLM's input ids
+        self._placeholders = vision.Unexpanded()  # laid-out prompt ids -> what vLLM takes for them
         self.max_running = max_num_seqs  # requests (of n sequences each): the scheduler queues the rest
         self._next = 0
 
     def prompt_ids(self, task: PromptTask, *, tools: list[dict] | None = None) -> list[int]:
         if task.images:  # the image tokens laid out as the processor lays them (what the trainer reads)
-            ids = vision.prompt_ids(self._processor, task, tools=tools)
-            # vLLM lays them out itself from one image token per image: what `add` gives it for these ids
-            if len(self._placeholders) >= 4096:  # prompts of so many texts: forget the oldest
-                del self._placeholders[next(iter(self._placeholders))]
-            self._placeholders[tuple(ids)] = vision.placeholder_ids(self._processor, task, tools=tools)
-            return ids
+            return self._placeholders.prompt_ids(self._processor, task, tools=tools)
         return chat_prompt_ids(self.tokenizer, task)
 
     def _params(self, sampling: SamplingSettings, *, routed_from: int = 0):
@@ -172,7 +167,7 @@ class VLLMEngine:
         if images:  # vLLM's multimodal inputs: it lays out the image tokens and makes the pixel values
             from common.images import open_image
 
-            placeholders = self._vllm_ids(prompt_ids)
+            placeholders = self._placeholders.of(prompt_ids)
             assert placeholders is not None, f"request {request_id}: images, but not ids of this engine's prompt_ids"
             prompt = {"prompt_token_ids": placeholders, "multi_modal_data": {"image": [open_image(i) for i in images]}}
         # routed experts from the prompt's last position (vLLM's own: it lays out an image's tokens itself,
@@ -182,18 +177,6 @@ class VLLMEngine:
                                  lora_request=self._lora.get(adapter))
         self._rows[request_id] = [Row() for _ in range(sampling.n)]
         self._adapter_of[request_id] = adapter
-
-    def _vllm_ids(self, prompt_ids: list[int]) -> list[int] | None:
-        """vLLM's input ids for laid-out ids: those of the prompt (`prompt_ids`' record) they are, or
-        begin with, then what follows it as it is (an episode's turns so far); None: no such prompt."""
-        ids = tuple(prompt_ids)
-        if ids in self._placeholders:
-            return self._placeholders[ids]
-        for n in sorted({len(k) for k in self._placeholders if len(k) < len(ids)}, reverse=True):
-            head = self._placeholders.get(ids[:n])
-            if head is not None:
-                return head + list(ids[n:])
-        return None
 
     def adapter_version(self, name: str | None) -> int:
         """The version last loaded as the adapter `name` (0 before any); None: `version`, that of
@@ -273,7 +256,7 @@ class VLLMEngine:
             if not shown:
                 inputs.append({"prompt_token_ids": p})
                 continue
-            placeholders = self._vllm_ids(p)
+            placeholders = self._placeholders.of(p)
             assert placeholders is not None, "greedy() with images, but not ids of this engine's prompt_ids"
             inputs.append({"prompt_token_ids": placeholders,
                            "multi_modal_data": {"image": [open_image(i) for i in shown]}})

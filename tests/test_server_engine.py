@@ -2,22 +2,25 @@
 test starts, of the tiny model with tied embeddings (as SmolLM2 and Qwen2.5-0.5B/1.5B-Instruct
 have) and our worker extension: behaviour log-probs and greedy tokens before and after a reload of
 a published version, a generator driving it, a second generator refused the same server, and a
-server started without the extension refused at start-up. The first test runs in the default
-suite; the rest are slow (each server takes one to three minutes to start here)."""
+server started without the extension refused at start-up; and prompts with images of the tiny
+vision-language model, through the server's token-in/token-out endpoint. The first test runs in the
+default suite; the rest are slow (each server takes one to three minutes to start here)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from common.messages import SampleGroup
 from engines.base import SamplingSettings
 from engines.choice import open_engine
 from tests.harness.groups import ask
-from tests.harness.models import LOGPROB_TOL, perturbed_copy, reference_logprobs, tied_variant
+from tests.harness.models import LOGPROB_TOL, perturbed_copy, reference_logprobs, tied_variant, tiny_vlm
 from tests.harness.needs import need
 from tests.harness.processes import spawn, stop
 from tests.harness.server_generator import generator_drives_server
 from tests.harness.servers import vllm_server
+from tests.harness.vlm import sampled_groups, shapes_task, worst_gap
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,19 @@ def server(tmp_path_factory, tied_model):
     """URL of a `vllm serve` of the tied tiny model, started as the server engine needs it."""
     need("vllm")
     with vllm_server(tied_model, tmp_path_factory.mktemp("server")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory, tiny_model):
+    return tiny_vlm(tiny_model, tmp_path_factory.mktemp("vlm") / "model")
+
+
+@pytest.fixture(scope="module")
+def vlm_server(tmp_path_factory, vlm):
+    """URL of a `vllm serve` of the tiny VLM with its token-in/token-out endpoint (--enable-scale-out)."""
+    need("vllm")
+    with vllm_server(vlm, tmp_path_factory.mktemp("vlm-server"), scale_out=True) as url:
         yield url
 
 
@@ -93,6 +109,109 @@ def test_a_tied_model_served_without_the_extension_is_refused_at_start_up(tied_m
     flag = "start it with --worker-extension-cls engines.vllm_worker.WorkerExtension"
     with vllm_server(tied_model, tmp_path / "server", extension=False) as url, pytest.raises(ServerError, match=flag):
         OpenAIEngine(url, tied_model)
+
+
+@pytest.mark.slow
+def test_a_vlm_samples_prompts_with_images_with_the_trainers_logprobs_and_reloads_a_version(vlm_server, vlm,
+                                                                                           tiny_model, tmp_path):
+    """Prompts with a picture each (tasks/shapes.py) sampled from a `vllm serve` of the tiny VLM
+    (--enable-scale-out: POST /inference/v1/generate, one image token an image, the pictures as
+    data URLs): the prompt ids the in-process engines lay out, behaviour log-probs within
+    LOGPROB_TOL of the trainer's packed pass with the same pictures (far off with each other's),
+    the HF engine's greedy tokens; and the same after a reload of new weights (the same pictures
+    again: their encoder outputs must not be the old vision tower's, nor the server stop on a
+    cache it half emptied), text prompts of the VLM still sampled through /v1/completions."""
+    from engines.hf_engine import HFEngine
+    from engines.openai_engine import OpenAIEngine
+    from trainer.checkpoints import load_model
+
+    step_1 = tiny_vlm(tiny_model, tmp_path / "step_1", seed=1)
+    tasks = [shapes_task(i) for i in range(3)]
+    engine = OpenAIEngine(vlm_server, vlm, timeout_s=600)
+    for model_dir, version, temperature, share in ((vlm, 0, 0.7, False), (step_1, 1, 1.0, True)):
+        if version:
+            engine.load_weights(model_dir, version=version)
+        hf = HFEngine(model_dir, seed=0, max_batch=4)
+        ids = [engine.prompt_ids(t) for t in tasks]
+        assert ids == [hf.prompt_ids(t) for t in tasks]
+        pictures = [t.images for t in tasks]
+        assert engine.greedy(ids, max_new_tokens=8, images=pictures) == hf.greedy(ids, max_new_tokens=8,
+                                                                                  images=pictures), version
+        groups = sampled_groups(engine, tasks, temperature=temperature)
+        model = load_model(model_dir).eval()
+        worst, tokens = worst_gap(model, groups, temperature=temperature, share_prompts=share)
+        print(f"server on the tiny VLM, version {version}, T={temperature}: behaviour vs trainer log-probs "
+              f"over {tokens} tokens, max abs diff {worst:.2e} (tolerance {LOGPROB_TOL:.0e})")
+        assert tokens >= 3 * 4 * 4 and worst < LOGPROB_TOL, version
+        swapped = [SampleGroup(**{**{f: getattr(g, f) for f in g.__slots__}, "images": groups[(i + 1) % 3].images})
+                   for i, g in enumerate(groups)]
+        assert worst_gap(model, swapped, temperature=temperature, share_prompts=share)[0] > 100 * LOGPROB_TOL
+        text = [engine.prompt_ids(ask(6))]  # no images: the completions endpoint, as for a text model
+        assert engine.greedy(text, max_new_tokens=8) == hf.greedy(text, max_new_tokens=8), version
+    engine.load_weights(vlm, version=2)  # the module's other tests start from the model's own weights
+    engine.close()
+
+
+@pytest.mark.slow
+def test_a_generator_on_a_vlm_server_plays_episodes_with_the_prompts_picture(vlm_server, vlm, tmp_path, redis_url, r):
+    """A generator on the VLM's server (a source with an environment, as tests/test_vlm.py's
+    in-process engines play it): every model turn is sampled with the prompt's picture (the turn's
+    ids begin with the prompt's, laid out; the server is sent its own ids for them), the group
+    carries it, and the trainer's log-probs over the whole episode with it are the behaviour
+    log-probs of the model's turns within LOGPROB_TOL; with another prompt's picture, far off."""
+    from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
+    from common.messages import Completion, decode_group, encode
+    from engines.hf_engine import HFEngine
+    from tests.harness.configs import write_config
+    from tests.harness.processes import wait_for
+    from trainer.checkpoints import load_model
+
+    keys = Keys("vsep")
+    write_config(tmp_path / "run.toml", run="vsep", redis_url=redis_url, model=vlm, base={},
+                 rollout={"max_new_tokens": 5, "temperature": 1.0},
+                 generator={"engine": "openai", "server_url": vlm_server, "threads": 1, "env_workers": 1},
+                 data={"sources": [{"name": "shapes", "kind": "shapes", "environment": "tests.env_fixtures:Echo",
+                                    "max_turns": 3}]})
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    tasks = [shapes_task(i, n=2) for i in range(3)]
+    for t in tasks:
+        r.xadd(keys.prompts, {PAYLOAD: encode(t)})
+    log = tmp_path / "generator.log"
+    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(tmp_path / "run.toml")},
+                 log=log)
+    try:
+        wait_for(lambda: r.xlen(keys.samples) >= 3, timeout=600, what="3 groups", procs=[proc])
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    groups = sorted((decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)), key=lambda g: g.id)
+    assert [g.images for g in groups] == [t.images for t in tasks] and {g.engine for g in groups} == {"openai"}
+    hf = HFEngine(vlm, seed=0)
+    for g, t in zip(groups, tasks, strict=True):
+        assert list(g.prompt_ids) == hf.prompt_ids(t)
+        for c in g.completions:  # three model turns between the environment's two
+            assert c.finish == "turns" and c.loss_mask is not None and 0 in c.loss_mask
+    groups = [SampleGroup(**{**{f: getattr(g, f) for f in g.__slots__},
+                             "completions": [Completion(**{**{f: getattr(c, f) for f in c.__slots__},
+                                                           "reward": float(j % 2)})
+                                             for j, c in enumerate(g.completions)]}) for g in groups]
+    model = load_model(vlm).eval()
+    worst, tokens = worst_gap(model, groups, temperature=1.0, share_prompts=False)
+    print(f"generator on the VLM server: episodes with pictures, trainer vs behaviour log-probs over {tokens} "
+          f"model tokens, max abs diff {worst:.2e}")
+    assert tokens >= 3 * 2 * 3 and worst < LOGPROB_TOL
+    swapped = [SampleGroup(**{**{f: getattr(g, f) for f in g.__slots__}, "images": groups[(i + 1) % 3].images})
+               for i, g in enumerate(groups)]
+    assert worst_gap(model, swapped, temperature=1.0, share_prompts=False)[0] > 100 * LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_a_vlm_served_without_the_token_endpoint_is_refused_at_start_up(vlm, tmp_path):
+    from engines.openai_engine import OpenAIEngine, ServerError
+
+    need("vllm")
+    flag = "start it with --enable-scale-out"
+    with vllm_server(vlm, tmp_path / "server") as url, pytest.raises(ServerError, match=flag):
+        OpenAIEngine(url, vlm)
 
 
 def test_a_server_is_waited_for_until_its_answer_says_it_is_up_and_one_that_exits_is_named(tmp_path):

