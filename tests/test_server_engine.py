@@ -159,41 +159,16 @@ def test_a_generator_on_a_vlm_server_plays_episodes_with_the_prompts_picture(vlm
     ids begin with the prompt's, laid out; the server is sent its own ids for them), the group
     carries it, and the trainer's log-probs over the whole episode with it are the behaviour
     log-probs of the model's turns within LOGPROB_TOL; with another prompt's picture, far off."""
-    from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
-    from common.messages import Completion, decode_group, encode
     from engines.hf_engine import HFEngine
-    from tests.harness.configs import write_config
-    from tests.harness.processes import wait_for
+    from tests.harness.vlm import picture_episodes
     from trainer.checkpoints import load_model
 
-    keys = Keys("vsep")
-    write_config(tmp_path / "run.toml", run="vsep", redis_url=redis_url, model=vlm, base={},
-                 rollout={"max_new_tokens": 5, "temperature": 1.0},
-                 generator={"engine": "openai", "server_url": vlm_server, "threads": 1, "env_workers": 1},
-                 data={"sources": [{"name": "shapes", "kind": "shapes", "environment": "tests.env_fixtures:Echo",
-                                    "max_turns": 3}]})
-    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
-    tasks = [shapes_task(i, n=2) for i in range(3)]
-    for t in tasks:
-        r.xadd(keys.prompts, {PAYLOAD: encode(t)})
-    log = tmp_path / "generator.log"
-    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(tmp_path / "run.toml")},
-                 log=log)
-    try:
-        wait_for(lambda: r.xlen(keys.samples) >= 3, timeout=600, what="3 groups", procs=[proc])
-    finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
-    groups = sorted((decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)), key=lambda g: g.id)
-    assert [g.images for g in groups] == [t.images for t in tasks] and {g.engine for g in groups} == {"openai"}
+    tasks, groups = picture_episodes(tmp_path, r, redis_url, vlm, run="vsep",
+                                     generator={"engine": "openai", "server_url": vlm_server})
+    assert {g.engine for g in groups} == {"openai"}
     hf = HFEngine(vlm, seed=0)
     for g, t in zip(groups, tasks, strict=True):
         assert list(g.prompt_ids) == hf.prompt_ids(t)
-        for c in g.completions:  # three model turns between the environment's two
-            assert c.finish == "turns" and c.loss_mask is not None and 0 in c.loss_mask
-    groups = [SampleGroup(**{**{f: getattr(g, f) for f in g.__slots__},
-                             "completions": [Completion(**{**{f: getattr(c, f) for f in c.__slots__},
-                                                           "reward": float(j % 2)})
-                                             for j, c in enumerate(g.completions)]}) for g in groups]
     model = load_model(vlm).eval()
     worst, tokens = worst_gap(model, groups, temperature=1.0, share_prompts=False)
     print(f"generator on the VLM server: episodes with pictures, trainer vs behaviour log-probs over {tokens} "

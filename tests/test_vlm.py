@@ -432,41 +432,16 @@ def test_a_generator_plays_episodes_with_the_prompts_picture(engine, tmp_path, r
     multimodal inputs again), the group carries the picture, and the trainer's log-probs over the
     whole episode, computed with it, are the behaviour log-probs on the model's turns (within
     LOGPROB_TOL); with another prompt's picture they are far off."""
-    from common.keys import GENERATORS_GROUP
-    from tests.harness.configs import write_config
-    from tests.harness.processes import spawn, stop, wait_for
+    from tests.harness.vlm import picture_episodes
 
     need(engine)
-    keys = Keys("vep")
-    write_config(tmp_path / "run.toml", run="vep", redis_url=redis_url, model=vlm, base={},
-                 rollout={"max_new_tokens": 5, "temperature": 1.0},
-                 generator={"engine": engine, "threads": 1, "env_workers": 1},
-                 data={"sources": [{"name": "shapes", "kind": "shapes", "environment": "tests.env_fixtures:Echo",
-                                    "max_turns": 3}]})
-    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
-    tasks = [shapes_task(i, n=2) for i in range(3)]
-    for t in tasks:
-        r.xadd(keys.prompts, {PAYLOAD: encode(t)})
-    log = tmp_path / "generator.log"
-    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(tmp_path / "run.toml")},
-                 log=log)
-    try:
-        wait_for(lambda: r.xlen(keys.samples) >= 3, timeout=600, what="3 groups", procs=[proc])
-    finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
-    groups = sorted((decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)), key=lambda g: g.id)
-    assert [g.images for g in groups] == [t.images for t in tasks]
+    tasks, groups = picture_episodes(tmp_path, r, redis_url, vlm, generator={"engine": engine})
     for g, t in zip(groups, tasks, strict=True):
         assert list(g.prompt_ids) == vlm_engine.prompt_ids(t)  # the picture's tokens laid out as the processor does
-        for c in g.completions:  # three model turns between the environment's two
-            assert c.finish == "turns" and c.loss_mask is not None and 0 in c.loss_mask
+        for c in g.completions:
             assert c.text.count("turn 0: 12 + 34") == 1 and c.text.count("turn 1: 12 + 34") == 1
     model = load_model(vlm).eval()
     for share in (True, False):
-        groups = [SampleGroup(**{**{f: getattr(g, f) for f in g.__slots__},
-                                 "completions": [Completion(**{**{f: getattr(c, f) for f in c.__slots__},
-                                                               "reward": float(j % 2)})
-                                                 for j, c in enumerate(g.completions)]}) for g in groups]
         worst, tokens = worst_gap(model, groups, temperature=1.0, share_prompts=share)
         print(f"{engine}: episodes with pictures, share_prompts={share}: trainer vs behaviour log-probs over "
               f"{tokens} model tokens, max abs diff {worst:.2e}")

@@ -1,9 +1,11 @@
 """Vision-language helpers the VLM tests share: the shapes task's prompts as the producer writes
-them, groups an engine samples with their pictures, and the trainer's worst log-prob gap over them."""
+them, groups an engine samples with their pictures, a generator process's episodes with them, and
+the trainer's worst log-prob gap over them."""
 
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -61,3 +63,42 @@ def worst_gap(model, groups: list[SampleGroup], *, temperature: float, share_pro
             worst = max(worst, ((logp - mb.behaviour_logp).abs() * mb.mask).max().item())
             tokens += int(mb.mask.sum())
     return worst, tokens
+
+
+def picture_episodes(tmp_path: Path, r, redis_url: str, vlm: Path, *, generator: dict, run: str = "vep",
+                     ) -> tuple[list[PromptTask], list[SampleGroup]]:
+    """Three shapes prompts (two completions each) played as 3-turn episodes (the Echo environment)
+    by a generator process of `generator`'s settings on the VLM `vlm`: the tasks, and the groups it
+    wrote (by id, each completion's reward set to alternate, so that every one trains), after
+    checking each is a 3-turn episode with the environment's turns masked out."""
+    from common.keys import GENERATORS_GROUP, PAYLOAD, Keys
+    from common.messages import decode_group, encode
+    from tests.harness.configs import write_config
+    from tests.harness.processes import spawn, stop, wait_for
+
+    keys = Keys(run)
+    write_config(tmp_path / "run.toml", run=run, redis_url=redis_url, model=vlm, base={},
+                 rollout={"max_new_tokens": 5, "temperature": 1.0},
+                 generator={"threads": 1, "env_workers": 1, **generator},
+                 data={"sources": [{"name": "shapes", "kind": "shapes", "environment": "tests.env_fixtures:Echo",
+                                    "max_turns": 3}]})
+    r.xgroup_create(keys.prompts, GENERATORS_GROUP, id="0", mkstream=True)
+    tasks = [shapes_task(i, n=2) for i in range(3)]
+    for t in tasks:
+        r.xadd(keys.prompts, {PAYLOAD: encode(t)})
+    log = tmp_path / "generator.log"
+    proc = spawn("generators", "--id", "g1", cwd=tmp_path, env={"ROLLOUTS_CONFIG": str(tmp_path / "run.toml")},
+                 log=log)
+    try:
+        wait_for(lambda: r.xlen(keys.samples) >= 3, timeout=600, what="3 groups", procs=[proc])
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    groups = sorted((decode_group(f[PAYLOAD]) for _, f in r.xrange(keys.samples)), key=lambda g: g.id)
+    assert [g.images for g in groups] == [t.images for t in tasks]
+    for g in groups:
+        for c in g.completions:  # three model turns between the environment's two
+            assert c.finish == "turns" and c.loss_mask is not None and 0 in c.loss_mask
+    return tasks, [SampleGroup(**{**{f: getattr(g, f) for f in g.__slots__},
+                                  "completions": [Completion(**{**{f: getattr(c, f) for f in c.__slots__},
+                                                                "reward": float(j % 2)})
+                                                  for j, c in enumerate(g.completions)]}) for g in groups]
