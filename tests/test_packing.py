@@ -4,6 +4,7 @@ every position through the model a token of a sequence. World size 2 (FSDP2 on g
 itself, packed, against one process on right-padded rows): tests/test_trainer_fsdp.py."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from common.config import CispoLoss, Decoupled, GrpoLoss, GspoLoss, SequenceMask, TokenMask
 from tests.harness.groups import make_group
-from trainer.batch import group_rows, micro_batches, split_packs
+from trainer.batch import group_rows, micro_batches, packed_rows, split_packs
 from trainer.logprobs import sequence_logprobs
 from trainer.step import GrpoOptions, sft_step, train_step
 
@@ -124,6 +125,54 @@ def test_every_position_through_the_model_is_a_token_of_a_sequence(tiny_model):
     stats = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), groups[:4],
                        how=options(GrpoLoss(), pack=True, share=False))
     assert stats.tokens_forward == sum(p + n - 1 for p, ns in shapes[:4] for n in ns)
+
+
+def test_a_dense_masks_documents_go_in_rows_of_their_own_where_that_is_cheaper():
+    """SDPA's dense mask computes every pair of a packed row: a micro-batch of three documents of
+    ~2.8k positions (gsm8k's groups) at Qwen2.5-0.5B's hidden size goes in three rows (a third of
+    one row's pairs), documents of the demo's size beside a longer one at SmolLM2's in one (the
+    padding of rows as long as it would cost more than their pairs), and for an attention that
+    computes only each document's pairs (flex attention's BlockMask: hidden size 0 here) one row,
+    end to end."""
+    gsm8k = [3000, 2800, 2400]
+    rows = packed_rows(gsm8k, hidden_size=896)
+    assert sorted(r for r, _ in rows) == [0, 1, 2] and all(offset == 0 for _, offset in rows), rows
+    assert packed_rows(gsm8k, hidden_size=0) == [(0, 0), (0, 3000), (0, 5800)]
+    demo = [120, 40, 30, 25]
+    assert {r for r, _ in packed_rows(demo, hidden_size=576)} == {0}
+    # rows hold whole documents end to end, in their order, spread evenly (longest first into the
+    # row with the fewest positions): 3 rows of 110, 100 and 100 positions for these at hidden size 16
+    sizes = [100, 30, 60, 40, 70, 10]
+    placed = packed_rows(sizes, hidden_size=16)
+    ends = {}
+    for (r, offset), n in zip(placed, sizes, strict=True):
+        assert offset == ends.get(r, 0), placed
+        ends[r] = offset + n
+    assert sorted(ends.values()) == [100, 100, 110], placed
+
+
+def test_a_packed_step_with_documents_in_several_rows_gives_the_update_of_padded_rows(tiny_model):
+    """The trainer's own batching for an SDPA model (its dense mask) puts a micro-batch's documents
+    in several packed rows, each right-padded to the longest: the same update as the padded rows,
+    each document's images in the order the rows hold them, no padding position counted through
+    the model."""
+    from trainer.step import step_batches
+
+    shapes = [(12, [19, 17, 18, 19]), (9, [16, 19, 19, 14]), (14, [19, 18, 15, 19]), (11, [17, 19, 19, 16])]
+    groups = groups_of(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), shapes, seed=2)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    (mini,) = step_batches(groups, micro_batch_size=16, micro_batch_tokens=400, pack=True,
+                           hidden_size=model.config.hidden_size, model=model)
+    rows = [mb.packed.ids.shape[0] for mb in mini.batches]
+    assert max(rows) > 1, rows  # the documents went in rows of their own
+    assert mini.tokens_in == sum(int((mb.packed.segments >= 0).sum()) for mb in mini.batches) < sum(
+        mb.packed.ids.numel() for mb in mini.batches)  # padding of the rows is not counted
+
+    def run(pack: bool):
+        how = replace(options(GrpoLoss(), pack=pack), micro_batch_size=16, micro_batch_tokens=400, updates=1)
+        return trained(tiny_model, lambda model, opt, step: train_step(model, opt, groups, how=how, step=step))
+
+    assert_same_update(run(True), run(False))
 
 
 def test_micro_batches_are_balanced_by_tokens():

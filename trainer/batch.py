@@ -196,46 +196,82 @@ def prompt_length(rows: list[Row]) -> int:
     return len(rows[0].prompt) + sum(max(len(row.ids) - 1, 0) for row in rows)
 
 
-def pack(docs: list[list[Row]], width: int) -> Packed:
+def pack(docs: list[list[Row]], width: int, *, hidden_size: int = 0) -> Packed:
     """`docs` (each a run of rows sharing their prompt, often one row, in the order `collate` lays
-    the rows out, right-padded to `width`) end to end in one packed row: each document its prompt
-    once, then each of its rows' completion inputs, its positions counted from its own start."""
-    length = sum(prompt_length(d) for d in docs)
-    ids, position_ids = np.zeros((1, length), dtype=np.int64), np.zeros((1, length), dtype=np.int64)
-    doc_of, segments = np.zeros((1, length), dtype=np.int64), np.zeros((1, length), dtype=np.int64)
+    the rows out, right-padded to `width`) end to end in packed rows: each document its prompt
+    once, then each of its rows' completion inputs, its positions counted from its own start. One
+    row, unless `hidden_size` (> 0: the attention computes every pair of a row's positions, as
+    SDPA's and eager attention's dense mask does) makes rows of a few documents each cheaper
+    (`packed_rows`): then each row holds whole documents, right-padded to the longest row."""
+    sizes = [prompt_length(d) for d in docs]
+    placed = packed_rows(sizes, hidden_size)  # each document's (row, offset)
+    rows_n = 1 + max((r for r, _ in placed), default=0)
+    length = max((o + n for (_, o), n in zip(placed, sizes, strict=True)), default=0)
+    ids, position_ids = np.zeros((rows_n, length), dtype=np.int64), np.zeros((rows_n, length), dtype=np.int64)
+    doc_of, segments = np.full((rows_n, length), -1, dtype=np.int64), np.full((rows_n, length), -1, dtype=np.int64)
     at = np.zeros(sum(len(d) for d in docs) * width, dtype=np.int64)
-    i = offset = 0  # the row's index in the right-padded layout; where the next piece starts
-    for d, rows in enumerate(docs):
+    i = 0  # the row's index in the right-padded layout
+    for d, (rows, (s, start)) in enumerate(zip(docs, placed, strict=True)):
         prompt = rows[0].prompt
-        p, start = len(prompt), offset
+        p, offset, base = len(prompt), start, s * length  # base: the packed row's first flat position
         for row in rows[1:]:
             assert np.array_equal(row.prompt, prompt) and row.images == rows[0].images, \
                 f"rows packed together must share their prompt: {row.prompt.tolist()} vs {prompt.tolist()}"
-        ids[0, offset:offset + p], position_ids[0, offset:offset + p], segments[0, offset:offset + p] = \
+        ids[s, offset:offset + p], position_ids[s, offset:offset + p], segments[s, offset:offset + p] = \
             prompt, np.arange(p), 0
         offset += p
         for j, row in enumerate(rows):
             n = len(row.ids)
             k = max(n - 1, 0)  # its inputs: its tokens but the last
-            ids[0, offset:offset + k], segments[0, offset:offset + k] = row.ids[:-1], j + 1
-            position_ids[0, offset:offset + k] = np.arange(p, p + k)
+            ids[s, offset:offset + k], segments[s, offset:offset + k] = row.ids[:-1], j + 1
+            position_ids[s, offset:offset + k] = np.arange(p, p + k)
             # completion token 0 is predicted at the prompt's last position, token m at its input m - 1;
             # in the padded layout it is the target at t = p - 1 + m
-            at[i * width + p - 1:i * width + p - 1 + n] = np.concatenate([[start + p - 1], np.arange(
+            at[i * width + p - 1:i * width + p - 1 + n] = base + np.concatenate([[start + p - 1], np.arange(
                 offset, offset + k)])[:n]
             offset += k
             i += 1
-        doc_of[0, start:offset] = d
+        doc_of[s, start:offset] = d
+    order = sorted(range(len(docs)), key=lambda d: placed[d])  # the documents as the packed rows hold them
     return Packed(ids=torch.from_numpy(ids), position_ids=torch.from_numpy(position_ids),
                   docs=torch.from_numpy(doc_of), segments=torch.from_numpy(segments), at=torch.from_numpy(at),
-                  images=tuple(img for rows in docs for img in rows[0].images))  # each prompt's, once
+                  images=tuple(img for d in order for img in docs[d][0].images))  # each prompt's, once
 
 
-def collate_packed(docs: list[list[Row]]) -> MicroBatch:
+def packed_rows(sizes: list[int], hidden_size: int = 0) -> list[tuple[int, int]]:
+    """Where each document of `sizes` positions goes in a packed micro-batch: (row, offset). One row
+    end to end where `hidden_size` is 0 (an attention that computes only each document's pairs: flex
+    attention's BlockMask). Else the cheapest by `body_cost` of every row count S: the documents
+    spread over S rows longest first, each into the row with the fewest positions so far, every
+    row right-padded to the longest (each row's documents in their order). A dense mask computes
+    every pair of a row: one row of 8,192 positions holds 3x the pairs of three rows of 2,731,
+    two thirds of them between documents that never see each other."""
+    offsets = [sum(sizes[:d]) for d in range(len(sizes))]
+    if hidden_size <= 0 or len(sizes) < 2:
+        return [(0, offset) for offset in offsets]
+    order = sorted(range(len(sizes)), key=lambda d: -sizes[d])  # stable: ties keep their order
+    best, best_cost = [0] * len(sizes), body_cost(sum(sizes), hidden_size)
+    for n in range(2, len(sizes) + 1):
+        fill, row_of = [0] * n, [0] * len(sizes)
+        for d in order:
+            row_of[d] = min(range(n), key=lambda r: fill[r])
+            fill[row_of[d]] += sizes[d]
+        cost = n * body_cost(max(fill), hidden_size)
+        if cost < best_cost:
+            best, best_cost = row_of, cost
+    placed, ends = [], [0] * (1 + max(best))
+    for d, r in enumerate(best):  # in their order within a row
+        placed.append((r, ends[r]))
+        ends[r] += sizes[d]
+    return placed
+
+
+def collate_packed(docs: list[list[Row]], *, hidden_size: int = 0) -> MicroBatch:
     """`collate` of the documents' rows (in order), with their packed layout (`pack`): the
-    documents end to end in one row."""
+    documents end to end in one row, or in a few where `hidden_size` (a dense mask's) makes that
+    cheaper."""
     mb = collate([row for rows in docs for row in rows])
-    return replace(mb, packed=pack(docs, mb.input_ids.shape[1]))
+    return replace(mb, packed=pack(docs, mb.input_ids.shape[1], hidden_size=hidden_size))
 
 
 def prompt_runs(rows: list[Row]) -> list[list[Row]]:
@@ -365,11 +401,12 @@ class Part(NamedTuple):
 def micro_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batch_tokens: int = 0,
                   estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
                   objective: str = "grpo", share_prompts: bool = SHARE_PROMPTS, pack: bool = PACK,
-                  hidden_size: int = 0) -> tuple[list[MicroBatch], int, int]:
+                  hidden_size: int = 0, dense_rows: bool = False) -> tuple[list[MicroBatch], int, int]:
     """The step's micro-batches, its trained-token count and its count of trained sequences."""
     part = mini_batches(groups, parts=1, micro_batch_size=micro_batch_size, micro_batch_tokens=micro_batch_tokens,
                         estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty,
-                        objective=objective, share_prompts=share_prompts, pack=pack, hidden_size=hidden_size)[0]
+                        objective=objective, share_prompts=share_prompts, pack=pack, hidden_size=hidden_size,
+                        dense_rows=dense_rows)[0]
     return part.batches, part.tokens, part.seqs
 
 
@@ -393,7 +430,7 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
                  estimator: Estimator = "grpo", overlong: str = "none", overlong_penalty: float = 0.0,
                  objective: str = "grpo", share_prompts: bool = SHARE_PROMPTS, pack: bool = PACK,
                  hidden_size: int = 0, skip_zero: bool = False,
-                 agree: Callable[[int], int] | None = None) -> list[Part]:
+                 agree: Callable[[int], int] | None = None, dense_rows: bool = False) -> list[Part]:
     """The step's rows in `parts` consecutive mini-batches of near-equal row counts (PPO's
     mini-batches, one optimizer step each). Advantages are the whole groups' whichever
     mini-batch a row lands in. With `skip_zero` (a loss whose gradient is a multiple of the
@@ -406,10 +443,12 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
     a group's rows sharing its prompt, spread over the fewest micro-batches the budgets allow,
     balanced by tokens. `agree` (a collective under torchrun: the most over the ranks) turns this
     rank's count of a mini-batch's micro-batches into the count every rank then fills, so that
-    the ranks' micro-batches pair up balanced. Without `pack` the rows are bucketed by length
-    (sorted, stably) and split into right-padded micro-batches (`split_rows`, `collate`): the
-    path of models whose attention takes no packed mask. The mini-batch's update is a sum over
-    its rows, whichever micro-batch each lands in."""
+    the ranks' micro-batches pair up balanced. With `dense_rows` as well (an attention that takes
+    a dense packed mask: every pair of a row computed) a micro-batch's documents go in a few
+    packed rows where that costs less than one (`packed_rows`, by `hidden_size`). Without `pack`
+    the rows are bucketed by length (sorted, stably) and split into right-padded micro-batches
+    (`split_rows`, `collate`): the path of models whose attention takes no packed mask. The
+    mini-batch's update is a sum over its rows, whichever micro-batch each lands in."""
     rows = [row for i, group in enumerate(groups) for row in group_rows(
         group, estimator=estimator, overlong=overlong, overlong_penalty=overlong_penalty, objective=objective,
         index=i)]
@@ -423,7 +462,7 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
                             micro_batch_tokens=micro_batch_tokens, hidden_size=hidden_size,
                             share_prompts=share_prompts)
             docs = split() if agree is None else split(at_least=agree(len(split())))
-            return [collate_packed(d) for d in docs]
+            return [collate_packed(d, hidden_size=hidden_size if dense_rows else 0) for d in docs]
         rows = sorted(rows, key=lambda row: row.length)  # length buckets: little padding
         return [collate(chunk) for chunk in split_rows(rows, micro_batch_size=micro_batch_size,
                                                        micro_batch_tokens=micro_batch_tokens)]

@@ -24,7 +24,7 @@ from common.messages import SampleGroup
 from trainer.batch import PACK, SHARE_PROMPTS, MicroBatch, mini_batches, with_mask
 from trainer.devices import model_device, to_device
 from trainer.grpo import Estimator, mismatch_stats, token_advantages
-from trainer.logprobs import packed_attention, sequence_logprobs
+from trainer.logprobs import PACKED_ATTENTION, packed_attention, sequence_logprobs
 from trainer.losses import (
     Loss,
     LossInputs,
@@ -74,17 +74,24 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
     them, the CPU); with `pack`, packed end to end, each rank filling as many micro-batches as the
     rank that needs the most, balanced by tokens; with `share_prompts` as well, each prompt through
     the model once; with `skip_zero`, without the rows of advantage 0 (`mini_batches`). With
-    `model` (a vision-language model), each packed micro-batch with images carries their pixel
+    a vision-language `model`, each packed micro-batch with images carries their pixel
     inputs (`MicroBatch.pixels`, on `device`), made once for all the passes of the step; `tokens_in`
     counts the positions its body runs: the packed ones only where its attention takes a packed
-    mask (`packed_attention`), else the right-padded rows' tokens."""
+    mask (`packed_attention`), else the right-padded rows' tokens. `hidden_size` (0: `model`'s text
+    decoder's) prices attention's pairs for the packing: where shared prompts are cut, and, where
+    `model`'s attention takes a dense packed mask, how many packed rows a micro-batch takes."""
     # sequence_logprobs' choice: packed rows where the attention takes a packed mask (no model: as packed)
     packed_body = model is None or packed_attention(model) is not None
+    hidden_size = hidden_size or (text_hidden_size(model) if model is not None else 0)
+    # an attention computing every pair of a packed row (SDPA's and eager's dense mask): the
+    # documents go in a few rows where that is cheaper (trainer/batch.py `packed_rows`)
+    dense_rows = model is not None and PACKED_ATTENTION.get(packed_attention(model) or "") in ("bool", "float")
     out = []
     for part in mini_batches(groups, parts=parts, micro_batch_size=micro_batch_size,
                              micro_batch_tokens=micro_batch_tokens, estimator=estimator, overlong=overlong,
                              overlong_penalty=overlong_penalty, objective=objective, share_prompts=share_prompts,
-                             pack=pack, hidden_size=hidden_size, skip_zero=skip_zero, agree=all_max):
+                             pack=pack, hidden_size=hidden_size, skip_zero=skip_zero, agree=all_max,
+                             dense_rows=dense_rows):
         if model is not None:  # before the padding below, which copies the last micro-batch (its pixels too)
             part = part._replace(batches=[with_pixels(mb, model, device) for mb in part.batches],
                                  probes=[with_pixels(mb, model, device) for mb in part.probes])
@@ -104,6 +111,14 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
         out.append(StepBatches(batches=batches, tokens=tokens, seqs=seqs, tokens_in=tokens_in, rows=rows,
                                computed=computed, probes=probes))
     return out
+
+
+def text_hidden_size(model: torch.nn.Module) -> int:
+    """The hidden size of `model`'s text decoder (a vision-language model's config keeps it in its
+    text config), the packing's cost model's; 0 where the config names none."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(text, "hidden_size", 0) or 0)
 
 
 def with_pixels(mb: MicroBatch, model: torch.nn.Module, device: torch.device | None) -> MicroBatch:
@@ -237,7 +252,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     minis = step_batches(groups, micro_batch_size=how.micro_batch_size, micro_batch_tokens=how.micro_batch_tokens,
                          estimator=how.estimator, overlong=how.overlong, overlong_penalty=how.overlong_penalty,
                          parts=how.updates, device=model_device(model), share_prompts=how.share_prompts, pack=how.pack,
-                         hidden_size=int(getattr(getattr(model, "config", None), "hidden_size", 0) or 0),
                          skip_zero=how.skip_zero_advantage and zero_advantage_adds_nothing(how.loss)
                          and how.distill_weight == 0,  # a token's KL to the teacher teaches at advantage 0
                          model=model)

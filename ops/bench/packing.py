@@ -9,18 +9,27 @@ to measure the code before a change. The groups are synthetic, seeded, of each c
            (configs/demo.toml: micro_batch_size 8, no token cap; SmolLM2-135M, hidden 576);
     gsm8k: 32 prompts x 8 completions, prompts of 100-300 tokens, completions of 50-512, one in
            eight cut at 512 (configs/gsm8k.toml: micro_batch_size 8, micro_batch_tokens 8192;
-           Qwen2.5-0.5B, hidden 896).
+           Qwen2.5-0.5B, hidden 896); gsm8k-mbs64 the same with micro_batch_size 64, where the
+           token budget binds instead (micro-batches of ~8k tokens, not ~2.8k).
 
 For each, with trainer.share_prompts on (the default) and off: the positions the model body runs
-(the packed or padded input's size), the sequences' own positions (each row's prompt + completion
-- 1, a shared prompt once: what a pass must compute), their ratio, and micro-batches per step.
-No model runs: this is the batching alone.
+(the packed or padded input's size, padding included), the sequences' own positions (each row's
+prompt + completion - 1, a shared prompt once: what a pass must compute), their ratio, the
+(query, key) pairs an attention with a dense mask computes (SDPA's: every pair of a row, the
+trainer's default `trainer.attention`; the packed rows as the trainer lays them out for it), and
+micro-batches per step. No model runs: this is the batching alone.
 
     .venv/bin/python ops/bench/packing.py --time MODEL_DIR [--tree DIR] [--steps 6]
 
 instead times `train_step` (one thread, the demo's loss options, AdamW) on demo-shaped groups
 (4 steps' worth, cycled) with the model in MODEL_DIR (the default model: SmolLM2-135M-Instruct),
 after one warm-up step: seconds and CPU seconds a step, median. Run it once per tree, in turns.
+
+    .venv/bin/python ops/bench/packing.py --rows 2 [--steps 2]
+
+times `train_step` on gsm8k's shapes, a model of Qwen2.5-0.5B's width with 2 layers, SDPA:
+each micro-batch's documents in one packed row against the rows laid out for a dense mask
+(trainer/batch.py `packed_rows`), in turns (`time_rows`).
 """
 
 from __future__ import annotations
@@ -28,11 +37,13 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 SHAPES = {  # name: (prompts, group size, prompt lengths, completion lengths, cut share, mbs, mbt, hidden)
     "demo": (4, 4, (30, 45), (4, 24), 0.0, 8, 0, 576),
     "gsm8k": (32, 8, (100, 300), (50, 512), 1 / 8, 8, 8192, 896),
+    "gsm8k-mbs64": (32, 8, (100, 300), (50, 512), 1 / 8, 64, 8192, 896),
 }
 
 
@@ -55,19 +66,26 @@ def groups_of(name: str, seed: int = 0) -> list:
     return out
 
 
-def measure(name: str, share: bool) -> tuple[int, int, int, int]:
-    """(positions through the model, sequence positions, row positions, micro-batches)."""
+def measure(name: str, share: bool) -> tuple[int, int, int, int, int]:
+    """(positions through the model, sequence positions, row positions, a dense mask's pairs,
+    micro-batches), the packed rows as the trainer lays them out for SDPA (`dense_rows`, where the
+    tree has it)."""
     from trainer.batch import micro_batches
 
     *_, mbs, mbt, hidden = SHAPES[name]
     groups = groups_of(name)
-    batches, _, _ = micro_batches(groups, micro_batch_size=mbs, micro_batch_tokens=mbt, share_prompts=share,
-                                  hidden_size=hidden)
-    through = sum(mb.input_ids.numel() if mb.packed is None else mb.packed.ids.numel() for mb in batches)
+    how = dict(micro_batch_size=mbs, micro_batch_tokens=mbt, share_prompts=share, hidden_size=hidden)
+    try:
+        batches, _, _ = micro_batches(groups, **how, dense_rows=True)
+    except TypeError:  # a tree from before packed rows: one row a micro-batch
+        batches, _, _ = micro_batches(groups, **how)
+    inputs = [mb.input_ids if mb.packed is None else mb.packed.ids for mb in batches]
+    through = sum(x.numel() for x in inputs)
+    pairs = sum(x.shape[0] * x.shape[1] ** 2 for x in inputs)
     own = sum(int(mb.attention_mask.sum()) if mb.packed is None else int((mb.packed.segments >= 0).sum())
               for mb in batches)
     rows = sum(len(g.prompt_ids) + len(c.ids) - 1 for g in groups for c in g.completions)
-    return through, own, rows, len(batches)
+    return through, own, rows, pairs, len(batches)
 
 
 def time_steps(model_dir: Path, steps: int) -> None:
@@ -100,26 +118,85 @@ def time_steps(model_dir: Path, steps: int) -> None:
           f"(median of {steps})")
 
 
+def time_rows(layers: int, steps: int) -> None:
+    """`train_step` on gsm8k-shaped groups (4 prompts x 8 completions, prompts of 192 tokens,
+    completions of 321: ops/bench/trainer_gpu.py's grpo512) on a random model of Qwen2.5-0.5B's
+    width (hidden 896, 14 heads, 2 KV heads, intermediate 4864) with `layers` layers and a 2,048-token
+    vocabulary (the body's cost, not the head's), float32, SDPA, two threads, micro-batches of up to
+    8,192 packed tokens (micro_batch_size uncapped): each micro-batch's documents in one packed row
+    against in the rows `packed_rows` lays out for a dense mask, in turns, after a warm-up step each."""
+    import statistics
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    import trainer.batch
+    from common.config import GrpoLoss
+    from trainer.step import GrpoOptions, train_step
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from trainer_gpu import LAYOUTS, synthetic_groups
+
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    config = Qwen2Config(hidden_size=896, num_hidden_layers=layers, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=2048, max_position_embeddings=4096,
+                         tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    groups = synthetic_groups(replace(LAYOUTS["grpo512"], groups=4), vocab=2048)
+    how = GrpoOptions(loss=GrpoLoss(), temperature=1.0, estimator="grpo", overlong="none", overlong_penalty=0.0,
+                      micro_batch_size=4096, micro_batch_tokens=8192, updates=1, max_grad_norm=1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    laid_out = trainer.batch.packed_rows
+    for side in ("one row", "rows", "one row", "rows"):
+        shapes: list[tuple[int, int]] = []
+
+        def rows(sizes: list[int], hidden_size: int = 0, one: bool = side == "one row",
+                 shapes: list[tuple[int, int]] = shapes) -> list[tuple[int, int]]:
+            placed = laid_out(sizes, 0 if one else hidden_size)
+            shapes.append((1 + max(r for r, _ in placed), max(o + n for (_, o), n in zip(placed, sizes, strict=True))))
+            return placed
+
+        trainer.batch.packed_rows = rows
+        train_step(model, optimizer, groups, how=how)  # a warm-up
+        seconds = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            stats = train_step(model, optimizer, groups, how=how)
+            seconds.append(time.perf_counter() - start)
+        last = shapes[-len(shapes) // (steps + 1):]  # the last step's micro-batches
+        print(f"{side:8} step {statistics.median(seconds):6.2f} s (median of {steps}), {stats.tokens_forward} "
+              f"sequence positions, micro-batches (rows x length) {last}", flush=True)
+    trainer.batch.packed_rows = laid_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[2],
                         help="the checkout whose trainer is measured")
     parser.add_argument("--time", type=Path, help="time train_step with the model in this directory")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rows", type=int, metavar="LAYERS",
+                        help="time train_step on gsm8k's shapes with one packed row against packed rows, "
+                             "on a model of Qwen2.5-0.5B's width with this many layers")
     args = parser.parse_args()
     sys.path.insert(0, str(args.tree.resolve()))
+    if args.rows:
+        return time_rows(args.rows, args.steps)
     if args.time:
         return time_steps(args.time, args.steps)
     import trainer.batch
 
 
     print(f"tree {args.tree} (trainer.batch from {trainer.batch.__file__})")
-    print(f"{'shapes':6} {'share_prompts':13} {'through':>8} {'sequences':>9} {'ratio':>6} {'rows':>7} "
-          f"{'micro-batches':>13}")
+    print(f"{'shapes':10} {'share_prompts':13} {'through':>8} {'sequences':>9} {'ratio':>6} {'rows':>7} "
+          f"{'pairs (M)':>9} {'micro-batches':>13}")
     for name in SHAPES:
         for share in (True, False):
-            through, own, rows, n = measure(name, share)
-            print(f"{name:6} {str(share):13} {through:8d} {own:9d} {through / own:6.2f} {rows:7d} {n:13d}")
+            through, own, rows, pairs, n = measure(name, share)
+            print(f"{name:10} {str(share):13} {through:8d} {own:9d} {through / own:6.2f} {rows:7d} "
+                  f"{pairs / 1e6:9.1f} {n:13d}")
 
 
 if __name__ == "__main__":

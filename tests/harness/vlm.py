@@ -54,7 +54,7 @@ def sampled_by_runs(engines: dict, tasks: list[PromptTask], *, temperature: floa
 def worst_gap(model, groups: list[SampleGroup], *, temperature: float, share_prompts: bool) -> tuple[float, int]:
     """The largest |trainer - behaviour| log-prob over the groups' trained tokens, and their count."""
     batches = step_batches(groups, micro_batch_size=5, micro_batch_tokens=0, pack=True,
-                           share_prompts=share_prompts)[0].batches
+                           share_prompts=share_prompts, model=model)[0].batches  # the trainer's packing
     worst, tokens = 0.0, 0
     with torch.no_grad():
         for mb in batches:
