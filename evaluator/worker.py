@@ -82,6 +82,23 @@ class EvalWorker(SimpleWorker):
               "again to exit at once)", flush=True)
         super().request_stop(signum, frame)
 
+    def register_death(self):
+        """RQ's record of this worker's end (out of the workers' registry), tried again once on a
+        fresh connection where Redis's reply went wrong: a stop's signal arriving while a reply was
+        being read once left a transaction's answer out of step ("Wrong number of response items")
+        and the evaluator exited 1 after a clean stop. The record is bookkeeping (RQ drops a worker
+        whose key has expired from its registry): if the retry fails too, it is said, not raised."""
+        from redis.exceptions import ConnectionError, ResponseError
+
+        for attempt in (1, 2):
+            try:
+                return super().register_death()
+            except (ResponseError, ConnectionError) as e:
+                self.connection.connection_pool.disconnect()  # every pooled connection afresh
+                if attempt == 2:
+                    print(f"evaluator: could not record this worker's end in Redis ({e}); RQ drops it from "
+                          "its registry when its key expires", flush=True)
+
     def handle_exception(self, job: Job, *exc_info):
         self.interrupted = isinstance(exc_info[1], Interrupted)
         if not self.interrupted:  # a stop is no error: no traceback for it

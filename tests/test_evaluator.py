@@ -308,3 +308,37 @@ def test_the_evaluator_takes_the_cpu_the_trainer_and_generators_leave(nice, tmp_
     finally:
         proc.terminate()
         assert proc.wait(timeout=60) == 0, log.read_text()
+
+
+def test_a_reply_out_of_step_at_the_workers_end_is_retried_and_never_fails_the_stop(redis_url, r, monkeypatch,
+                                                                                   capsys):
+    """RQ records a worker's end in one transaction; a reply out of step there once made a cleanly
+    stopped evaluator exit 1. The record is tried again on a fresh connection (the worker leaves the
+    registry); if that fails too it is said, and the worker's stop still raises nothing."""
+    import redis as redis_py
+    from rq.serializers import JSONSerializer
+    from rq.worker_registration import get_keys
+
+    from evaluator.worker import EvalWorker
+
+    queue = eval_queue(r, Keys(RUN))
+    failures = {"left": 1}
+    execute = redis_py.client.Pipeline.execute
+
+    def flaky(self, *args, **kwargs):
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise redis_py.exceptions.ResponseError("Wrong number of response items from pipeline execution")
+        return execute(self, *args, **kwargs)
+
+    for fail in (1, 2):
+        worker = EvalWorker([queue], connection=r, serializer=JSONSerializer)
+        worker.register_birth()
+        assert worker.key in get_keys(connection=r)
+        failures["left"] = fail
+        monkeypatch.setattr(redis_py.client.Pipeline, "execute", flaky)
+        worker.register_death()  # raises nothing either way
+        monkeypatch.setattr(redis_py.client.Pipeline, "execute", execute)
+        registered = worker.key in get_keys(connection=r)
+        assert registered == (fail == 2), (fail, registered)
+    assert "could not record this worker's end in Redis" in capsys.readouterr().out
