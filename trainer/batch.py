@@ -7,6 +7,8 @@ never a Python list per token. Groups holding lists (built in process) are taken
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -246,17 +248,20 @@ def packed_rows(sizes: list[int], hidden_size: int = 0) -> list[tuple[int, int]]
     row right-padded to the longest (each row's documents in their order). A dense mask computes
     every pair of a row: one row of 8,192 positions holds 3x the pairs of three rows of 2,731,
     two thirds of them between documents that never see each other."""
-    offsets = [sum(sizes[:d]) for d in range(len(sizes))]
+    offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
     if hidden_size <= 0 or len(sizes) < 2:
         return [(0, offset) for offset in offsets]
     order = sorted(range(len(sizes)), key=lambda d: -sizes[d])  # stable: ties keep their order
     best, best_cost = [0] * len(sizes), body_cost(sum(sizes), hidden_size)
     for n in range(2, len(sizes) + 1):
-        fill, row_of = [0] * n, [0] * len(sizes)
+        if n * body_cost(sizes[order[0]], hidden_size) >= best_cost:
+            break  # n rows each as long as the longest document at least: more rows cost more still
+        fill, row_of = [(0, r) for r in range(n)], [0] * len(sizes)  # a heap: the emptiest row, then the first
         for d in order:
-            row_of[d] = min(range(n), key=lambda r: fill[r])
-            fill[row_of[d]] += sizes[d]
-        cost = n * body_cost(max(fill), hidden_size)
+            used, r = heapq.heappop(fill)
+            row_of[d] = r
+            heapq.heappush(fill, (used + sizes[d], r))
+        cost = n * body_cost(max(used for used, _ in fill), hidden_size)
         if cost < best_cost:
             best, best_cost = row_of, cost
     placed, ends = [], [0] * (1 + max(best))

@@ -81,11 +81,12 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
     decoder's) prices attention's pairs for the packing: where shared prompts are cut, and, where
     `model`'s attention takes a dense packed mask, how many packed rows a micro-batch takes."""
     # sequence_logprobs' choice: packed rows where the attention takes a packed mask (no model: as packed)
-    packed_body = model is None or packed_attention(model) is not None
+    impl = packed_attention(model) if model is not None else None
+    packed_body = model is None or impl is not None
     hidden_size = hidden_size or (text_hidden_size(model) if model is not None else 0)
     # an attention computing every pair of a packed row (SDPA's and eager's dense mask): the
     # documents go in a few rows where that is cheaper (trainer/batch.py `packed_rows`)
-    dense_rows = model is not None and PACKED_ATTENTION.get(packed_attention(model) or "") in ("bool", "float")
+    dense_rows = PACKED_ATTENTION.get(impl or "") in ("bool", "float")
     out = []
     for part in mini_batches(groups, parts=parts, micro_batch_size=micro_batch_size,
                              micro_batch_tokens=micro_batch_tokens, estimator=estimator, overlong=overlong,
