@@ -30,6 +30,11 @@ after one warm-up step: seconds and CPU seconds a step, median. Run it once per 
 times `train_step` on gsm8k's shapes, a model of Qwen2.5-0.5B's width with 2 layers, SDPA:
 each micro-batch's documents in one packed row against the rows laid out for a dense mask
 (trainer/batch.py `packed_rows`), in turns (`time_rows`).
+
+    .venv/bin/python ops/bench/packing.py --layout 64 300 600 [--tree DIR]
+
+times the layout itself (`packed_rows`, hidden 896) on one micro-batch of that many documents of
+50-300 positions (short SFT documents under a GPU's token budget), best of 3.
 """
 
 from __future__ import annotations
@@ -171,6 +176,23 @@ def time_rows(layers: int, steps: int) -> None:
     trainer.batch.packed_rows = laid_out
 
 
+def time_layout(counts: list[int]) -> None:
+    import time
+
+    from trainer.batch import packed_rows
+
+    rng = random.Random(0)
+    for n in counts:
+        sizes = [rng.randint(50, 300) for _ in range(n)]
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            placed = packed_rows(sizes, 896)
+            best = min(best, time.perf_counter() - start)
+        print(f"{n:5d} documents, {sum(sizes):7d} positions: {1 + max(r for r, _ in placed):3d} rows, "
+              f"laid out in {best:.3f} s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[2],
@@ -180,8 +202,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, metavar="LAYERS",
                         help="time train_step on gsm8k's shapes with one packed row against packed rows, "
                              "on a model of Qwen2.5-0.5B's width with this many layers")
+    parser.add_argument("--layout", type=int, nargs="+", metavar="DOCUMENTS",
+                        help="time packed_rows on one micro-batch of this many documents (each count given)")
     args = parser.parse_args()
     sys.path.insert(0, str(args.tree.resolve()))
+    if args.layout:
+        return time_layout(args.layout)
     if args.rows:
         return time_rows(args.rows, args.steps)
     if args.time:
