@@ -741,8 +741,9 @@ class CorrectionOptions(_Section):
 
 # Off-policy correction: how the loss treats the gap between the policy that sampled a token (the
 # generator's behaviour log-probs: older weights, another engine, bf16 kernels) and the trainer's
-# policy. pi_prox is the proximal policy: a no-grad pass with the weights at the start of the step
-# (one more forward pass over the batch), taken by each correction whose Options keeps `proximal`.
+# policy. pi_prox is the proximal policy, the weights at the start of the step, taken by each
+# correction whose Options keeps `proximal`: the first update's own forward, detached, and a no-grad
+# pass for each update after it (or for every update of a model with dropout: trainer/step.py).
 CORRECTIONS = _read_options("losses/corrections", CorrectionOptions, suffix="", default="behaviour_clip")
 CorrectionConfig = Annotated[Union[tuple(CORRECTIONS.values())], Field(discriminator="type"),  # noqa: UP007
                              BeforeValidator(_by_type("behaviour_clip"))]

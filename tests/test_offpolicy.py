@@ -200,8 +200,9 @@ def test_the_step_runs_the_proximal_pass_exactly_where_the_correction_declares_i
                                                                                   monkeypatch):
     # Whether a correction takes the proximal pass is written once, in its file (its Options'
     # `proximal`, behaviour_clip's False). Turned the other way, the step follows the declaration
-    # and not the correction's name: no forward pass without gradients where it declares none, one
-    # per micro-batch (as many as the update's passes) where it declares one.
+    # and not the correction's name: no forward pass without gradients where it declares none; where
+    # it declares one, one for each micro-batch of the second update (the first update's weights are
+    # the proximal policy: its log-probs are that update's own, test_the_first_update_...).
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
@@ -213,10 +214,61 @@ def test_the_step_runs_the_proximal_pass_exactly_where_the_correction_declares_i
         monkeypatch.setattr(CORRECTIONS[correction], "proximal", declared)
         passes.update({True: 0, False: 0})
         st = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [group], how=step_args(
-            loss=GrpoLoss(correction={"type": correction})))
+            loss=GrpoLoss(correction={"type": correction}), updates=2))
         assert math.isfinite(st.loss) and st.tokens_trained > 0
-        assert passes[True] >= 1, passes  # the update's forward of each micro-batch
-        assert passes[False] == (passes[True] if declared else 0), (correction, declared, passes)
+        assert passes[True] == 2, passes  # each update's forward of its one micro-batch
+        assert passes[False] == (1 if declared else 0), (correction, declared, passes)
+
+
+@pytest.mark.parametrize("updates", [1, 2])
+def test_the_first_update_takes_its_proximal_log_probs_from_its_own_forward(tiny_model, updates, monkeypatch):
+    # The first update's weights are the step's start, the proximal policy: its log-probs are that
+    # update's own forward's (detached), not a pass of their own, and the update is the one a
+    # separate proximal pass gives. A model whose training forward differs from its no-grad one
+    # (dropout) still gets the pass: test_proximal_pass_runs_with_dropout_off.
+    import trainer.step
+
+    torch.set_num_threads(1)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    rng = random.Random(4)
+    groups = [make_group(base.config.vocab_size, f"o{i}", version=0, rng=rng, shape=(4, [3, 6, 9, 5]))
+              for i in range(2)]  # behaviour log-probs at random: the decoupled weight pi_prox / pi_behav acts
+    how = step_args(loss=GrpoLoss(correction="decoupled", clip_low=0.05, clip_high=0.05), updates=updates,
+                    micro_batch_size=4)
+    after, stats, passes = {}, {}, {}
+    for taken in (False, True):
+        monkeypatch.setattr(trainer.step, "trains_as_it_infers", lambda m, taken=taken: not taken)
+        model = copy.deepcopy(base).train()
+        passes[taken] = 0
+        model.get_input_embeddings().register_forward_pre_hook(
+            lambda *_, taken=taken: passes.__setitem__(taken, passes[taken] + (not torch.is_grad_enabled())))
+        stats[taken] = train_step(model, torch.optim.SGD(model.parameters(), lr=0.5), groups, step=1, how=how)
+        after[taken] = model.state_dict()
+    # two micro-batches in all (of 4 rows: both the one update's, or one each of two updates); the
+    # separate pass runs over both, the first update's own log-probs leave only the second update's
+    assert passes == {True: 2, False: updates - 1}, passes
+    assert stats[False].skipped == stats[True].skipped == 0
+    assert stats[False].loss == pytest.approx(stats[True].loss, abs=1e-6)
+    assert stats[False].policy.tis == pytest.approx(stats[True].policy.tis, abs=1e-6)
+    assert stats[False].mismatch_mean == pytest.approx(stats[True].mismatch_mean, abs=1e-6)
+    assert stats[True].policy.tis != pytest.approx(1.0, abs=1e-3)  # the weight pi_prox / pi_behav acts
+    moved = max((after[True][k] - base.state_dict()[k]).abs().max().item() for k in after[True])
+    assert moved > 1e-3  # the steps did update the weights
+    for name, tensor in after[True].items():
+        torch.testing.assert_close(after[False][name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_model_with_dropout_does_not_train_as_it_infers(tiny_model):
+    from trainer.lora import apply_lora
+    from trainer.step import trains_as_it_infers
+
+    def model(**load):
+        return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, **load)
+
+    assert trains_as_it_infers(model())
+    assert not trains_as_it_infers(model(attention_dropout=0.1))  # applied by `self.training`, no module
+    assert trains_as_it_infers(apply_lora(model(), rank=4, alpha=8.0, dropout=0.0, target_modules=["q_proj"]))
+    assert not trains_as_it_infers(apply_lora(model(), rank=4, alpha=8.0, dropout=0.1, target_modules=["q_proj"]))
 
 
 def test_non_finite_update_is_skipped_not_applied_and_counted(tiny_model, r):

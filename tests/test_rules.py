@@ -193,7 +193,7 @@ def test_the_step_runs_a_proximal_pass_exactly_where_the_loss_takes_its_ratio_ag
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     group = make_group(model.config.vocab_size, "g", version=0, rng=random.Random(0), shape=(4, [3, 5]))
-    passes = []  # the step's no-grad passes of the policy (the proximal one; no probes here)
+    passes = []  # the step's no-grad passes of the policy (the second update's proximal one; no probes here)
 
     def counted(forward, m, mb, entropy=False):
         passes.extend([m] if m is model and not torch.is_grad_enabled() else [])
@@ -203,7 +203,7 @@ def test_the_step_runs_a_proximal_pass_exactly_where_the_loss_takes_its_ratio_ag
     loss = GrpoLoss(correction={"type": correction})
     train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [group], how=GrpoOptions(
         loss=loss, estimator="grpo", overlong="none", overlong_penalty=0.0, micro_batch_size=4, micro_batch_tokens=0,
-        updates=1, max_grad_norm=1.0))  # a loss that needs prox_logp and was given none fails its assert
+        updates=2, max_grad_norm=1.0))  # a loss that needs prox_logp and was given none fails its assert
     assert bool(passes) == takes_proximal(loss) == (correction != "behaviour_clip")
     # the clipped loss takes its ratio against the proximal log-probs exactly then
     x = LossInputs(logp=torch.zeros(1, 2), behaviour_logp=torch.full((1, 2), -1.0), mask=torch.ones(1, 2),

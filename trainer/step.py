@@ -263,10 +263,16 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     forward = partial(sequence_logprobs, temperature=how.temperature, top_k=how.top_k, top_p=how.top_p,
                       chunk_tokens=how.chunk_tokens)
     loss_fn, correction = loss_function(how.loss), correction_of(how.loss)
+    # The first update's proximal policy is the policy it trains (the weights at the step's start):
+    # where the model's training forward computes what its no-grad one does (no dropout), its
+    # log-probs are that forward's own, detached, and the proximal pass over that mini-batch (a
+    # forward over the whole batch at one update) is not run, as verl's actor takes them on policy.
+    first = next((i for i, m in enumerate(minis) if m.tokens), None)
+    own = first if takes_proximal(how.loss) and trains_as_it_infers(model) else None
     model.eval()  # the no-grad passes run with dropout off
     with torch.no_grad():
-        prox = [[log_probs(forward, model, mb)[0] for mb in m.batches] if takes_proximal(how.loss)
-                else [None] * len(m.batches) for m in minis]
+        prox = [[log_probs(forward, model, mb)[0] for mb in m.batches] if takes_proximal(how.loss) and i != own
+                else [None] * len(m.batches) for i, m in enumerate(minis)]
         ref = [[log_probs(forward, ref_model, mb)[0] if ref_model is not None else None for mb in m.batches]
                for m in minis]
         sums, applied = Sums(by_group=np.zeros((len(groups), 2))), 0
@@ -275,14 +281,14 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
     model.train()
     oldest = all_max(max([0] + [step - g.version for g in groups]))
     aux = router_aux_of(model)
-    for mini, mini_prox, mini_ref in zip(minis, prox, ref, strict=True):
+    for i, (mini, mini_prox, mini_ref) in enumerate(zip(minis, prox, ref, strict=True)):
         if mini.tokens == 0:
             continue
         optimizer.zero_grad(set_to_none=True)
         mini_loss = backward_mini(model, mini, mini_prox, mini_ref, sums, loss_fn=loss_fn, correction=correction,
                                   forward=forward, step=step, total_tokens=sum(m.computed for m in minis),
                                   max_new_tokens=how.max_new_tokens, distill_weight=how.distill_weight,
-                                  aux=aux)
+                                  aux=aux, own_prox=i == own)
         grad_norm = clip_and_step(model, optimizer, max_grad_norm=how.max_grad_norm,
                                   loss_finite=math.isfinite(mini_loss))
         if math.isfinite(grad_norm):  # the same on every rank
@@ -316,14 +322,16 @@ def log_probs(forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], 
 def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Tensor | None],
                   ref: list[torch.Tensor | None], sums: Sums, *, loss_fn: Loss, correction: CorrectionConfig,
                   forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]], step: int, total_tokens: int,
-                  max_new_tokens: int, distill_weight: float = 0.0, aux: RouterAux | None = None) -> float:
+                  max_new_tokens: int, distill_weight: float = 0.0, aux: RouterAux | None = None,
+                  own_prox: bool = False) -> float:
     """The loss of one mini-batch, backward micro-batch by micro-batch (the gradients accumulate),
     its stats added to `sums` as shares of `total_tokens`, the step's trained tokens through the
     model (`StepBatches.computed`). With a teacher's log-probs the advantages are per token, less
     `distill_weight` times each token's KL to the teacher (grpo.token_advantages). With `aux` (an
     MoE config asking for it: trainer/moe.py) each micro-batch's loss adds coef x the router's
-    load-balancing loss, weighted by its share of the trained tokens. Returns its loss (this
-    rank's part)."""
+    load-balancing loss, weighted by its share of the trained tokens. With `own_prox` (the step's
+    first update, whose weights are the proximal policy) each micro-batch's proximal log-probs are
+    its own forward's, detached. Returns its loss (this rank's part)."""
     # the loss's stats are shares of the mini-batch's trained tokens (its normaliser), all of which
     # went through the model unless rows of advantage 0 were left out (`computed` < `tokens`)
     share, mini_loss, world = mini.tokens / total_tokens, 0.0, world_size()
@@ -331,6 +339,7 @@ def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Te
         with routed(model, mb):  # held through the backward: a checkpointed block recomputes with the same experts
             with caught_router_logits(model, aux) as routers:
                 logp, entropy = log_probs(forward, model, mb, entropy=True)
+            prox_logp = logp.detach() if own_prox else prox_logp
             advantages = token_advantages(mb.advantages, mb.teacher_kl, distill_weight)
             out = loss_fn(LossInputs(logp=logp, behaviour_logp=mb.behaviour_logp, advantages=advantages,
                                      mask=mb.mask, total_tokens=mini.tokens, total_seqs=mini.seqs,
@@ -352,6 +361,29 @@ def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Te
             sums.teacher_kl += (mb.teacher_kl * taught).sum().item()
             sums.teacher_tokens += taught.sum().item()
     return mini_loss
+
+
+def trains_as_it_infers(model: torch.nn.Module) -> bool:
+    """Whether `model`'s forward in training mode computes what its forward in eval mode does: no
+    dropout module (peft's LoRA dropout among them) with p > 0, and no dropout or router jitter
+    above 0 in any of its configs (transformers applies attention dropout and an MoE router's
+    jitter by `self.training`, without a module)."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return False
+    configs = {id(c): c for m in model.modules() if hasattr(c := getattr(m, "config", None), "to_dict")}
+    return not any(_stochastic(c.to_dict()) for c in configs.values())
+
+
+def _stochastic(settings: dict) -> bool:
+    """Whether a config's settings (sub-configs as nested dicts) set a dropout or jitter above 0."""
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            if _stochastic(value):
+                return True
+        elif (isinstance(key, str) and ("dropout" in key or "jitter" in key) and isinstance(value, int | float)
+              and not isinstance(value, bool) and value > 0):
+            return True
+    return False
 
 
 @contextmanager

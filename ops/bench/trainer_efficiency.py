@@ -24,7 +24,7 @@ tree (from /proc) are printed too: they move much less with the neighbours' load
 
 Prints the ratio stream/bare at the largest world size on its last line.
 
-    .venv/bin/python ops/bench/trainer_efficiency.py --compute [--trees OLD .] [--threads 1]
+    .venv/bin/python ops/bench/trainer_efficiency.py --compute [--trees OLD .] [--threads 1] [--correction decoupled]
 
 instead measures the step against its compute limit, per code tree in turns (a fresh process
 each, that tree's `trainer` imported): its seconds and CPU seconds, the FLOPs of its matrix
@@ -287,9 +287,10 @@ def bare_matmul_s(shapes: list[tuple[str, tuple, tuple]], *, clock, reps: int = 
     return total
 
 
-def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) -> None:
+def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path,
+                   correction: str = "behaviour_clip") -> None:
     """In the tree $BENCH_TREE: `steps` timed trainer steps on the groups (the demo's loss
-    options, micro-batches of 8) after a warm-up, then one step under the matmul recorder and one
+    options with `correction`, micro-batches of 8) after a warm-up, then one step under the matmul recorder and one
     under torch's profiler (neither timed). Writes its figures as JSON to `out`."""
     sys.path.insert(0, os.environ["BENCH_TREE"])  # that tree's trainer, not this file's
     import msgpack
@@ -314,7 +315,8 @@ def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) ->
     def step(k: int) -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()
         train_step(model, optimizer, groups[k * PER_STEP:(k + 1) * PER_STEP], how=GrpoOptions(
-            loss=LossOptions(clip_high=0.28), temperature=0.8, estimator="grpo", overlong="none", overlong_penalty=0.0,
+            loss=LossOptions(clip_high=0.28, correction=correction), temperature=0.8, estimator="grpo", overlong="none",
+            overlong_penalty=0.0,
             micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0, max_new_tokens=24))
         return time.perf_counter() - t0, time.process_time() - c0
 
@@ -345,7 +347,8 @@ def compute_worker(groups_file: Path, *, steps: int, threads: int, out: Path) ->
         "trained": sum(int(mb.mask.sum()) for mb in batches)}))
 
 
-def compute(trees: list[str], *, model_dir: Path, steps: int, threads: int, rounds: int) -> None:
+def compute(trees: list[str], *, model_dir: Path, steps: int, threads: int, rounds: int,
+            correction: str = "behaviour_clip") -> None:
     """Each tree's trainer step against the bare matrix products of the same shapes, in turns
     (A B, B A, ...): achieved FLOP/s, the compute limit, where the rest goes."""
     import msgpack
@@ -361,12 +364,14 @@ def compute(trees: list[str], *, model_dir: Path, steps: int, threads: int, roun
                 env = {**clean_env(), "PYTHONPATH": tree, "BENCH_TREE": tree, "OMP_NUM_THREADS": str(threads)}
                 out = tmp / "out.json"
                 subprocess.run([sys.executable, __file__, "--compute-worker", str(groups_file), "--steps", str(steps),
-                                "--threads", str(threads), "--out", str(out)], env=env, cwd=tree, check=True,
+                                "--threads", str(threads), "--out", str(out), "--correction", correction],
+                               env=env, cwd=tree, check=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 results[tree].append(json.loads(out.read_text()))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"model {model_dir.name}; {PER_STEP} groups x {GROUP} completions a step, micro-batches of 8, "
+          f"correction {correction}, "
           f"{threads} thread(s); {rounds} rounds x {steps} timed steps per tree, in turns")
     medians, cpu_medians = {}, {}
     for tree, runs in results.items():
@@ -415,6 +420,8 @@ def main() -> None:
     ap.add_argument("--trees", nargs="+", default=[str(ROOT)], help="--compute: code trees to measure, in turns")
     ap.add_argument("--threads", type=int, default=1, help="--compute: torch threads")
     ap.add_argument("--rounds", type=int, default=2, help="--compute: turns per tree")
+    ap.add_argument("--correction", default="behaviour_clip",
+                    help="--compute: [trainer.loss.correction]'s type (decoupled, token_mask, ...: a proximal pass)")
     ap.add_argument("--bare-worker", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--compute-worker", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -424,13 +431,14 @@ def main() -> None:
         bare_worker(args.bare_worker, redis_url=args.redis_url, steps=args.steps, lr=args.lr)
         return
     if args.compute_worker is not None:
-        compute_worker(args.compute_worker, steps=args.steps, threads=args.threads, out=args.out)
+        compute_worker(args.compute_worker, steps=args.steps, threads=args.threads, out=args.out,
+                       correction=args.correction)
         return
     if args.compute:
         from common.models import resolve_model_path
 
         compute([str(Path(t).resolve()) for t in args.trees], model_dir=resolve_model_path(args.model),
-                steps=args.steps, threads=args.threads, rounds=args.rounds)
+                steps=args.steps, threads=args.threads, rounds=args.rounds, correction=args.correction)
         return
     assert args.steps >= 2, "--steps must be >= 2: the first step is a warm-up"
     assert all(PER_STEP % w == 0 for w in args.world), f"world sizes must divide {PER_STEP}"
