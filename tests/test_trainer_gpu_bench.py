@@ -172,3 +172,38 @@ def test_flex_attention_is_refused_off_cuda_by_name():
         attention_implementation(torch.device("cpu"), "flex_attention")
     with pytest.raises(ConfigError, match="attention"):
         load_config(bench.GSM8K, env={"ROLLOUTS_TRAINER__ATTENTION": "flash"})
+
+
+def test_profile_splits_each_sides_step_by_what_its_operators_do(tmp_path, capsys):
+    # `--profile`: one more step a side under torch's profiler, its busy time split by part, so that a
+    # sitting says where the trainer's step loses to the bare loop (matmuls, the head's log-softmax,
+    # casts, an idle device) instead of only that it does
+    assert bench.main(["--dry-run", "--profile", "--out", str(tmp_path), "--shapes", "tiny-qwen2",
+                       "--layouts", "grpo-tiny", "--ac", "off", "--mb-tokens", "256"]) == 0
+    printed = capsys.readouterr().out
+    (row,) = json.loads((tmp_path / "trainer_gpu.json").read_text())["rows"]
+    assert set(row["profile"]) == {"trainer", "bare"}
+    for side, p in row["profile"].items():
+        parts = p["parts_s"]
+        assert list(parts) == [name for name, _ in bench.PARTS] + ["rest"]
+        # on a CPU the busy time is the operators' own time: its parts add up to it, within the step
+        assert sum(parts.values()) == pytest.approx(p["busy_s"]) and 0 < p["busy_s"] < p["wall_s"]
+        assert parts["matmuls"] > 0 and parts["attention"] > 0 and parts["optimizer"] > 0, (side, parts)
+        names = [name for name, _ in p["top"]]
+        assert "aten::mm" in names and len(names) <= 10
+        line = next(x for x in printed.splitlines() if x.startswith("| tiny-qwen2 | grpo-tiny | off | 256 | " + side))
+        assert f"{p['wall_s'] * 1e3:,.1f}" in line and f"{p['busy_s'] / p['wall_s']:.0%}" in line
+    assert bench.PROFILE_HEADER in printed and bench.PROFILE_HEADER in (tmp_path / "trainer_gpu.md").read_text()
+    assert row["profile"]["bare"]["parts_s"]["log-softmax and loss"] > 0  # cross-entropy's log-softmax
+
+
+def test_operators_fall_in_the_part_that_does_their_work():
+    assert bench.part_of("aten::mm") == bench.part_of("aten::addmm") == "matmuls"
+    assert bench.part_of("aten::_scaled_dot_product_flash_attention_backward") == "attention"
+    assert bench.part_of("aten::_efficient_attention_forward") == "attention"
+    assert bench.part_of("aten::_log_softmax_backward_data") == bench.part_of("aten::logsumexp") \
+        == "log-softmax and loss"
+    assert bench.part_of("aten::_foreach_addcdiv_") == bench.part_of("aten::_fused_adamw_") == "optimizer"
+    assert bench.part_of("aten::_to_copy") == bench.part_of("aten::copy_") == "casts and copies"
+    # names that only begin like a part's are not in it
+    assert bench.part_of("aten::expand") == bench.part_of("aten::topk") == bench.part_of("aten::mul") == "rest"

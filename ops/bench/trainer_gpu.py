@@ -58,6 +58,14 @@ benchmarks/baselines/benchmark-1xh100-Qwen--Qwen3-0.6B-rl-full-1gpu-Recompute-fl
 16384-cp1-ep1.json; tests/test_trainer_gpu_bench.py checks it). The peak is the GPU's dense bf16
 figure (ops/gpu_check.py `peak_flops`; `--peak-tflops` for another).
 
+`--profile` adds one more step of each side under torch's profiler, after its timed ones, and
+splits it (`profiled_step`): the device's busy time (the sum of its kernels; on a CPU, of its
+operators) against the step's wall time, and that busy time by operator (self time): matrix
+products, attention, the log-softmax and the losses around it, the optimizer, casts and copies,
+the rest; with the ten operators that took the most. Where the trainer falls short of the bare loop,
+the two sides' splits say whether it is its own compute (the head's log-probs in chunks, the
+loss's statistics), casts, or time the device sat idle (host work, synchronisations).
+
 torch.compile is swept here only (each decoder layer compiled in place, `Module.compile`, as
 torchtitan compiles its blocks): the trainer has no compile option yet.
 
@@ -360,10 +368,11 @@ def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, steps: int, compile_backend: str,
-                dtype: str | None = None, attention: str | None = None) -> None:
+                dtype: str | None = None, attention: str | None = None, profile: bool = False) -> None:
     """One row into `out`: the trainer's steps, then the bare loop's on the same model with a fresh
     AdamW (each side's figures in `out` as soon as it is done: a bare loop that runs out of memory
-    leaves the trainer's). `dtype`: model.dtype instead of configs/gsm8k.toml's (bfloat16)."""
+    leaves the trainer's). `dtype`: model.dtype instead of configs/gsm8k.toml's (bfloat16). With
+    `profile`, one more step of each side under the profiler (`profiled_step`) into out["profile"]."""
     from common.config import load_config
     from trainer.checkpoints import adamw
     from trainer.devices import DTYPES, Placement
@@ -388,6 +397,9 @@ def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, ste
                                        warmup=warmup, steps=steps, cuda=cuda)
     out["trainer"] = {"seconds": seconds, "peak_gib": peak, "loss": stats.loss, "grad_norm": stats.grad_norm,
                       "skipped": stats.skipped, "tokens_forward": stats.tokens_forward}
+    if profile:
+        out.setdefault("profile", {})["trainer"] = profiled_step(
+            lambda: train_step(model, optimizer, groups, how=how, step=0), cuda=cuda)
     del optimizer, stats
     optimizer = adamw(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
     batches = bare_batches(groups, mb_tokens=s.mb_tokens, mb_size=s.mb_size, device=device)
@@ -395,6 +407,62 @@ def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, ste
                                       cuda=cuda)
     out["bare"] = {"seconds": seconds, "peak_gib": peak, "loss": loss, "micro_batches": len(batches),
                    "tokens": sum(inputs.numel() for inputs, _ in batches)}
+    if profile:
+        out.setdefault("profile", {})["bare"] = profiled_step(lambda: bare_step(model, optimizer, batches), cuda=cuda)
+
+
+# Operators by what they do, matched on the name's start (after "aten::"), in this order: a step's
+# busy time by part (profiled_step). Anything else is "rest" (elementwise, reductions, indexing).
+PARTS = (
+    ("matmuls", ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "linear", "matmul")),
+    ("attention", ("scaled_dot_product", "_scaled_dot_product", "_flash_attention", "_efficient_attention",
+                   "flex_attention", "_cudnn_attention")),
+    ("log-softmax and loss", ("log_softmax", "_log_softmax", "logsumexp", "softmax", "_softmax", "cross_entropy",
+                              "nll_loss", "gather", "exp", "clamp", "minimum", "where")),
+    ("optimizer", ("_foreach", "_fused_adam", "addcdiv", "addcmul", "lerp")),
+    ("casts and copies", ("copy_", "_to_copy", "to", "clone", "contiguous", "cat", "index_select", "pad")),
+)
+
+
+def part_of(op: str) -> str:
+    """Which of PARTS an operator's name (`aten::mm`, `aten::_log_softmax_backward_data`) falls in."""
+    name = op.removeprefix("aten::")
+    for part, starts in PARTS:
+        if any(name == s or name.startswith(s + "_") or (s.startswith("_") and name.startswith(s)) for s in starts):
+            return part
+    return "rest"
+
+
+def profiled_step(step: Callable[[], Any], *, cuda: bool) -> dict:
+    """One `step()` under torch's profiler: its wall seconds, the device's busy seconds (the sum of
+    its kernels on CUDA; of the operators' own CPU time on a CPU), that busy time by PARTS (each
+    operator's self time) and the ten operators with the most."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    ops = [e for e in events if e.device_type == DeviceType.CPU and e.key.startswith("aten::")]
+
+    def own(e: Any) -> float:  # an operator's self time on the device (its kernels), or on the CPU
+        return (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
+
+    kernels = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
+    parts = dict.fromkeys([p for p, _ in PARTS] + ["rest"], 0.0)
+    for e in ops:
+        parts[part_of(e.key)] += own(e)
+    busy = kernels if cuda and kernels > 0 else sum(parts.values())
+    top = sorted(((e.key, own(e)) for e in ops), key=lambda kv: -kv[1])[:10]
+    return {"wall_s": wall, "busy_s": busy, "parts_s": parts, "top": [[k, v] for k, v in top if v > 0]}
 
 
 # --------------------------------------------------------------------------- figures
@@ -458,6 +526,24 @@ def table(rows: list[dict]) -> str:
             f"| {number(r.get('mfu_6n'), '.1%')} | {number(r.get('mfu_attention'), '.1%')} "
             f"| {number((r.get('trainer') or {}).get('peak_gib'), '.1f')} "
             f"| {number(r.get('bare_tokens_per_s'), ',.0f')} | {number(r.get('ratio'), '.2f')} | {note} |")
+    return "\n".join(lines)
+
+
+PROFILE_HEADER = ("| shape | layout | AC | mb tokens | side | step ms | busy | " + " | ".join(
+    [p for p, _ in PARTS] + ["rest"]) + " |")
+
+
+def profile_table(rows: list[dict]) -> str:
+    """Each profiled step's wall time, the device's busy share of it, and the busy time by part
+    (shares of the wall time: what is left of 100% beside `busy` the device sat idle)."""
+    lines = [PROFILE_HEADER, "|" + "---|" * (PROFILE_HEADER.count("|") - 1)]
+    for r in rows:
+        s = r["setting"]
+        for side, p in (r.get("profile") or {}).items():
+            wall = p["wall_s"]
+            lines.append(f"| {s['shape']} | {s['layout']} | {'on' if s['ac'] else 'off'} | {s['mb_tokens']} | {side} "
+                         f"| {wall * 1e3:,.1f} | {p['busy_s'] / wall:.0%} | "
+                         + " | ".join(f"{v / wall:.1%}" for v in p["parts_s"].values()) + " |")
     return "\n".join(lines)
 
 
@@ -527,7 +613,7 @@ def targets(rows: list[dict], *, device: str, dry_run: bool) -> list[dict]:
 
 def sweep(plan: list[Setting], *, device: torch.device, peak: float | None, warmup: int, steps: int,
           max_seconds: float, compile_backend: str, started: float, report: Callable[[list[dict]], None],
-          dtype: str | None = None, attention: str | None = None) -> list[dict]:
+          dtype: str | None = None, attention: str | None = None, profile: bool = False) -> list[dict]:
     """Each setting of `plan` run (or skipped, with the reason) in turn; `report(rows)` after each."""
     import torch
 
@@ -551,7 +637,7 @@ def sweep(plan: list[Setting], *, device: torch.device, peak: float | None, warm
             t0 = time.monotonic()
             try:
                 run_setting(s, row, device=device, warmup=warmup, steps=steps, compile_backend=compile_backend,
-                            dtype=dtype, attention=attention)
+                            dtype=dtype, attention=attention, profile=profile)
             except torch.cuda.OutOfMemoryError as err:
                 side = "the bare loop" if "trainer" in row else "the trainer"
                 row.update(status="out of memory", reason=f"{side}: {str(err).splitlines()[0][:160]}")
@@ -564,7 +650,7 @@ def sweep(plan: list[Setting], *, device: torch.device, peak: float | None, warm
             if row["status"] == "ran":
                 timed = sum(row["trainer"]["seconds"]) + sum(row["bare"]["seconds"])
                 rate[s.shape] = max(rate.get(s.shape, 0.0), timed / row_flops(s, steps=steps))
-                besides = row["seconds"] - timed * (warmup + steps) / steps
+                besides = row["seconds"] - timed * (warmup + steps + profile) / steps
                 overhead[s.compile] = max(overhead.get(s.compile, 0.0), besides)
             if device.type == "cuda":  # what the row held (an out-of-memory's traceback too) goes back
                 gc.collect()
@@ -600,6 +686,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention", choices=["sdpa", "flex_attention"], default=None,
                    help="trainer.attention (default configs/gsm8k.toml's); flex_attention on CUDA only")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for compile=on rows")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step a side under torch's profiler: busy time by part (matmuls, attention, ...)")
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="sweep these instead of the default plan")
     p.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=["packed16k"])
     p.add_argument("--ac", nargs="+", choices=["on", "off"], default=["on"])
@@ -650,18 +738,22 @@ def sweep_and_report(args: argparse.Namespace, *, device: torch.device, started:
                 "layouts": {k: asdict(v) | {"row": v.row, "tokens": v.tokens} for k, v in LAYOUTS.items()},
                 "rows": rows, "targets": met, "fastest": fastest(rows)}
         (args.out / "trainer_gpu.json").write_text(json.dumps(data, indent=1, default=str))
-        (args.out / "trainer_gpu.md").write_text(table(rows) + "\n")
+        (args.out / "trainer_gpu.md").write_text(table(rows) + "\n" + (
+            "\n" + profile_table(rows) + "\n" if args.profile else ""))
 
     print(f"trainer_gpu: {len(plan)} rows on {info['device']} ({device.type}), {args.warmup} warm-up + "
           f"{args.steps} timed steps a side, --max-seconds {args.max_seconds:g}", flush=True)
     rows = sweep(plan, device=device, peak=peak, warmup=args.warmup, steps=args.steps, max_seconds=args.max_seconds,
                  compile_backend=args.compile_backend, started=started, report=report, dtype=args.dtype,
-                 attention=args.attention)
+                 attention=args.attention, profile=args.profile)
     met = targets(rows, device=info["device"], dry_run=args.dry_run)
     report(rows, met)
     print()
     print(table(rows))
     print()
+    if args.profile:
+        print(profile_table(rows))
+        print()
     for t in met:
         verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
         print(f"target: {t['target']}: {verdict}: {t['why']}")
