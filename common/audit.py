@@ -39,13 +39,15 @@ def _unread_copies(r: redis.Redis, keys: Keys) -> int:
                 keys.samples, TRAINER_GROUP, min="-", max="+", count=info["pending"])}
     start, copies, unread = (min(unacked, key=entry_key) if unacked else b"(" + delivered), 0, set()
     while entries := r.xrange(keys.samples, min=start, count=1000):
-        for entry_id, fields in entries:
-            if entry_key(entry_id) <= entry_key(delivered) and entry_id not in unacked:
-                continue  # acknowledged
-            gid = peek_id(fields.get(PAYLOAD, b""))
-            if gid is not None:
-                copies += gid in unread or r.zscore(keys.trained, gid) is not None
-                unread.add(gid)
+        gids = [gid for entry_id, fields in entries
+                if not (entry_key(entry_id) <= entry_key(delivered) and entry_id not in unacked)  # acknowledged
+                and (gid := peek_id(fields.get(PAYLOAD, b""))) is not None]
+        ids = list(dict.fromkeys(gids))
+        trained = {gid for gid, score in zip(ids, r.zmscore(keys.trained, ids) if ids else [], strict=True)
+                   if score is not None}  # one round trip a thousand entries
+        for gid in gids:
+            copies += gid in unread or gid in trained
+            unread.add(gid)
         start = b"(" + entries[-1][0]
     return copies
 
