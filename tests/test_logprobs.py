@@ -20,17 +20,17 @@ def batch(tiny_model):
     return model, ids[:, :-1], mask[:, :-1], ids[:, 1:]
 
 
-@pytest.mark.parametrize("chunk_tokens", [1, 7, 4096])
-def test_chunked_logprobs_and_entropy_equal_the_full_logits(batch, chunk_tokens):
+@pytest.mark.parametrize(("chunk_tokens", "temperature"), [(1, 0.7), (7, 0.7), (4096, 0.7), (7, 1.0)])
+def test_chunked_logprobs_and_entropy_equal_the_full_logits(batch, chunk_tokens, temperature):
     model, inputs, attn, targets = batch
     logits = model(input_ids=inputs, attention_mask=attn, use_cache=False).logits
-    want = token_logprobs(logits, targets, 0.7)
-    want_entropy = token_entropy(logits, 0.7)
+    want = token_logprobs(logits, targets, temperature)
+    want_entropy = token_entropy(logits, temperature)
     (want * attn).sum().backward()
     want_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
 
-    got, entropy = sequence_logprobs(model, inputs, attn, targets, temperature=0.7, entropy=True,
+    got, entropy = sequence_logprobs(model, inputs, attn, targets, temperature=temperature, entropy=True,
                                      chunk_tokens=chunk_tokens)
     (got * attn).sum().backward()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
