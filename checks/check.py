@@ -39,7 +39,7 @@ from producers.data import Skipped, choose
 from producers.main import sources_at
 from trainer.batch import MicroBatch
 from trainer.checkpoints import adapted_model, placed_model
-from trainer.devices import placement, trainer_device
+from trainer.devices import DTYPES, placement, resolve_attention, trainer_device
 from trainer.logprobs import sequence_logprobs
 from trainer.memory import Choice, Estimate
 from trainer.memory import choose as choose_checkpointing
@@ -261,8 +261,14 @@ def defaults_line(config: Config, choice: Choice, peak: Estimate | None) -> str:
     tokens = f"micro_batch_tokens {cfg.micro_batch_tokens}" if cfg.micro_batch_tokens else \
         f"micro_batch_tokens 0 (no limit: micro_batch_size {cfg.micro_batch_size} rows)"
     planned = f" (estimated at micro-batches of {peak.positions} positions)" if peak is not None else ""
-    return (f"trainer    {choice.line()}, {tokens}{planned}, attention {cfg.attention}, "
+    return (f"trainer    {choice.line()}, {tokens}{planned}, attention {attention_line(config)}, "
             f"{'packed' if cfg.pack_sequences else 'padded'} micro-batches")
+
+
+def attention_line(config: Config) -> str:
+    """trainer.attention as the trainer resolves it on this host (trainer/devices.py), "auto"'s choice named."""
+    chosen = resolve_attention(trainer_device(), config.trainer.attention, DTYPES[config.model.dtype])
+    return f"{chosen} (auto)" if config.trainer.attention == "auto" else chosen
 
 
 def figure_lines(config: Config, sampled: Sampled, mismatch: Mismatch, *, template: Template | None,

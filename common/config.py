@@ -849,15 +849,20 @@ class TrainerConfig(_Section):
     # padding, each attending only to itself (a document mask; position ids restart at each):
     # the same log-probs and update as right-padded rows, every position a token. Micro-batches
     # are balanced by tokens, within a rank and across ranks (the same count each). Needs
-    # attention taking a packed mask (sdpa, eager, flex_attention) and no sliding window; other
+    # attention taking a packed mask (sdpa, eager, flex_attention, varlen) and no sliding window; other
     # models take right-padded rows, as false does.
     pack_sequences: bool = True
-    # The attention packed micro-batches compute with. "sdpa": the model's own SDPA with a dense
-    # (L, L) document mask, no compiling. "flex_attention" (CUDA only): a BlockMask computing
-    # only the blocks each sequence sees, in kernels torch.compile builds for each new shape: on
-    # one H200 (docs/gpu.md) the first two steps on varying lengths took 40 s and 20 s of compiling,
-    # then 0.3 s each; a run of the built-in model did not finish its first step in 2 minutes.
-    attention: Literal["sdpa", "flex_attention"] = "sdpa"
+    # The attention packed micro-batches compute with. "varlen": each document (a shared prompt's
+    # further completions as sequences of their own over the prompt's keys) a causal sequence of
+    # FlashAttention's varlen kernel (trainer/varlen.py; CUDA in bf16 or fp16, no extra package),
+    # computing only each document's pairs; elsewhere SDPA a sequence at a time. "sdpa": the
+    # model's own SDPA with a dense (L, L) document mask, no compiling. "flex_attention" (CUDA
+    # only): a BlockMask computing only the blocks each sequence sees, in kernels torch.compile
+    # builds for each new shape: on one H200 (docs/gpu.md) the first two steps on varying lengths
+    # took 40 s and 20 s of compiling, then 0.3 s each. "auto": varlen where its flash kernel
+    # computes and matches the reference on the trainer's GPU (checked once at start-up), else
+    # sdpa (the CPU, float32); the trainer's first lines and `rollouts check` say which.
+    attention: Literal["auto", "sdpa", "flex_attention", "varlen"] = "auto"
     # Completions whose advantage is 0 (every one of a group that scored alike) add nothing to the
     # update of a built-in loss without a KL term: leave them out of the forward and backward
     # passes. The loss is still normalised by every trained token, so the update is the same; the

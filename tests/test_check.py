@@ -77,7 +77,8 @@ def test_a_right_config_passes_with_its_figures(tmp_path, tiny_model):
     [trainer] = [line for line in lines if line.startswith("trainer    ")]
     found = re.fullmatch(r"trainer    activation checkpointing off \(auto: off on the cpu; about ([\d.e+-]+) GiB "
                          r"without it\), micro_batch_tokens 0 \(no limit: micro_batch_size 8 rows\) \(estimated "
-                         r"at micro-batches of (\d+) positions\), attention sdpa, packed micro-batches", trainer)
+                         r"at micro-batches of (\d+) positions\), attention sdpa \(auto\), packed micro-batches",
+                         trainer)
     assert found and float(found[1]) > 0, trainer
     assert int(found[2]) == 8 * 2 * 16  # 8 rows of twice max_new_tokens (a prompt up to as long)
     assert lines[-1].startswith("check: ok (mean |log-ratio| ")
@@ -299,25 +300,19 @@ def test_the_memory_line_by_hand():
         "forward and backward of 500 positions on cuda, scaled to 4000)")
 
 
-def test_the_checks_model_computes_attention_as_the_trainer_places_it(tiny_model, monkeypatch):
+def test_the_checks_model_computes_attention_as_the_trainer_places_it(tiny_model):
     """trainer.attention reaches the model the check measures (its log-probs and memory), as it
-    reaches the trainer's, LoRA's included; eager stands in for flex_attention (CUDA only) on the CPU."""
-    import trainer.devices
-    import trainer.loading
+    reaches the trainer's, LoRA's included: "varlen" (trainer/varlen.py) computes on the CPU too."""
     from checks.check import open_trainer_model
     from common.config import config_from_dict
     from trainer.logprobs import packed_attention
+    from trainer.varlen import VARLEN
 
-    def stand_in(device, attention="sdpa"):
-        return "eager" if attention == "flex_attention" else None
-
-    monkeypatch.setattr(trainer.devices, "attention_implementation", stand_in)
-    monkeypatch.setattr(trainer.loading, "attention_implementation", stand_in)
     for lora in ({}, {"lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}}):
         def opened(attention: str, lora=lora):
             config = config_from_dict({"model": {"path": str(tiny_model)},
                                        "trainer": {"attention": attention, **lora}})
             return open_trainer_model(config, checkpointing=False)
 
-        assert packed_attention(opened("flex_attention")) == "eager", lora
+        assert packed_attention(opened("varlen")) == VARLEN, lora
         assert packed_attention(opened("sdpa")) == "sdpa", lora  # the model's own, as the trainer's

@@ -153,13 +153,13 @@ def test_a_lora_models_packed_log_probs_are_its_padded_rows(tiny_model):
     assert packed.abs().sum() > 0 and (padded - base).abs().max() > 1e-3  # the adapters act on both
 
 
-def test_a_lora_model_computes_attention_as_the_trainer_places_it(tiny_model, monkeypatch):
-    # trainer.attention = "flex_attention" (CUDA only) reaches the model through with_attention; eager
-    # stands in for it on the CPU: the LoRA model is placed with it, as the full model is.
+def test_a_lora_model_computes_attention_as_the_trainer_places_it(tiny_model):
+    # trainer.attention = "varlen" reaches the model through with_attention: the LoRA model is
+    # placed with it, as the full model is
     import trainer.loading
+    from trainer.varlen import VARLEN
 
-    monkeypatch.setattr(trainer.loading, "attention_implementation", lambda device, attention: "eager")
-    where = Placement(device=torch.device("cpu"), dtype=torch.float32, master_fp32=True)
+    where = Placement(device=torch.device("cpu"), dtype=torch.float32, master_fp32=True, attention="varlen")
     full = trainer.loading.placed_model(tiny_model, where)
     lora = adapted_model(tiny_model, where, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
-    assert packed_attention(full) == packed_attention(lora) == "eager"
+    assert packed_attention(full) == packed_attention(lora) == VARLEN

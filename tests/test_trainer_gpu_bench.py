@@ -166,7 +166,7 @@ def test_flex_attention_is_refused_off_cuda_by_name():
     from common.config import ConfigError, load_config
     from trainer.devices import attention_implementation
 
-    assert load_config(bench.GSM8K, env={}).trainer.attention == "sdpa"  # the default: no compiling
+    assert load_config(bench.GSM8K, env={}).trainer.attention == "auto"  # varlen on a GPU, else sdpa: no compiling
     assert attention_implementation(torch.device("cpu"), "sdpa") is None
     with pytest.raises(ConfigError, match=r"trainer.attention = 'flex_attention' needs CUDA.*use 'sdpa'"):
         attention_implementation(torch.device("cpu"), "flex_attention")

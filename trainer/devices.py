@@ -42,20 +42,44 @@ def backend_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def attention_implementation(device: torch.device, attention: str = "sdpa") -> str | None:
-    """The attention the trainer's models compute with on `device` (`trainer.attention`; None: the
-    model's own, SDPA where transformers has it, with the dense mask of a packed micro-batch).
+ATTENTIONS = ("auto", "sdpa", "flex_attention", "varlen")
+
+
+def resolve_attention(device: torch.device, attention: str = "sdpa", dtype: torch.dtype = torch.float32) -> str:
+    """`trainer.attention` for a trainer computing in `dtype` on `device`: "sdpa", "flex_attention" or
+    "varlen". "auto": "varlen" where its flash kernel computes (CUDA, bf16 or fp16) and matches the
+    reference on this device (trainer/varlen.py `flash_failure`, checked once), else "sdpa".
     "flex_attention" on CUDA only: its BlockMask (trainer/logprobs.py `Packed.attention`) computes
     only the blocks each document sees, in kernels compiled for each new shape; eager flex
-    attention has no backward on the CPU."""
-    if attention == "sdpa":
-        return None
-    if attention != "flex_attention":
-        raise ValueError(f"trainer.attention must be 'sdpa' or 'flex_attention', got {attention!r}")
-    if device.type != "cuda":
+    attention has no backward on the CPU. "varlen" anywhere: the flash kernel where it computes,
+    elsewhere SDPA a sequence at a time; refused on CUDA in bf16 or fp16 where the kernel fails
+    its check."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"trainer.attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    if attention == "flex_attention" and device.type != "cuda":
         raise ConfigError(f"trainer.attention = 'flex_attention' needs CUDA; this trainer runs on {device.type}: "
                           "use 'sdpa'")
-    return "flex_attention"
+    if attention in ("sdpa", "flex_attention"):
+        return attention
+    from trainer.varlen import FLASH_DTYPES, flash_failure
+
+    failure = flash_failure(device, dtype)
+    if attention == "auto":
+        return "sdpa" if failure else "varlen"
+    if failure and device.type == "cuda" and dtype in FLASH_DTYPES:
+        raise ConfigError(f"trainer.attention = 'varlen': {failure}; use 'sdpa'")
+    return "varlen"
+
+
+def attention_implementation(device: torch.device, attention: str = "sdpa",
+                             dtype: torch.dtype = torch.float32) -> str | None:
+    """The attention implementation the trainer's models compute with (`resolve_attention`'s choice;
+    None: the model's own, SDPA where transformers has it, with the dense mask of a packed
+    micro-batch)."""
+    from trainer.varlen import VARLEN
+
+    chosen = resolve_attention(device, attention, dtype)
+    return {"sdpa": None, "flex_attention": "flex_attention", "varlen": VARLEN}[chosen]
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -90,7 +114,7 @@ class Placement:
     dtype: torch.dtype  # model.dtype: forward and backward run in it; checkpoints are published in it
     master_fp32: bool  # keep float32 weights and AdamW state under a lower dtype (mixed precision)
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
-    attention: str = "sdpa"  # trainer.attention: what packed micro-batches compute attention with
+    attention: str = "sdpa"  # trainer.attention resolved (resolve_attention): what packed micro-batches compute with
 
     def __post_init__(self) -> None:
         assert isinstance(self.activation_checkpointing, bool), (
@@ -108,6 +132,6 @@ def placement(*, dtype: str, master_fp32: bool, activation_checkpointing: bool,
     """This process's placement: its device (trainer_device) and the config's precision and attention."""
     assert dtype in DTYPES, f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}"
     device = trainer_device()
-    attention_implementation(device, attention)  # refused here, before any model is read
+    attention = resolve_attention(device, attention, DTYPES[dtype])  # refused here, before any model is read
     return Placement(device=device, dtype=DTYPES[dtype], master_fp32=master_fp32,
                      activation_checkpointing=activation_checkpointing, attention=attention)

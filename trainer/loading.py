@@ -57,7 +57,7 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
 
 def with_attention(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
     """`model` computing attention as the trainer does where `where` says (devices.attention_implementation)."""
-    impl = attention_implementation(where.device, where.attention)
+    impl = attention_implementation(where.device, where.attention, where.dtype)
     if impl is not None:
         model.set_attn_implementation(impl)
     return model

@@ -29,7 +29,7 @@ computes only the blocks a document sees instead of L x L pairs.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -37,6 +37,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torch.utils.checkpoint import checkpoint
 
 from trainer.grpo import TRUNCATED_LOGP, truncate
+from trainer.varlen import LAYOUT_KWARG, VARLEN, Varlen, layout, no_mask
 from trainer.vision import showing
 
 
@@ -54,13 +55,17 @@ class Packed:
     # position s * L + l of the packed hidden state that predicts targets[row, t] (0 off completions).
     at: Tensor
     images: tuple[bytes, ...] = ()  # a vision-language model's images, each document's prompt's in order
+    varlen: Varlen | None = None  # the rows as varlen sequences (trainer/varlen.py), made on the host beforehand
 
-    def attention(self, kind: str) -> Tensor | BlockMask:
+    def attention(self, kind: str) -> Tensor | BlockMask | Varlen:
         """The attention mask: a position sees the earlier positions of its own document that are
         its prompt or its own completion; padding sees itself only (no row all masked: no NaN).
         `kind`: "bool" (S, 1, L, L), True to attend, for SDPA; "float", additive float32 (0 or the
-        float32 minimum), for eager attention; "block", a flex attention BlockMask of the same rule."""
+        float32 minimum), for eager attention; "block", a flex attention BlockMask of the same rule;
+        "varlen", the same rule as variable-length causal sequences (`varlen`, else made here)."""
         docs, seg = self.docs, self.segments
+        if kind == "varlen":
+            return self.varlen if self.varlen is not None else self.with_varlen().varlen
         if kind == "block":
             def sees(b: Tensor, _h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
                 key = seg[b, kv]
@@ -80,8 +85,16 @@ class Packed:
             ~mask, torch.finfo(torch.float32).min)
 
 
+    def with_varlen(self) -> Packed:
+        """These rows with their varlen layout (trainer/varlen.py `layout`), on their device."""
+        from trainer.devices import to_device
+
+        made = layout(self.docs.cpu().numpy(), self.segments.cpu().numpy())
+        return replace(self, varlen=to_device(made, self.docs.device) if self.docs.device.type != "cpu" else made)
+
+
 # attention implementations that take a packed mask, and the mask each takes
-PACKED_ATTENTION = {"sdpa": "bool", "eager": "float", "flex_attention": "block"}
+PACKED_ATTENTION = {"sdpa": "bool", "eager": "float", "flex_attention": "block", VARLEN: "varlen"}
 
 
 def packed_attention(model: torch.nn.Module) -> str | None:
@@ -96,7 +109,7 @@ def packed_attention(model: torch.nn.Module) -> str | None:
     return impl if impl in PACKED_ATTENTION and not windowed else None
 
 
-def final_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
+def final_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | BlockMask | Varlen,
                  position_ids: Tensor | None = None, images: tuple[bytes, ...] = (),
                  prompt_at: Tensor | None = None, pixels: dict[str, Tensor] | None = None,
                  docs: Tensor | None = None) -> Tensor:
@@ -105,10 +118,13 @@ def final_hidden(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tens
     vision-language model's `images` (the sequences' in order) go in as the pixel values its
     processor makes of them, their features in place of the image tokens of the prompt positions
     `prompt_at` (trainer/vision.py `showing`; `docs`: the packed rows' documents, for 3-D positions);
-    `pixels`: those pixel values made beforehand (else here)."""
+    `pixels`: those pixel values made beforehand (else here). `attention_mask` a packed micro-batch's
+    `Varlen`: it goes to each attention call (trainer/varlen.py `attention`) instead of a mask."""
     caught: list[Tensor] = []
     hook = model.get_decoder().register_forward_hook(lambda _m, _a, out: caught.append(out.last_hidden_state))
     extra = {} if position_ids is None else {"position_ids": position_ids}
+    if isinstance(attention_mask, Varlen):
+        extra[LAYOUT_KWARG], attention_mask = attention_mask, no_mask(input_ids.device)
     if getattr(getattr(model, "config", None), "output_router_logits", False):
         # an MoE config asking for the router's loss: trainer/moe.py takes it over the trained
         # positions; the model's own (over its mask's positions) would not take a packed mask

@@ -103,6 +103,8 @@ def start(config: Config) -> tuple[Run, Shutdown]:
     say(f"trainer: {checkpointing.line()}")  # "auto" resolved here, once, from the estimate (trainer/memory.py)
     where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32,
                       activation_checkpointing=checkpointing.on, attention=cfg.attention)
+    say(f"trainer: attention {where.attention}"
+        + (" (auto: trainer.attention chose it on this device)" if cfg.attention == "auto" else ""))
     model, optimizer, scheduler, step = resume(
         r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps,

@@ -282,7 +282,7 @@ def choose(config: Config, *, source_dir: Path, device: torch.device, ranks: int
     estimate with it off (None where the model's shape cannot be read)."""
     from transformers import AutoConfig
 
-    from trainer.devices import DTYPES
+    from trainer.devices import DTYPES, resolve_attention
     from trainer.losses import kl_coef_of
 
     cfg = config.trainer
@@ -296,7 +296,8 @@ def choose(config: Config, *, source_dir: Path, device: torch.device, ranks: int
     if shape is not None:
         positions, sequence = micro_batch_positions(cfg, row=longest_row(config, context=shape.context))
         peak = estimate(shape, positions=positions, sequence=sequence, checkpointing=False, weights=weights,
-                        compute=compute, attention=cfg.attention, chunk_tokens=cfg.logits_chunk_tokens, ranks=ranks,
+                        compute=compute, attention=resolve_attention(device, cfg.attention, DTYPES[config.model.dtype]),
+                        chunk_tokens=cfg.logits_chunk_tokens, ranks=ranks,
                         reference=kl_coef_of(cfg.loss) > 0,
                         image_tokens=micro_batch_image_tokens(shape, cfg, positions=positions,
                                                               max_images=config.limits.max_images))

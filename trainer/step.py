@@ -39,6 +39,7 @@ from trainer.losses.sft import sft_loss
 from trainer.moe import RouterAux, caught_router_logits, load_balancing_loss, replayed_routing, router_aux_of
 from trainer.parallel import all_max, all_sum, any_rank, gather, world_size
 from trainer.stats import Mismatch, StepStats
+from trainer.varlen import VARLEN
 from trainer.vision import pixel_values_of
 
 # The config's defaults, where a caller leaves these out (written once: common/config.py).
@@ -96,6 +97,9 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
         if model is not None:  # before the padding below, which copies the last micro-batch (its pixels too)
             part = part._replace(batches=[with_pixels(mb, model, device) for mb in part.batches],
                                  probes=[with_pixels(mb, model, device) for mb in part.probes])
+        if impl == VARLEN:  # the varlen layout made here on the host, not on the device in each pass
+            part = part._replace(batches=[with_varlen(mb) for mb in part.batches],
+                                 probes=[with_varlen(mb) for mb in part.probes])
         batches = part.batches
         tokens_in = sum(int((mb.packed.segments >= 0).sum()) if mb.packed is not None and packed_body
                         else int(mb.attention_mask.sum()) for mb in batches)  # the positions the body runs
@@ -112,6 +116,11 @@ def step_batches(groups: list[SampleGroup], *, micro_batch_size: int, micro_batc
         out.append(StepBatches(batches=batches, tokens=tokens, seqs=seqs, tokens_in=tokens_in, rows=rows,
                                computed=computed, probes=probes))
     return out
+
+
+def with_varlen(mb: MicroBatch) -> MicroBatch:
+    """`mb` with its packed rows' varlen layout (trainer/varlen.py), or as it is where not packed."""
+    return mb if mb.packed is None else replace(mb, packed=mb.packed.with_varlen())
 
 
 def text_hidden_size(model: torch.nn.Module) -> int:

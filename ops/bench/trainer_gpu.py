@@ -683,8 +683,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, for a GPU ops/gpu_check.py lacks")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
                    help="model.dtype (default configs/gsm8k.toml's bfloat16; dry run float32: bf16 is slow on a CPU)")
-    p.add_argument("--attention", choices=["sdpa", "flex_attention"], default=None,
-                   help="trainer.attention (default configs/gsm8k.toml's); flex_attention on CUDA only")
+    p.add_argument("--attention", choices=["auto", "sdpa", "flex_attention", "varlen"], default=None,
+                   help="trainer.attention (default configs/gsm8k.toml's: auto, varlen on a GPU in bf16); "
+                        "flex_attention on CUDA only")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for compile=on rows")
     p.add_argument("--profile", action="store_true",
                    help="one more step a side under torch's profiler: busy time by part (matmuls, attention, ...)")

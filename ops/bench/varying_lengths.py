@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=sorted(tg.SHAPES), default="qwen2.5-0.5b")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="model.dtype (the demo's: float32)")
-    p.add_argument("--attention", nargs="+", choices=["sdpa", "flex_attention"], default=None,
-                   help="default: both on CUDA, sdpa elsewhere")
+    p.add_argument("--attention", nargs="+", choices=["sdpa", "flex_attention", "varlen"], default=None,
+                   help="default: sdpa, varlen and flex_attention on CUDA, sdpa elsewhere")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--max-seconds", type=float, default=150.0)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "varying_lengths")
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     if args.dry_run:
         args.shape, args.steps = "tiny-qwen2", min(args.steps, 3)
-    attentions = args.attention or (["sdpa", "flex_attention"] if device.type == "cuda" else ["sdpa"])
+    attentions = args.attention or (["sdpa", "varlen", "flex_attention"] if device.type == "cuda" else ["sdpa"])
     deadline = time.monotonic() + args.max_seconds
     runs = [run(a, shape=args.shape, dtype=args.dtype, steps=args.steps, deadline=deadline, device=device)
             for a in attentions]

@@ -1,0 +1,238 @@
+"""Varlen attention (trainer.attention = "varlen", trainer/varlen.py): a packed micro-batch's
+documents as variable-length causal sequences, a shared prompt's further completions as sequences
+of their own over the prompt's keys, give the dense document mask's log-probs, gradients and
+update. On the CPU each sequence goes through SDPA (the kernel is CUDA's); the layout, the keys
+gathered and the attention function around the kernel are the ones CUDA runs. The flash kernel
+itself: `test_the_flash_kernel_matches_the_reference_on_cuda` (marked gpu)."""
+
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import trainer.varlen as varlen
+from common.config import ConfigError, Decoupled, GrpoLoss
+from tests.harness.groups import make_group
+from trainer.batch import collate_packed, group_rows
+from trainer.devices import attention_implementation, resolve_attention
+from trainer.logprobs import packed_attention, sequence_logprobs
+from trainer.step import GrpoOptions, step_batches, train_step
+
+# (prompt length, completion lengths): shared prompts, completions of 1 token (no input position) too
+SHAPES = [(6, [1, 4, 9, 3]), (3, [5, 1, 2, 7]), (9, [2, 2, 6, 1]), (6, [3, 8, 1, 5])]
+
+
+def groups_of(model, shapes=SHAPES, seed: int = 0):
+    rng = random.Random(seed)
+    return [make_group(model, f"g{g}", version=0, rng=rng, shape=shape, partial_mask=True)
+            for g, shape in enumerate(shapes)]
+
+
+def implied_mask(layout: varlen.Varlen, positions: int) -> torch.Tensor:
+    """(positions, positions) bool over the flat positions: what each query attends to under `layout`."""
+    keys = layout.keys if layout.keys is not None else torch.arange(positions)
+    mask = torch.zeros(positions, positions, dtype=torch.bool)
+    for (qa, qb), (ka, kb) in zip(varlen.pairwise(layout.cu_q.tolist()), varlen.pairwise(layout.cu_k.tolist()),
+                                  strict=True):
+        sees = varlen.end_aligned_causal(qb - qa, kb - ka)
+        for i in range(qb - qa):
+            mask[qa + i, keys[ka:kb][sees[i]]] = True
+    return mask
+
+
+@pytest.mark.parametrize("several_rows", [False, True])
+def test_the_varlen_layout_attends_as_the_packed_mask(tiny_model, several_rows):
+    """Every query of a document sees exactly the positions the dense document mask lets it see:
+    shared prompts, completions of one token, documents in several right-padded rows."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    docs = [group_rows(g) for g in groups_of(model)]
+    mb = collate_packed(docs, hidden_size=1 if several_rows else 0)  # a hidden size of 1: pairs cost most
+    packed = mb.packed
+    assert (packed.ids.shape[0] > 1) == several_rows
+    layout = packed.attention("varlen")
+    s, length = packed.ids.shape
+    assert layout.cu_q[-1] == s * length  # every position once, in order
+    assert layout.keys is not None  # shared prompts: their keys gathered for the further completions
+    dense = torch.block_diag(*packed.attention("bool")[:, 0])  # (S L, S L): rows never see each other
+    got = implied_mask(layout, s * length)
+    real = (packed.segments >= 0).reshape(-1)
+    assert torch.equal(got[real], dense[real])
+    # one completion a document: plain causal sequences, no keys gathered
+    single = collate_packed([[row] for rows_ in docs for row in rows_[:1]]).packed.attention("varlen")
+    assert single.keys is None and torch.equal(single.cu_q, single.cu_k)
+
+
+def test_a_wrong_alignment_is_not_the_packed_mask(tiny_model, monkeypatch):
+    """The check above fails where further completions' queries align to the start of their keys
+    (a causal mask's other convention): they would see the prompt's first positions only."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    packed = collate_packed([group_rows(g) for g in groups_of(model)]).packed
+    layout = packed.attention("varlen")
+    real, dense = (packed.segments >= 0).reshape(-1), packed.attention("bool")[0, 0]
+    assert torch.equal(implied_mask(layout, dense.shape[0])[real], dense[real])
+    monkeypatch.setattr(varlen, "end_aligned_causal",
+                        lambda queries, keys, device=None: torch.ones(queries, keys, dtype=torch.bool).tril())
+    assert not torch.equal(implied_mask(layout, dense.shape[0])[real], dense[real])
+
+
+def opened(tiny_model, attention: str) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    impl = attention_implementation(torch.device("cpu"), attention)
+    if impl is not None:
+        model.set_attn_implementation(impl)
+    return model
+
+
+@pytest.mark.parametrize("sampler", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_varlen_logprobs_and_gradients_equal_the_dense_masks(tiny_model, sampler):
+    dense, model = opened(tiny_model, "sdpa"), opened(tiny_model, "varlen")
+    assert packed_attention(dense) == "sdpa" and packed_attention(model) == varlen.VARLEN
+    mb = collate_packed([group_rows(g) for g in groups_of(dense)])
+    weights = torch.randn(mb.mask.shape) * mb.mask
+
+    def run(m, packed):
+        m.zero_grad()
+        logp, entropy = sequence_logprobs(m, mb.input_ids, mb.attention_mask, mb.targets, entropy=True,
+                                          chunk_tokens=5, positions=mb.trained_at, packed=packed, **sampler)
+        (logp * weights).sum().backward()
+        return logp.detach(), entropy, [p.grad.clone() for p in m.parameters()]
+
+    calls = []
+    kernel = varlen.attend
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    want, want_entropy, want_grads = run(dense, mb.packed)
+    varlen.attend = counted
+    try:
+        got, entropy, grads = run(model, mb.packed)
+    finally:
+        varlen.attend = kernel
+    assert len(calls) == model.config.num_hidden_layers  # every layer went through the varlen sequences
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-5)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert got.abs().sum() > 0 and any(g.abs().sum() > 0 for g in grads)
+
+
+def test_a_varlen_model_without_a_layout_computes_as_sdpa(tiny_model):
+    """Right-padded rows (pack_sequences = false, a model run outside the trainer's passes) carry
+    no layout: the model computes as SDPA with the mask transformers makes, padding included."""
+    dense, model = opened(tiny_model, "sdpa"), opened(tiny_model, "varlen")
+    mb = collate_packed([group_rows(g) for g in groups_of(dense)])
+    want = dense(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    got = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    real = mb.attention_mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
+
+
+def grpo(**kw) -> GrpoOptions:
+    base = dict(loss=GrpoLoss(correction=Decoupled()), temperature=1.0, estimator="grpo", overlong="none",
+                overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=40, updates=2, max_grad_norm=1.0,
+                pack=True, share_prompts=True)
+    return GrpoOptions(**{**base, **kw})
+
+
+def test_a_varlen_step_gives_the_dense_masks_update(tiny_model):
+    """The trainer's own step (its batching: the layout made on the host, one packed row a
+    micro-batch) under varlen attention: the weights of the dense mask's steps to 1e-5."""
+    groups = groups_of(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+
+    def trained(attention: str):
+        torch.manual_seed(0)
+        model = opened(tiny_model, attention)
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for step in range(2):
+            train_step(model, opt, groups, how=grpo(), step=step)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, before
+
+    model = opened(tiny_model, "varlen")
+    (mini,) = step_batches(groups, micro_batch_size=8, micro_batch_tokens=40, pack=True, model=model)
+    assert all(mb.packed.varlen is not None and mb.packed.ids.shape[0] == 1 for mb in mini.batches)
+    (got, before), (want, _) = trained("varlen"), trained("sdpa")
+    diff = max((got[k] - want[k]).abs().max().item() for k in got)
+    moved = max((want[k] - before[k]).abs().max().item() for k in got)
+    assert diff < 1e-5 and moved > 1e-4, (diff, moved)
+
+
+def test_auto_takes_varlen_only_where_its_flash_kernel_passes_its_check(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_attention(cpu, "auto", torch.bfloat16) == "sdpa"  # no flash kernel on the CPU
+    assert resolve_attention(cpu, "varlen", torch.float32) == "varlen"  # SDPA a sequence at a time
+    assert varlen.flash_failure(cpu) == "the flash kernel runs on CUDA; this is cpu"
+    failure = {"why": None}
+    monkeypatch.setattr(varlen, "flash_failure", lambda device, dtype: failure["why"] or (
+        None if dtype in varlen.FLASH_DTYPES else "float32"))
+    assert resolve_attention(cuda, "auto", torch.bfloat16) == "varlen"
+    assert resolve_attention(cuda, "auto", torch.float32) == "sdpa"
+    assert attention_implementation(cuda, "auto", torch.bfloat16) == varlen.VARLEN
+    failure["why"] = "the flash kernel's output differs from the reference by 0.5"
+    assert resolve_attention(cuda, "auto", torch.bfloat16) == "sdpa"
+    with pytest.raises(ConfigError, match="differs from the reference by 0.5; use 'sdpa'"):
+        resolve_attention(cuda, "varlen", torch.bfloat16)
+    with pytest.raises(ValueError, match="trainer.attention must be one of"):
+        resolve_attention(cpu, "flash")
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_kernels_check_names_a_kernel_that_attends_wrongly(monkeypatch, broken):
+    """`kernel_failure`, the comparison `flash_failure` makes on CUDA, run on the CPU with stand-in
+    kernels: SDPA a sequence at a time passes; start-aligned causal masks (a kernel whose causal
+    rule differs for fewer queries than keys) are named."""
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        if not broken:
+            return varlen.reference(q, k, v, cu_q, cu_k, scale)
+        original = varlen.end_aligned_causal
+        varlen.end_aligned_causal = lambda n, m, device=None: torch.ones(n, m, dtype=torch.bool).tril()
+        try:
+            return varlen.reference(q, k, v, cu_q, cu_k, scale)
+        finally:
+            varlen.end_aligned_causal = original
+
+    monkeypatch.setattr(varlen._Flash, "apply", stand_in)
+    monkeypatch.setattr(varlen, "flash_takes", lambda q, k: q.dtype == torch.bfloat16)
+    got = varlen.kernel_failure(torch.device("cpu"), torch.bfloat16)
+    if broken:
+        assert got is not None and got.startswith("the flash kernel's output differs from the reference by"), got
+    else:
+        assert got is None
+
+
+@pytest.mark.gpu
+def test_the_flash_kernel_matches_the_reference_on_cuda(tiny_model):
+    """On a GPU: the flash kernel passes its check, and a bf16 model's packed log-probs and
+    gradients under varlen attention are the dense mask's within bf16's rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cuda = torch.device("cuda")
+    assert varlen.flash_failure(cuda, torch.bfloat16) is None
+    models = {}
+    for attention in ("sdpa", "varlen"):
+        m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).to(cuda)
+        impl = attention_implementation(cuda, attention, torch.bfloat16)
+        if impl is not None:
+            m.set_attn_implementation(impl)
+        models[attention] = m
+    mb = collate_packed([group_rows(g) for g in groups_of(models["sdpa"], seed=1)])
+    packed = replace(mb.packed.with_varlen())
+    from trainer.devices import to_device
+
+    mb, packed = to_device(mb, cuda), to_device(packed, cuda)
+    out = {}
+    for name, m in models.items():
+        logp, _ = sequence_logprobs(m, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
+                                    positions=mb.trained_at, packed=packed)
+        logp.sum().backward()
+        out[name] = (logp.detach().float(), [p.grad.float() for p in m.parameters()])
+    torch.testing.assert_close(out["varlen"][0], out["sdpa"][0], rtol=0, atol=0.05)
+    flat = [torch.cat([g.reshape(-1) for g in grads]) for _, grads in (out["varlen"], out["sdpa"])]
+    cos = torch.nn.functional.cosine_similarity(flat[0], flat[1], dim=0).item()
+    assert cos > 0.99, cos
+    assert np.isfinite(cos)

@@ -1,0 +1,245 @@
+"""Packed micro-batches' attention as variable-length sequences: FlashAttention's varlen kernel.
+
+A packed micro-batch (trainer/logprobs.py `Packed`) holds documents end to end: each a prompt,
+then one completion's inputs or, with shared prompts, several completions' one after another,
+each attending to the prompt and to itself only. SDPA takes that as a dense (L, L) mask, which
+keeps it off its flash kernel and computes every pair of the row; here the same rule is a list of
+variable-length causal sequences, the layout the flash kernel takes (`cu_seqlens`, as prime-rl,
+verl and slime pack), so only each sequence's own pairs are computed:
+
+- a prompt and the completion after it: one sequence (the prompt's positions see the prompt's,
+  the completion's see the prompt and itself: plain causal attention);
+- each further completion sharing that prompt: its own queries over the prompt's keys and values
+  followed by its own (`keys`: the flat positions gathered for it), causal with the queries
+  aligned to the end of the keys (the flash kernel's rule for fewer queries than keys: query i
+  sees keys up to i + keys - queries);
+- a run of padding: a sequence of its own (its outputs are read by nothing).
+
+The queries are the packed positions in order, so the output needs no scattering back. On CUDA
+in bf16 or fp16 the sequences go to `torch.ops.aten._flash_attention_forward` and its backward
+(the kernels SDPA's flash path and `torch.nn.attention.varlen` call, present in the torch we
+install on both CPU and CUDA builds; no extra package); anywhere else (the CPU, float32) each
+sequence goes through SDPA with the same end-aligned causal mask (`reference`), which the tests
+hold equal to the dense mask's numbers. `flash_failure` checks the kernel against that reference
+on the device once, forward and backward, before a trainer uses it (trainer/devices.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# transformers' name for this attention (AttentionInterface), set on the trainer's models
+VARLEN = "rollouts_varlen"
+# the keyword the model's forward carries the micro-batch's layout to each attention call under
+LAYOUT_KWARG = "rollouts_varlen_layout"
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, slots=True)
+class Varlen:
+    """A packed micro-batch (S rows of L positions) as N causal sequences over its S * L flat
+    positions: sequence i's queries are flat positions cu_q[i]:cu_q[i + 1] (every position once, in
+    order), its keys and values the flat positions keys[cu_k[i]:cu_k[i + 1]] (None: the queries'
+    own, cu_k = cu_q), its queries aligned to the end of its keys."""
+
+    cu_q: Tensor  # (N + 1,) int32
+    cu_k: Tensor  # (N + 1,) int32
+    keys: Tensor | None  # (K,) int64 flat positions, or None where every sequence's keys are its queries
+    max_q: int
+    max_k: int
+
+
+def layout(docs: np.ndarray, segments: np.ndarray) -> Varlen:
+    """The varlen layout of packed rows whose positions are in `docs` (each position's document,
+    -1 on padding) and `segments` (0 on a document's prompt, j + 1 on its completion j, -1 on
+    padding), both (S, L) as trainer/batch.py `pack` makes them."""
+    docs, segments = np.asarray(docs), np.asarray(segments)
+    assert docs.shape == segments.shape and docs.ndim == 2, f"docs {docs.shape} vs segments {segments.shape}"
+    width = segments.shape[1]
+    queries: list[tuple[int, int]] = []  # each sequence's flat query range
+    keys: list[tuple[tuple[int, int], ...]] = []  # each sequence's key ranges, in order
+    shared = False
+    for s in range(segments.shape[0]):
+        seg, doc, base = segments[s], docs[s], s * width
+        cut = np.flatnonzero((np.diff(doc) != 0) | (np.diff(seg) != 0)) + 1
+        starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [width]])
+        prompt: tuple[int, int] | None = None  # the current document's prompt (flat)
+        joinable = False  # the last sequence is a prompt alone: its first completion joins it
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            run = (base + a, base + b)
+            if seg[a] == 0:  # a prompt: opens its document
+                prompt, joinable = run, True
+                queries.append(run)
+                keys.append((run,))
+            elif seg[a] > 0 and prompt is not None and joinable:  # its first completion: plain causal
+                queries[-1] = (queries[-1][0], run[1])
+                keys[-1] = (queries[-1],)
+                joinable = False
+            elif seg[a] > 0:  # a further completion sharing the prompt
+                assert prompt is not None, f"row {s}: completion positions {a}:{b} follow no prompt"
+                queries.append(run)
+                keys.append((prompt, run))
+                shared = True
+            else:  # padding
+                prompt, joinable = None, False
+                queries.append(run)
+                keys.append((run,))
+    q_lens = [b - a for a, b in queries]
+    k_lens = [sum(b - a for a, b in ranges) for ranges in keys]
+    cu_q = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *np.cumsum(k_lens).tolist()], dtype=torch.int32)
+    index = None
+    if shared:
+        index = torch.from_numpy(np.concatenate([np.arange(a, b) for ranges in keys for a, b in ranges]))
+    return Varlen(cu_q=cu_q, cu_k=cu_k, keys=index, max_q=max(q_lens, default=0), max_k=max(k_lens, default=0))
+
+
+def end_aligned_causal(queries: int, keys: int, device: torch.device | None = None) -> Tensor:
+    """(queries, keys) bool, True to attend: query i sees keys up to i + keys - queries (the flash
+    kernel's causal rule where a sequence has fewer queries than keys)."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, scale: float) -> Tensor:
+    """The varlen attention of `q` (T, H, D) over `k`, `v` (K, Hkv, D) sequence by sequence through
+    SDPA with `end_aligned_causal` masks: (T, H, D). Any device and dtype, with autograd."""
+    outs = []
+    for (qa, qb), (ka, kb) in zip(pairwise(cu_q.tolist()), pairwise(cu_k.tolist()), strict=True):
+        qi, ki, vi = q[qa:qb].transpose(0, 1), k[ka:kb].transpose(0, 1), v[ka:kb].transpose(0, 1)
+        mask = end_aligned_causal(qb - qa, kb - ka, device=q.device)
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
+                                                   enable_gqa=ki.shape[0] != qi.shape[0]).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def pairwise(bounds: list[int]) -> list[tuple[int, int]]:
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+class _Flash(torch.autograd.Function):
+    """FlashAttention's varlen forward and backward (aten's), causal, no dropout: grouped-query
+    keys and values as they are (the kernel takes H a multiple of Hkv)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                scale: float) -> Tensor:
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, offset)
+        ctx.sizes = (max_q, max_k, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
+        max_q, max_k, scale = ctx.sizes
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def flash_takes(q: Tensor, k: Tensor) -> bool:
+    """Whether the flash kernel computes these queries and keys: CUDA, bf16 or fp16, a head size it
+    has (a multiple of 8, at most 256), and query heads a multiple of the key heads."""
+    d = q.shape[-1]
+    return (q.is_cuda and q.dtype in FLASH_DTYPES and k.dtype == q.dtype and d % 8 == 0 and d <= 256
+            and q.shape[1] % k.shape[1] == 0)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float) -> Tensor:
+    """Queries (T, H, D) over keys and values (T, Hkv, D), all of a micro-batch's flat positions,
+    under `varlen`: (T, H, D)."""
+    if varlen.keys is not None:
+        k, v = k[varlen.keys], v[varlen.keys]
+    if flash_takes(q, k):
+        return _Flash.apply(q.contiguous(), k.contiguous(), v.contiguous(), varlen.cu_q, varlen.cu_k,
+                            varlen.max_q, varlen.max_k, scale)
+    return reference(q, k, v, varlen.cu_q, varlen.cu_k, scale)
+
+
+def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+              scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """transformers' attention function (`VARLEN`): query (B, H, L, D), key and value (B, Hkv, L, D)
+    -> (B, L, H, D). With the micro-batch's layout under `LAYOUT_KWARG` (trainer/logprobs.py
+    `final_hidden` passes it) the varlen sequences; without one (right-padded rows, a model run
+    outside the trainer's passes) transformers' SDPA with the mask it made."""
+    varlen = kwargs.pop(LAYOUT_KWARG, None)
+    if varlen is None:
+        assert attention_mask is None or attention_mask.numel() > 0, (
+            "a packed micro-batch's forward reached attention without its varlen layout: this model's forward "
+            "does not pass keyword arguments on to its attention")
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if dropout > 0:
+        raise ValueError(f"varlen attention runs without dropout; this model's attention dropout is {dropout}")
+    b, h, length, d = query.shape
+    scale = scaling if scaling is not None else d ** -0.5
+    q = query.transpose(1, 2).reshape(b * length, h, d)
+    k = key.transpose(1, 2).reshape(b * length, key.shape[1], d)
+    v = value.transpose(1, 2).reshape(b * length, value.shape[1], d)
+    return attend(q, k, v, varlen, scale).view(b, length, h, d), None
+
+
+# the (0, 1, 0, 0) mask a packed forward passes: 4-D, so transformers builds no mask of its own
+# (and a model that dropped the layout fails in `attention` instead of attending to everything)
+def no_mask(device: torch.device) -> Tensor:
+    return torch.ones(0, 1, 0, 0, dtype=torch.bool, device=device)
+
+
+def register() -> None:
+    """`VARLEN` in transformers' attention functions, with SDPA's mask for the forwards that carry
+    no layout."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(VARLEN, attention)
+    AttentionMaskInterface.register(VARLEN, sdpa_mask)
+
+
+register()
+
+
+@functools.cache
+def flash_failure(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why the flash varlen kernel is not to be used on CUDA `device` in `dtype`, or None where its
+    output and its gradients match `reference`'s on a small packed micro-batch with a shared prompt,
+    grouped-query heads and padding: the check a trainer makes once before computing with it."""
+    if device.type != "cuda":
+        return f"the flash kernel runs on CUDA; this is {device.type}"
+    if dtype not in FLASH_DTYPES:
+        return f"the flash kernel computes in bf16 or fp16; this trainer computes in {dtype}"
+    return kernel_failure(device, dtype)
+
+
+def kernel_failure(device: torch.device, dtype: torch.dtype) -> str | None:
+    """`flash_failure`'s comparison: `attend` on `device` in `dtype` against `reference` in float32."""
+    # one row: a prompt of 37 with completions of 29, 41 and 3 positions, a document of 70, padding
+    docs = np.array([[0] * 110 + [1] * 70 + [-1] * 12])
+    segments = np.array([[0] * 37 + [1] * 29 + [2] * 41 + [3] * 3 + [0] * 30 + [1] * 40 + [-1] * 12])
+    varlen = layout(docs, segments)
+    varlen = Varlen(cu_q=varlen.cu_q.to(device), cu_k=varlen.cu_k.to(device), keys=varlen.keys.to(device),
+                    max_q=varlen.max_q, max_k=varlen.max_k)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(192, n, 64, generator=g).to(device, dtype).requires_grad_() for n in (8, 2, 2))
+    grad = torch.randn(192, 8, 64, generator=g).to(device, dtype)
+    try:
+        got = attend(q, k, v, varlen, 0.125)
+        got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    except Exception as e:  # noqa: BLE001 - any failure of the kernel is the answer
+        return f"the flash kernel failed: {type(e).__name__}: {e}"
+    ref = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    want = attend(*ref, varlen, 0.125)
+    want_grads = torch.autograd.grad(want, ref, grad.float())
+    for name, a, b in [("output", got, want), *zip(("dq", "dk", "dv"), got_grads, want_grads, strict=True)]:
+        err = (a.float() - b).abs().max().item()
+        if not err <= 0.05 * max(b.abs().max().item(), 1.0):
+            return f"the flash kernel's {name} differs from the reference by {err:.3g}"
+    return None
