@@ -7,6 +7,7 @@ itself: `test_the_flash_kernel_matches_the_reference_on_cuda` (marked gpu)."""
 
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,6 +79,26 @@ def test_a_wrong_alignment_is_not_the_packed_mask(tiny_model, monkeypatch):
     assert not torch.equal(implied_mask(layout, dense.shape[0])[real], dense[real])
 
 
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, tiny_model) -> Path:
+    """A tiny Qwen3 (query and key norms) with 4 query heads over 2 key heads: keys and values whose
+    heads and positions a wrong reshape would mix (the tiny Llama has one key head)."""
+    from transformers import AutoTokenizer, Qwen3Config
+
+    path = tmp_path_factory.mktemp("qwen3") / "model"
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=AutoTokenizer.from_pretrained(tiny_model).vocab_size + 8, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def family(request, tiny_model, qwen3) -> Path:
+    return {"llama": tiny_model, "qwen3": qwen3}[request.param]
+
+
 def opened(tiny_model, attention: str) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     impl = attention_implementation(torch.device("cpu"), attention)
@@ -87,8 +108,8 @@ def opened(tiny_model, attention: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("sampler", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
-def test_varlen_logprobs_and_gradients_equal_the_dense_masks(tiny_model, sampler):
-    dense, model = opened(tiny_model, "sdpa"), opened(tiny_model, "varlen")
+def test_varlen_logprobs_and_gradients_equal_the_dense_masks(family, sampler):
+    dense, model = opened(family, "sdpa"), opened(family, "varlen")
     assert packed_attention(dense) == "sdpa" and packed_attention(model) == varlen.VARLEN
     mb = collate_packed([group_rows(g) for g in groups_of(dense)])
     weights = torch.randn(mb.mask.shape) * mb.mask
@@ -121,6 +142,21 @@ def test_varlen_logprobs_and_gradients_equal_the_dense_masks(tiny_model, sampler
     assert got.abs().sum() > 0 and any(g.abs().sum() > 0 for g in grads)
 
 
+def test_in_float64_varlen_is_the_dense_mask_to_rounding(family):
+    """In float64 the two attentions' log-probs and gradients agree to 1e-12: what differs in float32
+    (about 1e-6, `test_varlen_logprobs_and_gradients_equal_the_dense_masks`) is rounding alone."""
+    dense, model = opened(family, "sdpa").double(), opened(family, "varlen").double()
+    mb = collate_packed([group_rows(g) for g in groups_of(dense, seed=3)])
+    out = []
+    for m in (dense, model):
+        logp, _ = sequence_logprobs(m, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
+                                    positions=mb.trained_at, packed=mb.packed)
+        logp.sum().backward()
+        out.append((logp.detach(), torch.cat([p.grad.reshape(-1) for p in m.parameters()])))
+    assert (out[0][0] - out[1][0]).abs().max() < 1e-12 and (out[0][1] - out[1][1]).abs().max() < 1e-12
+    assert out[0][1].abs().max() > 1e-3
+
+
 def test_a_varlen_model_without_a_layout_computes_as_sdpa(tiny_model):
     """Right-padded rows (pack_sequences = false, a model run outside the trainer's passes) carry
     no layout: the model computes as SDPA with the mask transformers makes, padding included."""
@@ -139,14 +175,20 @@ def grpo(**kw) -> GrpoOptions:
     return GrpoOptions(**{**base, **kw})
 
 
-def test_a_varlen_step_gives_the_dense_masks_update(tiny_model):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_varlen_step_gives_the_dense_masks_update(tiny_model, checkpointing):
     """The trainer's own step (its batching: the layout made on the host, one packed row a
-    micro-batch) under varlen attention: the weights of the dense mask's steps to 1e-5."""
+    micro-batch) under varlen attention, with activation checkpointing too (the layout reaching
+    the blocks' recomputation): the weights of the dense mask's steps to 1e-5."""
+    from trainer.parallel import parallelize
+
     groups = groups_of(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
 
     def trained(attention: str):
         torch.manual_seed(0)
         model = opened(tiny_model, attention)
+        if attention == "varlen":
+            model = parallelize(model, device=torch.device("cpu"), activation_checkpointing=checkpointing)
         before = {k: v.detach().clone() for k, v in model.state_dict().items()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for step in range(2):
