@@ -16,8 +16,11 @@ For each, with trainer.share_prompts on (the default) and off: the positions the
 (the packed or padded input's size, padding included), the sequences' own positions (each row's
 prompt + completion - 1, a shared prompt once: what a pass must compute), their ratio, the
 (query, key) pairs an attention with a dense mask computes (SDPA's: every pair of a row, the
-trainer's default `trainer.attention`; the packed rows as the trainer lays them out for it), and
-micro-batches per step. No model runs: this is the batching alone.
+trainer's `trainer.attention` on the CPU; the packed rows as the trainer lays them out for it),
+the pairs varlen attention computes (`trainer.attention = "varlen"`, the default on a GPU in
+bf16: one packed row a micro-batch, each document's causal pairs, a shared prompt's further
+completions over the prompt and themselves; trainer/varlen.py), and micro-batches per step. No
+model runs: this is the batching alone.
 
     .venv/bin/python ops/bench/packing.py --time MODEL_DIR [--tree DIR] [--steps 6]
 
@@ -71,10 +74,10 @@ def groups_of(name: str, seed: int = 0) -> list:
     return out
 
 
-def measure(name: str, share: bool) -> tuple[int, int, int, int, int]:
+def measure(name: str, share: bool) -> tuple[int, int, int, int, int, int | None]:
     """(positions through the model, sequence positions, row positions, a dense mask's pairs,
-    micro-batches), the packed rows as the trainer lays them out for SDPA (`dense_rows`, where the
-    tree has it)."""
+    micro-batches, varlen's pairs), the packed rows as the trainer lays them out for SDPA
+    (`dense_rows`, where the tree has it); varlen's None in a tree without it."""
     from trainer.batch import micro_batches
 
     *_, mbs, mbt, hidden = SHAPES[name]
@@ -90,7 +93,25 @@ def measure(name: str, share: bool) -> tuple[int, int, int, int, int]:
     own = sum(int(mb.attention_mask.sum()) if mb.packed is None else int((mb.packed.segments >= 0).sum())
               for mb in batches)
     rows = sum(len(g.prompt_ids) + len(c.ids) - 1 for g in groups for c in g.completions)
-    return through, own, rows, pairs, len(batches)
+    return through, own, rows, pairs, len(batches), varlen_pairs(groups, how)
+
+
+def varlen_pairs(groups: list, how: dict) -> int | None:
+    """The (query, key) pairs varlen attention computes over the step's micro-batches laid out for
+    it (one packed row each): a sequence of n queries over m keys, end-aligned causal, n m - n (n - 1) / 2."""
+    try:
+        from trainer.varlen import layout
+    except ImportError:
+        return None
+    from trainer.batch import micro_batches
+
+    batches, _, _ = micro_batches(groups, **how, dense_rows=False)
+    total = 0
+    for mb in batches:
+        v = layout(mb.packed.docs.numpy(), mb.packed.segments.numpy())
+        n, m = (v.cu_q[1:] - v.cu_q[:-1]).long(), (v.cu_k[1:] - v.cu_k[:-1]).long()
+        total += int((n * m - n * (n - 1) // 2).sum())
+    return total
 
 
 def time_steps(model_dir: Path, steps: int) -> None:
@@ -217,12 +238,12 @@ def main() -> None:
 
     print(f"tree {args.tree} (trainer.batch from {trainer.batch.__file__})")
     print(f"{'shapes':10} {'share_prompts':13} {'through':>8} {'sequences':>9} {'ratio':>6} {'rows':>7} "
-          f"{'pairs (M)':>9} {'micro-batches':>13}")
+          f"{'pairs (M)':>9} {'micro-batches':>13} {'varlen pairs (M)':>16}")
     for name in SHAPES:
         for share in (True, False):
-            through, own, rows, pairs, n = measure(name, share)
+            through, own, rows, pairs, n, vpairs = measure(name, share)
             print(f"{name:10} {str(share):13} {through:8d} {own:9d} {through / own:6.2f} {rows:7d} "
-                  f"{pairs / 1e6:9.1f} {n:13d}")
+                  f"{pairs / 1e6:9.1f} {n:13d} {'-' if vpairs is None else f'{vpairs / 1e6:.1f}':>16}")
 
 
 if __name__ == "__main__":
