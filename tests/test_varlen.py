@@ -9,7 +9,6 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -239,7 +238,7 @@ def test_the_kernels_check_names_a_kernel_that_attends_wrongly(monkeypatch, brok
             varlen.end_aligned_causal = original
 
     monkeypatch.setattr(varlen._Flash, "apply", stand_in)
-    monkeypatch.setattr(varlen, "flash_takes", lambda q, k: q.dtype == torch.bfloat16)
+    monkeypatch.setattr(varlen, "flash_takes", lambda q, k, v: q.dtype == torch.bfloat16)
     got = varlen.kernel_failure(torch.device("cpu"), torch.bfloat16)
     if broken:
         assert got is not None and got.startswith("the flash kernel's output differs from the reference by"), got
@@ -247,34 +246,55 @@ def test_the_kernels_check_names_a_kernel_that_attends_wrongly(monkeypatch, brok
         assert got is None
 
 
+def test_under_autocast_the_kernel_gets_queries_keys_and_values_in_the_compute_dtype(qwen3, monkeypatch):
+    """bf16 compute over float32 master weights in one process (trainer/parallel.py: autocast): the
+    rotary embedding of a float32 hidden state makes the queries and keys float32; they reach the
+    kernel in bf16, as autocast casts SDPA's, so the flash kernel (bf16 only) takes every layer.
+    The kernel stands in on the CPU (it is CUDA's)."""
+    from trainer.parallel import parallelize
+
+    seen = []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return varlen.reference(q, k, v, cu_q, cu_k, scale)
+
+    monkeypatch.setattr(varlen._Flash, "apply", stand_in)
+    monkeypatch.setattr(varlen, "flash_takes", lambda q, k, v: q.dtype == k.dtype == v.dtype == torch.bfloat16)
+    model = parallelize(opened(qwen3, "varlen"), device=torch.device("cpu"), compute_dtype=torch.bfloat16)
+    mb = collate_packed([group_rows(g) for g in groups_of(opened(qwen3, "sdpa"))])
+    logp, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
+                                positions=mb.trained_at, packed=mb.packed)
+    logp.sum().backward()
+    assert seen == [(torch.bfloat16,) * 3] * model.config.num_hidden_layers
+
+
 @pytest.mark.gpu
-def test_the_flash_kernel_matches_the_reference_on_cuda(tiny_model):
-    """On a GPU: the flash kernel passes its check, and a bf16 model's packed log-probs and
-    gradients under varlen attention are the dense mask's within bf16's rounding."""
+def test_the_flash_kernel_matches_the_reference_on_cuda(qwen3, monkeypatch):
+    """On a GPU: the flash kernel passes its check, and the trainer's placement (bf16 autocast over
+    float32 master weights) computes every layer of a packed micro-batch with it, the log-probs and
+    gradients the dense mask's within bf16's rounding."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from trainer.devices import to_device
+    from trainer.parallel import parallelize
+
     cuda = torch.device("cuda")
     assert varlen.flash_failure(cuda, torch.bfloat16) is None
-    models = {}
-    for attention in ("sdpa", "varlen"):
-        m = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).to(cuda)
-        impl = attention_implementation(cuda, attention, torch.bfloat16)
-        if impl is not None:
-            m.set_attn_implementation(impl)
-        models[attention] = m
-    mb = collate_packed([group_rows(g) for g in groups_of(models["sdpa"], seed=1)])
-    packed = replace(mb.packed.with_varlen())
-    from trainer.devices import to_device
-
-    mb, packed = to_device(mb, cuda), to_device(packed, cuda)
+    assert resolve_attention(cuda, "auto", torch.bfloat16) == "varlen"
+    calls = []
+    flash = varlen._Flash.apply
+    monkeypatch.setattr(varlen._Flash, "apply", lambda *args: calls.append(1) or flash(*args))
+    mb = collate_packed([group_rows(g) for g in groups_of(opened(qwen3, "sdpa"), seed=1)])
+    mb = to_device(replace(mb, packed=mb.packed.with_varlen()), cuda)
     out = {}
-    for name, m in models.items():
-        logp, _ = sequence_logprobs(m, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
-                                    positions=mb.trained_at, packed=packed)
+    for attention in ("sdpa", "varlen"):
+        model = parallelize(opened(qwen3, attention), device=cuda, compute_dtype=torch.bfloat16)
+        logp, _ = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
+                                    positions=mb.trained_at, packed=mb.packed)
         logp.sum().backward()
-        out[name] = (logp.detach().float(), [p.grad.float() for p in m.parameters()])
+        out[attention] = (logp.detach().float(), torch.cat([p.grad.reshape(-1).float() for p in model.parameters()]))
+    assert len(calls) == model.config.num_hidden_layers
     torch.testing.assert_close(out["varlen"][0], out["sdpa"][0], rtol=0, atol=0.05)
-    flat = [torch.cat([g.reshape(-1) for g in grads]) for _, grads in (out["varlen"], out["sdpa"])]
-    cos = torch.nn.functional.cosine_similarity(flat[0], flat[1], dim=0).item()
+    cos = torch.nn.functional.cosine_similarity(out["varlen"][1], out["sdpa"][1], dim=0).item()
     assert cos > 0.99, cos
-    assert np.isfinite(cos)

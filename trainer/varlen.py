@@ -144,11 +144,11 @@ class _Flash(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def flash_takes(q: Tensor, k: Tensor) -> bool:
-    """Whether the flash kernel computes these queries and keys: CUDA, bf16 or fp16, a head size it
-    has (a multiple of 8, at most 256), and query heads a multiple of the key heads."""
+def flash_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the flash kernel computes these queries, keys and values: CUDA, all in bf16 or all in
+    fp16, a head size it has (a multiple of 8, at most 256), query heads a multiple of key heads."""
     d = q.shape[-1]
-    return (q.is_cuda and q.dtype in FLASH_DTYPES and k.dtype == q.dtype and d % 8 == 0 and d <= 256
+    return (q.is_cuda and q.dtype in FLASH_DTYPES and k.dtype == v.dtype == q.dtype and d % 8 == 0 and d <= 256
             and q.shape[1] % k.shape[1] == 0)
 
 
@@ -157,7 +157,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float) -> Ten
     under `varlen`: (T, H, D)."""
     if varlen.keys is not None:
         k, v = k[varlen.keys], v[varlen.keys]
-    if flash_takes(q, k):
+    if flash_takes(q, k, v):
         return _Flash.apply(q.contiguous(), k.contiguous(), v.contiguous(), varlen.cu_q, varlen.cu_k,
                             varlen.max_q, varlen.max_k, scale)
     return reference(q, k, v, varlen.cu_q, varlen.cu_k, scale)
@@ -180,6 +180,10 @@ def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor
                                       **kwargs)
     if dropout > 0:
         raise ValueError(f"varlen attention runs without dropout; this model's attention dropout is {dropout}")
+    if torch.is_autocast_enabled(query.device.type):  # as autocast casts SDPA's inputs: a float32
+        # hidden state's rotary cos and sin make the rotated queries and keys float32 under autocast
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     b, h, length, d = query.shape
     scale = scaling if scaling is not None else d ** -0.5
     q = query.transpose(1, 2).reshape(b * length, h, d)
