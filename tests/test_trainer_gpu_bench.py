@@ -42,6 +42,8 @@ def test_dry_run_trains_both_sides_on_the_layouts_tokens(tmp_path, capsys):
         start = f"| {s['shape']} | {s['layout']} | {'on' if s['ac'] else 'off'} | {s['mb_tokens']} |"
         line = next(x for x in printed.splitlines() if x.startswith(start))
         assert f"{r['trainer_tokens_per_s']:,.0f}" in line and f"{r['ratio']:.2f}" in line
+        # the attention each row computed with: its own where it names one (varlen), else the config's
+        assert f"attention {s['attention'] or 'sdpa'}" in line
     assert bench.HEADER in printed and (tmp_path / "trainer_gpu.md").read_text().startswith(bench.HEADER)
     assert "not measured: a dry run" in printed
     # each shape and layout's fastest settings, what defaults would be chosen from

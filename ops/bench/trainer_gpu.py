@@ -204,11 +204,13 @@ class Setting:
     mb_size: int = UNCAPPED  # trainer.micro_batch_size
     master_fp32: bool = True  # trainer.master_fp32: float32 weights and AdamW state under bf16 compute
     label: str = ""  # what the row stands for, where it is a target's
+    attention: str = ""  # trainer.attention for this row; "": --attention's, else configs/gsm8k.toml's
 
     def name(self) -> str:
         capped = f" mbs={self.mb_size}" if self.mb_size != UNCAPPED else ""
         return (f"{self.shape} {self.layout} ac={'on' if self.ac else 'off'} mbt={self.mb_tokens} "
-                f"compile={'on' if self.compile else 'off'}{capped}{'' if self.master_fp32 else ' bf16-master'}")
+                f"compile={'on' if self.compile else 'off'}{capped}{'' if self.master_fp32 else ' bf16-master'}"
+                + (f" attention={self.attention}" if self.attention else ""))
 
 
 TODAY = "gsm8k today"  # configs/gsm8k.toml's trainer as shipped: the 4x target's baseline
@@ -219,7 +221,7 @@ def default_plan(*, dry_run: bool) -> list[Setting]:
     if dry_run:
         grpo, packed = dict(shape="tiny-qwen2", layout="grpo-tiny"), dict(shape="tiny-qwen3", layout="packed-tiny")
         return [Setting(**grpo, ac=True, mb_tokens=128, mb_size=4, compile=False, label=TODAY),
-                Setting(**grpo, ac=False, mb_tokens=256, compile=False),
+                Setting(**grpo, ac=False, mb_tokens=256, compile=False, attention="varlen"),
                 Setting(**packed, ac=False, mb_tokens=128, compile=False)]
     gsm8k, small, big = (dict(shape="qwen2.5-0.5b", layout="grpo512"), dict(shape="qwen3-0.6b", layout="packed16k"),
                          dict(shape="qwen3-4b", layout="packed16k"))
@@ -229,6 +231,9 @@ def default_plan(*, dry_run: bool) -> list[Setting]:
         Setting(**big, ac=True, mb_tokens=16384, compile=False, label="3.7k on an H200"),
         # configs/gsm8k.toml as shipped where activation checkpointing's "auto" turns it off (an H200)
         Setting(**gsm8k, ac=False, mb_tokens=8192, mb_size=8, compile=False, label="gsm8k, auto: off"),
+        # the same with SDPA's dense document mask instead of "auto"'s varlen on a GPU (trainer/varlen.py)
+        Setting(**gsm8k, ac=False, mb_tokens=8192, mb_size=8, compile=False, attention="sdpa",
+                label="gsm8k, auto: off, dense mask"),
         Setting(**gsm8k, ac=False, mb_tokens=16384, compile=False),
         Setting(**small, ac=False, mb_tokens=16384, compile=False),
         Setting(**gsm8k, ac=False, mb_tokens=8192, compile=False),
@@ -379,6 +384,7 @@ def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, ste
     from trainer.step import GrpoOptions, train_step
 
     shape, layout = SHAPES[s.shape], LAYOUTS[s.layout]
+    attention = s.attention or attention
     config = load_config(GSM8K, env={}, overrides={"trainer": {
         "activation_checkpointing": s.ac, "micro_batch_tokens": s.mb_tokens, "micro_batch_size": s.mb_size,
         "master_fp32": s.master_fp32, **({"attention": attention} if attention else {})},
@@ -509,6 +515,8 @@ def number(value: float | None, spec: str) -> str:
     return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+ATTENTION_NAMES = {"rollouts_varlen": "varlen"}  # the model's implementation as trainer.attention names it
+
 HEADER = ("| shape | layout | AC | mb tokens | compile | tokens/s | MFU 6N | MFU +attn | peak GiB | bare tokens/s "
           "| ratio | note |")
 
@@ -519,6 +527,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         s = r["setting"]
         note = "; ".join(x for x in (s["label"], "" if s["master_fp32"] else "bf16 weights and AdamW state",
+                                     f"attention {ATTENTION_NAMES.get(r['attention'], r['attention'])}"
+                                     if r.get("attention") else "",
                                      "" if r["status"] == "ran" else f"{r['status']}: {r['reason']}") if x)
         lines.append(
             f"| {s['shape']} | {s['layout']} | {'on' if s['ac'] else 'off'} | {s['mb_tokens']} "
