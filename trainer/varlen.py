@@ -17,8 +17,8 @@ verl and slime pack), so only each sequence's own pairs are computed:
 
 The queries are the packed positions in order, so the output needs no scattering back. On CUDA
 in bf16 or fp16 the sequences go to `torch.ops.aten._flash_attention_forward` and its backward
-(the kernels SDPA's flash path and `torch.nn.attention.varlen` call, present in the torch we
-install on both CPU and CUDA builds; no extra package); anywhere else (the CPU, float32) each
+(aten's own FlashAttention-2 kernels, which SDPA's flash path and `torch.nn.attention.varlen`
+call: no extra package); anywhere else (the CPU, float32) each
 sequence goes through SDPA with the same end-aligned causal mask (`reference`), which the tests
 hold equal to the dense mask's numbers. `flash_failure` checks the kernel against that reference
 on the device once, forward and backward, before a trainer uses it (trainer/devices.py).
