@@ -5,6 +5,7 @@ update. On the CPU each sequence goes through SDPA (the kernel is CUDA's); the l
 gathered and the attention function around the kernel are the ones CUDA runs. The flash kernel
 itself: `test_the_flash_kernel_matches_the_reference_on_cuda` (marked gpu)."""
 
+import itertools
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -35,7 +36,7 @@ def implied_mask(layout: varlen.Varlen, positions: int) -> torch.Tensor:
     """(positions, positions) bool over the flat positions: what each query attends to under `layout`."""
     keys = layout.keys if layout.keys is not None else torch.arange(positions)
     mask = torch.zeros(positions, positions, dtype=torch.bool)
-    for (qa, qb), (ka, kb) in zip(varlen.pairwise(layout.cu_q.tolist()), varlen.pairwise(layout.cu_k.tolist()),
+    for (qa, qb), (ka, kb) in zip(itertools.pairwise(layout.cu_q.tolist()), itertools.pairwise(layout.cu_k.tolist()),
                                   strict=True):
         sees = varlen.end_aligned_causal(qb - qa, kb - ka)
         for i in range(qb - qa):

@@ -84,13 +84,12 @@ class Packed:
         return torch.zeros(mask.shape, dtype=torch.float32, device=seg.device).masked_fill(
             ~mask, torch.finfo(torch.float32).min)
 
-
     def with_varlen(self) -> Packed:
         """These rows with their varlen layout (trainer/varlen.py `layout`), on their device."""
         from trainer.devices import to_device
 
-        made = layout(self.docs.cpu().numpy(), self.segments.cpu().numpy())
-        return replace(self, varlen=to_device(made, self.docs.device) if self.docs.device.type != "cpu" else made)
+        return replace(self, varlen=to_device(layout(self.docs.cpu().numpy(), self.segments.cpu().numpy()),
+                                              self.docs.device))
 
 
 # attention implementations that take a packed mask, and the mask each takes

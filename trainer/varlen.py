@@ -27,6 +27,7 @@ on the device once, forward and backward, before a trainer uses it (trainer/devi
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,16 +111,12 @@ def reference(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, scale
     """The varlen attention of `q` (T, H, D) over `k`, `v` (K, Hkv, D) sequence by sequence through
     SDPA with `end_aligned_causal` masks: (T, H, D). Any device and dtype, with autograd."""
     outs = []
-    for (qa, qb), (ka, kb) in zip(pairwise(cu_q.tolist()), pairwise(cu_k.tolist()), strict=True):
+    for (qa, qb), (ka, kb) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist()), strict=True):
         qi, ki, vi = q[qa:qb].transpose(0, 1), k[ka:kb].transpose(0, 1), v[ka:kb].transpose(0, 1)
         mask = end_aligned_causal(qb - qa, kb - ka, device=q.device)
         outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale,
                                                    enable_gqa=ki.shape[0] != qi.shape[0]).transpose(0, 1))
     return torch.cat(outs)
-
-
-def pairwise(bounds: list[int]) -> list[tuple[int, int]]:
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 class _Flash(torch.autograd.Function):
@@ -225,12 +222,12 @@ def flash_failure(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
 
 def kernel_failure(device: torch.device, dtype: torch.dtype) -> str | None:
     """`flash_failure`'s comparison: `attend` on `device` in `dtype` against `reference` in float32."""
+    from trainer.devices import to_device
+
     # one row: a prompt of 37 with completions of 29, 41 and 3 positions, a document of 70, padding
     docs = np.array([[0] * 110 + [1] * 70 + [-1] * 12])
     segments = np.array([[0] * 37 + [1] * 29 + [2] * 41 + [3] * 3 + [0] * 30 + [1] * 40 + [-1] * 12])
-    varlen = layout(docs, segments)
-    varlen = Varlen(cu_q=varlen.cu_q.to(device), cu_k=varlen.cu_k.to(device), keys=varlen.keys.to(device),
-                    max_q=varlen.max_q, max_k=varlen.max_k)
+    varlen = to_device(layout(docs, segments), device)
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(192, n, 64, generator=g).to(device, dtype).requires_grad_() for n in (8, 2, 2))
     grad = torch.randn(192, 8, 64, generator=g).to(device, dtype)
