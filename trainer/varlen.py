@@ -222,12 +222,12 @@ def flash_failure(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
 
 def kernel_failure(device: torch.device, dtype: torch.dtype) -> str | None:
     """`flash_failure`'s comparison: `attend` on `device` in `dtype` against `reference` in float32."""
-    from trainer.devices import to_device
-
     # one row: a prompt of 37 with completions of 29, 41 and 3 positions, a document of 70, padding
     docs = np.array([[0] * 110 + [1] * 70 + [-1] * 12])
     segments = np.array([[0] * 37 + [1] * 29 + [2] * 41 + [3] * 3 + [0] * 30 + [1] * 40 + [-1] * 12])
-    varlen = to_device(layout(docs, segments), device)
+    made = layout(docs, segments)
+    varlen = Varlen(cu_q=made.cu_q.to(device), cu_k=made.cu_k.to(device), keys=made.keys.to(device),
+                    max_q=made.max_q, max_k=made.max_k)
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(192, n, 64, generator=g).to(device, dtype).requires_grad_() for n in (8, 2, 2))
     grad = torch.randn(192, 8, 64, generator=g).to(device, dtype)
