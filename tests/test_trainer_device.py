@@ -6,6 +6,8 @@ the model's device with another, as CUDA would refuse (a 0-dim CPU tensor, a sca
 there too). Tensors built on the host and then moved are fine; an op computing on both is not."""
 
 import random
+import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +21,9 @@ from common.config import GrpoLoss
 from tests.harness.groups import make_group
 from trainer.devices import backend_device
 from trainer.parallel import all_max, all_sum, any_rank, collective_device
-from trainer.step import GrpoOptions, sft_step, train_step
+from trainer.step import GrpoOptions, sft_step, step_batches, train_step
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # What reads a value back to Python; on meta there is none, so the dry run reads 0.
 # (`bool` is True: transformers asks "is there no padding?" and then takes its unmasked path.)
@@ -139,3 +143,51 @@ def test_collectives_run_on_the_process_groups_device(tmp_path):
     finally:
         if own:
             dist.destroy_process_group()
+
+
+class CountedReads(ReadsOffMetaAreZero):
+    """`ReadsOffMetaAreZero`, and where each read of a meta tensor came from (the innermost line of
+    this repository that led to it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in READS and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            ours = [f for f in traceback.extract_stack()[:-1] if str(ROOT) in f.filename and "/tests/" not in f.filename
+                    and "/.venv/" not in f.filename]
+            self.reads.append(f"{Path(ours[-1].filename).relative_to(ROOT)}:{ours[-1].lineno}" if ours else "?")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("objective", ["grpo", "sft"])
+def test_a_step_reads_the_device_back_once_an_update_and_once_at_its_end_whatever_its_micro_batches(meta_run,
+                                                                                                   objective):
+    """On a GPU a read of a device value waits for every kernel queued before it: a read per
+    micro-batch would leave the GPU idle while the host reads and queues the next pass. The step
+    reads back the update's losses and gradient norm (to skip a non-finite update) and, at its
+    end, the statistics of every pass at once (sft's come with its update's losses): as many reads
+    with one completion a micro-batch as with all of them in one."""
+    groups, on_meta = meta_run
+    updates = 2 if objective == "grpo" else 1
+    reads, micro_batches = {}, {}
+    for size in (1, 8):
+        model, ref = on_meta(), on_meta().eval().requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with CountedReads() as counted:
+            if objective == "grpo":
+                stats = train_step(model, opt, groups, ref_model=ref, step=1, how=GrpoOptions(
+                    loss=GrpoLoss(correction={"type": "decoupled", "tis_cap": 2.0}, kl_coef=0.1), temperature=0.7,
+                    top_k=4, top_p=0.9, estimator="grpo", overlong="none", overlong_penalty=0.0,
+                    micro_batch_size=size, micro_batch_tokens=0, updates=updates, max_grad_norm=1.0))
+            else:
+                stats = sft_step(model, opt, groups, micro_batch_size=size, micro_batch_tokens=0, max_grad_norm=1.0)
+        assert stats.skipped == 0, stats
+        reads[size] = sorted(counted.reads)
+        micro_batches[size] = sum(len(m.batches) for m in step_batches(
+            groups, micro_batch_size=size, micro_batch_tokens=0, parts=updates, objective=objective))
+    assert micro_batches[1] > micro_batches[8], micro_batches
+    assert reads[1] == reads[8], f"reads with {micro_batches} micro-batches: {reads}"
+    # each update's losses (read_back) and gradient norm (clip_and_step); the GRPO step's statistics at its end
+    assert len(reads[8]) == 2 * updates + (objective == "grpo"), reads[8]

@@ -83,6 +83,9 @@ class MicroBatch:
     behaviour_logp: Tensor  # (B, T) float32
     advantages: Tensor  # (B,) float32
     versions: Tensor  # (B, T) int64, weight version that sampled each target token (padding: the row's last)
+    # the distinct versions of the trained tokens, found on the host when the batch is built (the
+    # mismatch's staleness buckets, read without a device read). Kept equal to `mask` by `with_mask`.
+    trained_versions: tuple[int, ...]
     # (N,) int64: the flat positions (row * T + t) where `mask` is 1, found on the host when the batch
     # is built, so the head is applied there without a device-side nonzero (no host sync on a GPU;
     # a meta-device dry run can index with it). Kept equal to `mask` by `with_mask`.
@@ -184,7 +187,8 @@ def collate(rows: list[Row]) -> MicroBatch:
         input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention),
         targets=torch.from_numpy(targets), mask=torch.from_numpy(mask), behaviour_logp=torch.from_numpy(logp),
         advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
-        versions=torch.from_numpy(versions), trained_at=torch.from_numpy(np.flatnonzero(mask)),
+        versions=torch.from_numpy(versions), trained_versions=tuple(np.unique(versions[mask > 0]).tolist()),
+        trained_at=torch.from_numpy(np.flatnonzero(mask)),
         group_of=np.array([row.group for row in rows], dtype=np.int64),
         images=tuple(img for row in rows for img in row.images),
         teacher_kl=None if kl is None else torch.from_numpy(kl),
@@ -484,4 +488,5 @@ def mini_batches(groups: list[SampleGroup], *, parts: int, micro_batch_size: int
 def with_mask(mb: MicroBatch, mask: Tensor) -> MicroBatch:
     """`mb` training only where `mask` (a host tensor, (B, T)) is 1."""
     assert mask.shape == mb.mask.shape, f"mask {tuple(mask.shape)} vs {tuple(mb.mask.shape)}"
-    return replace(mb, mask=mask, trained_at=mask.reshape(-1).nonzero().squeeze(1))
+    return replace(mb, mask=mask, trained_at=mask.reshape(-1).nonzero().squeeze(1),
+                   trained_versions=tuple(mb.versions[mask > 0].unique().tolist()))

@@ -4,6 +4,8 @@ policy losses are in trainer/losses/, one file each."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import Tensor
 
@@ -67,18 +69,19 @@ def token_entropy(logits: Tensor, temperature: float) -> Tensor:
 
 
 def mismatch_stats(prox: Tensor, behaviour: Tensor, mask: Tensor, weight_zero: Tensor, staleness: Tensor, *,
-                   total_tokens: int) -> Mismatch:
+                   stale: Iterable[int], total_tokens: int) -> Mismatch:
     """Behaviour/proximal mismatch of one micro-batch: |log pi_prox - log pi_behav| summed per
     token as a share of `total_tokens`, its max, the share of tokens a mask dropped
     (`weight_zero`), and per staleness the sum and count of |log ratio| (added over micro-batches
     and ranks, divided at the end). `staleness` is per token, (B, T): a completion that went on
-    under newer weights has tokens of several; each counts under its own."""
+    under newer weights has tokens of several; each counts under its own. `stale`: the staleness
+    values of the trained tokens, known on the host (trainer/step.py `mismatch`), so that nothing
+    is read back from the device here: every figure is a 0-dim tensor where the tensors are."""
     mask = mask.float()
     gap = (prox.float() - behaviour.float()).abs() * mask  # (B, T)
     by_staleness = {}
-    trained = torch.where(mask > 0, staleness, torch.full_like(staleness, -1))  # (B, T), -1 off the mask
-    for s in sorted(set(trained.flatten().tolist()) - {-1}):  # a few values: read to the host
+    for s in sorted(set(stale)):
         tokens = (staleness == s).float() * mask  # (B, T), no boolean indexing: shapes stay fixed
-        by_staleness[int(s)] = ((gap * tokens).sum().item(), tokens.sum().item())
-    return Mismatch(gap=(gap.sum() / total_tokens).item(), gap_max=gap.max().item() if gap.numel() else 0.0,
-                    masked=((weight_zero.float() * mask).sum() / total_tokens).item(), by_staleness=by_staleness)
+        by_staleness[int(s)] = ((gap * tokens).sum(), tokens.sum())
+    return Mismatch(gap=gap.sum() / total_tokens, gap_max=gap.max() if gap.numel() else 0.0,
+                    masked=(weight_zero.float() * mask).sum() / total_tokens, by_staleness=by_staleness)

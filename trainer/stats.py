@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from trainer.losses import LossStats
 
 
@@ -14,11 +16,13 @@ class Mismatch:
     """The behaviour/proximal mismatch of some trained tokens (grpo.mismatch_stats): sums, so that
     micro-batches and ranks add up, each a share of the step's trained tokens unless said."""
 
-    gap: float = 0.0  # |log pi_prox - log pi_behav| summed over the tokens, as a share of the trained tokens
-    gap_max: float = 0.0  # ... its largest on one token (a max, not a sum)
-    masked: float = 0.0  # share of the trained tokens the correction's weight dropped
+    # Each figure is a float, or a 0-dim tensor on the device as one micro-batch's pass leaves it
+    # (grpo.mismatch_stats), read back once a step (trainer/step.py `Sums`).
+    gap: float | Tensor = 0.0  # |log pi_prox - log pi_behav| summed over the tokens, as a share of the trained tokens
+    gap_max: float | Tensor = 0.0  # ... its largest on one token (a max, not a sum)
+    masked: float | Tensor = 0.0  # share of the trained tokens the correction's weight dropped
     # staleness -> (|log ratio| summed, tokens) of the tokens sampled that many steps before: plain sums
-    by_staleness: dict[int, tuple[float, float]] = field(default_factory=dict)
+    by_staleness: dict[int, tuple[float | Tensor, float | Tensor]] = field(default_factory=dict)
 
     def plus(self, other: Mismatch, *, share: float) -> Mismatch:
         """`self` with `other` added, its shares weighted by `share` (a micro-batch's of the step)."""

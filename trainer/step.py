@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from functools import partial
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from common.config import CorrectionConfig, LossConfig, RolloutConfig, TrainerConfig
 from common.messages import SampleGroup
@@ -46,6 +48,7 @@ from trainer.vision import pixel_values_of
 CHUNK_TOKENS: int = TrainerConfig.model_fields["logits_chunk_tokens"].default
 SKIP_ZERO_ADVANTAGE: bool = TrainerConfig.model_fields["skip_zero_advantage"].default
 ROLLOUT = RolloutConfig.model_fields
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -161,10 +164,32 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, m
 ZERO_LOSS_STATS = LossStats(**{f.name: 0.0 for f in fields(LossStats)})
 
 
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """Some of one micro-batch's figures as its passes left them (0-dim tensors on the model's
+    device, or floats), for `Sums` to add in once they are read back with the step's others."""
+
+    share: float = 0.0  # its mini-batch's share of the step's trained tokens: weights stats, mismatch, router_aux
+    stats: LossStats | None = None  # the loss's
+    mismatch: Mismatch | None = None  # the behaviour/proximal mismatch's
+    entropy: Tensor | float | None = None  # summed over its trained tokens; divided by `total_tokens`
+    total_tokens: int = 1
+    teacher_kl: Tensor | float | None = None  # summed over the trained tokens a teacher scored, and their count
+    teacher_tokens: Tensor | float | None = None
+    router_aux: Tensor | float | None = None  # the router's load-balancing loss, its share of the mini-batch's
+    group_gap: Tensor | None = None  # (B,) |log pi_measured - log pi_behav| summed over each row's trained tokens
+    group_tokens: Tensor | None = None  # (B,) ... and their count, added to `Sums.by_group` by `group_of`
+    group_of: np.ndarray | None = None
+
+
 @dataclass
 class Sums:
     """One step's statistics as they add up over micro-batches and updates: this rank's shares of
-    the step's trained tokens (summed over the ranks at the end, `summed`)."""
+    the step's trained tokens (summed over the ranks at the end, `summed`). A micro-batch's figures
+    wait in `pending` as its passes left them and are added in, in the order they came, once read
+    back to the host all at once (`settle`, at the step's end): on a GPU a read waits for every
+    kernel queued before it, so reading them once a micro-batch would leave the GPU idle while the
+    host reads and then queues the next pass."""
 
     loss_stats: LossStats = ZERO_LOSS_STATS  # the loss's, weighted by each mini-batch's share
     mismatch: Mismatch = field(default_factory=Mismatch)  # ... the behaviour/proximal mismatch's
@@ -178,17 +203,39 @@ class Sums:
     # (groups, 2): |log pi_prox - log pi_behav| summed over each of this rank's groups' trained
     # tokens, and their count (rank-local: never summed over ranks)
     by_group: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))
+    pending: list[Pending] = field(default_factory=list)  # figures not read back yet, in the order they came
 
     def add(self, stats: LossStats, mismatch: Mismatch, *, share: float) -> None:
         """A micro-batch's loss and mismatch stats, shares of its mini-batch's tokens, weighted by
-        the mini-batch's `share` of the step's."""
-        self.loss_stats = LossStats(**{f.name: getattr(self.loss_stats, f.name) + getattr(stats, f.name) * share
-                                       for f in fields(LossStats)})
-        self.mismatch = self.mismatch.plus(mismatch, share=share)
+        the mini-batch's `share` of the step's (added in by `settle`)."""
+        detached = partial(_mapped, fn=Tensor.detach)  # a custom loss's stats may carry its graph: not kept
+        self.pending.append(Pending(share=share, stats=detached(stats), mismatch=detached(mismatch)))
+
+    def settle(self) -> None:
+        """Read every pending figure back to the host in one transfer (`read_back`) and add them in,
+        in the order they came."""
+        for p in read_back(self.pending):
+            if p.stats is not None:
+                self.loss_stats = LossStats(**{f.name: getattr(self.loss_stats, f.name)
+                                               + getattr(p.stats, f.name) * p.share for f in fields(LossStats)})
+            if p.mismatch is not None:
+                self.mismatch = self.mismatch.plus(p.mismatch, share=p.share)
+            if p.entropy is not None:
+                self.entropy += p.entropy / p.total_tokens
+            if p.teacher_kl is not None and p.teacher_tokens is not None:
+                self.teacher_kl += p.teacher_kl
+                self.teacher_tokens += p.teacher_tokens
+            if p.router_aux is not None:
+                self.router_aux += p.router_aux * p.share
+            if p.group_of is not None and p.group_gap is not None and p.group_tokens is not None:
+                np.add.at(self.by_group, (p.group_of, 0), p.group_gap)
+                np.add.at(self.by_group, (p.group_of, 1), p.group_tokens)
+        self.pending = []
 
     def summed(self, *, oldest: int) -> Sums:
         """Every rank's sums together (the same on every rank); `oldest`: the largest staleness of
         any rank's groups, so that every rank sums the same values."""
+        self.settle()
         stale = [self.mismatch.by_staleness.get(s, (0.0, 0.0)) for s in range(oldest + 1)]
         mine = [getattr(self.loss_stats, f.name) for f in fields(LossStats)] + [
             self.mismatch.gap, self.mismatch.masked, *(x for pair in stale for x in pair),
@@ -286,7 +333,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups:
                for m in minis]
         sums, applied = Sums(by_group=np.zeros((len(groups), 2))), 0
         for mb in (mb for m in minis for mb in m.probes):  # the groups left out: their mismatch only
-            add_by_group(sums.by_group, log_probs(forward, model, mb)[0], mb)
+            add_by_group(sums, log_probs(forward, model, mb)[0], mb)
     model.train()
     oldest = all_max(max([0] + [step - g.version for g in groups]))
     aux = router_aux_of(model)
@@ -344,6 +391,7 @@ def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Te
     # the loss's stats are shares of the mini-batch's trained tokens (its normaliser), all of which
     # went through the model unless rows of advantage 0 were left out (`computed` < `tokens`)
     share, mini_loss, world = mini.tokens / total_tokens, 0.0, world_size()
+    losses: list[Tensor] = []  # each micro-batch's loss, read back after the last one's backward
     for mb, prox_logp, ref_logp in zip(mini.batches, prox, ref, strict=True):
         with routed(model, mb):  # held through the backward: a checkpointed block recomputes with the same experts
             with caught_router_logits(model, aux) as routers:
@@ -358,17 +406,18 @@ def backward_mini(model: torch.nn.Module, mini: StepBatches, prox: list[torch.Te
                 balance = load_balancing_loss(routers, aux.top_k, router_aux_rows(model, mb)) * (
                     len(mb.trained_at) / mini.tokens)  # this micro-batch's share of the mini-batch's mean
                 loss = loss + aux.coef * balance
-                sums.router_aux += balance.item() * share
+                sums.pending.append(Pending(share=share, router_aux=balance.detach()))
             (loss * world).backward()
-        mini_loss += out.loss.item()
+        losses.append(out.loss.detach())
         measured = logp.detach() if prox_logp is None else prox_logp
         sums.add(out.stats, mismatch(measured, mb, correction, step=step, total_tokens=mini.tokens), share=share)
-        add_by_group(sums.by_group, measured, mb)
-        sums.entropy += (entropy * mb.mask).sum().item() / total_tokens
+        add_by_group(sums, measured, mb)
+        sums.pending.append(Pending(entropy=(entropy * mb.mask).sum(), total_tokens=total_tokens))
         if mb.teacher_kl is not None and mb.teacher_at is not None:
             taught = mb.teacher_at * mb.mask  # trained tokens a teacher scored (an empty pad: none)
-            sums.teacher_kl += (mb.teacher_kl * taught).sum().item()
-            sums.teacher_tokens += taught.sum().item()
+            sums.pending.append(Pending(teacher_kl=(mb.teacher_kl * taught).sum(), teacher_tokens=taught.sum()))
+    for value in read_back(losses):  # one read a mini-batch: its update needs to know the loss is finite
+        mini_loss += value
     return mini_loss
 
 
@@ -416,17 +465,48 @@ def router_aux_rows(model: torch.nn.Module, mb: MicroBatch, at: torch.Tensor | N
     return at
 
 
-def add_by_group(by_group: np.ndarray, measured: torch.Tensor, mb: MicroBatch) -> None:
+def add_by_group(sums: Sums, measured: torch.Tensor, mb: MicroBatch) -> None:
     """Add micro-batch `mb`'s |log pi_measured - log pi_behav| over each row's trained tokens, and
-    their count, to its group's row of `by_group`."""
-    if mb.group_of is None or not len(by_group):
+    their count, to its group's row of `sums.by_group` (once read back: `Sums.settle`)."""
+    if mb.group_of is None or not len(sums.by_group):
         return
-    # read back as every figure of a step is (`tolist`): one transfer each, and none on a dry run
-    gap = np.asarray(((measured.float() - mb.behaviour_logp.float()).abs() * mb.mask).sum(1).tolist())
-    tokens = np.asarray(mb.mask.sum(1).tolist())
-    rows = mb.group_of >= 0
-    np.add.at(by_group, (mb.group_of[rows], 0), gap[rows])
-    np.add.at(by_group, (mb.group_of[rows], 1), tokens[rows])
+    rows = np.flatnonzero(mb.group_of >= 0)
+    index = torch.from_numpy(rows).to(mb.mask.device, non_blocking=True)
+    gap = ((measured.float() - mb.behaviour_logp.float()).abs() * mb.mask).sum(1)  # (B,)
+    sums.pending.append(Pending(group_gap=gap[index], group_tokens=mb.mask.sum(1)[index], group_of=mb.group_of[rows]))
+
+
+def read_back(tree: T) -> T:
+    """`tree` (dataclasses, lists, tuples and dicts holding tensors) with each tensor read back to
+    the host, all of them in one transfer: a 0-dim tensor becomes a float, any other a float64
+    numpy array, each value exactly the tensor's. Everything else is left as it is."""
+    found: list[Tensor] = []
+    _mapped(tree, lambda t: found.append(t) or t)
+    if not found:
+        return tree
+    flat = torch.cat([t.detach().reshape(-1).to(device=found[0].device, dtype=torch.float64) for t in found])
+    values = iter(flat.tolist())
+
+    def host(t: Tensor) -> float | np.ndarray:
+        if t.dim() == 0:
+            return next(values)
+        return np.array([next(values) for _ in range(t.numel())], dtype=np.float64).reshape(tuple(t.shape))
+
+    return _mapped(tree, host)
+
+
+def _mapped(x: Any, fn: Callable[[Tensor], Any]) -> Any:
+    """`x` with `fn` applied to each tensor in it (dataclass fields, list, tuple and dict items), in
+    one fixed order."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if is_dataclass(x) and not isinstance(x, type):
+        return replace(x, **{f.name: _mapped(getattr(x, f.name), fn) for f in fields(x) if f.init})
+    if isinstance(x, dict):
+        return {k: _mapped(v, fn) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_mapped(v, fn) for v in x)
+    return x
 
 
 def mismatch(measured: torch.Tensor, mb: MicroBatch, correction: CorrectionConfig, *, step: int,
@@ -436,7 +516,7 @@ def mismatch(measured: torch.Tensor, mb: MicroBatch, correction: CorrectionConfi
     the tokens `correction` drops and each token's staleness at trainer step `step`."""
     weight = behaviour_weight(measured, mb.behaviour_logp, mb.mask, correction)
     return mismatch_stats(measured, mb.behaviour_logp, mb.mask, weight == 0, (step - mb.versions).clamp(min=0),
-                          total_tokens=total_tokens)
+                          stale={max(step - v, 0) for v in mb.trained_versions}, total_tokens=total_tokens)
 
 
 def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: list[SampleGroup], *,
@@ -454,7 +534,7 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: l
         return StepStats(tokens_forward=batched.tokens_in)
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    loss, entropy_sum = 0.0, 0.0
+    loss, entropy_sum, parts = 0.0, 0.0, []
     for mb in batched.batches:
         logp, entropy = sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.targets, temperature=1.0,
                                           entropy=True, chunk_tokens=chunk_tokens,
@@ -462,8 +542,10 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, groups: l
                                           pixels=mb.pixels)  # (B, T): 0 off the mask
         mb_loss = sft_loss(logp, mb.mask, total_tokens=total_tokens)
         (mb_loss * world).backward()
-        loss += mb_loss.item()
-        entropy_sum += (entropy * mb.mask).sum().item() / total_tokens
+        parts.append((mb_loss.detach(), (entropy * mb.mask).sum()))
+    for mb_loss, mb_entropy in read_back(parts):  # one read back, after the last backward
+        loss += mb_loss
+        entropy_sum += mb_entropy / total_tokens
     grad_norm = clip_and_step(model, optimizer, max_grad_norm=max_grad_norm, loss_finite=math.isfinite(loss))
     applied = math.isfinite(grad_norm)
     entropy_sum, grad_norm, loss, skipped = all_sum([entropy_sum, grad_norm / world if applied else 0.0, loss,

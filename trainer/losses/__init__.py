@@ -47,15 +47,18 @@ class LossInputs:
 class LossStats:
     """A micro-batch's statistics, each a share of the (mini-)batch's trained tokens, so that they
     add up over micro-batches and ranks. The defaults are an empty step's. The trainer's metrics
-    (common/metrics.py's PolicyStats) carry them under the same field names."""
+    (common/metrics.py's PolicyStats) carry them under the same field names. A loss may give each
+    as a 0-dim tensor where it computed it (the built-in losses do: no read back to the host per
+    micro-batch, which on a GPU would wait for its pass to finish) or as a float; the step reads
+    them all back once, at its end (trainer/step.py `Sums`), and reports floats."""
 
-    clip_low: float = 0.0  # tokens whose ratio is clipped at the lower bound (where that acts)
-    clip_high: float = 0.0  # ... at the upper bound
-    clip_region: float = 0.0  # clip_low + clip_high
-    clip_dual: float = 0.0  # tokens the dual clip bounds
-    ratio: float = 1.0  # mean ratio pi / pi_old
-    tis: float = 1.0  # mean behaviour weight of the correction (1: none)
-    kl: float = 0.0  # mean KL estimate to the reference (0: no reference)
+    clip_low: float | Tensor = 0.0  # tokens whose ratio is clipped at the lower bound (where that acts)
+    clip_high: float | Tensor = 0.0  # ... at the upper bound
+    clip_region: float | Tensor = 0.0  # clip_low + clip_high
+    clip_dual: float | Tensor = 0.0  # tokens the dual clip bounds
+    ratio: float | Tensor = 1.0  # mean ratio pi / pi_old
+    tis: float | Tensor = 1.0  # mean behaviour weight of the correction (1: none)
+    kl: float | Tensor = 0.0  # mean KL estimate to the reference (0: no reference)
 
 
 class LossOutputs(NamedTuple):

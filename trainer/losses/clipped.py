@@ -88,12 +88,13 @@ def aggregate(per_token: Tensor, p: Prepared, x: LossInputs,
 def token_stats(x: LossInputs, p: Prepared, *, ratio: Tensor, low: Tensor, high: Tensor, dual: Tensor,
                 kl_estimator: str) -> LossStats:
     """The stats of a clipped loss: `low` / `high` where the lower / upper clip acts (B, T, masked),
-    `dual` where the dual clip does; each a share of the batch's trained tokens."""
-    def share(t: Tensor) -> float:
-        return ((t * p.mask).sum() / x.total_tokens).item()
+    `dual` where the dual clip does; each a share of the batch's trained tokens, a 0-dim tensor on
+    the batch's device (read back once a step, not once a micro-batch)."""
+    def share(t: Tensor) -> Tensor:
+        return (t * p.mask).sum() / x.total_tokens
 
     return LossStats(
-        clip_low=(low.sum() / x.total_tokens).item(), clip_high=(high.sum() / x.total_tokens).item(),
-        clip_region=((low + high).sum() / x.total_tokens).item(), clip_dual=share(dual), ratio=share(ratio),
+        clip_low=low.sum() / x.total_tokens, clip_high=high.sum() / x.total_tokens,
+        clip_region=(low + high).sum() / x.total_tokens, clip_dual=share(dual), ratio=share(ratio),
         tis=share(p.weight),
         kl=share(kl_penalty(x.logp, x.ref_logp.float(), kl_estimator, ratio=ratio)) if x.ref_logp is not None else 0.0)
