@@ -178,7 +178,7 @@ class Pending:
     teacher_tokens: Tensor | float | None = None
     router_aux: Tensor | float | None = None  # the router's load-balancing loss, its share of the mini-batch's
     group_gap: Tensor | None = None  # (B,) |log pi_measured - log pi_behav| summed over each row's trained tokens
-    group_tokens: Tensor | None = None  # (B,) ... and their count, added to `Sums.by_group` by `group_of`
+    group_tokens: Tensor | None = None  # (B,) ... and their count, added to `Sums.by_group` by `group_of` (-1: none)
     group_of: np.ndarray | None = None
 
 
@@ -228,8 +228,9 @@ class Sums:
             if p.router_aux is not None:
                 self.router_aux += p.router_aux * p.share
             if p.group_of is not None and p.group_gap is not None and p.group_tokens is not None:
-                np.add.at(self.by_group, (p.group_of, 0), p.group_gap)
-                np.add.at(self.by_group, (p.group_of, 1), p.group_tokens)
+                rows = p.group_of >= 0  # rows of no group (-1: padding) add nothing
+                np.add.at(self.by_group, (p.group_of[rows], 0), p.group_gap[rows])
+                np.add.at(self.by_group, (p.group_of[rows], 1), p.group_tokens[rows])
         self.pending = []
 
     def summed(self, *, oldest: int) -> Sums:
@@ -470,10 +471,8 @@ def add_by_group(sums: Sums, measured: torch.Tensor, mb: MicroBatch) -> None:
     their count, to its group's row of `sums.by_group` (once read back: `Sums.settle`)."""
     if mb.group_of is None or not len(sums.by_group):
         return
-    rows = np.flatnonzero(mb.group_of >= 0)
-    index = torch.from_numpy(rows).to(mb.mask.device, non_blocking=True)
     gap = ((measured.float() - mb.behaviour_logp.float()).abs() * mb.mask).sum(1)  # (B,)
-    sums.pending.append(Pending(group_gap=gap[index], group_tokens=mb.mask.sum(1)[index], group_of=mb.group_of[rows]))
+    sums.pending.append(Pending(group_gap=gap, group_tokens=mb.mask.sum(1), group_of=mb.group_of))
 
 
 def read_back(tree: T) -> T:
