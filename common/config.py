@@ -875,6 +875,12 @@ class TrainerConfig(_Section):
     # steps since the last save from the unacknowledged groups, in order, reproducing the weights
     # published meanwhile.
     state_every: int = Field(0, ge=0)
+    # Write a version's checkpoint in a thread of its own while the next step trains: the step
+    # waits only while its weights are copied to the host (and for the version before, where its
+    # write is not done yet). The version is announced once its files are whole, as ever. A
+    # publish with the trainer state (state_every; the last), with a broadcast (weight_transfer
+    # "gloo" or "nccl"), or again after a go-back, is written in the step. false: every one is.
+    publish_in_background: bool = True
     # Stop after this many optimizer steps; 0 runs until stopped.
     max_steps: int = Field(0, ge=0)
     # Ids of trained groups are remembered this many steps, to refuse a second group made from the

@@ -72,7 +72,9 @@ class StepMetrics:
     time_step: float  # seconds of the whole step
     time_wait_data: float  # of which waiting for groups (the slowest rank)
     time_train: float  # of which in the update
-    time_publish: float  # of which checkpointing and publishing
+    # of which checkpointing and publishing (a version written beside the next step: its copy to the
+    # host, and the wait for the one before)
+    time_publish: float
     generators_alive: float  # generators with a live heartbeat
     generators_tokens_per_s: float  # their tokens/s, summed
     steps_skipped: int = 0  # optimizer updates of this step skipped: non-finite loss or gradient norm

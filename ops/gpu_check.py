@@ -757,9 +757,11 @@ def run_figures(kept: Path, *, steps: int, device: str | None) -> tuple[dict, st
 
 
 def transfer(rows: list, logs: Path, resolved: dict) -> dict:
-    """Seconds a weight version takes by path: the trainer's checkpoint write and announcement
-    (`time/publish`), then each generator's wait to hear of it, to finish the completions in flight
-    (drained), its checksum check (in the meantime) and reload (its log)."""
+    """Seconds a weight version takes by path: the trainer's step publishing it (`time/publish`: the
+    write and announcement where the step makes them, with the trainer state; otherwise the copy to
+    the host, and the wait for the version before, written beside the step), then each generator's
+    wait to hear of it, to finish the completions in flight (drained), its checksum check (in the
+    meantime) and reload (its log)."""
     loads = [tuple(float(x) for x in m.groups()[1:]) for log in sorted(logs.glob("generator-*.log"))
              for m in LOADED.finditer(log.read_text(errors="replace"))]
     publish = [m.time_publish for m in rows]
@@ -890,7 +892,8 @@ def run_section(s: Step) -> list[str]:
                   f"- generator tokens/s: {number(f['generator_tokens_per_s'])} mean of the steps' heartbeats (all "
                   f"generators), {number(f['generator_tokens_per_s_max'])} at most; completions "
                   f"{number(f['mean_completion_tokens'])} tokens on average",
-                  f"- weight transfer, disk: trainer write and announce {fmt_stats(disk['publish_s'])}; generators "
+                  f"- weight transfer, disk: the trainer's step publishing {fmt_stats(disk['publish_s'])} (a version "
+                  f"without the trainer state is written beside the next step); generators "
                   f"heard it after {fmt_stats(disk['heard_s'])}, finished what was in flight in "
                   f"{fmt_stats(disk['drained_s'])}, verified it in {fmt_stats(disk['verify_s'])} (meanwhile), "
                   f"reloaded in {fmt_stats(disk['reload_s'])}",

@@ -22,6 +22,7 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import redis
 import torch
@@ -120,15 +121,18 @@ def copy_tokenizer_files(source: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
-def in_dtype(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def in_dtype(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None, *,
+             copy: bool = False) -> dict[str, torch.Tensor]:
     """`state_dict` on the CPU with its floating tensors in `dtype` (None: as they are); tensors
-    shared before (tied embeddings) are shared after, and one already there is not copied."""
+    shared before (tied embeddings) are shared after, and one already there is not copied unless
+    `copy` (a snapshot the training that goes on cannot change)."""
     done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
     out = {}
     for k, v in state_dict.items():
         key = (v.data_ptr(), tuple(v.shape))
         if key not in done:
-            done[key] = v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
+            done[key] = v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype,
+                                      copy=copy)
         out[k] = done[key]
     return out
 
@@ -145,17 +149,19 @@ def save_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, 
 
 
 def checkpoint_tensors(model: torch.nn.Module, state_dict: dict[str, torch.Tensor] | None,
-                       dtype: torch.dtype | None, *, adapter: bool = False) -> dict[str, torch.Tensor]:
+                       dtype: torch.dtype | None, *, adapter: bool = False,
+                       copy: bool = False) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint of `model` holds (`state_dict`: its gathered weights when sharded),
     under the checkpoint's names, on the CPU in `dtype`: what is written, and what is broadcast.
-    `adapter` (an adapted model, trainer.lora.publish = "adapter"): the adapter alone, peft's names."""
+    `adapter` (an adapted model, trainer.lora.publish = "adapter"): the adapter alone, peft's names.
+    `copy`: none of them shares memory with the model (written while the model trains on)."""
     state_dict = model.state_dict() if state_dict is None else state_dict
     if adapter:
         assert is_lora(model), "an adapter is published only from a model with LoRA adapters"
-        return in_dtype(adapter_state_dict(state_dict), dtype)
+        return in_dtype(adapter_state_dict(state_dict), dtype, copy=copy)
     if is_lora(model):  # merged full weights under the base model's names: every engine loads them as they are
         state_dict = merged_state_dict(state_dict, scale=scale_of(model))
-    return hf_tensors(hf_model(model), state_dict, dtype)
+    return hf_tensors(hf_model(model), state_dict, dtype, copy=copy)
 
 
 def write_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, source_dir: Path,
@@ -202,10 +208,10 @@ def _rename(tmp: Path, final: Path) -> Path:
 
 
 def hf_tensors(hf: torch.nn.Module, state_dict: dict[str, torch.Tensor],
-               dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+               dtype: torch.dtype | None, *, copy: bool = False) -> dict[str, torch.Tensor]:
     """What save_pretrained would write of `state_dict`: tied aliases dropped (the lm_head that
     shares the embedding), names as the checkpoint format has them; on the CPU, floating tensors
-    in `dtype` (None: as they are; a tensor already there is not copied)."""
+    in `dtype` (None: as they are; a tensor already there is not copied unless `copy`)."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict, revert_weight_conversion
 
     state = dict(state_dict)
@@ -214,7 +220,7 @@ def hf_tensors(hf: torch.nn.Module, state_dict: dict[str, torch.Tensor],
     state = remove_tied_weights_from_state_dict(state, hf)
     with unsharded_class_names(hf):
         state = revert_weight_conversion(hf, state)
-    return in_dtype(state, dtype)
+    return in_dtype(state, dtype, copy=copy)
 
 
 @contextlib.contextmanager
@@ -286,38 +292,75 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
     `sender` (rank 0's, trainer.weight_transfer): the weights also go over its collective to the
     generators listening, beside the write; the announcement names their digest. `adapter`
     (trainer.lora.publish = "adapter"): the version is the LoRA adapter alone, announced as such
-    (format "lora_adapter"), on disk only.
+    (format "lora_adapter"), on disk only. The trainer's publishes without a trainer state take
+    the same three stages in two threads (trainer/publishing.py): `published_tensors` in the
+    step's, `write_weights` and `announce_version` beside the next step.
     """
-    assert sender is None or not adapter, "an adapter is published on disk only (trainer.weight_transfer = 'disk')"
-    weights = full_state_dict(model)
-    if is_main():
-        # Room first: the oldest checkpoint goes before the new one is written (the newest stay, so
-        # every generator still finds the version it was told of). The disk then needs room for
-        # `keep` checkpoints, not one more, and the new file reuses the pages the old one held:
-        # the default model's weights took 0.1 s to write so, 0.6 s into fresh pages (a 2-core VM).
-        prune_steps(checkpoint_dir, keep=keep - 1, newest=step - 1, spare=source_dir)
-    path, sums, digest = None, {}, ""
-    if is_main():
-        tensors = checkpoint_tensors(model, weights, dtype, adapter=adapter)
-        sending = sender.start(tensors, version=step) if sender is not None else None
-        try:
-            path, sums = write_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
-                                          dtype=dtype, timing=timing, tensors=tensors, adapter=adapter)
-        finally:  # bounded by the transfer's timeout; a failed broadcast is "" (the files serve)
-            digest = sending.result() if sending is not None else ""
+    tensors = published_tensors(model, dtype, adapter=adapter, sender=sender)
+    written = write_weights(model, tensors, step=step, checkpoint_dir=checkpoint_dir, source_dir=source_dir,
+                            keep=keep, timing=timing, sender=sender, adapter=adapter) if is_main() else None
     assert save_state_now or not entry_ids, "groups are acknowledged only with a saved trainer state"
     if save_state_now:
         save_state(model, optimizer, scheduler, step=step, state_root=state_root, keep=keep)
-    if not is_main():
+    if written is None:
         return None
+    return announce_version(r, keys, written, step=step, state_saved=save_state_now, entry_ids=entry_ids,
+                            group_ids=group_ids, dedup_window=dedup_window, gone_back=gone_back, adapter=adapter)
+
+
+class Written(NamedTuple):
+    """A checkpoint's files as written: where, each file's checksum, and the broadcast's digest ("": none)."""
+
+    path: Path
+    checksums: dict[str, str]
+    digest: str
+
+
+def published_tensors(model: torch.nn.Module, dtype: torch.dtype | None, *, adapter: bool = False,
+                      sender: Sender | None = None, copy: bool = False) -> dict[str, torch.Tensor]:
+    """The weights a version of `model` publishes (checkpoint_tensors): gathered from every rank (a
+    collective under torchrun), rank 0's in `dtype` on the CPU; {} on the other ranks. `copy`: a
+    snapshot, none of it sharing memory with the model, to be written while the model trains on."""
+    assert sender is None or not adapter, "an adapter is published on disk only (trainer.weight_transfer = 'disk')"
+    weights = full_state_dict(model)
+    return checkpoint_tensors(model, weights, dtype, adapter=adapter, copy=copy) if is_main() else {}
+
+
+def write_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], *, step: int, checkpoint_dir: Path,
+                  source_dir: Path, keep: int, timing: dict[str, float] | None = None, sender: Sender | None = None,
+                  adapter: bool = False) -> Written:
+    """Rank 0's checkpoint of `step` from `tensors` (published_tensors), the oldest checkpoint
+    removed first, and, with a `sender`, the broadcast beside the write. Reads of `model` its
+    config alone (config.json, the generation config, an adapter's config)."""
+    # Room first: the oldest checkpoint goes before the new one is written (the newest stay, so
+    # every generator still finds the version it was told of). The disk then needs room for
+    # `keep` checkpoints, not one more, and the new file reuses the pages the old one held:
+    # the default model's weights took 0.1 s to write so, 0.6 s into fresh pages (a 2-core VM).
+    prune_steps(checkpoint_dir, keep=keep - 1, newest=step - 1, spare=source_dir)
+    sending = sender.start(tensors, version=step) if sender is not None else None
+    digest = ""
+    try:
+        path, sums = write_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
+                                      timing=timing, tensors=tensors, adapter=adapter)
+    finally:  # bounded by the transfer's timeout; a failed broadcast is "" (the files serve)
+        digest = sending.result() if sending is not None else ""
+    return Written(path=path, checksums=sums, digest=digest)
+
+
+def announce_version(r: redis.Redis, keys: Keys, written: Written, *, step: int, state_saved: bool,
+                     entry_ids: list[bytes], group_ids: list[str], dedup_window: int,
+                     gone_back: GoneBack | None = None, adapter: bool = False) -> WeightVersion:
+    """Rank 0, once `written` is on disk (and, with `state_saved`, the trainer state of `step`): in
+    one transaction announce the version and record the step, and acknowledge the groups it holds;
+    then trim the samples stream of what every consumer group has acknowledged."""
     gone = gone_back or GoneBack(step=0, upto=0, at=0.0)
-    wv = WeightVersion(version=step, step=step, path=str(path), checksums=sums,
+    wv = WeightVersion(version=step, step=step, path=str(written.path), checksums=written.checksums,
                        format=ADAPTER_FORMAT if adapter else FULL_FORMAT,
                        created_at=max(time.time(), gone.at), gone_back_step=gone.step, gone_back_at=gone.at,
-                       transfer_digest=digest)
+                       transfer_digest=written.digest)
     pipe = r.pipeline(transaction=True)
     announce_weights(pipe, keys, wv)
-    write_step(pipe, keys, step=step, version=step, state_step=step if save_state_now else None)
+    write_step(pipe, keys, step=step, version=step, state_step=step if state_saved else None)
     if entry_ids:
         pipe.xack(keys.samples, TRAINER_GROUP, *entry_ids)
         pipe.zadd(keys.trained, dict.fromkeys(group_ids, step))

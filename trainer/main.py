@@ -54,7 +54,7 @@ from trainer.losses import kl_coef_of
 from trainer.memory import choose as choose_checkpointing
 from trainer.metrics import step_record, summary_line
 from trainer.parallel import any_rank, finish, init_distributed, is_main, say, unshared
-from trainer.publishing import checkpoint, publish_if_due, republish_if_gone
+from trainer.publishing import checkpoint, publish_if_due, republish_if_gone, settle_writing
 from trainer.quarantine import Judge, bound_of
 from trainer.record import Record
 from trainer.repairs import between_reads, check_redis, note_going_back
@@ -231,8 +231,11 @@ def train(run: Run, groups: list[SampleGroup]) -> tuple[StepStats, float]:
 def wind_up(run: Run) -> None:
     """After the last step: publish what was trained since the last checkpoint (a stop while
     waiting for data), close the tracker, leave the process group."""
+    settle_writing(run)  # the version written beside the last step
     if run.unacked_ids:
         checkpoint(run, save=True)
+    if run.writer is not None:
+        run.writer.shutdown()
     if run.tracker is not None:
         run.tracker.close()
     if run.sender is not None:

@@ -1,10 +1,18 @@
 """The trainer's publishing stages: the weights of a step (and, with them, the trainer state and the
 acknowledgement of the groups trained since the last) every `sync_every` steps, again when the
 published checkpoint is gone, and a publish that could not be written (trainer/checkpoints.py
-writes the files and the transaction)."""
+writes the files and the transaction).
+
+A version without the trainer state is written beside the next step (trainer.publish_in_background):
+the step copies its weights to the host (`published_tensors`), rank 0's writer thread writes the
+checkpoint and announces it (`write_weights`, `announce_version`), and the trainer waits for it
+(`settle_writing`) before its next publish of any kind and at its end. Nothing is acknowledged with such a
+version, so a trainer killed while writing it loses nothing: the version is not announced, and a
+restart resumes from the saved state as after a kill anywhere else."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,10 +20,17 @@ from common.evals import enqueue_eval
 from common.messages import WeightVersion
 from common.progress import Fault, count_fault, note_same, write_step
 from common.streams import announced_before, latest_weights
-from trainer.checkpoints import hold_for_eval, publish, remove_unfinished
+from trainer.checkpoints import (
+    announce_version,
+    hold_for_eval,
+    publish,
+    published_tensors,
+    remove_unfinished,
+    write_weights,
+)
 from trainer.devices import DTYPES
 from trainer.parallel import any_rank, is_main, say
-from trainer.run import Run
+from trainer.run import Run, Writing
 from trainer.state import prune_states, state_dir
 
 
@@ -24,10 +39,14 @@ class PublishFailed(RuntimeError):
     the trainer stops; the text says where a restart resumes."""
 
 
-def checkpoint(run: Run, *, save: bool) -> WeightVersion | None:
+def checkpoint(run: Run, *, save: bool, background: bool = False) -> WeightVersion | None:
     """Publish the weights of `run.step` (every rank takes part); with `save`, the trainer state
-    too, and acknowledge every group trained since the last. Rank 0 alone gets the WeightVersion."""
+    too, and acknowledge every group trained since the last. Rank 0 alone gets the WeightVersion.
+    The version being written beside the step, if any, is settled first. `background` (and no
+    `save`): the weights are copied to the host and written by rank 0's writer thread while the
+    trainer goes on; nothing is returned (`settle_writing` gives it)."""
     cfg, config = run.config.trainer, run.config
+    settle_writing(run)
     newest = state_dir(run.state_root, run.record.state_step)
     if any_rank(run.record.state_step > 0 and not newest.is_dir()):
         save = True  # a restart would have nothing to resume from: save one now
@@ -35,6 +54,9 @@ def checkpoint(run: Run, *, save: bool) -> WeightVersion | None:
             count_fault(run.r, run.keys, Fault.STATE_LOST)
         say(f"trainer: its newest saved state {newest} is gone (the output directory deleted?); "
             f"saving the trainer state of step {run.step} now")
+    if background and not save:
+        write_beside(run)
+        return None
     try:
         wv = publish(run.r, run.keys, run.model, run.optimizer, run.scheduler, step=run.step,
                      checkpoint_dir=config.checkpoint_dir, state_root=run.state_root, source_dir=run.source_dir,
@@ -51,6 +73,61 @@ def checkpoint(run: Run, *, save: bool) -> WeightVersion | None:
     if save:
         run.unacked_entries, run.unacked_ids = [], []
     return wv
+
+
+def write_beside(run: Run) -> None:
+    """Start publishing `run.step` beside the steps that follow: its weights copied to the host
+    now (gathered from every rank), then written and announced by rank 0's writer thread, with the
+    evaluation queued where `eval.every` asks for it."""
+    cfg, config, step = run.config.trainer, run.config, run.step
+    adapter = cfg.lora.rank > 0 and cfg.lora.publish == "adapter"
+    tensors = published_tensors(run.model, DTYPES[config.model.dtype], adapter=adapter, copy=True)
+    gone_back = run.record.gone_back[-1] if run.record.gone_back else None
+
+    def write() -> WeightVersion:
+        written = write_weights(run.model, tensors, step=step, checkpoint_dir=config.checkpoint_dir,
+                                source_dir=run.source_dir, keep=cfg.keep_checkpoints, adapter=adapter)
+        wv = announce_version(run.r, run.keys, written, step=step, state_saved=False, entry_ids=[], group_ids=[],
+                              dedup_window=cfg.dedup_window, gone_back=gone_back, adapter=adapter)
+        queue_eval(run, wv)
+        return wv
+
+    done = None
+    if is_main():
+        if run.writer is None:
+            run.writer = ThreadPoolExecutor(1, thread_name_prefix="publish")
+        done = run.writer.submit(write)
+    run.writing = Writing(step=step, done=done)
+
+
+def settle_writing(run: Run) -> None:
+    """Wait for the version being written beside the step, if any, and record it as published;
+    a write that failed (a full disk) stops the trainer as a publish in the step would."""
+    writing, run.writing = run.writing, None
+    if writing is None:
+        return
+    try:
+        wv = writing.done.result() if writing.done is not None else None
+    except OSError as err:  # a full disk, most often: nothing was announced
+        raise publish_failed(run, err, step=writing.step) from err
+    run.record.published(wv, step=writing.step, saved=False, group_ids=[], dedup_window=run.config.trainer.dedup_window)
+
+
+def in_background(run: Run) -> bool:
+    """Whether a publish without the trainer state may be written beside the next step: asked for
+    (trainer.publish_in_background), on disk only (no broadcast), and outside a go-back's versions
+    (note_if_unchanged compares each with what was published before under its number). The same
+    on every rank."""
+    gone = run.record.gone_back[-1] if run.record.gone_back else None
+    return (run.config.trainer.publish_in_background and run.config.trainer.weight_transfer == "disk"
+            and (gone is None or not gone.step < run.step <= gone.upto))
+
+
+def queue_eval(run: Run, wv: WeightVersion | None) -> None:
+    """Queue the evaluation of `wv` where `eval.every` divides its version (rank 0's)."""
+    every = run.config.eval.every
+    if wv is not None and every and wv.version % every == 0:
+        enqueue_eval(run.r, run.config, hold_for_eval(wv))  # the evaluator process scores it on held-out problems
 
 
 def note_if_unchanged(run: Run, wv: WeightVersion | None) -> None:
@@ -76,16 +153,18 @@ def note_if_unchanged(run: Run, wv: WeightVersion | None) -> None:
             "with them are trained")
 
 
-def publish_failed(run: Run, err: OSError) -> PublishFailed:
-    """Count a publish whose files could not be written, remove what it half wrote (space a full
-    disk needs back), and say what stands: the weights generators have, the state a restart resumes
-    from. Every group trained since that state is still pending, to be trained again."""
+def publish_failed(run: Run, err: OSError, *, step: int | None = None) -> PublishFailed:
+    """Count a publish (of `step`; None: `run.step`) whose files could not be written, remove what
+    it half wrote (space a full disk needs back), and say what stands: the weights generators have,
+    the state a restart resumes from. Every group trained since that state is still pending, to be
+    trained again."""
     remove_unfinished(run.config.checkpoint_dir)
     prune_states(run.state_root, keep=run.config.trainer.keep_checkpoints)  # its half-written state
     if is_main():
         count_fault(run.r, run.keys, Fault.PUBLISH_FAILED)
+    step = run.step if step is None else step
     return PublishFailed(
-        f"publishing step {run.step} failed: {err}. Nothing was announced: generators keep version "
+        f"publishing step {step} failed: {err}. Nothing was announced: generators keep version "
         f"{run.record.version}, and the groups trained since the saved state of step {run.record.state_step} "
         f"stay pending. Stopping; free the space and start the trainer again: it resumes from that state")
 
@@ -94,16 +173,16 @@ def publish_if_due(run: Run, *, last: bool) -> None:
     """After a step: publish every `sync_every` steps and at the `last`, saving the trainer state
     every `state_every` (and at the last), and queue the evaluation of every `eval.every`-th
     version; between publishes rank 0 records the step alone."""
-    cfg, config = run.config.trainer, run.config
+    cfg = run.config.trainer
     if run.step % cfg.sync_every == 0 or last:
         run.version = run.step
         save = run.step % (cfg.state_every or cfg.sync_every) == 0 or last
-        wv = checkpoint(run, save=save)
-        if wv is not None and config.eval.every and wv.version % config.eval.every == 0:
-            enqueue_eval(run.r, config, hold_for_eval(wv))  # the evaluator process scores it on held-out problems
-    elif is_main():
-        write_step(run.r, run.keys, step=run.step)
-        run.record.step = run.step
+        queue_eval(run, checkpoint(run, save=save, background=in_background(run)))
+    else:
+        settle_writing(run)  # the version written beside this step announced before the step is recorded
+        if is_main():
+            write_step(run.r, run.keys, step=run.step)
+            run.record.step = run.step
 
 
 def republish_if_gone(run: Run, *, agree: bool) -> None:

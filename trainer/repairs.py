@@ -8,7 +8,7 @@ from __future__ import annotations
 from common.keys import TRAINER_GROUP
 from common.progress import read_trainer
 from trainer.parallel import any_rank, is_main, say
-from trainer.publishing import republish_if_gone
+from trainer.publishing import republish_if_gone, settle_writing
 from trainer.record import forgotten, put_right
 from trainer.run import Run
 
@@ -44,6 +44,7 @@ def put_right_if_lost(run: Run) -> bool:
     Redis forgot, sample only groups too stale to train until it is put right)."""
     if not (is_main() and forgotten(read_trainer(run.r, run.keys), run.record)):
         return False
+    settle_writing(run)  # a version being written is announced first, and the record written back holds it
     had, record = put_right(run.r, run.keys, run.record), run.record
     say(f"trainer: Redis had lost writes (it said step {had.step}, saved state {had.state_step}, "
         f"{had.groups_trained} groups trained; the trainer is at step {record.step}, saved state "

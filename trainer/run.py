@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,14 @@ from trainer.transfer import Sender
 # One trainer step's update of (model, optimizer, this rank's groups; step = trainer steps done),
 # its objective's options bound (trainer/step.py).
 Update = Callable[..., StepStats]
+
+
+@dataclass(frozen=True, slots=True)
+class Writing:
+    """A version whose checkpoint is being written beside the steps after it (trainer/publishing.py)."""
+
+    step: int  # the version
+    done: Future | None  # rank 0's write and announcement, its WeightVersion; None on the other ranks
 
 
 @dataclass
@@ -52,6 +61,8 @@ class Run:
     judge: Judge | None = None  # rank 0's judgement of the generators (None: other ranks, or no quarantine)
     sender: Sender | None = None  # rank 0's end of the weights broadcast (trainer.weight_transfer; None: disk)
     history: HistoryWriter | None = None  # rank 0's keeper of every trained group (common/history.py); None: others
+    writing: Writing | None = None  # the version being written beside this step, if any
+    writer: ThreadPoolExecutor | None = None  # rank 0's thread writing versions beside the steps (made when first used)
 
     @property
     def sft(self) -> bool:
