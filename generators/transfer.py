@@ -38,6 +38,13 @@ from common.transfer import (
 )
 
 BLOCK_MS = 1000  # each XREAD blocks this long at most, so that stop() is heard within it
+OFFERS_LOOKED_AT = 16  # a take finds its offer among this many newest (one is posted a publish)
+
+
+def stream_id(entry_id: bytes) -> tuple[int, int]:
+    """A stream entry id ("ms-seq") as numbers, to compare."""
+    ms, _, seq = entry_id.decode().partition("-")
+    return int(ms), int(seq or 0)
 
 
 class TransferRefused(Exception):
@@ -52,6 +59,7 @@ class Receiver:
         self._cond = threading.Condition()
         self._held: tuple[int, str, dict[str, torch.Tensor]] | None = None  # (version, digest, tensors)
         self._busy: tuple[int, str] | None = None  # the (version, digest) being received now
+        self._last: bytes | None = None  # the id of the newest offer the thread has read and done with
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._met: tuple[str, int, int] | None = None  # (host, port, epoch) of the group it is in
@@ -66,9 +74,17 @@ class Receiver:
 
     def take(self, version: int, digest: str, timeout: float) -> dict[str, torch.Tensor] | None:
         """The tensors of `version` as broadcast with `digest`, waiting up to `timeout` seconds for
-        its receive if it is under way; None when they were not received (or were refused)."""
+        this thread to have read its offer and ended its receive; None when they were not received
+        (or were refused). The version is announced once the trainer's end of the broadcast is done,
+        and gloo broadcasts along a tree: a generator fed by another may not have read the offer yet,
+        and waits for that read (one XREAD, which the offer wakes), not for nothing. An offer from
+        before this thread started (or gone from the stream) is not waited for."""
+        offered = self._offer_id(version, digest)
+
         def settled() -> bool:
-            return self._busy != (version, digest) or self._stop.is_set()
+            gone = self._thread is None or not self._thread.is_alive() or self._stop.is_set()
+            read = offered is None or (self._last is not None and stream_id(self._last) >= stream_id(offered))
+            return gone or (read and self._busy != (version, digest))
 
         with self._cond:
             self._cond.wait_for(settled, timeout=timeout)
@@ -78,11 +94,25 @@ class Receiver:
             self._held = None
             return held[2]
 
+    def _offer_id(self, version: int, digest: str) -> bytes | None:
+        """The stream id of the newest offer of `version` with `digest` among the last few, or None."""
+        try:
+            entries = self._r.xrevrange(self._keys.transfer_offers, count=OFFERS_LOOKED_AT)
+        except redis.exceptions.RedisError:
+            return None
+        for entry_id, fields in entries:
+            with contextlib.suppress(MessageError):
+                offer = decode_offer(fields.get(PAYLOAD, b""))
+                if (offer.version, offer.digest) == (version, digest):
+                    return entry_id
+        return None
+
     # ------------------------------------------------------------------ running it
 
     def start(self) -> Receiver:
         last = self._r.xrevrange(self._keys.transfer_offers, count=1)
-        self._thread = threading.Thread(target=self._follow, args=(last[0][0] if last else b"0-0",),
+        self._last = last[0][0] if last else b"0-0"  # offers up to here came before this generator listened
+        self._thread = threading.Thread(target=self._follow, args=(self._last,),
                                         name="weights-receiver", daemon=True)
         self._thread.start()
         return self
@@ -119,9 +149,15 @@ class Receiver:
                 if offer is not None and self.id in offer.members:
                     self._receive(offer)
                     said = 0.0  # say so again at once: a failed epoch took it off the list
+                with self._cond:
+                    self._last = last_id
+                    self._cond.notify_all()
         except BaseException as err:  # kept for whoever asks; the generator reports it
             self.error = err
             raise
+        finally:
+            with self._cond:  # a take waiting on this thread hears that it ended
+                self._cond.notify_all()
 
     def _decode(self, blob: bytes) -> Offer | None:
         try:

@@ -6,10 +6,12 @@ its epoch (bounded by the timeout), and bytes that differ from the offer's finge
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from common.config import TrainerConfig
@@ -83,7 +85,54 @@ def test_every_listening_generator_receives_the_weights_bit_exact_and_a_newcomer
         offer = decode_offer(r.xrevrange(keys.transfer_offers, count=1)[0][1][b"m"])
         assert offer.version == 3 and offer.members == ["g1", "g2", "g3"] and offer.digest == digest3
     finally:
+        for x in (a, b, c):
+            x.stop()
+        sender.close()
+
+
+def test_a_version_announced_before_the_generator_read_its_offer_is_still_taken_from_memory(r):
+    # gloo broadcasts along a tree: the trainer's end is done (and the version announced) once its
+    # children have the weights, while a generator further down, g3 here (fed by g2), may not yet have
+    # read the offer. Its weights check asks for the version then, and must wait for the read and the
+    # receive, not find nothing and read the files.
+    keys = Keys("xfer")
+    sender = sender_for(r, keys)
+    own = redis.Redis(connection_pool=r.connection_pool)  # g3's client, its reads held back below
+    gate, held = threading.Event(), threading.Event()
+    read = own.xread
+
+    def lagging(*args, **kwargs):
+        got = read(*args, **kwargs)
+        if got and not gate.is_set():
+            held.set()
+            gate.wait(timeout=30)
+        return got
+
+    gate.set()
+    own.xread = lagging
+    a, b, c = listening(r, keys, Receiver(r, keys, generator_id="g1"), Receiver(r, keys, generator_id="g2"),
+                        Receiver(own, keys, generator_id="g3"))
+    try:
+        digest = sender.start(weights(1), version=1).result()
+        for x in (a, b, c):  # the group met
+            assert same(x.take(1, digest, timeout=10), weights(1))
+        gate.clear()
+        digest2 = sender.start(weights(2), version=2).result()
+        assert digest2, "the trainer's end of the broadcast failed"
+        assert held.wait(timeout=10), "g3 did not read the offer of version 2"
+        taken: list = []
+        asking = threading.Thread(target=lambda: taken.append(c.take(2, digest2, timeout=20)))
+        asking.start()
+        time.sleep(0.5)  # the weights check waits while the offer is unread
+        gate.set()
+        asking.join(timeout=30)
+        assert taken and taken[0] is not None, "version 2 was not taken from memory: the generator reads the files"
+        assert same(taken[0], weights(2))
         for x in (a, b):
+            assert same(x.take(2, digest2, timeout=10), weights(2))
+    finally:
+        gate.set()
+        for x in (a, b, c):
             x.stop()
         sender.close()
 
