@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.gpu_learn import KitError, calls, join, part_size, side_rows, write_parts
+from ops.gpu_learn import BENCH_CALL, KitError, calls, join, part_size, side_rows, write_parts
 from tests.harness.processes import ROOT, process_env
 
 
@@ -84,11 +84,17 @@ def test_the_parts_join_back_byte_for_byte_and_a_bad_part_is_refused(tmp_path):
 def test_pack_prints_one_call_per_part_and_the_sitting_in_the_last():
     manifest = {"parts": [{"name": "part-00"}, {"name": "part-01"}, {"name": "part-02"}]}
     text = calls(manifest, ROOT / ".gpu-learn").splitlines()
-    assert [line.split(":")[0].strip() for line in text[1:]] == ["call 1", "call 2", "call 3"]
-    for i, line in enumerate(text[1:]):
+    assert [line.split(":")[0].strip() for line in text[1:]] == ["call 1", "call 2", "call 3", "call 4"]
+    for i, line in enumerate(text[1:-1]):
         assert f'carry [".gpu-learn/part-0{i}", ".gpu-learn/parts.json"]' in line, line
-    assert "ops/gpu-learn run --minutes 3 --out $OUT" in text[-1] and "timeout_s 600" in text[-1]
-    assert all("ops/gpu_learn.py parts" in line for line in text[1:-1])
+    assert "ops/gpu-learn run --minutes 3 --out $OUT" in text[-2] and "timeout_s 600" in text[-2]
+    assert all("ops/gpu_learn.py parts" in line for line in text[1:-2])
+    # Then, on the host still warm, the trainer benchmark and the GPU tests with what the sitting installed.
+    assert "carry []" in text[-1] and "timeout_s 420" in text[-1], text[-1]
+    assert "python3 ops/bench/trainer_gpu.py --out $OUT/bench" in text[-1] and "ops/gpu-check" in text[-1]
+    assert len(BENCH_CALL) < 2000  # the device tool's limit on a command
+    for script in ("ops/bench/trainer_gpu.py", "ops/gpu-check", "ops/gpu_check.py"):
+        assert (ROOT / script).is_file(), script
     # A part is as large as fits one call beside the working tree (64 MiB in all), 60 MiB at most.
     assert part_size(3 * 2**20) == 57 * 2**20 and part_size(0) == 60 * 2**20
     with pytest.raises(KitError, match="working tree"):
