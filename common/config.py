@@ -876,8 +876,9 @@ class TrainerConfig(_Section):
     # published meanwhile.
     state_every: int = Field(0, ge=0)
     # Write a version's checkpoint in a thread of its own while the next step trains: the step
-    # waits only while its weights are copied to the host (and for the version before, where its
-    # write is not done yet). The version is announced once its files are whole, as ever. A
+    # waits only while its weights are copied to the host (on the CPU in model.dtype, not even
+    # that: its next optimizer update waits for the write instead), and for the version before
+    # where its write is not done yet. The version is announced once its files are whole. A
     # publish with the trainer state (state_every; the last), with a broadcast (weight_transfer
     # "gloo" or "nccl"), or again after a go-back, is written in the step. false: every one is.
     publish_in_background: bool = True

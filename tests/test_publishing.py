@@ -4,6 +4,7 @@ once whole, and a write that fails stops the trainer as a publish in the step do
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -55,23 +56,26 @@ def test_a_version_is_written_while_the_next_step_trains_and_holds_its_own_steps
         tiny_model, r, tmp_path, monkeypatch):
     r.flushdb()
     run = a_run(tiny_model, r, tmp_path, background=True)
-    next_step_trained = threading.Event()
+    updating = threading.Event()  # the next step's forward and backward are done: its update begins
+    run.optimizer.register_step_pre_hook(lambda *_: updating.set())
     waited_out = []
     write = trainer.checkpoints.write_checkpoint
 
-    def write_after_the_next_step(*args, **kwargs):
-        if kwargs["step"] == 1 and not next_step_trained.wait(timeout=20):
-            waited_out.append(1)  # the step after it did not train meanwhile: written in the step
+    def write_once_the_next_step_is_updating(*args, **kwargs):
+        if kwargs["step"] == 1:
+            if not updating.wait(timeout=20):
+                waited_out.append(1)  # the step after it did not train meanwhile: written in the step
+            time.sleep(0.5)  # the update would be done by now, were it not held for the write
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(trainer.checkpoints, "write_checkpoint", write_after_the_next_step)
+    monkeypatch.setattr(trainer.checkpoints, "write_checkpoint", write_once_the_next_step_is_updating)
     train(run, groups_of(run.model, 1))
     step_1 = {k: v.clone() for k, v in run.model.state_dict().items()}
-    publish_if_due(run, last=False)  # version 1: its write waits for step 2 to be trained
+    updating.clear()
+    publish_if_due(run, last=False)  # version 1: written once step 2 has run its forward and backward
     assert latest_weights(r, KEYS) is None and run.record.version == 0  # not announced before it is whole
-    train(run, groups_of(run.model, 2))
+    train(run, groups_of(run.model, 2))  # its update waits for version 1's write
     assert any(not torch.equal(v, step_1[k]) for k, v in run.model.state_dict().items()), "step 2 changed nothing"
-    next_step_trained.set()
     publish_if_due(run, last=False)  # version 1 settled, version 2 written beside
     settle_writing(run)
 

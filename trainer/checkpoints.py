@@ -121,18 +121,15 @@ def copy_tokenizer_files(source: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
-def in_dtype(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None, *,
-             copy: bool = False) -> dict[str, torch.Tensor]:
+def in_dtype(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """`state_dict` on the CPU with its floating tensors in `dtype` (None: as they are); tensors
-    shared before (tied embeddings) are shared after, and one already there is not copied unless
-    `copy` (a snapshot the training that goes on cannot change)."""
+    shared before (tied embeddings) are shared after, and one already there is not copied."""
     done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
     out = {}
     for k, v in state_dict.items():
         key = (v.data_ptr(), tuple(v.shape))
         if key not in done:
-            done[key] = v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype,
-                                      copy=copy)
+            done[key] = v.detach().to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
         out[k] = done[key]
     return out
 
@@ -149,19 +146,17 @@ def save_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, 
 
 
 def checkpoint_tensors(model: torch.nn.Module, state_dict: dict[str, torch.Tensor] | None,
-                       dtype: torch.dtype | None, *, adapter: bool = False,
-                       copy: bool = False) -> dict[str, torch.Tensor]:
+                       dtype: torch.dtype | None, *, adapter: bool = False) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint of `model` holds (`state_dict`: its gathered weights when sharded),
     under the checkpoint's names, on the CPU in `dtype`: what is written, and what is broadcast.
-    `adapter` (an adapted model, trainer.lora.publish = "adapter"): the adapter alone, peft's names.
-    `copy`: none of them shares memory with the model (written while the model trains on)."""
+    `adapter` (an adapted model, trainer.lora.publish = "adapter"): the adapter alone, peft's names."""
     state_dict = model.state_dict() if state_dict is None else state_dict
     if adapter:
         assert is_lora(model), "an adapter is published only from a model with LoRA adapters"
-        return in_dtype(adapter_state_dict(state_dict), dtype, copy=copy)
+        return in_dtype(adapter_state_dict(state_dict), dtype)
     if is_lora(model):  # merged full weights under the base model's names: every engine loads them as they are
         state_dict = merged_state_dict(state_dict, scale=scale_of(model))
-    return hf_tensors(hf_model(model), state_dict, dtype, copy=copy)
+    return hf_tensors(hf_model(model), state_dict, dtype)
 
 
 def write_checkpoint(model: torch.nn.Module, *, checkpoint_dir: Path, step: int, source_dir: Path,
@@ -208,10 +203,10 @@ def _rename(tmp: Path, final: Path) -> Path:
 
 
 def hf_tensors(hf: torch.nn.Module, state_dict: dict[str, torch.Tensor],
-               dtype: torch.dtype | None, *, copy: bool = False) -> dict[str, torch.Tensor]:
+               dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """What save_pretrained would write of `state_dict`: tied aliases dropped (the lm_head that
     shares the embedding), names as the checkpoint format has them; on the CPU, floating tensors
-    in `dtype` (None: as they are; a tensor already there is not copied unless `copy`)."""
+    in `dtype` (None: as they are; a tensor already there is not copied)."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict, revert_weight_conversion
 
     state = dict(state_dict)
@@ -220,7 +215,7 @@ def hf_tensors(hf: torch.nn.Module, state_dict: dict[str, torch.Tensor],
     state = remove_tied_weights_from_state_dict(state, hf)
     with unsharded_class_names(hf):
         state = revert_weight_conversion(hf, state)
-    return in_dtype(state, dtype, copy=copy)
+    return in_dtype(state, dtype)
 
 
 @contextlib.contextmanager
@@ -317,13 +312,13 @@ class Written(NamedTuple):
 
 
 def published_tensors(model: torch.nn.Module, dtype: torch.dtype | None, *, adapter: bool = False,
-                      sender: Sender | None = None, copy: bool = False) -> dict[str, torch.Tensor]:
+                      sender: Sender | None = None) -> dict[str, torch.Tensor]:
     """The weights a version of `model` publishes (checkpoint_tensors): gathered from every rank (a
-    collective under torchrun), rank 0's in `dtype` on the CPU; {} on the other ranks. `copy`: a
-    snapshot, none of it sharing memory with the model, to be written while the model trains on."""
+    collective under torchrun), rank 0's in `dtype` on the CPU; {} on the other ranks. Where the
+    model's own weights are on the CPU in `dtype` (one process) they are the parameters themselves."""
     assert sender is None or not adapter, "an adapter is published on disk only (trainer.weight_transfer = 'disk')"
     weights = full_state_dict(model)
-    return checkpoint_tensors(model, weights, dtype, adapter=adapter, copy=copy) if is_main() else {}
+    return checkpoint_tensors(model, weights, dtype, adapter=adapter) if is_main() else {}
 
 
 def write_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], *, step: int, checkpoint_dir: Path,

@@ -4,7 +4,8 @@ published checkpoint is gone, and a publish that could not be written (trainer/c
 writes the files and the transaction).
 
 A version without the trainer state is written beside the next step (trainer.publish_in_background):
-the step copies its weights to the host (`published_tensors`), rank 0's writer thread writes the
+the step copies its weights to the host (`published_tensors`; where they are the parameters
+themselves, the next optimizer update waits for the write instead), rank 0's writer thread writes the
 checkpoint and announces it (`write_weights`, `announce_version`), and the trainer waits for it
 (`settle_writing`) before its next publish of any kind and at its end. Nothing is acknowledged with such a
 version, so a trainer killed while writing it loses nothing: the version is not announced, and a
@@ -12,9 +13,13 @@ restart resumes from the saved state as after a kill anywhere else."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import concurrent.futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+
+import torch
+from torch.utils.hooks import RemovableHandle
 
 from common.evals import enqueue_eval
 from common.messages import WeightVersion
@@ -76,12 +81,14 @@ def checkpoint(run: Run, *, save: bool, background: bool = False) -> WeightVersi
 
 
 def write_beside(run: Run) -> None:
-    """Start publishing `run.step` beside the steps that follow: its weights copied to the host
-    now (gathered from every rank), then written and announced by rank 0's writer thread, with the
-    evaluation queued where `eval.every` asks for it."""
+    """Start publishing `run.step` beside the steps that follow: its weights on the host now (a copy,
+    gathered from every rank; in one process whose weights are on the CPU in the published dtype,
+    the parameters themselves, and the next optimizer update waits until they are written), then
+    written and announced by rank 0's writer thread, with the evaluation queued where `eval.every`
+    asks for it."""
     cfg, config, step = run.config.trainer, run.config, run.step
     adapter = cfg.lora.rank > 0 and cfg.lora.publish == "adapter"
-    tensors = published_tensors(run.model, DTYPES[config.model.dtype], adapter=adapter, copy=True)
+    tensors = published_tensors(run.model, DTYPES[config.model.dtype], adapter=adapter)
     gone_back = run.record.gone_back[-1] if run.record.gone_back else None
 
     def write() -> WeightVersion:
@@ -92,12 +99,29 @@ def write_beside(run: Run) -> None:
         queue_eval(run, wv)
         return wv
 
-    done = None
+    done, hold = None, None
     if is_main():
         if run.writer is None:
             run.writer = ThreadPoolExecutor(1, thread_name_prefix="publish")
         done = run.writer.submit(write)
-    run.writing = Writing(step=step, done=done)
+        if shares_memory(tensors, run.model):  # a copy would cost more than the wait (0.3 s a step, default model)
+            hold = hold_updates(run.optimizer, done)
+    run.writing = Writing(step=step, done=done, hold=hold)
+
+
+def shares_memory(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> bool:
+    """Whether any of `tensors` is (a view of) one of `model`'s parameters."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return any(t.untyped_storage().data_ptr() in params for t in tensors.values())
+
+
+def hold_updates(optimizer: torch.optim.Optimizer, done: Future) -> RemovableHandle:
+    """Make `optimizer`'s updates wait until `done` (a write reading the parameters themselves) has
+    ended, however it ended (a failure is `settle_writing`'s to report). Removed when settled."""
+    def wait(_optimizer: torch.optim.Optimizer, _args: tuple, _kwargs: dict) -> None:
+        concurrent.futures.wait([done])
+
+    return optimizer.register_step_pre_hook(wait)
 
 
 def settle_writing(run: Run) -> None:
@@ -110,6 +134,9 @@ def settle_writing(run: Run) -> None:
         wv = writing.done.result() if writing.done is not None else None
     except OSError as err:  # a full disk, most often: nothing was announced
         raise publish_failed(run, err, step=writing.step) from err
+    finally:
+        if writing.hold is not None:
+            writing.hold.remove()
     run.record.published(wv, step=writing.step, saved=False, group_ids=[], dedup_window=run.config.trainer.dedup_window)
 
 

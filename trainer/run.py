@@ -10,6 +10,7 @@ from pathlib import Path
 
 import redis
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from common.config import Config
 from common.history import HistoryWriter
@@ -31,6 +32,7 @@ class Writing:
 
     step: int  # the version
     done: Future | None  # rank 0's write and announcement, its WeightVersion; None on the other ranks
+    hold: RemovableHandle | None = None  # the optimizer's wait for a write reading the parameters themselves
 
 
 @dataclass

@@ -11,7 +11,8 @@ in a temporary directory with its own Redis port and output directory, stopped b
 per minute are timed from the arrival of the trainer's first step line to its last, so start-up
 (loading models, the first batch of samples) is not counted; the demo saves its optimizer state
 every 10 steps and that save falls inside a 10-step run, as it does in a long one. The trainer's
-wait-for-data fraction is its `time/wait_data` over `time/step` for the same steps.
+wait-for-data fraction is its `time/wait_data` over `time/step` for the same steps, and its publish
+fraction `time/publish` over `time/step`.
 
 Writes a PNG of each run's reward (mean over the step's completions) and accuracy against the
 step. Prints the steps per minute with the most generators on its last line.
@@ -126,10 +127,11 @@ def main() -> None:
                 rates[generators] = 60 * (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
                 timed = metrics[1:]
                 wait = sum(m["time/wait_data"] for m in timed) / sum(m["time/step"] for m in timed)
+                publish = sum(m["time/publish"] for m in timed) / sum(m["time/step"] for m in timed)
                 runs[generators] = metrics
                 rewards = " ".join(f"{m['reward']:.2f}" for m in metrics)
                 print(f"{tree}: {generators} generator(s): {rates[generators]:.2f} steps/min, wait-for-data "
-                      f"fraction {wait:.3f}, reward by step {rewards}", flush=True)
+                      f"fraction {wait:.3f}, publish fraction {publish:.3f}, reward by step {rewards}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     plot(runs, args.png)
