@@ -88,9 +88,10 @@ def test_trainer_sigkill_between_checkpoints(tmp_path, redis_url, r, tiny_model)
     pipe = Pipeline(tmp_path, pipeline_config(tmp_path, redis_url, tiny_model, steps=steps, state_every=2))
     for name in ("producer", "generator", "trainer"):
         pipe.start(name)
-    # Step 3 is trained and its weights published, but its groups wait for step 4's saved state.
-    wait_for(lambda: any(m["step"] == 3 for m in metrics(tmp_path)), timeout=180, what="step 3",
-             procs=list(pipe.procs.values()))
+    # Step 3 is trained and its weights published (announced once written, beside step 4), but its
+    # groups wait for step 4's saved state.
+    wait_for(lambda: any(m["step"] == 3 for m in metrics(tmp_path)) and read_trainer(r, KEYS).version >= 3,
+             timeout=180, what="step 3 and its version", procs=list(pipe.procs.values()))
     pipe.kill("trainer")
     at_kill = accounting(r, KEYS)
     state_step = read_trainer(r, KEYS).state_step

@@ -66,9 +66,14 @@ def test_sigkill_between_checkpoints_then_restart_matches_an_uninterrupted_run(t
         r.xadd(keys.samples, {PAYLOAD: blob})
     config = resume_config(tmp_path, "b", redis_url, tiny_model, sync_every=sync_every)
     proc = trainer(config)
+
+    def killable() -> bool:  # step 3 trained and, with sync_every 1, its version announced (written beside step 4)
+        stepped = any(m["step"] == 3 for m in read_steps(tmp_path / "b" / "metrics.jsonl"))
+        return stepped and (sync_every == 2 or read_trainer(r, keys).version == 3)
+
     try:
         deadline = time.monotonic() + 180
-        while not any(m["step"] == 3 for m in read_steps(tmp_path / "b" / "metrics.jsonl")):
+        while not killable():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
