@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from common.evals import enqueue_eval
@@ -110,9 +111,20 @@ def write_beside(run: Run) -> None:
 
 
 def shares_memory(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> bool:
-    """Whether any of `tensors` is (a view of) one of `model`'s parameters."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return any(t.untyped_storage().data_ptr() in params for t in tensors.values())
+    """Whether any of `tensors` is (a view of) one of `model`'s parameters. FSDP2's parameters are
+    DTensor shards, whose gathered weights are new tensors: they share nothing."""
+    params = {storage_of(p) for p in model.parameters()} - {None}
+    return any(storage_of(t) in params for t in tensors.values())
+
+
+def storage_of(t: torch.Tensor) -> int | None:
+    """The address of `t`'s storage; None for a tensor without one of its own (a DTensor)."""
+    if isinstance(t, DTensor):
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # a tensor subclass whose storage cannot be read
+        return None
 
 
 def hold_updates(optimizer: torch.optim.Optimizer, done: Future) -> RemovableHandle:
