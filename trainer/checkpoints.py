@@ -333,7 +333,6 @@ def write_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], *, s
     # the default model's weights took 0.1 s to write so, 0.6 s into fresh pages (a 2-core VM).
     prune_steps(checkpoint_dir, keep=keep - 1, newest=step - 1, spare=source_dir)
     sending = sender.start(tensors, version=step) if sender is not None else None
-    digest = ""
     try:
         path, sums = write_checkpoint(model, checkpoint_dir=checkpoint_dir, step=step, source_dir=source_dir,
                                       timing=timing, tensors=tensors, adapter=adapter)
