@@ -73,7 +73,7 @@ class StepMetrics:
     time_wait_data: float  # of which waiting for groups (the slowest rank)
     time_train: float  # of which in the update
     # of which checkpointing and publishing (a version written beside the next step: its copy to the
-    # host, and the wait for the one before)
+    # host, and the wait for the one before, its trainer state's included)
     time_publish: float
     generators_alive: float  # generators with a live heartbeat
     generators_tokens_per_s: float  # their tokens/s, summed

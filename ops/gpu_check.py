@@ -893,7 +893,7 @@ def run_section(s: Step) -> list[str]:
                   f"generators), {number(f['generator_tokens_per_s_max'])} at most; completions "
                   f"{number(f['mean_completion_tokens'])} tokens on average",
                   f"- weight transfer, disk: the trainer's step publishing {fmt_stats(disk['publish_s'])} (a version "
-                  f"without the trainer state is written beside the next step); generators "
+                  f"is written beside the next step); generators "
                   f"heard it after {fmt_stats(disk['heard_s'])}, finished what was in flight in "
                   f"{fmt_stats(disk['drained_s'])}, verified it in {fmt_stats(disk['verify_s'])} (meanwhile), "
                   f"reloaded in {fmt_stats(disk['reload_s'])}",

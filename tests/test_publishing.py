@@ -8,10 +8,12 @@ import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint.filesystem
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import trainer.checkpoints
+import trainer.publishing
 from common.checkpoints import WEIGHTS_FILE, verify_dir
 from common.config import config_from_dict
 from common.keys import Keys
@@ -24,18 +26,19 @@ from trainer.publishing import PublishFailed, publish_if_due, settle_writing
 from trainer.record import Record
 from trainer.run import Run
 from trainer.schedule import build_scheduler
+from trainer.state import load_state, state_dir
 
 KEYS = Keys("beside")
 
 
-def a_run(tiny_model, r, tmp_path, *, background: bool) -> Run:
+def a_run(tiny_model, r, tmp_path, *, background: bool, state_every: int = 10) -> Run:
     """A trainer of the tiny model in float32 on the CPU (its published weights are its own
     parameters' dtype, so only a snapshot keeps them from the next step), publishing every step,
-    saving the trainer state every 10."""
+    saving the trainer state every `state_every`."""
     torch.manual_seed(0)
     config = config_from_dict({"run": KEYS.run, "output_dir": str(tmp_path / "out"),
                                "model": {"path": str(tiny_model), "dtype": "float32"},
-                               "trainer": {"lr": 1e-2, "state_every": 10, "publish_in_background": background},
+                               "trainer": {"lr": 1e-2, "state_every": state_every, "publish_in_background": background},
                                "eval": {"every": 0}})
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -112,3 +115,83 @@ def test_a_version_that_cannot_be_written_beside_the_next_step_stops_the_trainer
     assert latest_weights(r, KEYS) is None
     assert read_trainer(r, KEYS).publish_failed == 1
     assert not list(run.config.checkpoint_dir.glob(".step_*.tmp")), "the half-written checkpoint was left"
+
+
+def trained(run: Run, step: int) -> list[str]:
+    """Train step `step` on two groups, held for the next saved state as the trainer's loop holds them."""
+    groups = groups_of(run.model, step)
+    train(run, groups)
+    run.unacked_entries += [f"{step}-{i}".encode() for i in range(len(groups))]
+    run.unacked_ids += [g.id for g in groups]
+    return [g.id for g in groups]
+
+
+def moments(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [state[k].clone() for state in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+
+
+def test_a_trainer_state_is_written_while_the_next_step_trains_and_its_groups_acknowledged_once_it_is(
+        tiny_model, r, tmp_path, monkeypatch):
+    r.flushdb()
+    run = a_run(tiny_model, r, tmp_path, background=True, state_every=1)
+    updating = threading.Event()  # the next step's forward and backward are done: its update begins
+    run.optimizer.register_step_pre_hook(lambda *_: updating.set())
+    waited_out = []
+    write_state = trainer.publishing.write_state
+
+    def write_once_the_next_step_is_updating(state, **kwargs):
+        if kwargs["step"] == 1:
+            if not updating.wait(timeout=20):
+                waited_out.append(1)  # the step after it did not train meanwhile: written in the step
+            time.sleep(0.5)  # the update would be done by now, were it not held for the write
+        return write_state(state, **kwargs)
+
+    monkeypatch.setattr(trainer.publishing, "write_state", write_once_the_next_step_is_updating)
+    first = trained(run, 1)
+    step_1 = moments(run.optimizer)
+    updating.clear()
+    publish_if_due(run, last=False)  # version 1 and its state: written once step 2 is updating
+    assert latest_weights(r, KEYS) is None and read_trainer(r, KEYS).groups_trained == 0, \
+        "announced, or its groups acknowledged, before its state was written"
+    second = trained(run, 2)  # its update waits for the state of step 1
+    changed = [not torch.equal(a, b) for a, b in zip(moments(run.optimizer), step_1, strict=True)]
+    assert any(changed), "step 2 changed nothing"
+    run.writing.done.result(timeout=60)
+    progress = read_trainer(r, KEYS)
+    assert (progress.version, progress.state_step, progress.groups_trained) == (1, 1, 2)
+    assert run.unacked_ids == first + second, "acknowledged groups were let go before the write was settled"
+    settle_writing(run)
+    assert run.unacked_ids == second and run.record.state_step == 1 and run.record.groups_trained == 2
+    assert not waited_out, "the state of step 1 was written in its own step, not beside the next"
+
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert load_state(fresh, opt, build_scheduler(opt, schedule="constant", warmup_steps=0, total_steps=0),
+                      path=state_dir(run.state_root, 1)) == 1
+    for saved, before in zip(moments(opt), step_1, strict=True):  # step 1's moments, not step 2's
+        assert torch.equal(saved, before)
+
+    publish_if_due(run, last=True)  # the last: in its step, with the groups of step 2
+    assert run.unacked_ids == [] and read_trainer(r, KEYS).groups_trained == 4
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["beside", "in-the-step"])
+def test_a_trainer_state_that_cannot_be_written_stops_the_trainer_acknowledging_nothing(
+        tiny_model, r, tmp_path, monkeypatch, background):
+    r.flushdb()
+    run = a_run(tiny_model, r, tmp_path, background=background, state_every=1)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch.distributed.checkpoint.filesystem, "_write_item", full_disk)
+    first = trained(run, 1)
+    with pytest.raises(PublishFailed, match="publishing step 1 failed: .*No space left on device. Nothing was "
+                                            "announced: generators keep version 0, and the groups trained since "
+                                            "the saved state of step 0 stay pending"):
+        publish_if_due(run, last=False)  # in the step: it fails here
+        trained(run, 2)
+        publish_if_due(run, last=False)  # beside: the next publish finds it failed
+    assert latest_weights(r, KEYS) is None and read_trainer(r, KEYS).groups_trained == 0
+    assert run.unacked_ids[:2] == first
+    assert not list(run.state_root.glob(".step_*.tmp")), "the half-written state was left"

@@ -29,6 +29,9 @@ def test_two_ranks_give_the_same_weights_as_one(tmp_path, redis_url, r, tiny_mod
     consumers = {c["name"].decode() for c in r.xinfo_consumers(Keys("two").samples, TRAINER_GROUP)}
     assert consumers == {"rank0", "rank1"}
     assert r.xpending(Keys("two").samples, TRAINER_GROUP)["pending"] == 0
+    # step 1's trainer state, written beside step 2 by each rank's writer thread: both ranks' shards
+    state_1 = tmp_path / "two" / "trainer_state" / "step_1"
+    assert sorted(f.name for f in state_1.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     lines = read_steps(tmp_path / "two" / "metrics.jsonl")
     assert [sorted(m["group_ids"]) for m in lines] == [[f"g{i}" for i in range(4)], [f"g{i}" for i in range(4, 8)]]
     one_lines = read_steps(tmp_path / "one" / "metrics.jsonl")
@@ -58,7 +61,7 @@ def test_two_ranks_sharing_prompts_give_the_weights_of_one_with_padded_rows(tmp_
         for blob in blobs:
             r.xadd(Keys(name).samples, {PAYLOAD: blob})
     run_ranks(tmp_path, "rows", redis_url, tiny_model, nproc=1, share_prompts=False, pack_sequences=False)
-    run_ranks(tmp_path, "packed", redis_url, tiny_model, nproc=2, share_prompts=True)
+    run_ranks(tmp_path, "packed", redis_url, tiny_model, nproc=2, share_prompts=True, state_every=2)
     rows, packed = (read_steps(tmp_path / n / "metrics.jsonl")
                     for n in ("rows", "packed"))
     for a, b in zip(rows, packed, strict=True):

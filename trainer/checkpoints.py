@@ -287,9 +287,9 @@ def publish(r: redis.Redis, keys: Keys, model: torch.nn.Module, optimizer: torch
     `sender` (rank 0's, trainer.weight_transfer): the weights also go over its collective to the
     generators listening, beside the write; the announcement names their digest. `adapter`
     (trainer.lora.publish = "adapter"): the version is the LoRA adapter alone, announced as such
-    (format "lora_adapter"), on disk only. The trainer's publishes without a trainer state take
-    the same three stages in two threads (trainer/publishing.py): `published_tensors` in the
-    step's, `write_weights` and `announce_version` beside the next step.
+    (format "lora_adapter"), on disk only. The trainer's publishes beside the next step take the
+    same stages in two threads (trainer/publishing.py): `published_tensors` (and `begin_state`) in
+    the step's, `write_state`, `write_weights` and `announce_version` beside the next step.
     """
     tensors = published_tensors(model, dtype, adapter=adapter, sender=sender)
     written = write_weights(model, tensors, step=step, checkpoint_dir=checkpoint_dir, source_dir=source_dir,

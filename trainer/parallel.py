@@ -189,6 +189,15 @@ def unshared(directories: list[Path]) -> str | None:
             "Lustre, ...): each rank saves its shards of the trainer state there and resume reads them back")
 
 
+@functools.cache
+def writer_group() -> dist.ProcessGroup | None:
+    """A gloo group of every rank for the collectives of the writer threads (the trainer state
+    written beside the next step, trainer/publishing.py): collectives of two threads on one group
+    would interleave. Made at its first call, which every rank makes at the same point (it is a
+    collective); None without a process group."""
+    return dist.new_group(backend="gloo") if distributed() else None
+
+
 def barrier() -> None:
     if distributed():
         dist.barrier()

@@ -3,13 +3,16 @@ acknowledgement of the groups trained since the last) every `sync_every` steps, 
 published checkpoint is gone, and a publish that could not be written (trainer/checkpoints.py
 writes the files and the transaction).
 
-A version without the trainer state is written beside the next step (trainer.publish_in_background):
-the step copies its weights to the host (`published_tensors`; where they are the parameters
-themselves, the next optimizer update waits for the write instead), rank 0's writer thread writes the
-checkpoint and announces it (`write_weights`, `announce_version`), and the trainer waits for it
-(`settle_writing`) before its next publish of any kind and at its end. Nothing is acknowledged with such a
-version, so a trainer killed while writing it loses nothing: the version is not announced, and a
-restart resumes from the saved state as after a kill anywhere else."""
+A version is written beside the next step (trainer.publish_in_background): the step copies its
+weights to the host (`published_tensors`; where they are the parameters themselves, the next
+optimizer update waits for the write instead); with the trainer state, each rank's writer thread
+writes its shards (`write_state`, over a gloo group of their own) while the next optimizer update
+waits for it (the state is the model's and the optimizer's tensors themselves: no copy of
+them); rank 0's then writes the checkpoint and announces it (`write_weights`, `announce_version`),
+acknowledging the groups the state holds in the same transaction; the trainer waits for all of it
+(`settle_writing`) before its next publish of any kind and at its end. A trainer killed while
+writing loses nothing: the version is not announced, its groups not acknowledged, and a restart
+resumes from the newest saved state as after a kill anywhere else."""
 
 from __future__ import annotations
 
@@ -35,9 +38,9 @@ from trainer.checkpoints import (
     write_weights,
 )
 from trainer.devices import DTYPES
-from trainer.parallel import any_rank, is_main, say
+from trainer.parallel import any_rank, is_main, say, writer_group
 from trainer.run import Run, Writing
-from trainer.state import prune_states, state_dir
+from trainer.state import begin_state, prune_states, state_dir, write_state
 
 
 class PublishFailed(RuntimeError):
@@ -48,9 +51,9 @@ class PublishFailed(RuntimeError):
 def checkpoint(run: Run, *, save: bool, background: bool = False) -> WeightVersion | None:
     """Publish the weights of `run.step` (every rank takes part); with `save`, the trainer state
     too, and acknowledge every group trained since the last. Rank 0 alone gets the WeightVersion.
-    The version being written beside the step, if any, is settled first. `background` (and no
-    `save`): the weights are copied to the host and written by rank 0's writer thread while the
-    trainer goes on; nothing is returned (`settle_writing` gives it)."""
+    The version being written beside the step, if any, is settled first. `background`: written by
+    the writer threads while the trainer goes on (`write_beside`); nothing is returned
+    (`settle_writing` gives it)."""
     cfg, config = run.config.trainer, run.config
     settle_writing(run)
     newest = state_dir(run.state_root, run.record.state_step)
@@ -60,8 +63,8 @@ def checkpoint(run: Run, *, save: bool, background: bool = False) -> WeightVersi
             count_fault(run.r, run.keys, Fault.STATE_LOST)
         say(f"trainer: its newest saved state {newest} is gone (the output directory deleted?); "
             f"saving the trainer state of step {run.step} now")
-    if background and not save:
-        write_beside(run)
+    if background:
+        write_beside(run, save=save)
         return None
     try:
         wv = publish(run.r, run.keys, run.model, run.optimizer, run.scheduler, step=run.step,
@@ -81,33 +84,50 @@ def checkpoint(run: Run, *, save: bool, background: bool = False) -> WeightVersi
     return wv
 
 
-def write_beside(run: Run) -> None:
+def write_beside(run: Run, *, save: bool = False) -> None:
     """Start publishing `run.step` beside the steps that follow: its weights on the host now (a copy,
     gathered from every rank; in one process whose weights are on the CPU in the published dtype,
     the parameters themselves, and the next optimizer update waits until they are written), then
     written and announced by rank 0's writer thread, with the evaluation queued where `eval.every`
-    asks for it."""
+    asks for it. With `save`, each rank's writer thread first writes its shards of the trainer
+    state, the next optimizer update waiting for them, and the announcement acknowledges every
+    group trained since the last saved state."""
     cfg, config, step = run.config.trainer, run.config, run.step
     adapter = cfg.lora.rank > 0 and cfg.lora.publish == "adapter"
     tensors = published_tensors(run.model, DTYPES[config.model.dtype], adapter=adapter)
     gone_back = run.record.gone_back[-1] if run.record.gone_back else None
+    entries, ids = (list(run.unacked_entries), list(run.unacked_ids)) if save else ([], [])
+    state, tmp = begin_state(run.model, run.optimizer, run.scheduler, step=step, state_root=run.state_root) \
+        if save else (None, None)
+    group = writer_group() if save else None  # a collective, the first time
+    state_written: Future = Future()
 
-    def write() -> WeightVersion:
+    def write() -> WeightVersion | None:
+        try:
+            if state is not None:
+                write_state(state, tmp=tmp, step=step, state_root=run.state_root, keep=cfg.keep_checkpoints,
+                            group=group)
+        finally:  # however it ended: a failure is settle_writing's to report
+            state_written.set_result(None)
+        if not is_main():
+            return None
         written = write_weights(run.model, tensors, step=step, checkpoint_dir=config.checkpoint_dir,
                                 source_dir=run.source_dir, keep=cfg.keep_checkpoints, adapter=adapter)
-        wv = announce_version(run.r, run.keys, written, step=step, state_saved=False, entry_ids=[], group_ids=[],
-                              dedup_window=cfg.dedup_window, gone_back=gone_back, adapter=adapter)
+        wv = announce_version(run.r, run.keys, written, step=step, state_saved=save, entry_ids=entries,
+                              group_ids=ids, dedup_window=cfg.dedup_window, gone_back=gone_back, adapter=adapter)
         queue_eval(run, wv)
         return wv
 
     done, hold = None, None
-    if is_main():
+    if is_main() or save:
         if run.writer is None:
             run.writer = ThreadPoolExecutor(1, thread_name_prefix="publish")
         done = run.writer.submit(write)
         if shares_memory(tensors, run.model):  # a copy would cost more than the wait (0.3 s a step, default model)
             hold = hold_updates(run.optimizer, done)
-    run.writing = Writing(step=step, done=done, hold=hold)
+        elif save:  # the optimizer's moments and the weights are written as they are
+            hold = hold_updates(run.optimizer, state_written)
+    run.writing = Writing(step=step, done=done, hold=hold, saved=save, entries=len(entries), ids=len(ids))
 
 
 def shares_memory(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> bool:
@@ -144,16 +164,20 @@ def settle_writing(run: Run) -> None:
         return
     try:
         wv = writing.done.result() if writing.done is not None else None
-    except OSError as err:  # a full disk, most often: nothing was announced
+    except OSError as err:  # a full disk, most often: nothing was announced, nothing acknowledged
         raise publish_failed(run, err, step=writing.step) from err
     finally:
         if writing.hold is not None:
             writing.hold.remove()
-    run.record.published(wv, step=writing.step, saved=False, group_ids=[], dedup_window=run.config.trainer.dedup_window)
+    run.record.published(wv, step=writing.step, saved=writing.saved, group_ids=run.unacked_ids[:writing.ids],
+                         dedup_window=run.config.trainer.dedup_window)
+    if writing.saved:  # the groups trained since stay unacknowledged, for the next saved state
+        run.unacked_entries = run.unacked_entries[writing.entries:]
+        run.unacked_ids = run.unacked_ids[writing.ids:]
 
 
 def in_background(run: Run) -> bool:
-    """Whether a publish without the trainer state may be written beside the next step: asked for
+    """Whether a publish may be written beside the next step: asked for
     (trainer.publish_in_background), on disk only (no broadcast), and outside a go-back's versions
     (note_if_unchanged compares each with what was published before under its number). The same
     on every rank."""
@@ -216,7 +240,8 @@ def publish_if_due(run: Run, *, last: bool) -> None:
     if run.step % cfg.sync_every == 0 or last:
         run.version = run.step
         save = run.step % (cfg.state_every or cfg.sync_every) == 0 or last
-        queue_eval(run, checkpoint(run, save=save, background=in_background(run)))
+        # the last in the step: no step follows it to write beside
+        queue_eval(run, checkpoint(run, save=save, background=in_background(run) and not last))
     else:
         settle_writing(run)  # the version written beside this step announced before the step is recorded
         if is_main():

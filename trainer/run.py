@@ -31,8 +31,13 @@ class Writing:
     """A version whose checkpoint is being written beside the steps after it (trainer/publishing.py)."""
 
     step: int  # the version
-    done: Future | None  # rank 0's write and announcement, its WeightVersion; None on the other ranks
-    hold: RemovableHandle | None = None  # the optimizer's wait for a write reading the parameters themselves
+    # rank 0's write and announcement, its WeightVersion; on the other ranks the write of their
+    # shards of the trainer state (None: no state)
+    done: Future | None
+    hold: RemovableHandle | None = None  # the optimizer's wait for a write reading its tensors themselves
+    saved: bool = False  # with the trainer state, acknowledging the groups trained since the last
+    entries: int = 0  # with `saved`: how many of run.unacked_entries (the first) it acknowledges
+    ids: int = 0  # and of run.unacked_ids
 
 
 @dataclass
@@ -64,7 +69,7 @@ class Run:
     sender: Sender | None = None  # rank 0's end of the weights broadcast (trainer.weight_transfer; None: disk)
     history: HistoryWriter | None = None  # rank 0's keeper of every trained group (common/history.py); None: others
     writing: Writing | None = None  # the version being written beside this step, if any
-    writer: ThreadPoolExecutor | None = None  # rank 0's thread writing versions beside the steps (made when first used)
+    writer: ThreadPoolExecutor | None = None  # the thread writing versions beside the steps (made when first used)
 
     @property
     def sft(self) -> bool:

@@ -9,12 +9,15 @@ version has its state on disk.
 
 from __future__ import annotations
 
+import copy
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from common.checkpoints import prune_steps
@@ -43,21 +46,53 @@ def save_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
     Every rank takes part (each writes its shards); rank 0 renames and prunes.
     """
-    final = state_dir(state_root, step)
-    tmp = final.parent / f".step_{step}.tmp"
+    state, tmp = begin_state(model, optimizer, scheduler, step=step, state_root=state_root)
+    final = write_state(state, tmp=tmp, step=step, state_root=state_root, keep=keep)
+    barrier()
+    return final
+
+
+def begin_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int, state_root: Path) -> tuple[dict, Path]:
+    """Every rank: the trainer state of `step` to write, and the temporary directory it goes in
+    (emptied by rank 0 before any rank writes: a collective). The model's and the optimizer's
+    tensors in it are their own, not copies: they must not change until `write_state` is done
+    (the scheduler's position and the RNG's are copies)."""
+    tmp = state_root / f".step_{step}.tmp"
     if is_main():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.parent.mkdir(parents=True, exist_ok=True)
     barrier()
-    dcp.save(_stateful(model, optimizer, scheduler, step), checkpoint_id=tmp)
-    barrier()
+    state = _stateful(model, optimizer, scheduler, step)
+    state["scheduler"] = copy.deepcopy(state["scheduler"])
+    return state, tmp
+
+
+def write_state(state: dict, *, tmp: Path, step: int, state_root: Path, keep: int,
+                group: dist.ProcessGroup | None = None) -> Path:
+    """Every rank writes its shards of `state` (begin_state) into `tmp`; rank 0, once all have
+    (dcp's save ends with a collective over `group`, None: the default one), renames it to the
+    state of `step` and prunes the older. A rank's failure, a full disk most often, is raised on
+    every rank as the OSError it was (dcp wraps it)."""
+    try:
+        dcp.save(state, checkpoint_id=tmp, process_group=group)
+    except CheckpointException as err:
+        raise failure_of(err) from err
+    final = state_dir(state_root, step)
     if is_main():
         if final.exists():  # from a run that crashed before publishing it, or one before a restart
             shutil.rmtree(final)
         tmp.rename(final)
         prune_states(state_root, keep=keep, newest=step)
-    barrier()
     return final
+
+
+def failure_of(err: CheckpointException) -> BaseException:
+    """The first failing rank's own exception inside dcp's CheckpointException (itself no OSError,
+    so a full disk would not read as one); the CheckpointException if it holds none."""
+    for failed, _trace in err.failures.values():
+        return failed
+    return err
 
 
 def prune_states(root: Path, *, keep: int, newest: int | None = None) -> None:

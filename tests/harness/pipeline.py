@@ -50,15 +50,17 @@ def train_groups(tmp_path: Path, redis_url: str, model_dir: Path, *, run: str, *
 
 def run_ranks(tmp_path: Path, run_name: str, redis_url: str, model_dir: Path, nproc: int, dtype: str = "float32",
               kl_coef: float = 0.0, share_prompts: bool = True, skip_zero_advantage: bool = True,
-              pack_sequences: bool = True, attention: str = "auto") -> str:
+              pack_sequences: bool = True, attention: str = "auto", state_every: int = 1) -> str:
     """The trainer as `nproc` FSDP ranks on the groups a test wrote to run `run_name`, four a step,
-    two steps (step 1's version written beside step 2, its state saved only with step 2's); its
-    output under tmp_path/run_name. Returns what it printed."""
+    two steps (step 1's version written beside step 2: with its trainer state, each rank's shards
+    by its own writer thread, at `state_every` 1; the weights alone at 2); its output under
+    tmp_path/run_name. Returns what it printed."""
     config = write_config(tmp_path / f"{run_name}.toml", run=run_name, redis_url=redis_url,
                           output_dir=tmp_path / run_name, model={"path": str(model_dir), "dtype": dtype}, base={},
                           rollout={"group_size": 4, "prompts_per_step": 4, "max_staleness": 2},
                           trainer={"max_steps": 2, "lr": 1e-3, "micro_batch_size": 3, "micro_batch_tokens": 40,
-                                   "threads": 1, "keep_checkpoints": 2, "state_every": 2, "loss": {"kl_coef": kl_coef},
+                                   "threads": 1, "keep_checkpoints": 2, "state_every": state_every,
+                                   "loss": {"kl_coef": kl_coef},
                                    "share_prompts": share_prompts, "skip_zero_advantage": skip_zero_advantage,
                                    "pack_sequences": pack_sequences, "attention": attention,
                                    **QUARANTINE_OFF})
