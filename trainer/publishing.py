@@ -100,9 +100,12 @@ def write_beside(run: Run, *, save: bool = False) -> None:
     state, tmp = begin_state(run.model, run.optimizer, run.scheduler, step=step, state_root=run.state_root) \
         if save else (None, None)
     group = writer_group() if save else None  # a collective, the first time
+    device = next(run.model.parameters()).device  # a DTensor's: its shard's
     state_written: Future = Future()
 
     def write() -> WeightVersion | None:
+        if device.type == "cuda":  # a new thread's CUDA device is GPU 0: dcp's copies to the host go on this rank's
+            torch.cuda.set_device(device)
         try:
             if state is not None:
                 write_state(state, tmp=tmp, step=step, state_root=run.state_root, keep=cfg.keep_checkpoints,

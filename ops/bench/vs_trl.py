@@ -309,16 +309,23 @@ def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
             return
         part.rename(into / d.name)
 
-    # With keep_seconds, each checkpoint is hard-linked into arrived/ as its step line is read (the
-    # trainer publishes step_N before it prints the line), so the trainer's pruning cannot take the
-    # one a mark or the stop then keeps: after the stop is decided it may still publish a few
-    # steps (not counted), and keep_checkpoints of those would prune the last counted one.
+    # With keep_seconds, each checkpoint is hard-linked into arrived/ once its step line is read and
+    # its directory is whole, so the trainer's pruning cannot take the one a mark or the stop then
+    # keeps: after the stop is decided it may still publish a few steps (not counted), and
+    # keep_checkpoints of those would prune the last counted one. The trainer renames step_N into
+    # place while it trains step N+1 (trainer.publish_in_background) and before it publishes N+1,
+    # so by step N+1's line step_N is there; the last counted one, by the trainer's exit.
     arrived = tmp / "arrived"
     lock = threading.Lock()
+    unlinked: list[int] = []  # steps whose line came and whose checkpoint is not linked yet
 
-    def arrive(step: int) -> None:
+    def arrive(step: int | None = None) -> None:
         with lock:
-            link(run / "checkpoints" / f"step_{step}", into=arrived)
+            unlinked.extend([] if step is None else [step])
+            for n in list(unlinked):
+                if (d := run / "checkpoints" / f"step_{n}").is_dir():
+                    link(d, into=arrived)
+                    unlinked.remove(n)
 
     def newest() -> Path | None:  # the newest checkpoint whose step line came before the stop
         done = [d for d in arrived.glob("step_*") if int(d.name.split("_")[1]) in arrivals]
@@ -336,6 +343,7 @@ def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
         mark = keep_seconds
         while not stop.wait(0.2):
             if keep_seconds:
+                arrive()
                 if time.monotonic() - launched >= mark:
                     keep_newest()
                     mark = ((time.monotonic() - launched) // keep_seconds + 1) * keep_seconds
@@ -375,6 +383,7 @@ def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
             timer.join()
             watcher.join()
             if keep_seconds:
+                arrive()  # the last counted step's, written by the trainer's exit
                 keep_newest()  # the last one, at the stop
                 shutil.rmtree(arrived, ignore_errors=True)
             if proc.poll() is None:
