@@ -877,12 +877,12 @@ class TrainerConfig(_Section):
     state_every: int = Field(0, ge=0)
     # Write a version's checkpoint, and its trainer state (state_every), in a thread of its own
     # while the next step trains: the step waits only while its weights are copied to the host (on
-    # the CPU in model.dtype, not even that), and for the version before where its write is not
-    # done yet; the next optimizer update waits for the trainer state (written from the optimizer's
-    # own tensors) and for weights written without a copy. The version is announced, and the
-    # groups its state holds acknowledged, once its files are whole. The last publish, one with a
-    # broadcast (weight_transfer "gloo" or "nccl"), or one again after a go-back, is written in the
-    # step. false: every one is.
+    # the CPU in model.dtype, not even that: the next optimizer update waits for their write
+    # instead) and the trainer state into a host buffer kept for the next save (its size again in
+    # host memory, pinned on a GPU), and for the version before where its write is not done yet.
+    # The version is announced, and the groups its state holds acknowledged, once its files are
+    # whole. The last publish, one with a broadcast (weight_transfer "gloo" or "nccl"), or one
+    # again after a go-back, is written in the step. false: every one is.
     publish_in_background: bool = True
     # Stop after this many optimizer steps; 0 runs until stopped.
     max_steps: int = Field(0, ge=0)

@@ -134,26 +134,24 @@ def test_a_trainer_state_is_written_while_the_next_step_trains_and_its_groups_ac
         tiny_model, r, tmp_path, monkeypatch):
     r.flushdb()
     run = a_run(tiny_model, r, tmp_path, background=True, state_every=1)
-    updating = threading.Event()  # the next step's forward and backward are done: its update begins
-    run.optimizer.register_step_pre_hook(lambda *_: updating.set())
+    updated = threading.Event()  # the next step's optimizer update is done
+    run.optimizer.register_step_post_hook(lambda *_: updated.set())
     waited_out = []
     write_state = trainer.publishing.write_state
 
-    def write_once_the_next_step_is_updating(state, **kwargs):
-        if kwargs["step"] == 1:
-            if not updating.wait(timeout=20):
-                waited_out.append(1)  # the step after it did not train meanwhile: written in the step
-            time.sleep(0.5)  # the update would be done by now, were it not held for the write
+    def write_once_the_next_step_has_updated(state, **kwargs):
+        if kwargs["step"] == 1 and not updated.wait(timeout=20):
+            waited_out.append(1)  # the step after it did not train meanwhile: written in the step
         return write_state(state, **kwargs)
 
-    monkeypatch.setattr(trainer.publishing, "write_state", write_once_the_next_step_is_updating)
+    monkeypatch.setattr(trainer.publishing, "write_state", write_once_the_next_step_has_updated)
     first = trained(run, 1)
     step_1 = moments(run.optimizer)
-    updating.clear()
-    publish_if_due(run, last=False)  # version 1 and its state: written once step 2 is updating
+    updated.clear()
+    publish_if_due(run, last=False)  # version 1 and its state: written once step 2 has updated
     assert latest_weights(r, KEYS) is None and read_trainer(r, KEYS).groups_trained == 0, \
         "announced, or its groups acknowledged, before its state was written"
-    second = trained(run, 2)  # its update waits for the state of step 1
+    second = trained(run, 2)
     changed = [not torch.equal(a, b) for a, b in zip(moments(run.optimizer), step_1, strict=True)]
     assert any(changed), "step 2 changed nothing"
     run.writing.done.result(timeout=60)
@@ -164,15 +162,18 @@ def test_a_trainer_state_is_written_while_the_next_step_trains_and_its_groups_ac
     assert run.unacked_ids == second and run.record.state_step == 1 and run.record.groups_trained == 2
     assert not waited_out, "the state of step 1 was written in its own step, not beside the next"
 
-    fresh = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    assert load_state(fresh, opt, build_scheduler(opt, schedule="constant", warmup_steps=0, total_steps=0),
-                      path=state_dir(run.state_root, 1)) == 1
-    for saved, before in zip(moments(opt), step_1, strict=True):  # step 1's moments, not step 2's
-        assert torch.equal(saved, before)
-
-    publish_if_due(run, last=True)  # the last: in its step, with the groups of step 2
-    assert run.unacked_ids == [] and read_trainer(r, KEYS).groups_trained == 4
+    step_2 = moments(run.optimizer)
+    publish_if_due(run, last=False)  # version 2 and its state beside step 3, copied into step 1's buffer
+    trained(run, 3)
+    publish_if_due(run, last=True)  # the last: in its step, with the groups of step 3
+    assert run.unacked_ids == [] and read_trainer(r, KEYS).groups_trained == 6
+    for step, expected in ((1, step_1), (2, step_2)):  # each its own step's moments, not those after
+        fresh = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        assert load_state(fresh, opt, build_scheduler(opt, schedule="constant", warmup_steps=0, total_steps=0),
+                          path=state_dir(run.state_root, step)) == step
+        for saved, before in zip(moments(opt), expected, strict=True):
+            assert torch.equal(saved, before), step
 
 
 @pytest.mark.parametrize("background", [True, False], ids=["beside", "in-the-step"])

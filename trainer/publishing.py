@@ -5,11 +5,11 @@ writes the files and the transaction).
 
 A version is written beside the next step (trainer.publish_in_background): the step copies its
 weights to the host (`published_tensors`; where they are the parameters themselves, the next
-optimizer update waits for the write instead); with the trainer state, each rank's writer thread
-writes its shards (`write_state`, over a gloo group of their own) while the next optimizer update
-waits for it (the state is the model's and the optimizer's tensors themselves: no copy of
-them); rank 0's then writes the checkpoint and announces it (`write_weights`, `announce_version`),
-acknowledging the groups the state holds in the same transaction; the trainer waits for all of it
+optimizer update waits for their write instead) and, with the trainer state, the optimizer's
+state and the weights again (`staged`, into a host buffer each save reuses); rank 0's writer
+thread writes the checkpoint, each rank's its shards of the state (`write_state`, over a gloo
+group of their own), and rank 0's announces it (`announce_version`), acknowledging the groups
+the state holds in the same transaction; the trainer waits for all of it
 (`settle_writing`) before its next publish of any kind and at its end. A trainer killed while
 writing loses nothing: the version is not announced, its groups not acknowledged, and a restart
 resumes from the newest saved state as after a kill anywhere else."""
@@ -40,7 +40,7 @@ from trainer.checkpoints import (
 from trainer.devices import DTYPES
 from trainer.parallel import any_rank, is_main, say, writer_group
 from trainer.run import Run, Writing
-from trainer.state import begin_state, prune_states, state_dir, write_state
+from trainer.state import begin_state, prune_states, staged, state_dir, write_state
 
 
 class PublishFailed(RuntimeError):
@@ -89,33 +89,35 @@ def write_beside(run: Run, *, save: bool = False) -> None:
     gathered from every rank; in one process whose weights are on the CPU in the published dtype,
     the parameters themselves, and the next optimizer update waits until they are written), then
     written and announced by rank 0's writer thread, with the evaluation queued where `eval.every`
-    asks for it. With `save`, each rank's writer thread first writes its shards of the trainer
-    state, the next optimizer update waiting for them, and the announcement acknowledges every
-    group trained since the last saved state."""
+    asks for it. With `save`, the trainer state is copied into host memory too (`staged`), each
+    rank's writer thread writes its shards of it (after rank 0's checkpoint), and the announcement
+    acknowledges every group trained since the last saved state."""
     cfg, config, step = run.config.trainer, run.config, run.step
     adapter = cfg.lora.rank > 0 and cfg.lora.publish == "adapter"
     tensors = published_tensors(run.model, DTYPES[config.model.dtype], adapter=adapter)
     gone_back = run.record.gone_back[-1] if run.record.gone_back else None
     entries, ids = (list(run.unacked_entries), list(run.unacked_ids)) if save else ([], [])
-    state, tmp = begin_state(run.model, run.optimizer, run.scheduler, step=step, state_root=run.state_root) \
-        if save else (None, None)
+    state, tmp = None, None
+    if save:  # a copy: the steps after it change the optimizer's state while it is written
+        state, tmp = begin_state(run.model, run.optimizer, run.scheduler, step=step, state_root=run.state_root)
+        state, run.staged = staged(state, run.staged)
     group = writer_group() if save else None  # a collective, the first time
     device = next(run.model.parameters()).device  # a DTensor's: its shard's
-    state_written: Future = Future()
+    weights_written: Future = Future()
 
     def write() -> WeightVersion | None:
         if device.type == "cuda":  # a new thread's CUDA device is GPU 0: dcp's copies to the host go on this rank's
             torch.cuda.set_device(device)
         try:
-            if state is not None:
-                write_state(state, tmp=tmp, step=step, state_root=run.state_root, keep=cfg.keep_checkpoints,
-                            group=group)
+            written = write_weights(run.model, tensors, step=step, checkpoint_dir=config.checkpoint_dir,
+                                    source_dir=run.source_dir, keep=cfg.keep_checkpoints, adapter=adapter) \
+                if is_main() else None
         finally:  # however it ended: a failure is settle_writing's to report
-            state_written.set_result(None)
-        if not is_main():
+            weights_written.set_result(None)
+        if state is not None:
+            write_state(state, tmp=tmp, step=step, state_root=run.state_root, keep=cfg.keep_checkpoints, group=group)
+        if written is None:
             return None
-        written = write_weights(run.model, tensors, step=step, checkpoint_dir=config.checkpoint_dir,
-                                source_dir=run.source_dir, keep=cfg.keep_checkpoints, adapter=adapter)
         wv = announce_version(run.r, run.keys, written, step=step, state_saved=save, entry_ids=entries,
                               group_ids=ids, dedup_window=cfg.dedup_window, gone_back=gone_back, adapter=adapter)
         queue_eval(run, wv)
@@ -127,9 +129,7 @@ def write_beside(run: Run, *, save: bool = False) -> None:
             run.writer = ThreadPoolExecutor(1, thread_name_prefix="publish")
         done = run.writer.submit(write)
         if shares_memory(tensors, run.model):  # a copy would cost more than the wait (0.3 s a step, default model)
-            hold = hold_updates(run.optimizer, done)
-        elif save:  # the optimizer's moments and the weights are written as they are
-            hold = hold_updates(run.optimizer, state_written)
+            hold = hold_updates(run.optimizer, weights_written)
     run.writing = Writing(step=step, done=done, hold=hold, saved=save, entries=len(entries), ids=len(ids))
 
 

@@ -34,7 +34,7 @@ class Writing:
     # rank 0's write and announcement, its WeightVersion; on the other ranks the write of their
     # shards of the trainer state (None: no state)
     done: Future | None
-    hold: RemovableHandle | None = None  # the optimizer's wait for a write reading its tensors themselves
+    hold: RemovableHandle | None = None  # the optimizer's wait for a write reading the parameters themselves
     saved: bool = False  # with the trainer state, acknowledging the groups trained since the last
     entries: int = 0  # with `saved`: how many of run.unacked_entries (the first) it acknowledges
     ids: int = 0  # and of run.unacked_ids
@@ -70,6 +70,7 @@ class Run:
     history: HistoryWriter | None = None  # rank 0's keeper of every trained group (common/history.py); None: others
     writing: Writing | None = None  # the version being written beside this step, if any
     writer: ThreadPoolExecutor | None = None  # the thread writing versions beside the steps (made when first used)
+    staged: dict | None = None  # the trainer state's copy in host memory, reused by each save beside the steps
 
     @property
     def sft(self) -> bool:

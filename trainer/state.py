@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import CompanionMismatch, _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -56,8 +57,8 @@ def begin_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 scheduler: torch.optim.lr_scheduler.LRScheduler, *, step: int, state_root: Path) -> tuple[dict, Path]:
     """Every rank: the trainer state of `step` to write, and the temporary directory it goes in
     (emptied by rank 0 before any rank writes: a collective). The model's and the optimizer's
-    tensors in it are their own, not copies: they must not change until `write_state` is done
-    (the scheduler's position and the RNG's are copies)."""
+    tensors in it are their own, not copies: they must not change until `write_state` is done,
+    unless `staged` copied them (the scheduler's position and the RNG's are copies)."""
     tmp = state_root / f".step_{step}.tmp"
     if is_main():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -66,6 +67,38 @@ def begin_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     state = _stateful(model, optimizer, scheduler, step)
     state["scheduler"] = copy.deepcopy(state["scheduler"])
     return state, tmp
+
+
+def staged(state: dict, buffer: dict | None) -> tuple[dict, dict]:
+    """`state` (begin_state's) with its model's and optimizer's tensors copied into host memory, so
+    that the steps after it may change them while it is written: into `buffer`, the copy a save
+    before made (None, or a state of another shape: made now, pinned where the tensors are on a
+    GPU). Returns (the staged state, its buffer for the next save). dcp's own helpers, as its
+    async_save stages with them: a DTensor's shard is copied as such."""
+    tensors = {"model": state["model"], "optim": state["optim"]}
+    cuda = any(t.device.type == "cuda" for t in leaves(tensors))
+    if buffer is not None:
+        try:
+            copied = _copy_state_dict(tensors, buffer, non_blocking=cuda, type_check=False)
+        except CompanionMismatch:
+            buffer = None
+    if buffer is None:
+        buffer = _create_cpu_state_dict(tensors, pin_memory=cuda)
+        copied = _copy_state_dict(tensors, buffer, non_blocking=cuda, type_check=False)
+    if cuda:
+        torch.cuda.synchronize()  # the copies are read by the writer thread
+    return {**state, **copied}, buffer
+
+
+def leaves(tree: object) -> list[torch.Tensor]:
+    """The tensors of a nested state dict."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in leaves(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in leaves(v)]
+    return []
 
 
 def write_state(state: dict, *, tmp: Path, step: int, state_root: Path, keep: int,
