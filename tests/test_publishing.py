@@ -1,6 +1,7 @@
-"""Publishing beside the next step (trainer.publish_in_background): a version's checkpoint is
-written while the trainer trains the step after it, holds the weights of its own step, is announced
-once whole, and a write that fails stops the trainer as a publish in the step does."""
+"""Publishing beside the next step (trainer.publish_in_background): a version's checkpoint, and its
+trainer state, are written while the trainer trains the step after it, hold its own step's weights
+and optimizer state, are announced (the state's groups acknowledged) once whole, and a write that
+fails stops the trainer as a publish in the step does."""
 
 import random
 import threading
