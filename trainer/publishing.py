@@ -97,12 +97,12 @@ def write_beside(run: Run, *, save: bool = False) -> None:
     tensors = published_tensors(run.model, DTYPES[config.model.dtype], adapter=adapter)
     gone_back = run.record.gone_back[-1] if run.record.gone_back else None
     entries, ids = (list(run.unacked_entries), list(run.unacked_ids)) if save else ([], [])
+    device = next(run.model.parameters()).device  # a DTensor's: its shard's
     state, tmp = None, None
     if save:  # a copy: the steps after it change the optimizer's state while it is written
         state, tmp = begin_state(run.model, run.optimizer, run.scheduler, step=step, state_root=run.state_root)
-        state, run.staged = staged(state, run.staged)
+        state, run.staged = staged(state, run.staged, cuda=device.type == "cuda")
     group = writer_group() if save else None  # a collective, the first time
-    device = next(run.model.parameters()).device  # a DTensor's: its shard's
     weights_written: Future = Future()
 
     def write() -> WeightVersion | None:

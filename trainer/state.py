@@ -69,14 +69,13 @@ def begin_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return state, tmp
 
 
-def staged(state: dict, buffer: dict | None) -> tuple[dict, dict]:
+def staged(state: dict, buffer: dict | None, *, cuda: bool) -> tuple[dict, dict]:
     """`state` (begin_state's) with its model's and optimizer's tensors copied into host memory, so
     that the steps after it may change them while it is written: into `buffer`, the copy a save
-    before made (None, or a state of another shape: made now, pinned where the tensors are on a
-    GPU). Returns (the staged state, its buffer for the next save). dcp's own helpers, as its
+    before made (None, or a state of another shape: made now, pinned where they are on a GPU:
+    `cuda`). Returns (the staged state, its buffer for the next save). dcp's own helpers, as its
     async_save stages with them: a DTensor's shard is copied as such."""
     tensors = {"model": state["model"], "optim": state["optim"]}
-    cuda = any(t.device.type == "cuda" for t in leaves(tensors))
     if buffer is not None:
         try:
             copied = _copy_state_dict(tensors, buffer, non_blocking=cuda, type_check=False)
@@ -88,17 +87,6 @@ def staged(state: dict, buffer: dict | None) -> tuple[dict, dict]:
     if cuda:
         torch.cuda.synchronize()  # the copies are read by the writer thread
     return {**state, **copied}, buffer
-
-
-def leaves(tree: object) -> list[torch.Tensor]:
-    """The tensors of a nested state dict."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in leaves(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in leaves(v)]
-    return []
 
 
 def write_state(state: dict, *, tmp: Path, step: int, state_root: Path, keep: int,

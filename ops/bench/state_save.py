@@ -46,7 +46,7 @@ def main() -> None:
             in_step = time.monotonic() - t
             t = time.monotonic()
             state, tmp = begin_state(model, opt, sched, step=1000 + n, state_root=root)
-            state, buffer = staged(state, buffer)
+            state, buffer = staged(state, buffer, cuda=False)
             share = time.monotonic() - t
             t = time.monotonic()
             write_state(state, tmp=tmp, step=1000 + n, state_root=root, keep=2)

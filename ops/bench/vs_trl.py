@@ -321,7 +321,8 @@ def run_rollouts_for(*, minutes: float, keep_every: int, tmp: Path, engine: str,
 
     def arrive(step: int | None = None) -> None:
         with lock:
-            unlinked.extend([] if step is None else [step])
+            if step is not None:
+                unlinked.append(step)
             for n in list(unlinked):
                 if (d := run / "checkpoints" / f"step_{n}").is_dir():
                     link(d, into=arrived)
