@@ -46,6 +46,12 @@ def test_dry_run_trains_both_sides_on_the_layouts_tokens(tmp_path, capsys):
         assert f"attention {s['attention'] or 'sdpa'}" in line
     assert bench.HEADER in printed and (tmp_path / "trainer_gpu.md").read_text().startswith(bench.HEADER)
     assert "not measured: a dry run" in printed
+    # one row profiled without --profile (on a GPU: configs/gsm8k.toml as an H200 runs it), its table printed
+    profiled = [r for r in rows if "profile" in r]
+    assert [r["setting"]["profile"] for r in profiled] == [True] and set(profiled[0]["profile"]) == {"trainer", "bare"}
+    assert bench.PROFILE_HEADER in printed
+    (shipped,) = [s for s in bench.default_plan(dry_run=False) if s.profile]
+    assert shipped.label == "gsm8k, auto: off" and shipped.shape == "qwen2.5-0.5b"
     # each shape and layout's fastest settings, what defaults would be chosen from
     for shape, layout in {(r["setting"]["shape"], r["setting"]["layout"]) for r in rows}:
         top = max((r for r in rows if (r["setting"]["shape"], r["setting"]["layout"]) == (shape, layout)),
@@ -197,6 +203,24 @@ def test_profile_splits_each_sides_step_by_what_its_operators_do(tmp_path, capsy
         assert f"{p['wall_s'] * 1e3:,.1f}" in line and f"{p['busy_s'] / p['wall_s']:.0%}" in line
     assert bench.PROFILE_HEADER in printed and bench.PROFILE_HEADER in (tmp_path / "trainer_gpu.md").read_text()
     assert row["profile"]["bare"]["parts_s"]["log-softmax and loss"] > 0  # cross-entropy's log-softmax
+
+
+def test_a_profiler_that_fails_costs_its_table_only(tmp_path, capsys, monkeypatch):
+    # a host whose CUDA profiler will not start (CUPTI missing, another profiler attached) must not
+    # lose the sitting: the row keeps its timed figures and names the profile's failure
+    def refused(step, *, cuda):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED: the profiler could not start\nmore")
+
+    monkeypatch.setattr(bench, "profiled_step", refused)
+    assert bench.main(["--dry-run", "--profile", "--out", str(tmp_path), "--shapes", "tiny-qwen2",
+                       "--layouts", "grpo-tiny", "--ac", "off", "--mb-tokens", "256"]) == 0
+    printed = capsys.readouterr().out
+    (row,) = json.loads((tmp_path / "trainer_gpu.json").read_text())["rows"]
+    assert row["status"] == "ran" and row["trainer_tokens_per_s"] > 0 and row["bare_tokens_per_s"] > 0
+    assert "profile" not in row
+    assert row["profile_errors"] == {side: "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED: the profiler could not start"
+                                     for side in ("trainer", "bare")}
+    assert "the trainer's profile failed: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in printed
 
 
 def test_operators_fall_in_the_part_that_does_their_work():

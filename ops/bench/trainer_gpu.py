@@ -64,7 +64,11 @@ operators) against the step's wall time, and that busy time by operator (self ti
 products, attention, the log-softmax and the losses around it, the optimizer, casts and copies,
 the rest; with the ten operators that took the most. Where the trainer falls short of the bare loop,
 the two sides' splits say whether it is its own compute (the head's log-probs in chunks, the
-loss's statistics), casts, or time the device sat idle (host work, synchronisations).
+loss's statistics), casts, or time the device sat idle (host work, synchronisations). Without
+`--profile` the default plan profiles one row all the same, configs/gsm8k.toml as an H200 runs it
+("gsm8k, auto: off"), so that every sitting says where that step's time goes. A profile that fails
+(a profiler the host's CUDA will not give) is named in its row's `profile_errors`: the row's
+timed figures stand.
 
 torch.compile is swept here only (each decoder layer compiled in place, `Module.compile`, as
 torchtitan compiles its blocks): the trainer has no compile option yet.
@@ -205,6 +209,7 @@ class Setting:
     master_fp32: bool = True  # trainer.master_fp32: float32 weights and AdamW state under bf16 compute
     label: str = ""  # what the row stands for, where it is a target's
     attention: str = ""  # trainer.attention for this row; "": --attention's, else configs/gsm8k.toml's
+    profile: bool = False  # one more step a side under the profiler, as --profile gives every row
 
     def name(self) -> str:
         capped = f" mbs={self.mb_size}" if self.mb_size != UNCAPPED else ""
@@ -221,7 +226,7 @@ def default_plan(*, dry_run: bool) -> list[Setting]:
     if dry_run:
         grpo, packed = dict(shape="tiny-qwen2", layout="grpo-tiny"), dict(shape="tiny-qwen3", layout="packed-tiny")
         return [Setting(**grpo, ac=True, mb_tokens=128, mb_size=4, compile=False, label=TODAY),
-                Setting(**grpo, ac=False, mb_tokens=256, compile=False, attention="varlen"),
+                Setting(**grpo, ac=False, mb_tokens=256, compile=False, attention="varlen", profile=True),
                 Setting(**packed, ac=False, mb_tokens=128, compile=False)]
     gsm8k, small, big = (dict(shape="qwen2.5-0.5b", layout="grpo512"), dict(shape="qwen3-0.6b", layout="packed16k"),
                          dict(shape="qwen3-4b", layout="packed16k"))
@@ -230,7 +235,8 @@ def default_plan(*, dry_run: bool) -> list[Setting]:
         Setting(**small, ac=True, mb_tokens=16384, compile=False, label="prime-rl's 11.9k"),
         Setting(**big, ac=True, mb_tokens=16384, compile=False, label="3.7k on an H200"),
         # configs/gsm8k.toml as shipped where activation checkpointing's "auto" turns it off (an H200)
-        Setting(**gsm8k, ac=False, mb_tokens=8192, mb_size=8, compile=False, label="gsm8k, auto: off"),
+        Setting(**gsm8k, ac=False, mb_tokens=8192, mb_size=8, compile=False, label="gsm8k, auto: off",
+                profile=True),  # where its step's time goes, against the bare loop's
         # the same with SDPA's dense document mask instead of "auto"'s varlen on a GPU (trainer/varlen.py)
         Setting(**gsm8k, ac=False, mb_tokens=8192, mb_size=8, compile=False, attention="sdpa",
                 label="gsm8k, auto: off, dense mask"),
@@ -404,8 +410,7 @@ def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, ste
     out["trainer"] = {"seconds": seconds, "peak_gib": peak, "loss": stats.loss, "grad_norm": stats.grad_norm,
                       "skipped": stats.skipped, "tokens_forward": stats.tokens_forward}
     if profile:
-        out.setdefault("profile", {})["trainer"] = profiled_step(
-            lambda: train_step(model, optimizer, groups, how=how, step=0), cuda=cuda)
+        profiled(out, "trainer", lambda: train_step(model, optimizer, groups, how=how, step=0), cuda=cuda)
     del optimizer, stats
     optimizer = adamw(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
     batches = bare_batches(groups, mb_tokens=s.mb_tokens, mb_size=s.mb_size, device=device)
@@ -414,7 +419,16 @@ def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, ste
     out["bare"] = {"seconds": seconds, "peak_gib": peak, "loss": loss, "micro_batches": len(batches),
                    "tokens": sum(inputs.numel() for inputs, _ in batches)}
     if profile:
-        out.setdefault("profile", {})["bare"] = profiled_step(lambda: bare_step(model, optimizer, batches), cuda=cuda)
+        profiled(out, "bare", lambda: bare_step(model, optimizer, batches), cuda=cuda)
+
+
+def profiled(out: dict, side: str, step: Callable[[], Any], *, cuda: bool) -> None:
+    """`profiled_step(step)` into out["profile"][side]; where the profiler or the step under it fails,
+    the error into out["profile_errors"][side] instead: the side's timed figures, taken before, stand."""
+    try:
+        out.setdefault("profile", {})[side] = profiled_step(step, cuda=cuda)
+    except Exception as err:  # noqa: BLE001 - a profiler a host will not give costs its table only
+        out.setdefault("profile_errors", {})[side] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
 
 
 # Operators by what they do, matched on the name's start (after "aten::"), in this order: a step's
@@ -634,7 +648,9 @@ def sweep(plan: list[Setting], *, device: torch.device, peak: float | None, warm
     for s in plan:
         row: dict = {"setting": asdict(s), "status": "ran", "reason": ""}
         shape = SHAPES[s.shape]
-        need = estimate_s(s, warmup=warmup, steps=steps, rate=rate.get(s.shape), overhead=overhead, peak=peak)
+        profiles = profile or s.profile  # one more step a side, profiled
+        need = estimate_s(s, warmup=warmup + profiles, steps=steps, rate=rate.get(s.shape), overhead=overhead,
+                          peak=peak)
         left = max_seconds - (time.monotonic() - started)
         floor = state_gib(shape, master_fp32=s.master_fp32)
         if total_gib is not None and floor > 0.95 * total_gib:
@@ -647,7 +663,7 @@ def sweep(plan: list[Setting], *, device: torch.device, peak: float | None, warm
             t0 = time.monotonic()
             try:
                 run_setting(s, row, device=device, warmup=warmup, steps=steps, compile_backend=compile_backend,
-                            dtype=dtype, attention=attention, profile=profile)
+                            dtype=dtype, attention=attention, profile=profiles)
             except torch.cuda.OutOfMemoryError as err:
                 side = "the bare loop" if "trainer" in row else "the trainer"
                 row.update(status="out of memory", reason=f"{side}: {str(err).splitlines()[0][:160]}")
@@ -660,7 +676,7 @@ def sweep(plan: list[Setting], *, device: torch.device, peak: float | None, warm
             if row["status"] == "ran":
                 timed = sum(row["trainer"]["seconds"]) + sum(row["bare"]["seconds"])
                 rate[s.shape] = max(rate.get(s.shape, 0.0), timed / row_flops(s, steps=steps))
-                besides = row["seconds"] - timed * (warmup + steps + profile) / steps
+                besides = row["seconds"] - timed * (warmup + steps + profiles) / steps
                 overhead[s.compile] = max(overhead.get(s.compile, 0.0), besides)
             if device.type == "cuda":  # what the row held (an out-of-memory's traceback too) goes back
                 gc.collect()
@@ -750,7 +766,7 @@ def sweep_and_report(args: argparse.Namespace, *, device: torch.device, started:
                 "rows": rows, "targets": met, "fastest": fastest(rows)}
         (args.out / "trainer_gpu.json").write_text(json.dumps(data, indent=1, default=str))
         (args.out / "trainer_gpu.md").write_text(table(rows) + "\n" + (
-            "\n" + profile_table(rows) + "\n" if args.profile else ""))
+            "\n" + profile_table(rows) + "\n" if any("profile" in r for r in rows) else ""))
 
     print(f"trainer_gpu: {len(plan)} rows on {info['device']} ({device.type}), {args.warmup} warm-up + "
           f"{args.steps} timed steps a side, --max-seconds {args.max_seconds:g}", flush=True)
@@ -762,9 +778,12 @@ def sweep_and_report(args: argparse.Namespace, *, device: torch.device, started:
     print()
     print(table(rows))
     print()
-    if args.profile:
+    if any("profile" in r for r in rows):
         print(profile_table(rows))
         print()
+    for r in rows:
+        for side, error in r.get("profile_errors", {}).items():
+            print(f"profile: {Setting(**r['setting']).name()}: the {side}'s profile failed: {error}")
     for t in met:
         verdict = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
         print(f"target: {t['target']}: {verdict}: {t['why']}")
