@@ -68,6 +68,11 @@ max_steps = 3
     assert [m["step"] for m in metrics] == [1, 2, 3]
     weights = load_file(tmp_path / "run" / "checkpoints" / "step_3" / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    # the trainer state of every publish (state_every 0): step 2's copied into pinned host memory and
+    # written by the writer thread (its CUDA device set) beside step 3; the last one, step 3's, in its step
+    for step in (2, 3):
+        state = tmp_path / "run" / "trainer_state" / f"step_{step}"
+        assert sorted(f.name for f in state.iterdir()) == [".metadata", "__0_0.distcp"], step
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
