@@ -203,6 +203,9 @@ def test_profile_splits_each_sides_step_by_what_its_operators_do(tmp_path, capsy
         assert f"{p['wall_s'] * 1e3:,.1f}" in line and f"{p['busy_s'] / p['wall_s']:.0%}" in line
     assert bench.PROFILE_HEADER in printed and bench.PROFILE_HEADER in (tmp_path / "trainer_gpu.md").read_text()
     assert row["profile"]["bare"]["parts_s"]["log-softmax and loss"] > 0  # cross-entropy's log-softmax
+    # the time it took, kept apart from what the next rows' time estimates add for building a model
+    walls = sum(p["wall_s"] for p in row["profile"].values())
+    assert walls < row["profile_s"] < row["seconds"]
 
 
 def test_a_profiler_that_fails_costs_its_table_only(tmp_path, capsys, monkeypatch):

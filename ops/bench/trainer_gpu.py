@@ -426,11 +426,15 @@ def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, ste
 
 def profiled(out: dict, side: str, step: Callable[[], Any], *, cuda: bool) -> None:
     """`profiled_step(step)` into out["profile"][side]; where the profiler or the step under it fails,
-    the error into out["profile_errors"][side] instead: the side's timed figures, taken before, stand."""
+    the error into out["profile_errors"][side] instead: the side's timed figures, taken before, stand.
+    out["profile_s"]: the seconds spent profiling (the step, the profiler's own work and its tables)."""
+    start = time.monotonic()
     try:
         out.setdefault("profile", {})[side] = profiled_step(step, cuda=cuda)
     except Exception as err:  # noqa: BLE001 - a profiler a host will not give costs its table only
         out.setdefault("profile_errors", {})[side] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    finally:
+        out["profile_s"] = out.get("profile_s", 0.0) + time.monotonic() - start
 
 
 # Operators by what they do, matched on the name's start (after "aten::"), in this order: a step's
@@ -678,7 +682,8 @@ def sweep(plan: list[Setting], *, device: torch.device, peak: float | None, warm
             if row["status"] == "ran":
                 timed = sum(row["trainer"]["seconds"]) + sum(row["bare"]["seconds"])
                 rate[s.shape] = max(rate.get(s.shape, 0.0), timed / row_flops(s, steps=steps))
-                besides = row["seconds"] - timed * (warmup + steps + profiles) / steps
+                # building, compiling: what the next rows' estimates add (profiling is this row's own)
+                besides = row["seconds"] - timed * (warmup + steps) / steps - row.get("profile_s", 0.0)
                 overhead[s.compile] = max(overhead.get(s.compile, 0.0), besides)
             if device.type == "cuda":  # what the row held (an out-of-memory's traceback too) goes back
                 gc.collect()
