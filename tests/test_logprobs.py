@@ -1,12 +1,17 @@
 """Chunked log-probs and entropy: the same numbers and gradients as the full logits, without them."""
 
+import copy
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from trainer.grpo import token_entropy, token_logprobs
-from trainer.logprobs import sequence_logprobs
+from trainer.head import compute_dtype, fusable, head_logprobs
+from trainer.logprobs import _at_positions, sequence_logprobs
+from trainer.parallel import autocast_forward
 
 
 @pytest.fixture
@@ -121,3 +126,100 @@ def test_no_trained_position_still_reaches_every_parameter(batch):
     assert logp.abs().sum() == 0
     logp.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize(("bias", "temperature", "chunk_tokens"), [(False, 1.0, 8), (True, 0.7, 5), (True, 1.0, 64)])
+def test_the_fused_head_equals_autograd_through_the_head(bias, temperature, chunk_tokens):
+    """trainer/head.py's hand-written forward and backward give the log-probs, entropy and the
+    gradients of the rows, the weight and the bias that autograd through `head(rows)` gives."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 257, bias=bias)
+    rows = torch.randn(37, 16, requires_grad=True)
+    targets, weights = torch.randint(0, 257, (37,)), torch.randn(37)
+
+    logits = head(rows) / temperature
+    want = logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    (want * weights).sum().backward()
+    want_grads = [t.grad.clone() for t in (rows, *head.parameters())]
+    rows.grad = None
+    head.zero_grad(set_to_none=True)
+
+    assert fusable(head)
+    got, entropy = head_logprobs(head, rows, targets, temperature=temperature, entropy=True,
+                                 chunk_tokens=chunk_tokens)
+    (got * weights).sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, token_entropy(logits[None].detach(), 1.0)[0], rtol=0, atol=1e-5)
+    for t, g in zip((rows, *head.parameters()), want_grads, strict=True):
+        torch.testing.assert_close(t.grad, g, rtol=1e-4, atol=1e-6)
+
+
+def test_the_fused_head_computes_in_the_heads_autocast_dtype():
+    """Under a single process's mixed precision (the head's forward autocast to bf16) the fused head
+    multiplies in bf16 as `head(rows)` does: the same log-probs, and the weight's gradient as close
+    to float32's as autograd's through the autocast head."""
+    torch.manual_seed(0)
+    exact = torch.nn.Linear(32, 301, bias=False)
+    rows, targets = torch.randn(40, 32, requires_grad=True), torch.randint(0, 301, (40,))
+    exact(rows).log_softmax(-1).gather(1, targets[:, None]).sum().backward()
+    heads = [copy.deepcopy(exact) for _ in range(2)]
+    for head in heads:
+        head.zero_grad(set_to_none=True)
+        autocast_forward(head, device_type="cpu", dtype=torch.bfloat16)
+    assert compute_dtype(heads[0]) == torch.bfloat16 and compute_dtype(exact) == torch.float32
+    fused, _ = head_logprobs(heads[0], rows.detach(), targets, temperature=1.0, entropy=False, chunk_tokens=8)
+    fused.sum().backward()
+    autograd = heads[1](rows.detach()).float().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    autograd.sum().backward()
+    torch.testing.assert_close(fused, autograd, rtol=0, atol=1e-5)
+    error = [float((h.weight.grad - exact.weight.grad).norm() / exact.weight.grad.norm()) for h in heads]
+    assert 1e-4 < error[0] < 2 * error[1] < 0.02, f"relative error of the weight's gradient: fused, autograd {error}"
+
+
+# operators that make no elementwise pass over a tensor: views, casts to the same dtype, allocations,
+# reads or writes at one index a row (a gather, a scatter, cross-entropy's pick), and the head's matmuls
+NO_PASS = {"aten::gather", "aten::scatter_add_", "aten::scatter_", "aten::nll_loss_forward", "aten::nll_loss",
+           "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+           "aten::view", "aten::_unsafe_view", "aten::as_strided", "aten::to", "aten::resolve_conj", "aten::real",
+           "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::t", "aten::transpose", "aten::detach",
+           "aten::alias", "aten::slice", "aten::select", "aten::expand", "aten::unsqueeze", "aten::squeeze",
+           "aten::reshape", "aten::lift_fresh"}
+
+
+def vocab_wide_kernels(step, rows: int, vocab: int) -> list[str]:
+    """The elementwise kernels one `step()` runs over `rows` positions' vocabulary-wide tensors:
+    the aten operators the profiler saw take one (of any shape (..., vocab) with `rows` positions)
+    whose own operators take none, less those in NO_PASS."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def wide(e) -> bool:
+        return e.name.startswith("aten::") and any(
+            isinstance(s, list) and s and s[-1] == vocab and math.prod(s[:-1]) == rows for s in e.input_shapes)
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    return sorted(e.name for e in prof.events()
+                  if wide(e) and not any(wide(c) for c in e.cpu_children) and e.name not in NO_PASS)
+
+
+def test_the_heads_vocabulary_wide_passes_are_few():
+    """On a GPU each elementwise pass over a chunk's float32 logits costs about a tenth of the head's
+    matmul. The trainer's head at a step's trained positions (log-probs and the entropy, forward and
+    backward) runs no more vocabulary-wide kernels than a plain cross-entropy's three (log-softmax,
+    the gradient's fill, the log-softmax's backward) and the entropy's three (exp, multiply, sum);
+    autograd through `head(...)` with logsumexp under checkpointing ran sixteen."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 1031, bias=False)
+    rows, targets = torch.randn(1, 24, 16, requires_grad=True), torch.randint(0, 1031, (1, 24))
+
+    def trainer():
+        logp, _ = _at_positions(head, rows, targets, torch.arange(24), temperature=1.0, top_k=0, top_p=1.0,
+                                entropy=True, chunk_tokens=24)
+        logp.sum().backward()
+
+    def cross_entropy():
+        torch.nn.functional.cross_entropy(head(rows[0]), targets[0], reduction="sum").backward()
+
+    trained, plain = vocab_wide_kernels(trainer, 24, 1031), vocab_wide_kernels(cross_entropy, 24, 1031)
+    assert plain == ["aten::_log_softmax", "aten::_log_softmax_backward_data", "aten::zero_"], plain
+    assert len(trained) <= len(plain) + 3, f"the head ran {trained} against cross-entropy's {plain}"

@@ -37,6 +37,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torch.utils.checkpoint import checkpoint
 
 from trainer.grpo import TRUNCATED_LOGP, truncate
+from trainer.head import fusable, head_logprobs
 from trainer.varlen import LAYOUT_KWARG, VARLEN, Varlen, layout, no_mask
 from trainer.vision import showing
 
@@ -192,6 +193,10 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask:
     if positions is not None:
         return _at_positions(head, hidden, targets, positions, temperature=temperature, top_k=top_k, top_p=top_p,
                              entropy=entropy, chunk_tokens=chunk_tokens)
+    if fusable(head) and top_k == 0 and top_p == 1.0:
+        logp, ent = head_logprobs(head, hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1),
+                                  temperature=temperature, entropy=entropy, chunk_tokens=chunk_tokens)
+        return logp.view(targets.shape), ent.view(targets.shape) if entropy else None
     width = max(1, chunk_tokens // input_ids.shape[0])  # positions per chunk
     logps, ents = [], []
     for start in range(0, input_ids.shape[1], width):
@@ -222,17 +227,21 @@ def _at_positions(head: torch.nn.Module, hidden: Tensor, targets: Tensor, positi
     if n_wanted == 0:
         index, source = index.new_zeros(1), source.new_zeros(1)
     rows, picked = hidden.reshape(-1, hidden.shape[-1])[source], targets.reshape(-1)[index]  # (N, H), (N,)
-    logps, ents = [], []
-    for start in range(0, index.numel(), chunk_tokens):
-        args = (head, rows[None, start:start + chunk_tokens], picked[None, start:start + chunk_tokens],
-                temperature, entropy, top_k, top_p)
-        if torch.is_grad_enabled() and rows.requires_grad:  # recompute in backward: keep no logits
-            logp, ent = checkpoint(_chunk, *args, use_reentrant=False)
-        else:
-            logp, ent = _chunk(*args)
-        logps.append(logp[0])
-        ents.append(ent[0])
-    logp, ent = torch.cat(logps), torch.cat(ents)  # (N,)
+    if fusable(head) and top_k == 0 and top_p == 1.0:
+        logp, ent = head_logprobs(head, rows, picked, temperature=temperature, entropy=entropy,
+                                  chunk_tokens=chunk_tokens)
+    else:
+        logps, ents = [], []
+        for start in range(0, index.numel(), chunk_tokens):
+            args = (head, rows[None, start:start + chunk_tokens], picked[None, start:start + chunk_tokens],
+                    temperature, entropy, top_k, top_p)
+            if torch.is_grad_enabled() and rows.requires_grad:  # recompute in backward: keep no logits
+                logp, ent = checkpoint(_chunk, *args, use_reentrant=False)
+            else:
+                logp, ent = _chunk(*args)
+            logps.append(logp[0])
+            ents.append(ent[0])
+        logp, ent = torch.cat(logps), torch.cat(ents)  # (N,)
     if n_wanted == 0:
         logp, ent = logp * 0, ent * 0  # keeps the graph, adds nothing
     out = logp.new_zeros(shape.numel()).index_add(0, index, logp).view(shape)  # (B, T)

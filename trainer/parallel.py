@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.devices import backend_device, trainer_device
+from trainer.head import AUTOCAST_DTYPE
 
 
 def init_distributed() -> tuple[int, int]:
@@ -116,6 +117,7 @@ def autocast_forward(model: torch.nn.Module, *, device_type: str, dtype: torch.d
         with torch.autocast(device_type=device_type, dtype=dtype):
             return forward(*args, **kwargs)
 
+    setattr(mixed_forward, AUTOCAST_DTYPE, dtype)  # trainer/head.py computes the head in it
     model.forward = mixed_forward
 
 
