@@ -4,10 +4,11 @@
 sequence in float32, held again by autograd for the backward pass. Here the model runs to its
 final hidden states (B, T, H) only (its own head sees one position), and the head is applied a
 chunk of positions at a time: logits of the chunk -> float32 -> log-softmax at the targets
-(`picked - logsumexp`, as trainer/grpo.py `token_logprobs`), and the entropy alike. With
-gradients on, each chunk is recomputed in the backward pass (activation checkpointing of the
-chunk), so autograd keeps only the hidden states, never a chunk's logits: the peak is about
-one chunk of `chunk_tokens` rows of V float32 values, whatever B and T are.
+(as trainer/grpo.py `token_logprobs`), and the entropy alike. Each chunk's logits are made again
+in the backward pass, so autograd keeps only the hidden states, never a chunk's logits: the peak
+is about one chunk of `chunk_tokens` rows of V float32 values, whatever B and T are. A plain
+linear head without truncation goes through trainer/head.py (its own forward and backward, few
+V-wide passes); any other, through `_chunk` under activation checkpointing.
 
 With `positions` (the loss mask) the head is applied only where it is true: a GRPO or SFT
 loss reads no prompt or padding position, and on the demo's shapes (prompts of ~40 tokens,

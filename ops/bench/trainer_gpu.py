@@ -4,6 +4,8 @@
     python3 ops/bench/trainer_gpu.py --shapes qwen3-0.6b --layouts packed16k --ac on off \\
         --mb-tokens 8192 16384 --compile off on
     python3 ops/bench/trainer_gpu.py --dry-run          # tiny shapes on the CPU (the default suite runs it)
+    python3 ops/bench/trainer_gpu.py --dtype float32 --shapes qwen2.5-0.5b-4l --layouts grpo-cpu --ac off \
+        --mb-tokens 8192 --warmup 1 --steps 2 --profile   # a CPU: the step against the bare loop, real vocabulary
 
 Each row of the sweep builds a randomly initialised model of a named shape (Qwen3-0.6B, Qwen2.5-0.5B,
 Qwen3-4B, Qwen3-8B: their config.json's figures and real 151,936-token vocabulary, written out here:
@@ -159,6 +161,10 @@ SHAPES = {
                       vocab=151936, tied=True),
     "qwen3-8b": Shape("qwen3", hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                       vocab=151936, tied=False),
+    # Qwen2.5-0.5B with 4 of its 24 layers: its vocabulary and widths, a step a CPU takes in seconds
+    # (the head a larger share of the step than on the whole model)
+    "qwen2.5-0.5b-4l": Shape("qwen2", hidden=896, layers=4, heads=14, kv_heads=2, head_dim=64, intermediate=4864,
+                             vocab=151936, tied=True),
     # --dry-run's: the same families, small enough for a CPU
     "tiny-qwen3": Shape("qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=128, vocab=512,
                         tied=True),
@@ -190,6 +196,7 @@ class Layout:
 LAYOUTS = {
     "grpo512": Layout(groups=8, completions=8, prompt=192, completion=321),
     "packed16k": Layout(groups=1, completions=2, prompt=16, completion=16369),
+    "grpo-cpu": Layout(groups=2, completions=4, prompt=64, completion=129),  # with qwen2.5-0.5b-4l, on a CPU
     "grpo-tiny": Layout(groups=2, completions=4, prompt=8, completion=25),
     "packed-tiny": Layout(groups=1, completions=2, prompt=4, completion=125),
 }
