@@ -7,8 +7,9 @@ Redis from `--redis-server`. Three steps, each reported as ran, skipped (with th
 (with the tail of its log); one that fails does not stop the others, and the exit status is 1 when
 any failed:
 
-  gpu-tests  `pytest -m gpu` (tests/test_gpu.py; the cuda cases of tests/test_shared_prompts.py and
-             tests/test_varlen.py: the flash varlen kernel against its reference), with
+  gpu-tests  `pytest -m gpu` (tests/test_gpu.py; the cuda cases of tests/test_shared_prompts.py,
+             tests/test_varlen.py (the flash varlen kernel against its reference) and
+             tests/test_logprobs.py (trainer/head.py's backward in bf16)), with
              the check's redis-server first on PATH for the tests' own Redis
   one-gpu    a short run of configs/gsm8k.toml on GPU 0: the producer, one generator and the trainer
              sharing it, and the evaluator, each started here as a process of its own with its own log
@@ -218,7 +219,7 @@ def tail(path: Path, chars: int = 3000) -> str:
 
 # ---------------------------------------------------------------------- step 1: pytest -m gpu
 
-GPU_TESTS = ("tests/test_gpu.py", "tests/test_shared_prompts.py", "tests/test_varlen.py")
+GPU_TESTS = ("tests/test_gpu.py", "tests/test_shared_prompts.py", "tests/test_varlen.py", "tests/test_logprobs.py")
 
 
 def gpu_tests(host: dict, *, bin_dir: Path | None, out: Path, time_limit: float, cuda: bool) -> Step:
