@@ -1,12 +1,12 @@
 """The head's log-probs and entropy at N positions, its V-wide work in few passes.
 
 With a 150k-token vocabulary the head's float32 (positions x V) work is, on a GPU, memory-bound:
-each elementwise pass over a chunk's logits costs about what a tenth of the head's matmul does.
-Applying the head with autograd (a chunk's logits, `torch.logsumexp`, a gather, the entropy,
-all under activation checkpointing) took about 40 such passes a position, forward, recompute and
-backward together: logsumexp alone is four (max, subtract, exp, sum) and its backward three more,
-the gather's backward a V-wide zero fill and an add; and each chunk cast the head's weight to the
-compute dtype twice (forward and recompute) and added its gradient into the float32 one.
+each elementwise kernel over a chunk's logits reads and writes more bytes than the head's matmul
+takes time for. Applying the head with autograd (a chunk's logits, `torch.logsumexp`, a gather,
+the entropy, all under activation checkpointing) ran 16 such kernels a chunk, forward, recompute
+and backward together: logsumexp alone is four (max, subtract, exp, sum) and its backward three
+more, the gather's backward a V-wide zero fill and an add; and each chunk cast the head's weight
+to the compute dtype twice (forward and recompute) and added its gradient into the float32 one.
 
 `head_logprobs` does the same arithmetic by hand in one autograd function:
 
@@ -18,7 +18,8 @@ compute dtype twice (forward and recompute) and added its gradient into the floa
             1 / temperature) -> the compute dtype -> the rows' and the weight's gradients, the
             weight's summed over the chunks in its own dtype.
 
-About 11 passes a position with the entropy, 8 without; the weight cast once a call each way.
+6 kernels a chunk with the entropy (log-softmax; exp, multiply, sum; softmax, multiply), 3
+without, as many as `cross_entropy`'s; the weight cast once a call each way.
 The same numbers as autograd through `head(...)` to float rounding
 (tests/test_logprobs.py). It takes a plain `nn.Linear` head (FSDP2's gathered parameters and a
 single process's autocast included: `compute_dtype`) and no top-k or top-p truncation; anything
