@@ -191,25 +191,10 @@ def sequence_logprobs(model: torch.nn.Module, input_ids: Tensor, attention_mask:
         return _at_positions(head, hidden, targets, positions, temperature=temperature, top_k=top_k, top_p=top_p,
                              entropy=entropy, chunk_tokens=chunk_tokens, rows_at=packed.at[positions])
     hidden = final_hidden(model, input_ids, attention_mask, images=images)  # (B, T, H)
-    if positions is not None:
-        return _at_positions(head, hidden, targets, positions, temperature=temperature, top_k=top_k, top_p=top_p,
-                             entropy=entropy, chunk_tokens=chunk_tokens)
-    if fusable(head) and top_k == 0 and top_p == 1.0:
-        logp, ent = head_logprobs(head, hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1),
-                                  temperature=temperature, entropy=entropy, chunk_tokens=chunk_tokens)
-        return logp.view(targets.shape), ent.view(targets.shape) if entropy else None
-    width = max(1, chunk_tokens // input_ids.shape[0])  # positions per chunk
-    logps, ents = [], []
-    for start in range(0, input_ids.shape[1], width):
-        args = (head, hidden[:, start:start + width], targets[:, start:start + width], temperature, entropy,
-                top_k, top_p)
-        if torch.is_grad_enabled() and hidden.requires_grad:  # recompute in backward: keep no logits
-            logp, ent = checkpoint(_chunk, *args, use_reentrant=False)
-        else:
-            logp, ent = _chunk(*args)
-        logps.append(logp)
-        ents.append(ent)
-    return torch.cat(logps, dim=1), torch.cat(ents, dim=1) if entropy else None  # (B, T), (B, T)
+    if positions is None:  # every position: the head's chunks run over them all the same
+        positions = torch.arange(targets.numel(), device=targets.device)
+    return _at_positions(head, hidden, targets, positions, temperature=temperature, top_k=top_k, top_p=top_p,
+                         entropy=entropy, chunk_tokens=chunk_tokens)
 
 
 def _at_positions(head: torch.nn.Module, hidden: Tensor, targets: Tensor, positions: Tensor, *, temperature: float,
