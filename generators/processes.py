@@ -14,6 +14,7 @@ top (generators/scoring.py, generators/environments.py).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import os
@@ -110,6 +111,10 @@ class WorkerPool:
         self._live: set[Worker] = set()  # every started worker not yet killed, for close()
         self._closed = False
         self.restarts = 0  # workers killed (over their time) or found dead, and replaced
+        # Killed at the interpreter's exit whatever leads there (a stop signal's SystemExit while they
+        # start included): multiprocessing's own exit handler, which runs after this one, would send
+        # them a SIGTERM they are deaf to and then wait for them for ever.
+        atexit.register(self.close)
         started = [self._start() for _ in range(workers)]  # start them all, then wait
         for worker in started:
             failed = self.await_ready(worker)
@@ -155,6 +160,7 @@ class WorkerPool:
 
     def close(self) -> None:
         """Kill every worker; starting one afterwards is an error."""
+        atexit.unregister(self.close)
         with self._lock:
             self._closed = True
             live, self._live = list(self._live), set()

@@ -260,3 +260,41 @@ def test_a_worker_outlives_the_stop_signals_its_generator_handles():
         os.kill(pid, signal.SIGINT)
         assert runner.score("h", prompt="p", completions=group("a"), meta={}) == [Scored(0.5, {"reward": 0.5}, None)]
         assert runner.pids() == [pid]
+
+
+def test_a_stop_signal_while_the_workers_start_ends_the_generator_and_its_workers(tmp_path: Path):
+    # honcho stopping a run while a respawned generator still starts its reward workers: the stop's
+    # SystemExit must not leave the interpreter's exit waiting for workers deaf to SIGTERM
+    started = tmp_path / "started"
+    (tmp_path / "slow_reward.py").write_text(textwrap.dedent(f"""
+        import multiprocessing, os, time
+        if multiprocessing.parent_process() is not None:  # a worker: slow to import, as a busy machine's
+            open({str(started)!r}, "w").write(str(os.getpid()))
+            time.sleep(60)
+        def reward(completion, **kwargs):
+            return 1.0
+    """))
+    code = textwrap.dedent("""
+        from common.streams import stop_while_starting
+        stop_while_starting("generator")
+        from generators.scoring import RewardRunner
+        RewardRunner({"s": "slow_reward:reward"}, timeout_s=5, workers=1)
+    """)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(tmp_path)])}
+    script = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started.exists(), "the worker never started"
+        worker = int(started.read_text())
+        script.send_signal(signal.SIGTERM)
+        out, _ = script.communicate(timeout=30)  # before: waited for the worker for ever
+        assert script.returncode == 0 and "SIGTERM while starting: stopped" in out, (script.returncode, out)
+        assert not _alive(worker), "the worker outlived its generator"
+    finally:
+        script.kill()
+        if started.exists() and started.read_text() and _alive(int(started.read_text())):
+            os.kill(int(started.read_text()), signal.SIGKILL)
