@@ -22,6 +22,12 @@ MEASURED = {("qwen2.5-0.5b", "grpo512", True, 8192, 8): 11.1,
             ("qwen2.5-0.5b", "grpo512", False, 16384, bench.UNCAPPED): 30.0,
             ("qwen3-0.6b", "packed16k", False, 16384, bench.UNCAPPED): 48.6,
             ("qwen2.5-0.5b", "grpo512", False, 8192, bench.UNCAPPED): 24.1}
+# The same H200 kind, commit 54ab6e3, 2026-11-29, varlen attention (the GPU's default), the head by hand
+MEASURED_VARLEN = {("qwen2.5-0.5b", "grpo512", True, 8192, 8): 9.9,
+                   ("qwen2.5-0.5b", "grpo512", False, 8192, 8): 14.7,
+                   ("qwen3-0.6b", "packed16k", True, 16384, bench.UNCAPPED): 13.3,
+                   ("qwen3-0.6b", "packed16k", False, 16384, bench.UNCAPPED): 47.5,
+                   ("qwen3-4b", "packed16k", True, 16384, bench.UNCAPPED): 73.9}
 
 
 def bench_config(*, ac: bool | str, mb_tokens: int, mb_size: int, attention: str = "flex_attention"):
@@ -46,10 +52,12 @@ def peak_gib(shape_name: str, config, *, row: int, checkpointing: bool) -> float
     return e.total / GiB
 
 
-@pytest.mark.parametrize(("row_key", "measured"), MEASURED.items(), ids=lambda v: str(v))
-def test_the_estimate_lies_within_35_percent_of_the_peak_measured_on_an_h200(row_key, measured):
+@pytest.mark.parametrize(("attention", "row_key", "measured"),
+                         [("flex_attention", *kv) for kv in MEASURED.items()]
+                         + [("varlen", *kv) for kv in MEASURED_VARLEN.items()], ids=lambda v: str(v))
+def test_the_estimate_lies_within_35_percent_of_the_peak_measured_on_an_h200(attention, row_key, measured):
     shape_name, layout, ac, mb_tokens, mb_size = row_key
-    config = bench_config(ac=ac, mb_tokens=mb_tokens, mb_size=mb_size)
+    config = bench_config(ac=ac, mb_tokens=mb_tokens, mb_size=mb_size, attention=attention)
     got = peak_gib(shape_name, config, row=bench.LAYOUTS[layout].row, checkpointing=ac)
     assert measured * 0.65 <= got <= measured * 1.35, (row_key, got, measured)
 
