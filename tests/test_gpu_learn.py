@@ -90,10 +90,10 @@ def test_pack_prints_one_call_per_part_and_the_sitting_in_the_last():
     assert "ops/gpu-learn run --minutes 3 --out $OUT" in text[-2] and "timeout_s 600" in text[-2]
     assert all("ops/gpu_learn.py parts" in line for line in text[1:-2])
     # Then, on the host still warm, the trainer benchmark and the GPU tests with what the sitting installed.
-    assert "carry []" in text[-1] and "timeout_s 420" in text[-1], text[-1]
+    assert "carry []" in text[-1] and "timeout_s 360" in text[-1], text[-1]
     assert "python3 ops/bench/trainer_gpu.py --out $OUT/bench" in text[-1] and "ops/gpu-check" in text[-1]
     assert len(BENCH_CALL) < 2000  # the device tool's limit on a command
-    for script in ("ops/bench/trainer_gpu.py", "ops/gpu-check", "ops/gpu_check.py"):
+    for script in ("ops/bench/attention_gpu.py", "ops/bench/trainer_gpu.py", "ops/gpu-check", "ops/gpu_check.py"):
         assert (ROOT / script).is_file(), script
     # A part is as large as fits one call beside the working tree (64 MiB in all), 60 MiB at most.
     assert part_size(3 * 2**20) == 57 * 2**20 and part_size(0) == 60 * 2**20
