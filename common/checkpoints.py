@@ -21,7 +21,7 @@ import re
 import shutil
 import struct
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -264,6 +264,36 @@ def tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _tensors_in(path: str | Path) -> Iterator[tuple[str, torch.dtype, list[int], Callable[[memoryview], None]]]:
+    """Each tensor of the .safetensors files in the directory `path`, in file order: its name,
+    dtype, shape and a function that reads its bytes into a memoryview of exactly its size (to be
+    called before the next tensor is asked for: its file is open until then)."""
+    dtypes = {code: dtype for dtype, code in _dtype_codes().items()}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with open(f, "rb", buffering=0) as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+            header.pop("__metadata__", None)
+            base = 8 + size
+            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                def read(view: memoryview, fh=fh, at=base + info["data_offsets"][0], name=name, f=f) -> None:
+                    fh.seek(at)
+                    while len(view):
+                        got = fh.readinto(view)
+                        if not got:
+                            raise CheckpointError(f"checkpoint {path}: {f.name} ends inside tensor {name}")
+                        view = view[got:]
+
+                yield name, dtypes[info["dtype"]], info["shape"], read
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's memory, writable."""
+    import torch
+
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
 def copy_into(path: str | Path, targets: Mapping[str, torch.Tensor]) -> set[str]:
     """Copy every tensor of the .safetensors files in the directory `path` into the tensor of
     the same name in `targets`, in place (a model's state_dict() shares its parameters' memory);
@@ -272,31 +302,34 @@ def copy_into(path: str | Path, targets: Mapping[str, torch.Tensor]) -> set[str]
     files fit (`check_fits`): a name absent from `targets` is an error."""
     import torch
 
-    dtypes = {code: dtype for dtype, code in _dtype_codes().items()}
     done: set[str] = set()
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with open(f, "rb", buffering=0) as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-            header.pop("__metadata__", None)
-            base = 8 + size
-            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                begin, end = info["data_offsets"]
-                target = targets[name]
-                dtype = dtypes[info["dtype"]]
-                direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
-                into = target if direct else torch.empty(info["shape"], dtype=dtype)
-                view = memoryview(into.reshape(-1).view(torch.uint8).numpy()) if end > begin else memoryview(b"")
-                fh.seek(base + begin)
-                while len(view):
-                    got = fh.readinto(view)
-                    if not got:
-                        raise CheckpointError(f"checkpoint {path}: {f.name} ends inside tensor {name}")
-                    view = view[got:]
-                if not direct:
-                    target.copy_(into)
-                done.add(name)
+    for name, dtype, shape, read in _tensors_in(path):
+        target = targets[name]
+        direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+        into = target if direct else torch.empty(shape, dtype=dtype)
+        read(_bytes_of(into))
+        if not direct:
+            target.copy_(into)
+        done.add(name)
     return done
+
+
+def read_tensors(path: str | Path, reuse: Mapping[str, torch.Tensor], *, pin: bool) -> dict[str, torch.Tensor]:
+    """Every tensor of the .safetensors files in the directory `path`, read into host memory as
+    stored (dtype and shape): into `reuse`'s tensor of the same name where it has that dtype and
+    shape, else into a new one, in page-locked memory with `pin` (for copies to a GPU that need no
+    staging). What an engine reads beside its sampling to load a version in one copy
+    (engines/hf_engine.py `stage`)."""
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    for name, dtype, shape, read in _tensors_in(path):
+        held = reuse.get(name)
+        if held is None or held.dtype != dtype or list(held.shape) != list(shape):
+            held = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        read(_bytes_of(held))
+        out[name] = held
+    return out
 
 
 def check_fits(path: str | Path, reference: dict[str, tuple[int, ...]], *, tied: set[str]) -> None:

@@ -196,7 +196,8 @@ async def load_weights(state: State, engine: Engine, engine_thread: concurrent.f
     if checked is None or checked.blob != blob:
         unpin(checked)
         checked = state.checked = Checked(blob)  # before the check begins: the watcher does not begin another
-        await check(checked, weights_url=weights_url, fetch_dir=fetch_dir, pin_root=pin_root, receiver=receiver)
+        await check(checked, weights_url=weights_url, fetch_dir=fetch_dir, pin_root=pin_root, receiver=receiver,
+                    stage=getattr(engine, "stage", None))
     checked.claimed = True  # its pin is this loader's to remove, once loaded
     try:
         await load_checked(state, engine, engine_thread, checked, name=name, waiting=waiting, t0=t0,
@@ -255,9 +256,12 @@ async def load_checked(state: State, engine: Engine, engine_thread: concurrent.f
     if back:
         print(f"{name}: weights version {wv.version} {anew(wv.version, before)}", flush=True)
     # "verify": the files' checksums, or, received over the trainer's broadcast, waiting for the receive
+    # "read ahead": the engine's copy of the files, read beside its sampling once they were verified
+    ahead = (f" from the files read ahead ({checked.staged:.2f} s beside sampling)"
+             if checked.staged is not None and getattr(engine, "loaded_staged", False) else "")
     print(f"{name}: loaded weights version {wv.version} (verify {checked.seconds:.2f} s, reload "
           f"{time.perf_counter() - t1:.2f} s; announced {announced:.2f} s after publishing, drained {drained:.2f} s, "
-          f"waited {t1 - t0:.2f} s for the checksums){' received over the broadcast' if received else ''}",
+          f"waited {t1 - t0:.2f} s for the checksums){' received over the broadcast' if received else ''}{ahead}",
           flush=True)
 
 
@@ -295,7 +299,7 @@ async def watch_weights(g: Generator, state: State) -> None:
             unpin(state.checked)  # a newer version replaces it before it was loaded
             state.checked = Checked(got.blob)
             await check(state.checked, weights_url=g.settings.weights_url, fetch_dir=g.fetch_dir,
-                        pin_root=pin_root(g), receiver=g.received)
+                        pin_root=pin_root(g), receiver=g.received, stage=getattr(g.engine, "stage", None))
 
 
 def timeline(state: State, wv: WeightVersion, *, loading_at: float) -> tuple[float, float]:

@@ -22,6 +22,7 @@ import itertools
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -148,6 +149,7 @@ class Checked:
     claimed: bool = False  # the engine loop is loading it: it removes the pin itself
     error: str = ""  # why it is refused; "" when it may be loaded
     seconds: float = 0.0  # spent verifying (or fetching)
+    staged: float | None = None  # seconds the engine spent reading the files ahead (`stage`); None: it did not
     tensors: dict | None = None  # the weights as received over the trainer's broadcast: loaded instead of `path`
 
 
@@ -163,15 +165,19 @@ def unpin(checked: Checked | None) -> None:
 
 
 async def check(checked: Checked, *, weights_url: str = "", fetch_dir: Path | None = None,
-                pin_root: Path | None = None, receiver: Receiver | None = None) -> Checked:
+                pin_root: Path | None = None, receiver: Receiver | None = None,
+                stage: Callable[[str], bool] | None = None) -> Checked:
     """Decode `checked.blob` and verify its files (in a worker thread), filling `checked` in and
     setting `checked.done`; a payload that does not decode or files that fail their checksums
     leave the reason in `checked.error`. With `pin_root`, the files of a checkpoint on a shared
     disk are pinned in a directory of this check's own under it first
     (common/checkpoints.py:pin_checkpoint) and loaded from the pin (see unpin). With `receiver`, a
     version it received over the trainer's broadcast (its fingerprints checked on arrival) is taken
-    from it instead: no file is read."""
+    from it instead: no file is read. With `stage` (an engine's, engines/hf_engine.py), the files
+    verified are handed to it to read ahead, in a worker thread too, before `checked.done` is set."""
     t0 = time.perf_counter()
+    staged_s: float | None = None
+    staging_s = 0.0
     try:
         wv = checked.wv = decode_weights(checked.blob)
         if receiver is not None and wv.transfer_digest:
@@ -189,12 +195,18 @@ async def check(checked: Checked, *, weights_url: str = "", fetch_dir: Path | No
             path = str(checked.pinned or wv.path)
             await trio.to_thread.run_sync(verify_dir, path, wv.checksums)
             checked.path = path
+        if stage is not None and checked.path:
+            t1 = time.perf_counter()
+            read_ahead = await trio.to_thread.run_sync(stage, checked.path)
+            staging_s = time.perf_counter() - t1
+            staged_s = staging_s if read_ahead else None
     except (MessageError, CheckpointError) as err:
         checked.error = str(err)
     except BaseException as err:  # not a refusal: it ends the generator, as it did before
         checked.error = f"{type(err).__name__}: {err}"
         raise
     finally:
-        checked.seconds = time.perf_counter() - t0
+        checked.seconds = time.perf_counter() - t0 - staging_s
+        checked.staged = staged_s
         checked.done.set()
     return checked
