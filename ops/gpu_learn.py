@@ -373,6 +373,27 @@ def summary(result: dict, samples_per_step: int) -> dict[str, dict]:
     return out
 
 
+# A generator's line for each version it loads (generators/engine_loop.py), with its seconds by stage.
+LOADS = re.compile(r"loaded weights version \d+ \(verify ([\d.]+|nan) s, reload ([\d.]+|nan) s; [^\n]*?"
+                   r"waited ([\d.]+|nan) s for the checksums\)([^\n]*)")
+
+
+def weight_loads(log: str) -> dict | None:
+    """What rollouts' generators paused for new weights, from its honcho log: the versions loaded,
+    the engines' reloads and their waits for the checksums (seconds in all), and how many loads
+    copied the files read ahead (engines/hf_engine.py `stage`); None where no version was loaded."""
+    found = LOADS.findall(log)
+    if not found:
+        return None
+
+    def num(x: str) -> float:
+        return 0.0 if x == "nan" else float(x)
+
+    return {"versions": len(found), "reload_s": sum(num(r) for _, r, _, _ in found),
+            "waited_s": sum(num(w) for _, _, w, _ in found),
+            "read_ahead": sum("from the files read ahead" in rest for *_, rest in found)}
+
+
 def fmt(value: object, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -397,6 +418,13 @@ def markdown(data: dict) -> str:
     for side, rows in side_rows(r, data["samples_per_step"]).items():
         lines += [f"| {side} | {row['s']:.0f} | {row['step']} | {fmt(row['tokens_per_s'], '.0f')} | "
                   f"{fmt(row['pass@1'], '.3f')} |" for row in rows]
+    loads = data.get("weight_loads")
+    if loads:
+        n = loads["versions"]
+        lines += ["", f"rollouts' generator: {n} versions loaded; its engine paused {loads['reload_s'] / n:.2f} s a "
+                  f"version to reload ({loads['reload_s']:.1f} s in all) and {loads['waited_s'] / n:.2f} s waiting "
+                  f"for the checksums ({loads['waited_s']:.1f} s); {loads['read_ahead']} of the loads copied the "
+                  "files read ahead beside sampling."]
     lines += ["", "Phases (s): " + ", ".join(f"{k} {v:.0f}" for k, v in data["phases"].items())]
     return "\n".join(lines) + "\n"
 
@@ -471,6 +499,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     phases.pop("sides", None)
     phases["in all"] = time.monotonic() - t0
     data["result"] = result
+    log = out / "rollouts-honcho.log"
+    data["weight_loads"] = weight_loads(log.read_text(errors="replace")) if log.is_file() else None
     write_out(out, data)
     say(f"{out / 'learn.md'}:\n{(out / 'learn.md').read_text()}")
     return 0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.gpu_learn import BENCH_CALL, KitError, calls, join, part_size, side_rows, write_parts
+from ops.gpu_learn import BENCH_CALL, KitError, calls, join, part_size, side_rows, weight_loads, write_parts
 from tests.harness.processes import ROOT, process_env
 
 
@@ -111,6 +111,21 @@ def test_the_table_reads_tokens_per_second_and_pass_at_1_off_each_side():
     assert side_rows(result, 16) == {"trl": [{"s": 20.0, "step": 2, "tokens_per_s": 12.0, "pass@1": None}]}
 
 
+def test_the_generators_pauses_for_weights_are_read_off_rollouts_log():
+    log = "\n".join([
+        "19:49:16 generator.1 | generator vm-782: loaded weights version 1 (verify 0.20 s, reload 0.25 s; announced "
+        "nan s after publishing, drained nan s, waited 0.20 s for the checksums)",
+        "19:49:16 trainer.1   | step    2 | reward 0.000",
+        "19:49:17 generator.1 | generator vm-782: loaded weights version 2 (verify 0.17 s, reload 0.03 s; announced "
+        "0.00 s after publishing, drained 0.01 s, waited 0.00 s for the checksums) from the files read ahead "
+        "(0.09 s beside sampling)",
+        "19:49:18 generator.2 | generator vm-783: loaded weights version 2 (verify 0.16 s, reload nan s; announced "
+        "0.00 s after publishing, drained 0.39 s, waited 0.10 s for the checksums) received over the broadcast"])
+    got = weight_loads(log)
+    assert got == {"versions": 3, "reload_s": pytest.approx(0.28), "waited_s": pytest.approx(0.30), "read_ahead": 1}
+    assert weight_loads("19:49:16 trainer.1   | step    2 | reward 0.000") is None
+
+
 def dry_run(tmp_path: Path, tiny_model: Path, wheels: Path, sides: list[str]) -> tuple[dict, str, str]:
     kit, package, manifest = small_kit(tmp_path, wheels)
     out = tmp_path / "out"
@@ -146,7 +161,10 @@ def test_a_dry_run_of_rollouts_side_takes_the_sittings_whole_chain(tmp_path, tin
     last = data["result"]["steps"]["rollouts"][-1]["s"]
     assert f"| rollouts | {steps} | {last:.0f} |" in md, md
     assert "| side | seconds | step | tokens/s | held-out pass@1 |" in md and "Partial" not in md
-    assert (tmp_path / "out" / "rollouts-honcho.log").stat().st_size > 0
+    log = (tmp_path / "out" / "rollouts-honcho.log").read_text()
+    loads = log.count("loaded weights version")
+    assert loads > 0 and data["weight_loads"]["versions"] == loads and data["weight_loads"]["read_ahead"] == 0
+    assert f"rollouts' generator: {loads} versions loaded; its engine paused " in md, md
 
 
 @pytest.mark.slow
