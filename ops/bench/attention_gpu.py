@@ -98,29 +98,6 @@ CASES = {
 }
 
 
-class _Cudnn(torch.autograd.Function):
-    """cuDNN's attention over cu_seqlens, causal, no dropout (aten's ops, as torch's nested SDPA calls them)."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-                scale: float) -> Tensor:
-        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seed, offset)
-        ctx.sizes = (max_q, max_k, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
-        max_q, max_k, scale = ctx.sizes
-        empty = torch.empty(0, device=q.device, dtype=q.dtype)
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, seed, offset, empty, cu_q, cu_k, max_q, max_k, 0.0, True,
-            scale=scale)
-        return dq, dk, dv, None, None, None, None, None
-
-
 def gathered(k: Tensor, v: Tensor, varlen: Varlen) -> tuple[Tensor, Tensor]:
     return (k[varlen.keys], v[varlen.keys]) if varlen.keys is not None else (k, v)
 
@@ -130,8 +107,11 @@ def cudnn_varlen(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float, 
     if expand:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return _Cudnn.apply(q.contiguous(), k.contiguous(), v.contiguous(), varlen.cu_q, varlen.cu_k, varlen.max_q,
-                        varlen.max_k, scale)
+    # causal, no dropout, the log-sum-exp kept for the backward, which autograd takes from torch's own
+    # formula for this op (`_cudnn_attention_backward`), as torch's nested tensors' SDPA does
+    return torch.ops.aten._cudnn_attention_forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), None, varlen.cu_q, varlen.cu_k, varlen.max_q, varlen.max_k,
+        True, 0.0, True, False, scale=scale)[0]
 
 
 def sdpa_rows(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float) -> Tensor:
