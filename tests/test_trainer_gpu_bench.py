@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 import pytest
 
+from common.config import load_config
 from ops.bench import trainer_gpu as bench
 
 
@@ -50,10 +51,13 @@ def test_dry_run_trains_both_sides_on_the_layouts_tokens(tmp_path, capsys):
     profiled = [r for r in rows if "profile" in r]
     assert [r["setting"]["profile"] for r in profiled] == [True] and set(profiled[0]["profile"]) == {"trainer", "bare"}
     assert bench.PROFILE_HEADER in printed
-    # on a GPU: gsm8k as an H200 runs it, its micro-batches uncapped, and Qwen3-0.6B at 16k, each profiled
-    profiled_plan = [(s.shape, s.layout, s.ac, s.mb_tokens) for s in bench.default_plan(dry_run=False) if s.profile]
-    assert profiled_plan == [("qwen2.5-0.5b", "grpo512", False, 8192), ("qwen2.5-0.5b", "grpo512", False, 16384),
-                             ("qwen3-0.6b", "packed16k", False, 16384)]
+    # on a GPU: configs/gsm8k.toml as an H200 runs it (its micro-batches as shipped) and Qwen3-0.6B at
+    # 16k, each profiled
+    profiled_plan = [(s.shape, s.layout, s.ac, s.mb_tokens, s.mb_size) for s in bench.default_plan(dry_run=False)
+                     if s.profile]
+    shipped = load_config(bench.GSM8K, env={}).trainer
+    assert profiled_plan == [("qwen2.5-0.5b", "grpo512", False, shipped.micro_batch_tokens, shipped.micro_batch_size),
+                             ("qwen3-0.6b", "packed16k", False, 16384, bench.UNCAPPED)]
     # each shape and layout's fastest settings, what defaults would be chosen from
     for shape, layout in {(r["setting"]["shape"], r["setting"]["layout"]) for r in rows}:
         top = max((r for r in rows if (r["setting"]["shape"], r["setting"]["layout"]) == (shape, layout)),

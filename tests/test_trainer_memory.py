@@ -107,12 +107,12 @@ def test_the_estimate_grows_with_the_micro_batch_and_shrinks_with_checkpointing(
 
 
 def gsm8k_peak(**trainer) -> float:
-    """The estimate without checkpointing for configs/gsm8k.toml (its micro-batches, SDPA) on
-    Qwen2.5-0.5B's shape, in bytes."""
+    """The estimate without checkpointing for configs/gsm8k.toml (its micro-batches, its "auto"
+    attention priced as a GPU's varlen) on Qwen2.5-0.5B's shape, in bytes."""
     config = load_config(bench.GSM8K, env={}, overrides={"trainer": {"activation_checkpointing": "auto", **trainer}})
     qwen = shape("qwen2.5-0.5b")
     positions, sequence = micro_batch_positions(config.trainer, row=longest_row(config, context=qwen.context))
-    assert (positions, sequence) == (8192, 8192)  # 8 rows of max_model_len 1024, within 8,192 tokens
+    assert (positions, sequence) == (16384, 16384)  # 64 rows of max_model_len 1024, capped at 16,384 tokens
     return estimate(qwen, positions=positions, sequence=sequence, checkpointing=False, weights=4, compute=2,
                     attention=config.trainer.attention, chunk_tokens=config.trainer.logits_chunk_tokens).total
 
@@ -124,6 +124,8 @@ def test_auto_is_off_for_gsm8k_on_an_h200_beside_vllm_and_on_where_it_does_not_f
     assert not choice.on, choice
     assert choice.line() == (f"activation checkpointing off (auto: about {peak / GiB:.3g} GiB without it, within "
                              f"69.5 GiB (0.8 less vLLM's 0.3 of 139 GiB))")
+    # an 80 GB H100 (81,559 MiB) beside vLLM's 0.3, as configs/gsm8k.toml says: off there too
+    assert not resolve("auto", device_type="cuda", peak_off=peak, total=81559 * 2**20, vllm_share=0.3).on
     # a 24 GB card beside vLLM's 0.3, and alone: the same step does not fit in either
     for share in (0.3, 0.0):
         choice = resolve("auto", device_type="cuda", peak_off=peak, total=24 * GiB, vllm_share=share)

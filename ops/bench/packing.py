@@ -8,7 +8,7 @@ to measure the code before a change. The groups are synthetic, seeded, of each c
     demo:  4 prompts x 4 completions a step, prompts of 30-45 tokens, completions of 4-24
            (configs/demo.toml: micro_batch_size 8, no token cap; SmolLM2-135M, hidden 576);
     gsm8k: 32 prompts x 8 completions, prompts of 100-300 tokens, completions of 50-512, one in
-           eight cut at 512 (configs/gsm8k.toml: micro_batch_size 8, micro_batch_tokens 8192;
+           eight cut at 512 (configs/gsm8k.toml until 2026-11-29: micro_batch_size 8, micro_batch_tokens 8192;
            Qwen2.5-0.5B, hidden 896); gsm8k-mbs64 the same with micro_batch_size 64, where the
            token budget binds instead (micro-batches of ~8k tokens, not ~2.8k).
 

@@ -38,7 +38,9 @@ bare loop that does keeps the trainer's figures) and the sweep goes on.
 The "gsm8k today" row is configs/gsm8k.toml's trainer settings as shipped on 2026-11-27 (micro-
 batches of 8 rows and 8,192 tokens, activation checkpointing) on Qwen2.5-0.5B's shape, on the code
 checked out: issue 40's 4x is judged against it; against the trainer of before a change, run the
-row at that commit too.
+row at that commit too. "gsm8k, auto: off" is configs/gsm8k.toml's micro-batches as shipped now
+(read from it) where activation checkpointing's "auto" turns it off (an H200); "gsm8k 2026-11-29,
+auto: off" those of 2026-11-29 (8 completions a micro-batch), which that day's sitting measured.
 
 Layouts (tokens: the positions through the model, each row's prompt + completion - 1):
 
@@ -68,8 +70,8 @@ products, attention, the log-softmax and the losses around it, the optimizer, ca
 the rest; with the ten operators that took the most. Where the trainer falls short of the bare loop,
 the two sides' splits say whether it is its own compute (the head's log-probs in chunks, the
 loss's statistics), casts, or time the device sat idle (host work, synchronisations). Without
-`--profile` the default plan profiles three rows all the same (configs/gsm8k.toml as an H200 runs
-it, "gsm8k, auto: off"; the same uncapped at 16,384 tokens; Qwen3-0.6B at 16k without
+`--profile` the default plan profiles two rows all the same (configs/gsm8k.toml as an H200 runs
+it, "gsm8k, auto: off": 2 micro-batches of up to 16,384 tokens; Qwen3-0.6B at 16k without
 checkpointing), so that every sitting says where those steps' time goes. A profile that fails
 (a profiler the host's CUDA will not give) is named in its row's `profile_errors`: the row's
 timed figures stand.
@@ -91,6 +93,7 @@ import math
 import platform
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -227,7 +230,9 @@ class Setting:
                 + (f" attention={self.attention}" if self.attention else ""))
 
 
-TODAY = "gsm8k today"  # configs/gsm8k.toml's trainer as shipped: the 4x target's baseline
+TODAY = "gsm8k today"  # configs/gsm8k.toml's trainer as shipped on 2026-11-27: the 4x target's baseline
+# configs/gsm8k.toml's micro-batches as shipped now (the code's default where it sets none)
+SHIPPED = {"micro_batch_size": 8, "micro_batch_tokens": 0} | tomllib.loads(GSM8K.read_text()).get("trainer", {})
 
 
 def default_plan(*, dry_run: bool) -> list[Setting]:
@@ -239,23 +244,21 @@ def default_plan(*, dry_run: bool) -> list[Setting]:
                 Setting(**packed, ac=False, mb_tokens=128, compile=False)]
     gsm8k, small, big = (dict(shape="qwen2.5-0.5b", layout="grpo512"), dict(shape="qwen3-0.6b", layout="packed16k"),
                          dict(shape="qwen3-4b", layout="packed16k"))
+    shipped = dict(mb_tokens=SHIPPED["micro_batch_tokens"], mb_size=SHIPPED["micro_batch_size"])
     return [
         Setting(**gsm8k, ac=True, mb_tokens=8192, mb_size=8, compile=False, label=TODAY),
         # configs/gsm8k.toml as shipped where activation checkpointing's "auto" turns it off (an H200),
         # profiled: where its step's time goes, against the bare loop's
-        Setting(**gsm8k, ac=False, mb_tokens=8192, mb_size=8, compile=False, label="gsm8k, auto: off",
-                profile=True),
-        # the same without the 8-row cap, profiled: the bare loop's 75k tokens/s at 99dc686 came from
-        # these larger micro-batches, where the trainer stayed at 35k (0.47); not run since
-        Setting(**gsm8k, ac=False, mb_tokens=16384, compile=False, label="gsm8k, uncapped", profile=True),
+        Setting(**gsm8k, ac=False, **shipped, compile=False, label="gsm8k, auto: off", profile=True),
+        # as shipped on 2026-11-29 (8 completions a micro-batch: 8 a step), measured then at 33,768
+        Setting(**gsm8k, ac=False, mb_tokens=8192, mb_size=8, compile=False, label="gsm8k 2026-11-29, auto: off"),
         Setting(**small, ac=True, mb_tokens=16384, compile=False, label="prime-rl's 11.9k"),
         # profiled: at 54ab6e3 this row trained at 0.72 of the bare loop, the gap not yet located
         Setting(**small, ac=False, mb_tokens=16384, compile=False, profile=True),
         Setting(**big, ac=True, mb_tokens=16384, compile=False, label="3.7k on an H200"),
-        Setting(**gsm8k, ac=False, mb_tokens=16384, compile=True),
+        Setting(**gsm8k, ac=False, **shipped, compile=True),
         # the same with SDPA's dense document mask instead of "auto"'s varlen on a GPU (trainer/varlen.py)
-        Setting(**gsm8k, ac=False, mb_tokens=8192, mb_size=8, compile=False, attention="sdpa",
-                label="gsm8k, auto: off, dense mask"),
+        Setting(**gsm8k, ac=False, **shipped, compile=False, attention="sdpa", label="gsm8k, auto: off, dense mask"),
         Setting(**gsm8k, ac=False, mb_tokens=8192, compile=False),
         Setting(**small, ac=True, mb_tokens=16384, compile=True),
         Setting(**gsm8k, ac=True, mb_tokens=16384, compile=False),
