@@ -880,9 +880,11 @@ class TrainerConfig(_Section):
     # the CPU in model.dtype, not even that: the next optimizer update waits for their write
     # instead) and the trainer state into a host buffer kept for the next save (its size again in
     # host memory, pinned on a GPU), and for the version before where its write is not done yet.
-    # The version is announced, and the groups its state holds acknowledged, once its files are
-    # whole. The last publish, one with a broadcast (weight_transfer "gloo" or "nccl"), or one
-    # again after a go-back, is written in the step. false: every one is.
+    # The version is announced once its weights are written; the groups its state holds are
+    # acknowledged once the state is (written in a thread of its own: the versions after it are
+    # published meanwhile; the next save waits for it). The last publish, one with a broadcast
+    # (weight_transfer "gloo" or "nccl"), or one again after a go-back, is written in the step.
+    # false: every one is.
     publish_in_background: bool = True
     # Stop after this many optimizer steps; 0 runs until stopped.
     max_steps: int = Field(0, ge=0)

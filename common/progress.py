@@ -120,6 +120,11 @@ def write_step(r: Client, keys: Keys, *, step: int, version: int | None = None,
     r.hset(keys.trainer, mapping=mapping)
 
 
+def write_state_step(r: Client, keys: Keys, state_step: int) -> None:
+    """Record the step of the newest saved trainer state alone (its version announced before it)."""
+    r.hset(keys.trainer, "state_step", state_step)
+
+
 def count_trained(r: Client, keys: Keys, groups: int) -> None:
     r.hincrby(keys.trainer, "groups_trained", groups)
 

@@ -41,7 +41,15 @@ from common.checkpoints import (
 from common.config import LoraConfig
 from common.keys import TRAINER_GROUP, Keys
 from common.messages import WeightVersion
-from common.progress import GoneBack, add_gone_back, count_trained, read_trainer, settle, write_step
+from common.progress import (
+    GoneBack,
+    add_gone_back,
+    count_trained,
+    read_trainer,
+    settle,
+    write_state_step,
+    write_step,
+)
 from common.streams import announce_weights, latest_weights
 from common.trim import trim_acknowledged
 from trainer.devices import Placement
@@ -355,15 +363,35 @@ def announce_version(r: redis.Redis, keys: Keys, written: Written, *, step: int,
     pipe = r.pipeline(transaction=True)
     announce_weights(pipe, keys, wv)
     write_step(pipe, keys, step=step, version=step, state_step=step if state_saved else None)
+    acknowledge(pipe, keys, step=step, entry_ids=entry_ids, group_ids=group_ids, dedup_window=dedup_window)
+    pipe.execute()
+    trim_acknowledged(r, keys.samples)  # what every group has acknowledged; nothing of ours is pending
+    return wv
+
+
+def announce_state(r: redis.Redis, keys: Keys, *, step: int, entry_ids: list[bytes], group_ids: list[str],
+                   dedup_window: int) -> None:
+    """Rank 0, once the trainer state of `step` is on disk and its version announced (by
+    `announce_version`, without it): in one transaction record the saved state's step and
+    acknowledge the groups it holds; then trim the samples stream. The trainer's step and version
+    are left as they are: later versions may have been announced meanwhile."""
+    pipe = r.pipeline(transaction=True)
+    write_state_step(pipe, keys, step)
+    acknowledge(pipe, keys, step=step, entry_ids=entry_ids, group_ids=group_ids, dedup_window=dedup_window)
+    pipe.execute()
+    trim_acknowledged(r, keys.samples)
+
+
+def acknowledge(pipe: redis.client.Pipeline, keys: Keys, *, step: int, entry_ids: list[bytes], group_ids: list[str],
+                dedup_window: int) -> None:
+    """Into `pipe`: the groups of `entry_ids` trained (acknowledged, remembered as trained at `step`
+    for `dedup_window` steps, settled) and counted."""
     if entry_ids:
         pipe.xack(keys.samples, TRAINER_GROUP, *entry_ids)
         pipe.zadd(keys.trained, dict.fromkeys(group_ids, step))
         pipe.zremrangebyscore(keys.trained, "-inf", f"({step - dedup_window}")
         settle(pipe, keys, group_ids, dropped=False)
     count_trained(pipe, keys, len(group_ids))
-    pipe.execute()
-    trim_acknowledged(r, keys.samples)  # what every group has acknowledged; nothing of ours is pending
-    return wv
 
 
 # --------------------------------------------------------------------------- the trainer's progress, and resume

@@ -234,8 +234,9 @@ def wind_up(run: Run) -> None:
     settle_writing(run)  # the version written beside the last step
     if run.unacked_ids:
         checkpoint(run, save=True)
-    if run.writer is not None:
-        run.writer.shutdown()
+    for writer in (run.writer, run.state_writer):
+        if writer is not None:
+            writer.shutdown()
     if run.tracker is not None:
         run.tracker.close()
     if run.sender is not None:

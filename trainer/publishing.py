@@ -7,12 +7,16 @@ A version is written beside the next step (trainer.publish_in_background): the s
 weights to the host (`published_tensors`; where they are the parameters themselves, the next
 optimizer update waits for their write instead) and, with the trainer state, the optimizer's
 state and the weights again (`staged`, into a host buffer each save reuses); rank 0's writer
-thread writes the checkpoint, each rank's its shards of the state (`write_state`, over a gloo
-group of their own), and rank 0's announces it (`announce_version`), acknowledging the groups
-the state holds in the same transaction; the trainer waits for all of it
-(`settle_writing`) before its next publish of any kind and at its end. A trainer killed while
-writing loses nothing: the version is not announced, its groups not acknowledged, and a restart
-resumes from the newest saved state as after a kill anywhere else."""
+thread writes the checkpoint and announces it (`announce_version`) as soon as it is written, and
+with a trainer state each rank's state thread writes its shards (`write_state`, over a gloo group
+of their own), after which rank 0's records the saved state and acknowledges the groups it holds
+(`announce_state`, after the version's announcement). The trainer waits for a version's write
+(`settle_weights`) before its next publish, and for a state's (`settle_writing`) before its next
+save, a publish in the step, and at its end: a state takes a few steps' time to write (4.3 GB for
+Qwen2.5-0.5B in float32 with AdamW's moments), and neither the generators, which load the version
+at once, nor the next steps wait for it. A trainer killed while writing loses nothing: a version
+not written is not announced, the groups of a state not written are not acknowledged, and a
+restart resumes from the newest saved state as after a kill anywhere else."""
 
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from common.messages import WeightVersion
 from common.progress import Fault, count_fault, note_same, write_step
 from common.streams import announced_before, latest_weights
 from trainer.checkpoints import (
+    announce_state,
     announce_version,
     hold_for_eval,
     publish,
@@ -55,7 +60,10 @@ def checkpoint(run: Run, *, save: bool, background: bool = False) -> WeightVersi
     the writer threads while the trainer goes on (`write_beside`); nothing is returned
     (`settle_writing` gives it)."""
     cfg, config = run.config.trainer, run.config
-    settle_writing(run)
+    if save or not background:  # one state written at a time (into the one host buffer), in order
+        settle_writing(run)
+    else:
+        settle_weights(run)
     newest = state_dir(run.state_root, run.record.state_step)
     if any_rank(run.record.state_step > 0 and not newest.is_dir()):
         save = True  # a restart would have nothing to resume from: save one now
@@ -89,9 +97,10 @@ def write_beside(run: Run, *, save: bool = False) -> None:
     gathered from every rank; in one process whose weights are on the CPU in the published dtype,
     the parameters themselves, and the next optimizer update waits until they are written), then
     written and announced by rank 0's writer thread, with the evaluation queued where `eval.every`
-    asks for it. With `save`, the trainer state is copied into host memory too (`staged`), each
-    rank's writer thread writes its shards of it (after rank 0's checkpoint), and the announcement
-    acknowledges every group trained since the last saved state."""
+    asks for it. With `save`, the trainer state is copied into host memory too (`staged`; the state
+    before it settled by `checkpoint`), each rank's state thread writes its shards of it, and rank
+    0's then acknowledges every group trained since the last saved state (after the version's
+    announcement)."""
     cfg, config, step = run.config.trainer, run.config, run.step
     adapter = cfg.lora.rank > 0 and cfg.lora.publish == "adapter"
     tensors = published_tensors(run.model, DTYPES[config.model.dtype], adapter=adapter)
@@ -105,32 +114,45 @@ def write_beside(run: Run, *, save: bool = False) -> None:
     group = writer_group() if save else None  # a collective, the first time
     weights_written: Future = Future()
 
-    def write() -> WeightVersion | None:
+    def on_device() -> None:
         if device.type == "cuda":  # a new thread's CUDA device is GPU 0: dcp's copies to the host go on this rank's
             torch.cuda.set_device(device)
+
+    def write() -> WeightVersion:
+        on_device()
         try:
             written = write_weights(run.model, tensors, step=step, checkpoint_dir=config.checkpoint_dir,
-                                    source_dir=run.source_dir, keep=cfg.keep_checkpoints, adapter=adapter) \
-                if is_main() else None
-        finally:  # however it ended: a failure is settle_writing's to report
+                                    source_dir=run.source_dir, keep=cfg.keep_checkpoints, adapter=adapter)
+        finally:  # however it ended: a failure is settle_weights's to report
             weights_written.set_result(None)
-        if state is not None:
-            write_state(state, tmp=tmp, step=step, state_root=run.state_root, keep=cfg.keep_checkpoints, group=group)
-        if written is None:
-            return None
-        wv = announce_version(run.r, run.keys, written, step=step, state_saved=save, entry_ids=entries,
-                              group_ids=ids, dedup_window=cfg.dedup_window, gone_back=gone_back, adapter=adapter)
+        wv = announce_version(run.r, run.keys, written, step=step, state_saved=False, entry_ids=[], group_ids=[],
+                              dedup_window=cfg.dedup_window, gone_back=gone_back, adapter=adapter)
         queue_eval(run, wv)
         return wv
 
     done, hold = None, None
-    if is_main() or save:
+    if is_main():
         if run.writer is None:
             run.writer = ThreadPoolExecutor(1, thread_name_prefix="publish")
         done = run.writer.submit(write)
         if shares_memory(tensors, run.model):  # a copy would cost more than the wait (0.3 s a step, default model)
             hold = hold_updates(run.optimizer, weights_written)
-    run.writing = Writing(step=step, done=done, hold=hold, saved=save, entries=len(entries), ids=len(ids))
+    run.writing = Writing(step=step, done=done, hold=hold)
+    if state is None:
+        return
+
+    def save_state() -> None:
+        on_device()
+        write_state(state, tmp=tmp, step=step, state_root=run.state_root, keep=cfg.keep_checkpoints, group=group)
+        if done is not None:
+            done.result()  # the version announced first (its failure is settle_weights's to report)
+            announce_state(run.r, run.keys, step=step, entry_ids=entries, group_ids=ids,
+                           dedup_window=cfg.dedup_window)
+
+    if run.state_writer is None:
+        run.state_writer = ThreadPoolExecutor(1, thread_name_prefix="save-state")
+    run.saving = Writing(step=step, done=run.state_writer.submit(save_state), saved=True, entries=len(entries),
+                         ids=len(ids))
 
 
 def shares_memory(tensors: dict[str, torch.Tensor], model: torch.nn.Module) -> bool:
@@ -160,23 +182,46 @@ def hold_updates(optimizer: torch.optim.Optimizer, done: Future) -> RemovableHan
 
 
 def settle_writing(run: Run) -> None:
+    """Wait for the version and the trainer state being written beside the step, if any, and
+    record them as published and saved."""
+    settle_weights(run)
+    settle_saving(run)
+
+
+def settle_weights(run: Run) -> None:
     """Wait for the version being written beside the step, if any, and record it as published;
-    a write that failed (a full disk) stops the trainer as a publish in the step would."""
+    a write that failed (a full disk) stops the trainer as a publish in the step would, and so does
+    a trainer state whose write has failed by now (one still being written is left to it)."""
     writing, run.writing = run.writing, None
-    if writing is None:
+    if writing is not None:
+        try:
+            wv = writing.done.result() if writing.done is not None else None
+        except OSError as err:  # a full disk, most often: nothing was announced, nothing acknowledged
+            raise publish_failed(run, err, step=writing.step) from err
+        finally:
+            if writing.hold is not None:
+                writing.hold.remove()
+        run.record.published(wv, step=writing.step, saved=False, group_ids=[],
+                             dedup_window=run.config.trainer.dedup_window)
+    if run.saving is not None and run.saving.done.done() and run.saving.done.exception() is not None:
+        settle_saving(run)
+
+
+def settle_saving(run: Run) -> None:
+    """Wait for the trainer state being written beside the steps, if any, and record its groups
+    as acknowledged; a write that failed stops the trainer, its groups still pending."""
+    saving, run.saving = run.saving, None
+    if saving is None:
         return
     try:
-        wv = writing.done.result() if writing.done is not None else None
-    except OSError as err:  # a full disk, most often: nothing was announced, nothing acknowledged
-        raise publish_failed(run, err, step=writing.step) from err
-    finally:
-        if writing.hold is not None:
-            writing.hold.remove()
-    run.record.published(wv, step=writing.step, saved=writing.saved, group_ids=run.unacked_ids[:writing.ids],
-                         dedup_window=run.config.trainer.dedup_window)
-    if writing.saved:  # the groups trained since stay unacknowledged, for the next saved state
-        run.unacked_entries = run.unacked_entries[writing.entries:]
-        run.unacked_ids = run.unacked_ids[writing.ids:]
+        saving.done.result()
+    except OSError as err:  # a full disk, most often: its version may be announced, its groups are not
+        raise publish_failed(run, err, step=saving.step, state=True) from err
+    ids = run.unacked_ids[:saving.ids]
+    run.record.saved(step=saving.step, group_ids=ids, dedup_window=run.config.trainer.dedup_window)
+    # the groups trained since stay unacknowledged, for the next saved state
+    run.unacked_entries = run.unacked_entries[saving.entries:]
+    run.unacked_ids = run.unacked_ids[saving.ids:]
 
 
 def in_background(run: Run) -> bool:
@@ -219,20 +264,23 @@ def note_if_unchanged(run: Run, wv: WeightVersion | None) -> None:
             "with them are trained")
 
 
-def publish_failed(run: Run, err: OSError, *, step: int | None = None) -> PublishFailed:
-    """Count a publish (of `step`; None: `run.step`) whose files could not be written, remove what
-    it half wrote (space a full disk needs back), and say what stands: the weights generators have,
-    the state a restart resumes from. Every group trained since that state is still pending, to be
+def publish_failed(run: Run, err: OSError, *, step: int | None = None, state: bool = False) -> PublishFailed:
+    """Count a publish (of `step`; None: `run.step`) whose files could not be written (`state`: the
+    trainer state written beside the steps, its version announced before), remove what it half
+    wrote (space a full disk needs back), and say what stands: the weights generators have, the
+    state a restart resumes from. Every group trained since that state is still pending, to be
     trained again."""
     remove_unfinished(run.config.checkpoint_dir)
     prune_states(run.state_root, keep=run.config.trainer.keep_checkpoints)  # its half-written state
     if is_main():
         count_fault(run.r, run.keys, Fault.PUBLISH_FAILED)
     step = run.step if step is None else step
+    stands = (f"Its weights were announced (generators have version {run.record.version})" if state
+              else f"Nothing was announced: generators keep version {run.record.version}")
     return PublishFailed(
-        f"publishing step {step} failed: {err}. Nothing was announced: generators keep version "
-        f"{run.record.version}, and the groups trained since the saved state of step {run.record.state_step} "
-        f"stay pending. Stopping; free the space and start the trainer again: it resumes from that state")
+        f"{'saving the trainer state of' if state else 'publishing'} step {step} failed: {err}. {stands}, and the "
+        f"groups trained since the saved state of step {run.record.state_step} stay pending. Stopping; free "
+        f"the space and start the trainer again: it resumes from that state")
 
 
 def publish_if_due(run: Run, *, last: bool) -> None:
@@ -246,7 +294,7 @@ def publish_if_due(run: Run, *, last: bool) -> None:
         # the last in the step: no step follows it to write beside
         queue_eval(run, checkpoint(run, save=save, background=in_background(run) and not last))
     else:
-        settle_writing(run)  # the version written beside this step announced before the step is recorded
+        settle_weights(run)  # the version written beside this step announced before the step is recorded
         if is_main():
             write_step(run.r, run.keys, step=run.step)
             run.record.step = run.step

@@ -46,10 +46,14 @@ class Record:
         self.version_max = max(self.version_max, step)
         self.latest = wv or self.latest
         if saved:
-            self.state_step = step
-            self.groups_trained += len(group_ids)
-            self.trained.update(dict.fromkeys(group_ids, step))
-            self.trained = {g: s for g, s in self.trained.items() if s >= step - dedup_window}
+            self.saved(step=step, group_ids=group_ids, dedup_window=dedup_window)
+
+    def saved(self, *, step: int, group_ids: list[str], dedup_window: int) -> None:
+        """After the trainer state of `step` was saved: the groups it acknowledged."""
+        self.state_step = step
+        self.groups_trained += len(group_ids)
+        self.trained.update(dict.fromkeys(group_ids, step))
+        self.trained = {g: s for g, s in self.trained.items() if s >= step - dedup_window}
 
 
 def forgotten(progress: TrainerProgress, record: Record) -> bool:

@@ -28,14 +28,15 @@ Update = Callable[..., StepStats]
 
 @dataclass(frozen=True, slots=True)
 class Writing:
-    """A version whose checkpoint is being written beside the steps after it (trainer/publishing.py)."""
+    """A version whose checkpoint, or a trainer state, is being written beside the steps after it
+    (trainer/publishing.py)."""
 
     step: int  # the version
-    # rank 0's write and announcement, its WeightVersion; on the other ranks the write of their
-    # shards of the trainer state (None: no state)
+    # a version's: rank 0's write and announcement, its WeightVersion (None on the other ranks); a
+    # trainer state's: every rank's write of its shards, and rank 0's acknowledgement
     done: Future | None
     hold: RemovableHandle | None = None  # the optimizer's wait for a write reading the parameters themselves
-    saved: bool = False  # with the trainer state, acknowledging the groups trained since the last
+    saved: bool = False  # a trainer state, acknowledging the groups trained since the last
     entries: int = 0  # with `saved`: how many of run.unacked_entries (the first) it acknowledges
     ids: int = 0  # and of run.unacked_ids
 
@@ -69,7 +70,9 @@ class Run:
     sender: Sender | None = None  # rank 0's end of the weights broadcast (trainer.weight_transfer; None: disk)
     history: HistoryWriter | None = None  # rank 0's keeper of every trained group (common/history.py); None: others
     writing: Writing | None = None  # the version being written beside this step, if any
+    saving: Writing | None = None  # the trainer state being written beside the steps, if any
     writer: ThreadPoolExecutor | None = None  # the thread writing versions beside the steps (made when first used)
+    state_writer: ThreadPoolExecutor | None = None  # ... and the one writing trainer states
     staged: dict | None = None  # the trainer state's copy in host memory, reused by each save beside the steps
 
     @property

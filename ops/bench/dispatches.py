@@ -16,8 +16,9 @@ configs/gsm8k.toml's options, the bare loop's forward, cross-entropy, backward a
 layout (8 groups of 8 completions, rows of 512: the bench's `grpo512`), for the micro-batch
 settings listed, on Qwen2.5-0.5B's 24 layers at narrow widths and a 4,096-token vocabulary (a
 step a CPU takes in seconds; the counts are those of the real 151,936 tokens, which only make each
-operator larger: at the dry run's layout they are equal, operator for operator). It also counts the model's passes (its decoder's forward calls: each micro-batch's,
-recomputed ones under activation checkpointing, no-gradient ones).
+operator larger: at the dry run's layout they are equal, operator for operator). It also counts
+the model's passes (its decoder's forward calls: each micro-batch's, and any pass without
+gradients; checkpointing recomputes each block inside the backward, not the decoder's call).
 
 The attention is the CPU's (`sdpa`); on a GPU the trainer's varlen attention replaces one operator
 with another per layer and pass, so the counts stand within a few per cent.
