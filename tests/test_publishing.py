@@ -245,3 +245,27 @@ def test_a_trainer_state_that_cannot_be_written_stops_the_trainer_acknowledging_
     assert read_trainer(r, KEYS).state_step == 0 and read_trainer(r, KEYS).groups_trained == 0
     assert run.unacked_ids[:2] == first
     assert not list(run.state_root.glob(".step_*.tmp")), "the half-written state was left"
+
+
+def test_a_trainer_state_that_failed_beside_the_steps_stops_the_trainer_at_the_next_publish_not_the_next_save(
+        tiny_model, r, tmp_path, monkeypatch):
+    r.flushdb()
+    run = a_run(tiny_model, r, tmp_path, background=True, state_every=10)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    trained(run, 1)
+    publish_if_due(run, last=False)  # version 1, no state
+    monkeypatch.setattr(torch.distributed.checkpoint.filesystem, "_write_item", full_disk)
+    for step in range(2, 11):
+        trained(run, step)
+        publish_if_due(run, last=False)  # 10: version 10 and its state, which fails beside step 11
+    run.saving.done.exception(timeout=60)
+    trained(run, 11)
+    with pytest.raises(PublishFailed, match="saving the trainer state of step 10 failed: .*No space left on device. "
+                                            "Its weights were announced [(]generators have version 10[)]"):
+        publish_if_due(run, last=False)  # version 11's: the failure found here, 9 steps before a save
+    assert latest_weights(r, KEYS).version == 10  # version 11 never written
+    assert read_trainer(r, KEYS).state_step == 0 and read_trainer(r, KEYS).groups_trained == 0
+    assert not list(run.state_root.glob(".step_*.tmp")), "the half-written state was left"

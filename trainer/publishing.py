@@ -49,8 +49,9 @@ from trainer.state import begin_state, prune_states, staged, state_dir, write_st
 
 
 class PublishFailed(RuntimeError):
-    """A checkpoint or trainer state could not be written (a full disk): nothing was announced, and
-    the trainer stops; the text says where a restart resumes."""
+    """A checkpoint or trainer state could not be written (a full disk): nothing of it was announced
+    (of a state written beside the steps, only its version), and the trainer stops; the text says
+    where a restart resumes."""
 
 
 def checkpoint(run: Run, *, save: bool, background: bool = False) -> WeightVersion | None:
@@ -64,6 +65,10 @@ def checkpoint(run: Run, *, save: bool, background: bool = False) -> WeightVersi
         settle_writing(run)
     else:
         settle_weights(run)
+        # a state whose write failed stops the trainer now, on every rank together (each learns
+        # of its own write's failure in its own time), not at the next save
+        if any_rank(run.saving is not None and run.saving.done.done() and run.saving.done.exception() is not None):
+            settle_saving(run)
     newest = state_dir(run.state_root, run.record.state_step)
     if any_rank(run.record.state_step > 0 and not newest.is_dir()):
         save = True  # a restart would have nothing to resume from: save one now
@@ -190,8 +195,8 @@ def settle_writing(run: Run) -> None:
 
 def settle_weights(run: Run) -> None:
     """Wait for the version being written beside the step, if any, and record it as published;
-    a write that failed (a full disk) stops the trainer as a publish in the step would, and so does
-    a trainer state whose write has failed by now (one still being written is left to it)."""
+    a write that failed (a full disk) stops the trainer as a publish in the step would. A trainer
+    state being written is left to it (`settle_saving`)."""
     writing, run.writing = run.writing, None
     if writing is not None:
         try:
@@ -203,8 +208,6 @@ def settle_weights(run: Run) -> None:
                 writing.hold.remove()
         run.record.published(wv, step=writing.step, saved=False, group_ids=[],
                              dedup_window=run.config.trainer.dedup_window)
-    if run.saving is not None and run.saving.done.done() and run.saving.done.exception() is not None:
-        settle_saving(run)
 
 
 def settle_saving(run: Run) -> None:
