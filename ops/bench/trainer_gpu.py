@@ -476,7 +476,9 @@ def part_of(op: str) -> str:
 def profiled_step(step: Callable[[], Any], *, cuda: bool) -> dict:
     """One `step()` under torch's profiler: its wall seconds, the device's busy seconds (the sum of
     its kernels on CUDA; of the operators' own CPU time on a CPU), that busy time by PARTS (each
-    operator's self time) and the ten operators with the most."""
+    operator's self time), the ten operators with the most, and on CUDA the kernels (and device
+    copies) the step ran, each one the host launched (ops/bench/dispatches.py counts the operators
+    behind them on a CPU)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -496,13 +498,15 @@ def profiled_step(step: Callable[[], Any], *, cuda: bool) -> dict:
     def own(e: Any) -> float:  # an operator's self time on the device (its kernels), or on the CPU
         return (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
 
-    kernels = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6
+    on_device = [e for e in events if e.device_type == DeviceType.CUDA]
+    kernels = sum(e.self_device_time_total for e in on_device) / 1e6
     parts = dict.fromkeys([p for p, _ in PARTS] + ["rest"], 0.0)
     for e in ops:
         parts[part_of(e.key)] += own(e)
     busy = kernels if cuda and kernels > 0 else sum(parts.values())
     top = sorted(((e.key, own(e)) for e in ops), key=lambda kv: -kv[1])[:10]
-    return {"wall_s": wall, "busy_s": busy, "parts_s": parts, "top": [[k, v] for k, v in top if v > 0]}
+    return {"wall_s": wall, "busy_s": busy, "parts_s": parts, "top": [[k, v] for k, v in top if v > 0],
+            "kernels": sum(e.count for e in on_device) if cuda else None}
 
 
 # --------------------------------------------------------------------------- figures
@@ -573,7 +577,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-PROFILE_HEADER = ("| shape | layout | AC | mb tokens | side | step ms | profiled ms | busy | " + " | ".join(
+PROFILE_HEADER = ("| shape | layout | AC | mb tokens | side | step ms | profiled ms | kernels | busy | " + " | ".join(
     [p for p, _ in PARTS] + ["rest"]) + " |")
 
 
@@ -589,7 +593,8 @@ def profile_table(rows: list[dict]) -> str:
             timed = r[side]["seconds"]
             step = sum(timed) / len(timed)
             lines.append(f"| {s['shape']} | {s['layout']} | {'on' if s['ac'] else 'off'} | {s['mb_tokens']} | {side} "
-                         f"| {step * 1e3:,.1f} | {p['wall_s'] * 1e3:,.1f} | {p['busy_s'] / step:.0%} | "
+                         f"| {step * 1e3:,.1f} | {p['wall_s'] * 1e3:,.1f} | {number(p.get('kernels'), ',.0f')} "
+                         f"| {p['busy_s'] / step:.0%} | "
                          + " | ".join(f"{v / step:.1%}" for v in p["parts_s"].values()) + " |")
     return "\n".join(lines)
 
