@@ -156,7 +156,7 @@ def write_beside(run: Run, *, save: bool = False) -> None:
 
     if run.state_writer is None:
         run.state_writer = ThreadPoolExecutor(1, thread_name_prefix="save-state")
-    run.saving = Writing(step=step, done=run.state_writer.submit(save_state), saved=True, entries=len(entries),
+    run.saving = Writing(step=step, done=run.state_writer.submit(save_state), entries=len(entries),
                          ids=len(ids))
 
 

@@ -36,8 +36,7 @@ class Writing:
     # trainer state's: every rank's write of its shards, and rank 0's acknowledgement
     done: Future | None
     hold: RemovableHandle | None = None  # the optimizer's wait for a write reading the parameters themselves
-    saved: bool = False  # a trainer state, acknowledging the groups trained since the last
-    entries: int = 0  # with `saved`: how many of run.unacked_entries (the first) it acknowledges
+    entries: int = 0  # a trainer state's: how many of run.unacked_entries (the first) it acknowledges
     ids: int = 0  # and of run.unacked_ids
 
 
