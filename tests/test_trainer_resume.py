@@ -67,9 +67,11 @@ def test_sigkill_between_checkpoints_then_restart_matches_an_uninterrupted_run(t
     config = resume_config(tmp_path, "b", redis_url, tiny_model, sync_every=sync_every)
     proc = trainer(config)
 
-    def killable() -> bool:  # step 3 trained and, with sync_every 1, its version announced (written beside step 4)
+    def killable() -> bool:  # step 3 trained and, with sync_every 1, its version announced (written beside step 4),
+        # and step 2's state saved (written by its own thread: Redis records it once it is on disk)
         stepped = any(m["step"] == 3 for m in read_steps(tmp_path / "b" / "metrics.jsonl"))
-        return stepped and (sync_every == 2 or read_trainer(r, keys).version == 3)
+        progress = read_trainer(r, keys)
+        return stepped and progress.state_step == 2 and (sync_every == 2 or progress.version == 3)
 
     try:
         deadline = time.monotonic() + 180
