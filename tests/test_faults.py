@@ -89,9 +89,11 @@ def test_trainer_sigkill_between_checkpoints(tmp_path, redis_url, r, tiny_model)
     for name in ("producer", "generator", "trainer"):
         pipe.start(name)
     # Step 3 is trained and its weights published (announced once written, beside step 4), but its
-    # groups wait for step 4's saved state.
-    wait_for(lambda: any(m["step"] == 3 for m in metrics(tmp_path)) and read_trainer(r, KEYS).version >= 3,
-             timeout=180, what="step 3 and its version", procs=list(pipe.procs.values()))
+    # groups wait for step 4's saved state; step 2's state is recorded (its own thread writes it,
+    # and Redis records it once it is on disk)
+    wait_for(lambda: any(m["step"] == 3 for m in metrics(tmp_path)) and read_trainer(r, KEYS).version >= 3
+             and read_trainer(r, KEYS).state_step >= 2,
+             timeout=180, what="step 3, its version and step 2's state", procs=list(pipe.procs.values()))
     pipe.kill("trainer")
     at_kill = accounting(r, KEYS)
     state_step = read_trainer(r, KEYS).state_step
