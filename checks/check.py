@@ -130,11 +130,12 @@ def sample_groups(config: Config, engine: Engine, engine_thread: concurrent.futu
 
 def open_trainer_model(config: Config, *, checkpointing: bool) -> torch.nn.Module:
     """model.path as the trainer opens it (trainer/main.py `start`, trainer/checkpoints.py `resume`):
-    model.dtype, master weights, trainer.attention, LoRA's adapters and activation checkpointing as
-    resolved (`checkpointing`), through the trainer's own placed_model / adapted_model, in eval mode."""
+    model.dtype, master weights, trainer.attention and trainer.compile, LoRA's adapters and activation
+    checkpointing as resolved (`checkpointing`), through the trainer's own placed_model /
+    adapted_model, in eval mode."""
     cfg = config.trainer
     where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32, activation_checkpointing=checkpointing,
-                      attention=cfg.attention)
+                      attention=cfg.attention, compile=cfg.compile)
     path = resolve_model_path(config.model.path)
     model = adapted_model(path, where, cfg.lora) if cfg.lora.rank else placed_model(path, where)
     return model.eval()
@@ -262,7 +263,7 @@ def defaults_line(config: Config, choice: Choice, peak: Estimate | None) -> str:
         f"micro_batch_tokens 0 (no limit: micro_batch_size {cfg.micro_batch_size} rows)"
     planned = f" (estimated at micro-batches of {peak.positions} positions)" if peak is not None else ""
     return (f"trainer    {choice.line()}, {tokens}{planned}, attention {attention_line(config)}, "
-            f"{'packed' if cfg.pack_sequences else 'padded'} micro-batches")
+            f"{'packed' if cfg.pack_sequences else 'padded'} micro-batches, compile {'on' if cfg.compile else 'off'}")
 
 
 def attention_line(config: Config) -> str:

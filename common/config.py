@@ -829,6 +829,12 @@ class TrainerConfig(_Section):
     # generator.gpu_memory_utilization when a vLLM generator shares the GPU; on otherwise; off on
     # the CPU. The trainer's first lines and `rollouts check` say what it chose and why.
     activation_checkpointing: Literal["auto"] | bool = "auto"
+    # torch.compile each transformer block in place (`Module.compile`, as torchtitan compiles its
+    # blocks; before FSDP2 shards it), its attention left eager (one kernel already): the rest of a
+    # block's operators fused into fewer kernels. Checkpoints are unchanged. The first steps pay
+    # the compiling (tens of seconds on a CPU; again once lengths vary); off until a GPU sitting
+    # shows it faster (ops/bench/trainer_gpu.py's compile rows, docs/gpu.md).
+    compile: bool = False
     # Log-probs and entropy take the model's head over this many (sequence x position) rows at a
     # time: a (rows x vocabulary) float32 tensor is the largest the head makes, never the batch's.
     logits_chunk_tokens: int = Field(1024, ge=1)

@@ -77,7 +77,8 @@ def test_a_right_config_passes_with_its_figures(tmp_path, tiny_model):
     [trainer] = [line for line in lines if line.startswith("trainer    ")]
     found = re.fullmatch(r"trainer    activation checkpointing off \(auto: off on the cpu; about ([\d.e+-]+) GiB "
                          r"without it\), micro_batch_tokens 0 \(no limit: micro_batch_size 8 rows\) \(estimated "
-                         r"at micro-batches of (\d+) positions\), attention sdpa \(auto\), packed micro-batches",
+                         r"at micro-batches of (\d+) positions\), attention sdpa \(auto\), packed micro-batches, "
+                         r"compile off",
                          trainer)
     assert found and float(found[1]) > 0, trainer
     assert int(found[2]) == 8 * 2 * 16  # 8 rows of twice max_new_tokens (a prompt up to as long)

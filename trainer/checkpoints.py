@@ -83,7 +83,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json"
 def place(model: torch.nn.Module, where: Placement) -> torch.nn.Module:
     """`model` on its device, sharded under torchrun, computing in `where.dtype` (trainer/parallel.py)."""
     return parallelize(model, device=where.device, compute_dtype=where.dtype,
-                       activation_checkpointing=where.activation_checkpointing)
+                       activation_checkpointing=where.activation_checkpointing, compile_blocks=where.compile)
 
 
 def adapted_model(path: Path, where: Placement, lora: LoraConfig, *, adapter: Path | None = None) -> torch.nn.Module:

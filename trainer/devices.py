@@ -115,6 +115,7 @@ class Placement:
     master_fp32: bool  # keep float32 weights and AdamW state under a lower dtype (mixed precision)
     activation_checkpointing: bool = False  # recompute each block's activations in the backward pass
     attention: str = "sdpa"  # trainer.attention resolved (resolve_attention): what packed micro-batches compute with
+    compile: bool = False  # trainer.compile: each transformer block torch.compile'd (trainer/parallel.py)
 
     def __post_init__(self) -> None:
         assert isinstance(self.activation_checkpointing, bool), (
@@ -128,10 +129,10 @@ class Placement:
 
 
 def placement(*, dtype: str, master_fp32: bool, activation_checkpointing: bool,
-              attention: str = "sdpa") -> Placement:
+              attention: str = "sdpa", compile: bool = False) -> Placement:
     """This process's placement: its device (trainer_device) and the config's precision and attention."""
     assert dtype in DTYPES, f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}"
     device = trainer_device()
     attention = resolve_attention(device, attention, DTYPES[dtype])  # refused here, before any model is read
     return Placement(device=device, dtype=DTYPES[dtype], master_fp32=master_fp32,
-                     activation_checkpointing=activation_checkpointing, attention=attention)
+                     activation_checkpointing=activation_checkpointing, attention=attention, compile=compile)

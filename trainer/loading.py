@@ -78,7 +78,7 @@ def placed_model(path: Path, where: Placement) -> torch.nn.Module:
     else:
         model = load_model(path, where.weights_dtype)
     return parallelize(with_attention(model, where), device=where.device, compute_dtype=where.dtype,
-                       activation_checkpointing=where.activation_checkpointing)
+                       activation_checkpointing=where.activation_checkpointing, compile_blocks=where.compile)
 
 
 def safetensors_only(path: Path) -> None:
@@ -113,7 +113,7 @@ def sharded_from_meta(path: Path, where: Placement, *, adapt: Adapt | None = Non
     names = {name: own[id(p)] for name, p in model.named_parameters() if id(p) in own}  # adapter: base's
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     model = parallelize(model, device=where.device, compute_dtype=where.dtype,
-                        activation_checkpointing=where.activation_checkpointing)
+                        activation_checkpointing=where.activation_checkpointing, compile_blocks=where.compile)
     model.to_empty(device=where.device)
     with torch.no_grad():
         for name, b in model.named_buffers():

@@ -102,9 +102,10 @@ def start(config: Config) -> tuple[Run, Shutdown]:
     checkpointing, _ = choose_checkpointing(config, source_dir=source_dir, device=trainer_device(), ranks=world)
     say(f"trainer: {checkpointing.line()}")  # "auto" resolved here, once, from the estimate (trainer/memory.py)
     where = placement(dtype=config.model.dtype, master_fp32=cfg.master_fp32,
-                      activation_checkpointing=checkpointing.on, attention=cfg.attention)
+                      activation_checkpointing=checkpointing.on, attention=cfg.attention, compile=cfg.compile)
     say(f"trainer: attention {where.attention}"
-        + (" (auto: trainer.attention chose it on this device)" if cfg.attention == "auto" else ""))
+        + (" (auto: trainer.attention chose it on this device)" if cfg.attention == "auto" else "")
+        + (", each transformer block compiled (trainer.compile)" if where.compile else ""))
     model, optimizer, scheduler, step = resume(
         r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps,

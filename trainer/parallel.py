@@ -55,15 +55,18 @@ def say(line: str) -> None:
 
 
 def parallelize(model: torch.nn.Module, *, device: torch.device, compute_dtype: torch.dtype = torch.float32,
-                activation_checkpointing: bool = False) -> torch.nn.Module:
+                activation_checkpointing: bool = False, compile_blocks: bool = False) -> torch.nn.Module:
     """Place `model` on `device` and, under torchrun, shard it over all ranks: each transformer block,
     then the root (FSDP2). The model's own dtype is that of its master weights (and so of AdamW's
     state); a lower `compute_dtype` runs forward and backward in it: FSDP2's MixedPrecisionPolicy
     (parameters gathered in `compute_dtype`, gradients reduced in float32) or, in a single
     process, autocast. With `activation_checkpointing` each block's activations are recomputed
-    in the backward pass instead of kept."""
+    in the backward pass instead of kept. With `compile_blocks` each transformer block is
+    torch.compile'd in place (`compile_each_block`), before it is sharded, as torchtitan orders them."""
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile_blocks:
+        compile_each_block(model)
     master = next(model.parameters()).dtype
     mixed = compute_dtype != master
     if not distributed():
@@ -91,6 +94,18 @@ def parallelize(model: torch.nn.Module, *, device: torch.device, compute_dtype: 
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the rest: embeddings, a vision tower's and connector's
     return model
+
+
+def compile_each_block(model: torch.nn.Module, backend: str = "inductor") -> None:
+    """torch.compile each transformer block of `model` in place (`Module.compile`: the block's call
+    compiled, its parameters and state-dict names unchanged). The blocks share one code, so one
+    compiled graph serves them all (recompiled once for lengths that vary, then dynamic).
+    Activation checkpointing stays around each compiled call (transformers' checkpointing layer
+    calls it); attention inside runs eager (trainer/varlen.py `attention`)."""
+    blocks = model.get_decoder().layers
+    assert len(blocks) > 0, "model has no transformer blocks to compile"
+    for block in blocks:
+        block.compile(backend=backend)
 
 
 def vision_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

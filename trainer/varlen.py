@@ -160,6 +160,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float) -> Ten
     return reference(q, k, v, varlen.cu_q, varlen.cu_k, scale)
 
 
+@torch.compiler.disable  # eager inside a compiled block (trainer.compile): one kernel already, and the
+# layout's lengths (Python ints, a loop of sequences off CUDA) would recompile the block for each batch
 def attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
               scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
     """transformers' attention function (`VARLEN`): query (B, H, L, D), key and value (B, Hkv, L, D)

@@ -125,7 +125,7 @@ def count_row(row: Row, *, shape: bench.Shape, layout: bench.Layout) -> dict:
     cfg = config.trainer
     where = Placement(device=torch.device("cpu"), dtype=DTYPES[config.model.dtype], master_fp32=cfg.master_fp32,
                       activation_checkpointing=cfg.activation_checkpointing, attention=cfg.attention)
-    model = bench.build_model(shape, where, compile_backend=None)
+    model = bench.build_model(shape, where)
     groups = bench.synthetic_groups(layout, vocab=shape.vocab)
     how = GrpoOptions.of(cfg, config.rollout)
     trained = [p for p in model.parameters() if p.requires_grad]

@@ -76,8 +76,8 @@ checkpointing), so that every sitting says where those steps' time goes. A profi
 (a profiler the host's CUDA will not give) is named in its row's `profile_errors`: the row's
 timed figures stand.
 
-torch.compile is swept here only (each decoder layer compiled in place, `Module.compile`, as
-torchtitan compiles its blocks): the trainer has no compile option yet.
+torch.compile is swept as the trainer compiles (trainer.compile: each decoder layer compiled in
+place with inductor, `Module.compile`, as torchtitan compiles its blocks; attention left eager).
 
 Writes DIR/trainer_gpu.json (every row, the host, the targets) and DIR/trainer_gpu.md (the table),
 after every row, and prints the table, which of issue 40's targets were met, and the fastest
@@ -300,11 +300,11 @@ def synthetic_groups(layout: Layout, *, vocab: int, seed: int = 0) -> list[Any]:
     return groups
 
 
-def build_model(shape: Shape, where: Placement, *, compile_backend: str | None) -> torch.nn.Module:
+def build_model(shape: Shape, where: Placement) -> torch.nn.Module:
     """`shape` built on `meta`, allocated on `where.device` in the master weights' dtype, initialised
     as transformers initialises a fresh model (its rotary buffers included), then given the
-    trainer's attention and placed as the trainer places it (trainer/loading.py `placed_model`);
-    with `compile_backend`, each decoder layer compiled with it."""
+    trainer's attention and placed as the trainer places it (trainer/loading.py `placed_model`),
+    each decoder layer compiled where `where.compile` says."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -316,11 +316,7 @@ def build_model(shape: Shape, where: Placement, *, compile_backend: str | None) 
     model.to_empty(device=where.device)
     model.tie_weights()  # to_empty makes the head a tensor of its own
     model.initialize_weights()
-    model = place(with_attention(model, where), where)
-    if compile_backend is not None:
-        for layer in model.get_decoder().layers:
-            layer.compile(backend=compile_backend)
-    return model
+    return place(with_attention(model, where), where)
 
 
 def state_gib(shape: Shape, *, master_fp32: bool) -> float:
@@ -394,7 +390,7 @@ def bare_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return float(loss_sum) / total
 
 
-def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, steps: int, compile_backend: str,
+def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, steps: int,
                 dtype: str | None = None, attention: str | None = None, profile: bool = False) -> None:
     """One row into `out`: the trainer's steps, then the bare loop's on the same model with a fresh
     AdamW (each side's figures in `out` as soon as it is done: a bare loop that runs out of memory
@@ -409,13 +405,14 @@ def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, ste
     attention = s.attention or attention
     config = load_config(GSM8K, env={}, overrides={"trainer": {
         "activation_checkpointing": s.ac, "micro_batch_tokens": s.mb_tokens, "micro_batch_size": s.mb_size,
-        "master_fp32": s.master_fp32, **({"attention": attention} if attention else {})},
+        "master_fp32": s.master_fp32, "compile": s.compile, **({"attention": attention} if attention else {})},
         **({"model": {"dtype": dtype}} if dtype else {})})
     cfg, cuda = config.trainer, device.type == "cuda"
     where = Placement(device=device, dtype=DTYPES[config.model.dtype], master_fp32=cfg.master_fp32,
-                      activation_checkpointing=cfg.activation_checkpointing, attention=cfg.attention)
+                      activation_checkpointing=cfg.activation_checkpointing, attention=cfg.attention,
+                      compile=cfg.compile)
     groups = synthetic_groups(layout, vocab=shape.vocab)
-    model = build_model(shape, where, compile_backend=compile_backend if s.compile else None)
+    model = build_model(shape, where)
     out.update(attention=model.config._attn_implementation, precision=f"{config.model.dtype}" + (
         " (float32 master weights)" if where.weights_dtype != where.dtype else ""))
     how = GrpoOptions.of(cfg, config.rollout)
@@ -664,7 +661,7 @@ def targets(rows: list[dict], *, device: str, dry_run: bool) -> list[dict]:
 
 
 def sweep(plan: list[Setting], *, device: torch.device, peak: float | None, warmup: int, steps: int,
-          max_seconds: float, compile_backend: str, started: float, report: Callable[[list[dict]], None],
+          max_seconds: float, started: float, report: Callable[[list[dict]], None],
           dtype: str | None = None, attention: str | None = None, profile: bool = False) -> list[dict]:
     """Each setting of `plan` run (or skipped, with the reason) in turn; `report(rows)` after each."""
     import torch
@@ -690,7 +687,7 @@ def sweep(plan: list[Setting], *, device: torch.device, peak: float | None, warm
         else:
             t0 = time.monotonic()
             try:
-                run_setting(s, row, device=device, warmup=warmup, steps=steps, compile_backend=compile_backend,
+                run_setting(s, row, device=device, warmup=warmup, steps=steps,
                             dtype=dtype, attention=attention, profile=profiles)
             except torch.cuda.OutOfMemoryError as err:
                 side = "the bare loop" if "trainer" in row else "the trainer"
@@ -741,7 +738,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention", choices=["auto", "sdpa", "flex_attention", "varlen"], default=None,
                    help="trainer.attention (default configs/gsm8k.toml's: auto, varlen on a GPU in bf16); "
                         "flex_attention on CUDA only")
-    p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for compile=on rows")
     p.add_argument("--profile", action="store_true",
                    help="one more step a side under torch's profiler: busy time by part (matmuls, attention, ...)")
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help="sweep these instead of the default plan")
@@ -800,7 +796,7 @@ def sweep_and_report(args: argparse.Namespace, *, device: torch.device, started:
     print(f"trainer_gpu: {len(plan)} rows on {info['device']} ({device.type}), {args.warmup} warm-up + "
           f"{args.steps} timed steps a side, --max-seconds {args.max_seconds:g}", flush=True)
     rows = sweep(plan, device=device, peak=peak, warmup=args.warmup, steps=args.steps, max_seconds=args.max_seconds,
-                 compile_backend=args.compile_backend, started=started, report=report, dtype=args.dtype,
+                 started=started, report=report, dtype=args.dtype,
                  attention=args.attention, profile=args.profile)
     met = targets(rows, device=info["device"], dry_run=args.dry_run)
     report(rows, met)

@@ -68,7 +68,7 @@ def run(attention: str, *, shape: str, dtype: str, steps: int, deadline: float, 
                       activation_checkpointing=cfg.activation_checkpointing is True,  # "auto" taken as off here
                       attention=cfg.attention)
     torch.manual_seed(0)
-    model = tg.build_model(tg.SHAPES[shape], where, compile_backend=None)
+    model = tg.build_model(tg.SHAPES[shape], where)
     how = GrpoOptions.of(cfg, config.rollout)
     optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=cfg.weight_decay)
     out: dict = {"attention": attention, "implementation": model.config._attn_implementation, "seconds": [],

@@ -1,0 +1,41 @@
+"""trainer.compile: each transformer block torch.compile'd (trainer/parallel.py `compile_each_block`)
+trains as the eager blocks do, through the trainer's own loading, on packed micro-batches of
+lengths that vary: with SDPA's dense mask; with activation checkpointing around the compiled
+blocks and varlen attention left eager inside them; and compiled before FSDP2 shards the blocks,
+two ranks on gloo (tests/harness/compile_ranks.py). Slow: inductor compiles a block's forward and
+backward on the CPU (about 20 s a case on two cores)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness.compile_ranks import compared
+from tests.harness.processes import ROOT, process_env
+
+pytestmark = pytest.mark.slow
+
+
+def assert_trains_as_eager(found: dict) -> None:
+    assert all(g == 0 for g in found["eager_graphs"]), found
+    assert all(g > 0 for g in found["compiled_graphs"]), f"trainer.compile compiled nothing: {found}"
+    assert found["names_same"], found  # state-dict names unchanged: checkpoints read as before
+    assert found["moved"] > 1e-5, f"the steps did not train: the comparison would be empty: {found}"
+    assert found["diff"] < 1e-5, f"compiled and eager weights differ by {found['diff']:.3g} ({found})"
+
+
+@pytest.mark.parametrize(("attention", "checkpointing"), [("sdpa", False), ("varlen", True)])
+def test_compiled_blocks_train_as_the_eager_ones(tiny_model, attention, checkpointing):
+    assert_trains_as_eager(compared(tiny_model, attention=attention, checkpointing=checkpointing))
+
+
+def test_blocks_compiled_then_sharded_over_two_ranks_train_as_the_eager_ones(tiny_model, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "tests.harness.compile_ranks", str(tiny_model), str(tmp_path), "varlen", "on"],
+                          cwd=ROOT, env=process_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = json.loads((tmp_path / "compared.json").read_text())
+    assert len(found["compiled_graphs"]) == 2, found
+    assert_trains_as_eager(found)
