@@ -268,7 +268,12 @@ def defaults_line(config: Config, choice: Choice, peak: Estimate | None) -> str:
 
 def attention_line(config: Config) -> str:
     """trainer.attention as the trainer resolves it on this host (trainer/devices.py), "auto"'s choice named."""
-    chosen = resolve_attention(trainer_device(), config.trainer.attention, DTYPES[config.model.dtype])
+    device, dtype = trainer_device(), DTYPES[config.model.dtype]
+    chosen = resolve_attention(device, config.trainer.attention, dtype)
+    if chosen == "varlen" and device.type == "cuda":
+        from trainer.varlen import varlen_kernel
+
+        chosen = f"varlen, kernel {varlen_kernel(device, dtype).line()}"
     return f"{chosen} (auto)" if config.trainer.attention == "auto" else chosen
 
 

@@ -3,13 +3,14 @@ documents as variable-length causal sequences, a shared prompt's further complet
 of their own over the prompt's keys, give the dense document mask's log-probs, gradients and
 update. On the CPU each sequence goes through SDPA (the kernel is CUDA's); the layout, the keys
 gathered and the attention function around the kernel are the ones CUDA runs. The flash kernel
-itself: `test_the_flash_kernel_matches_the_reference_on_cuda` (marked gpu)."""
+itself, and cuDNN's: `test_the_varlen_kernels_match_the_reference_on_cuda` (marked gpu)."""
 
 import itertools
 import random
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -223,8 +224,9 @@ def test_auto_takes_varlen_only_where_its_flash_kernel_passes_its_check(monkeypa
         resolve_attention(cpu, "flash")
 
 
+@pytest.mark.parametrize("kernel", list(varlen.KERNELS))
 @pytest.mark.parametrize("broken", [False, True])
-def test_the_kernels_check_names_a_kernel_that_attends_wrongly(monkeypatch, broken):
+def test_the_kernels_check_names_a_kernel_that_attends_wrongly(monkeypatch, broken, kernel):
     """`kernel_failure`, the comparison `flash_failure` makes on CUDA, run on the CPU with stand-in
     kernels: SDPA a sequence at a time passes; start-aligned causal masks (a kernel whose causal
     rule differs for fewer queries than keys) are named."""
@@ -238,13 +240,66 @@ def test_the_kernels_check_names_a_kernel_that_attends_wrongly(monkeypatch, brok
         finally:
             varlen.end_aligned_causal = original
 
-    monkeypatch.setattr(varlen._Flash, "apply", stand_in)
+    monkeypatch.setitem(varlen.KERNELS, kernel, lambda q, k, v, made, scale: stand_in(
+        q, k, v, made.cu_q, made.cu_k, made.max_q, made.max_k, scale))
     monkeypatch.setattr(varlen, "flash_takes", lambda q, k, v: q.dtype == torch.bfloat16)
-    got = varlen.kernel_failure(torch.device("cpu"), torch.bfloat16)
+    got = varlen.kernel_failure(torch.device("cpu"), torch.bfloat16, kernel)
     if broken:
-        assert got is not None and got.startswith("the flash kernel's output differs from the reference by"), got
+        assert got is not None and got.startswith(f"the {kernel} kernel's output differs from the reference by"), got
     else:
         assert got is None
+
+
+@pytest.mark.parametrize(("failure", "cudnn_ms", "want"), [
+    ("the cudnn kernel's output differs from the reference by 0.7", 5.0, "flash"),
+    (None, 8.0, "cudnn"), (None, 9.5, "flash"), (None, RuntimeError("no plan for this shape"), "flash")])
+def test_varlen_takes_cudnns_kernel_only_where_it_is_right_and_faster(monkeypatch, failure, cudnn_ms, want):
+    """`varlen_kernel`, run once a device: cuDNN's kernel where it matches the reference and took
+    under 0.9 of flash's time (10 ms here), else flash, with why; never off CUDA."""
+    def ms(kernel, device, dtype):
+        if isinstance(cudnn_ms, Exception) and kernel == "cudnn":
+            raise cudnn_ms
+        return cudnn_ms if kernel == "cudnn" else 10.0
+
+    monkeypatch.setattr(varlen, "kernel_failure", lambda device, dtype, kernel="flash": failure)
+    monkeypatch.setattr(varlen, "kernel_ms", ms)
+    got = varlen.varlen_kernel.__wrapped__(torch.device("cuda"), torch.bfloat16)
+    assert got.kernel == want, got
+    if failure:
+        assert got.why == failure
+    elif isinstance(cudnn_ms, Exception):
+        assert got.why.startswith("the cudnn kernel failed on a longer micro-batch: RuntimeError: no plan"), got
+    else:
+        assert got.why.startswith(f"cudnn {cudnn_ms:.1f} ms, flash 10.0 ms over micro-batches of 4,096-16,384"), got
+    assert varlen.varlen_kernel.__wrapped__(torch.device("cpu"), torch.bfloat16).kernel == "flash"
+
+
+def test_the_chosen_kernel_computes_and_the_timing_sees_new_lengths(monkeypatch):
+    """`attend` calls the kernel `varlen_kernel` chose (cuDNN's only up to its head size of 128);
+    `kernel_ms` times micro-batches of a new length each (cuDNN plans each new shape), the first
+    untimed. Stand-ins on the CPU for the CUDA kernels."""
+    seen = []
+
+    def stand_in(name):
+        def kernel(q, k, v, layout_, scale):
+            seen.append((name, q.shape[0], q.shape[-1]))
+            return varlen.reference(q, k, v, layout_.cu_q, layout_.cu_k, scale)
+        return kernel
+
+    for name in varlen.KERNELS:
+        monkeypatch.setitem(varlen.KERNELS, name, stand_in(name))
+    monkeypatch.setattr(varlen, "flash_takes", lambda q, k, v: q.dtype == torch.bfloat16)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda device, dtype: varlen.KernelChoice("cudnn", "stand-in"))
+    made = varlen.layout(np.zeros((1, 12), dtype=np.int64), np.array([[0] * 4 + [1] * 4 + [2] * 4]))
+    for head in (128, 256):
+        q, k, v = (torch.randn(12, n, head, dtype=torch.bfloat16) for n in (4, 2, 2))
+        varlen.attend(q, k, v, made, head ** -0.5)
+    assert seen == [("cudnn", 12, 128), ("flash", 12, 256)]
+    seen.clear()
+    assert len(set(varlen.TIMED_TOKENS)) == len(varlen.TIMED_TOKENS) >= 3
+    monkeypatch.setattr(varlen, "TIMED_TOKENS", (96, 130, 160))  # the CPU's reference is slow at 16,384
+    assert varlen.kernel_ms("cudnn", torch.device("cpu"), torch.bfloat16) > 0
+    assert [t for _, t, _ in seen] == [96, 130, 160]  # a 64-token prompt and two completions of one length
 
 
 def test_under_autocast_the_kernel_gets_queries_keys_and_values_in_the_compute_dtype(qwen3, monkeypatch):
@@ -271,10 +326,12 @@ def test_under_autocast_the_kernel_gets_queries_keys_and_values_in_the_compute_d
 
 
 @pytest.mark.gpu
-def test_the_flash_kernel_matches_the_reference_on_cuda(qwen3, monkeypatch):
-    """On a GPU: the flash kernel passes its check, and the trainer's placement (bf16 autocast over
-    float32 master weights) computes every layer of a packed micro-batch with it, the log-probs and
-    gradients the dense mask's within bf16's rounding."""
+@pytest.mark.parametrize("kernel", list(varlen.KERNELS))
+def test_the_varlen_kernels_match_the_reference_on_cuda(qwen3, monkeypatch, kernel):
+    """On a GPU: the flash kernel passes its check (cuDNN's is skipped where it fails its own, the
+    reason given), and the trainer's placement (bf16 autocast over float32 master weights) computes
+    every layer of a packed micro-batch with the kernel, the log-probs and gradients the dense
+    mask's within bf16's rounding."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from trainer.devices import to_device
@@ -283,9 +340,13 @@ def test_the_flash_kernel_matches_the_reference_on_cuda(qwen3, monkeypatch):
     cuda = torch.device("cuda")
     assert varlen.flash_failure(cuda, torch.bfloat16) is None
     assert resolve_attention(cuda, "auto", torch.bfloat16) == "varlen"
+    if kernel != "flash" and (failure := varlen.kernel_failure(cuda, torch.bfloat16, kernel)):
+        pytest.skip(failure)
+    print(f"varlen_kernel: {varlen.varlen_kernel(cuda, torch.bfloat16).line()}")  # the choice, for the sitting's log
     calls = []
-    flash = varlen._Flash.apply
-    monkeypatch.setattr(varlen._Flash, "apply", lambda *args: calls.append(1) or flash(*args))
+    chosen = varlen.KERNELS[kernel]
+    monkeypatch.setitem(varlen.KERNELS, kernel, lambda *args: calls.append(1) or chosen(*args))
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda device, dtype: varlen.KernelChoice(kernel, "this test's"))
     mb = collate_packed([group_rows(g) for g in groups_of(opened(qwen3, "sdpa"), seed=1)])
     mb = to_device(replace(mb, packed=mb.packed.with_varlen()), cuda)
     out = {}

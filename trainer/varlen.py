@@ -22,12 +22,17 @@ call: no extra package); anywhere else (the CPU, float32) each
 sequence goes through SDPA with the same end-aligned causal mask (`reference`), which the tests
 hold equal to the dense mask's numbers. `flash_failure` checks the kernel against that reference
 on the device once, forward and backward, before a trainer uses it (trainer/devices.py).
+`varlen_kernel` then checks cuDNN's fused attention over the same cu_seqlens
+(`aten::_cudnn_attention_forward`) alike, times both on micro-batches of new lengths, and has the
+trainer compute with cuDNN's where it is right and under 0.9 of flash's time: on the H200 the bare
+loop's SDPA on cuDNN took 18.7 ms where flash's varlen took 25.4 ms for fewer pairs (docs/gpu.md).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,6 +146,24 @@ class _Flash(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+def _flash(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float) -> Tensor:
+    return _Flash.apply(q, k, v, varlen.cu_q, varlen.cu_k, varlen.max_q, varlen.max_k, scale)
+
+
+def _cudnn(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float) -> Tensor:
+    """cuDNN's fused attention over the same cu_seqlens (`aten::_cudnn_attention_forward`, the op
+    torch's nested tensors call for SDPA on cuDNN), causal, no dropout, the log-sum-exp kept for the
+    backward, which autograd takes from torch's own formula for the op."""
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, varlen.cu_q, varlen.cu_k, varlen.max_q, varlen.max_k,
+                                                   True, 0.0, True, False, scale=scale)[0]
+
+
+# the CUDA kernels a trainer may compute varlen attention with: `varlen_kernel` checks each against
+# `reference` and takes the fastest that matches (flash unless cuDNN's is right and faster)
+KERNELS = {"flash": _flash, "cudnn": _cudnn}
+CUDNN_MAX_HEAD = 128  # cuDNN's fused attention: head sizes up to 128 on every GPU it runs on
+
+
 def flash_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the flash kernel computes these queries, keys and values: CUDA, all in bf16 or all in
     fp16, a head size it has (a multiple of 8, at most 256), query heads a multiple of key heads."""
@@ -149,14 +172,17 @@ def flash_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
             and q.shape[1] % k.shape[1] == 0)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float, kernel: str | None = None) -> Tensor:
     """Queries (T, H, D) over keys and values (T, Hkv, D), all of a micro-batch's flat positions,
-    under `varlen`: (T, H, D)."""
+    under `varlen`: (T, H, D). On CUDA in bf16 or fp16 with `kernel` of `KERNELS` (None: the one
+    `varlen_kernel` chose for this device), else `reference`."""
     if varlen.keys is not None:
         k, v = k[varlen.keys], v[varlen.keys]
     if flash_takes(q, k, v):
-        return _Flash.apply(q.contiguous(), k.contiguous(), v.contiguous(), varlen.cu_q, varlen.cu_k,
-                            varlen.max_q, varlen.max_k, scale)
+        kernel = kernel or varlen_kernel(q.device, q.dtype).kernel
+        if kernel == "cudnn" and q.shape[-1] > CUDNN_MAX_HEAD:
+            kernel = "flash"
+        return KERNELS[kernel](q.contiguous(), k.contiguous(), v.contiguous(), varlen, scale)
     return reference(q, k, v, varlen.cu_q, varlen.cu_k, scale)
 
 
@@ -222,8 +248,9 @@ def flash_failure(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> 
     return kernel_failure(device, dtype)
 
 
-def kernel_failure(device: torch.device, dtype: torch.dtype) -> str | None:
-    """`flash_failure`'s comparison: `attend` on `device` in `dtype` against `reference` in float32."""
+def kernel_failure(device: torch.device, dtype: torch.dtype, kernel: str = "flash") -> str | None:
+    """`flash_failure`'s comparison: `attend` with `kernel` on `device` in `dtype` against
+    `reference` in float32."""
     # one row: a prompt of 37 with completions of 29, 41 and 3 positions, a document of 70, padding
     docs = np.array([[0] * 110 + [1] * 70 + [-1] * 12])
     segments = np.array([[0] * 37 + [1] * 29 + [2] * 41 + [3] * 3 + [0] * 30 + [1] * 40 + [-1] * 12])
@@ -234,15 +261,75 @@ def kernel_failure(device: torch.device, dtype: torch.dtype) -> str | None:
     q, k, v = (torch.randn(192, n, 64, generator=g).to(device, dtype).requires_grad_() for n in (8, 2, 2))
     grad = torch.randn(192, 8, 64, generator=g).to(device, dtype)
     try:
-        got = attend(q, k, v, varlen, 0.125)
+        got = attend(q, k, v, varlen, 0.125, kernel=kernel)
         got_grads = torch.autograd.grad(got, (q, k, v), grad)
     except Exception as e:  # noqa: BLE001 - any failure of the kernel is the answer
-        return f"the flash kernel failed: {type(e).__name__}: {e}"
+        return f"the {kernel} kernel failed: {type(e).__name__}: {str(e)[:300]}"
     ref = [x.detach().float().requires_grad_() for x in (q, k, v)]
     want = attend(*ref, varlen, 0.125)
     want_grads = torch.autograd.grad(want, ref, grad.float())
     for name, a, b in [("output", got, want), *zip(("dq", "dk", "dv"), got_grads, want_grads, strict=True)]:
         err = (a.float() - b).abs().max().item()
         if not err <= 0.05 * max(b.abs().max().item(), 1.0):
-            return f"the flash kernel's {name} differs from the reference by {err:.3g}"
+            return f"the {kernel} kernel's {name} differs from the reference by {err:.3g}"
     return None
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel of `KERNELS` a trainer's varlen attention computes with on one device, and why."""
+
+    kernel: str
+    why: str
+
+    def line(self) -> str:
+        return f"{self.kernel} ({self.why})"
+
+
+# the layouts `varlen_kernel` times the kernels on: a prompt of 64 shared by two completions, each
+# micro-batch of another length (cuDNN builds an execution plan for each new shape, as a trainer's
+# micro-batches are), Qwen3's heads (16 query, 8 key, 128 a head); the first untimed
+TIMED_TOKENS = (2048, 4096, 6144, 8192, 12288, 16384)
+
+
+@functools.cache
+def varlen_kernel(device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """The kernel varlen attention computes with on `device` in `dtype`, chosen once: where both
+    match the reference (`kernel_failure`), cuDNN's where its forward and backward over
+    `TIMED_TOKENS`' micro-batches took under 0.9 of flash's, else flash (the kernel `flash_failure`
+    vouched for). Off CUDA, flash (never called: `reference` computes)."""
+    if device.type != "cuda" or dtype not in FLASH_DTYPES:
+        return KernelChoice("flash", f"no choice on {device.type} in {dtype}")
+    failure = kernel_failure(device, dtype, "cudnn")
+    if failure:
+        return KernelChoice("flash", failure)
+    try:
+        ms = {name: kernel_ms(name, device, dtype) for name in ("flash", "cudnn")}
+    except Exception as e:  # noqa: BLE001 - a kernel that fails on a longer micro-batch is not taken
+        return KernelChoice("flash", f"the cudnn kernel failed on a longer micro-batch: {type(e).__name__}: "
+                                     f"{str(e)[:300]}")
+    timed = (f"cudnn {ms['cudnn']:.1f} ms, flash {ms['flash']:.1f} ms over micro-batches of "
+             f"{TIMED_TOKENS[1]:,}-{TIMED_TOKENS[-1]:,} tokens, forward and backward")
+    return KernelChoice("cudnn" if ms["cudnn"] < 0.9 * ms["flash"] else "flash", timed)
+
+
+def kernel_ms(kernel: str, device: torch.device, dtype: torch.dtype) -> float:
+    """Milliseconds `kernel` took over the forward and backward of `TIMED_TOKENS`' micro-batches
+    after the first (untimed), each one group of a 64-token prompt and two completions."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    total = 0.0
+    for i, tokens in enumerate(TIMED_TOKENS):
+        half = (tokens - 64) // 2
+        made = layout(np.array([[0] * (64 + 2 * half)]), np.array([[0] * 64 + [1] * half + [2] * half]))
+        varlen = Varlen(cu_q=made.cu_q.to(device), cu_k=made.cu_k.to(device), keys=made.keys.to(device),
+                        max_q=made.max_q, max_k=made.max_k)
+        n = 64 + 2 * half
+        q, k, v = (torch.randn(n, heads, 128, generator=g).to(device, dtype).requires_grad_() for heads in (16, 8, 8))
+        grad = torch.randn(n, 16, 128, generator=g).to(device, dtype)
+        sync = torch.cuda.synchronize if device.type == "cuda" else lambda _device: None
+        sync(device)
+        start = time.perf_counter()
+        torch.autograd.grad(attend(q, k, v, varlen, 128 ** -0.5, kernel=kernel), (q, k, v), grad)
+        sync(device)
+        total += (time.perf_counter() - start) * 1e3 if i else 0.0
+    return total

@@ -8,9 +8,11 @@ bare loop. This bench times one attention call's forward and backward for each k
 layouts of both, and checks each against trainer/varlen.py's `reference` (per-sequence SDPA in
 float32, on the same layout with every length divided by 8):
 
-  flash varlen  trainer/varlen.py `attend`: `aten::_flash_attention_forward` over cu_seqlens
-  cudnn varlen  `aten::_cudnn_attention_forward` over the same cu_seqlens (the op torch's nested
-                tensors call for SDPA on cuDNN), keys and values as they are
+  flash varlen  trainer/varlen.py `attend` with its flash kernel: `aten::_flash_attention_forward`
+                over cu_seqlens
+  cudnn varlen  the same with its cuDNN kernel: `aten::_cudnn_attention_forward` over the same
+                cu_seqlens (the op torch's nested tensors call for SDPA on cuDNN), keys and values
+                as they are (what a trainer takes where `varlen_kernel` finds it right and faster)
   cudnn varlen, kv expanded   the same with the key and value heads repeated to the query heads
   sdpa rows     `F.scaled_dot_product_attention(is_causal=True)` on (rows, heads, length, dim):
                 the bare loop's way, where every sequence is a row of one length (no shared prompt)
@@ -41,7 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +54,7 @@ from torch import Tensor
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from trainer.varlen import KERNELS as VARLEN_KERNELS  # noqa: E402
 from trainer.varlen import Varlen, attend, layout, reference  # noqa: E402
 
 
@@ -102,16 +105,12 @@ def gathered(k: Tensor, v: Tensor, varlen: Varlen) -> tuple[Tensor, Tensor]:
     return (k[varlen.keys], v[varlen.keys]) if varlen.keys is not None else (k, v)
 
 
-def cudnn_varlen(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float, *, expand: bool = False) -> Tensor:
+def cudnn_expanded(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float) -> Tensor:
+    """trainer/varlen.py's cuDNN kernel with the key and value heads repeated to the query heads."""
     k, v = gathered(k, v, varlen)
-    if expand:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    # causal, no dropout, the log-sum-exp kept for the backward, which autograd takes from torch's own
-    # formula for this op (`_cudnn_attention_backward`), as torch's nested tensors' SDPA does
-    return torch.ops.aten._cudnn_attention_forward(
-        q.contiguous(), k.contiguous(), v.contiguous(), None, varlen.cu_q, varlen.cu_k, varlen.max_q, varlen.max_k,
-        True, 0.0, True, False, scale=scale)[0]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return VARLEN_KERNELS["cudnn"](q.contiguous(), k.contiguous(), v.contiguous(), replace(varlen, keys=None), scale)
 
 
 def sdpa_rows(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float) -> Tensor:
@@ -125,9 +124,9 @@ def sdpa_rows(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float) -> 
 
 
 KERNELS: dict[str, Callable[..., Tensor]] = {
-    "flash varlen": attend,
-    "cudnn varlen": cudnn_varlen,
-    "cudnn varlen, kv expanded": lambda q, k, v, varlen, scale: cudnn_varlen(q, k, v, varlen, scale, expand=True),
+    "flash varlen": lambda q, k, v, varlen, scale: attend(q, k, v, varlen, scale, kernel="flash"),
+    "cudnn varlen": lambda q, k, v, varlen, scale: attend(q, k, v, varlen, scale, kernel="cudnn"),
+    "cudnn varlen, kv expanded": cudnn_expanded,
     "sdpa rows": sdpa_rows,
 }
 NEEDS_CUDA = {"flash varlen", "cudnn varlen", "cudnn varlen, kv expanded"}  # on a CPU: the reference, not theirs

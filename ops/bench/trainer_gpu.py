@@ -401,6 +401,7 @@ def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, ste
     from trainer.checkpoints import adamw
     from trainer.devices import DTYPES, Placement
     from trainer.step import GrpoOptions, train_step
+    from trainer.varlen import VARLEN, varlen_kernel
 
     shape, layout = SHAPES[s.shape], LAYOUTS[s.layout]
     attention = s.attention or attention
@@ -416,6 +417,9 @@ def run_setting(s: Setting, out: dict, *, device: torch.device, warmup: int, ste
     model = build_model(shape, where)
     out.update(attention=model.config._attn_implementation, precision=f"{config.model.dtype}" + (
         " (float32 master weights)" if where.weights_dtype != where.dtype else ""))
+    if cuda and out["attention"] == VARLEN:  # the kernel trainer/varlen.py chose on this GPU, and why
+        choice = varlen_kernel(device, where.dtype)
+        out.update(varlen_kernel=choice.kernel, varlen_kernel_why=choice.why)
     how = GrpoOptions.of(cfg, config.rollout)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = adamw(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -564,6 +568,7 @@ def table(rows: list[dict]) -> str:
         s = r["setting"]
         note = "; ".join(x for x in (s["label"], "" if s["master_fp32"] else "bf16 weights and AdamW state",
                                      f"attention {ATTENTION_NAMES.get(r['attention'], r['attention'])}"
+                                     + (f" ({r['varlen_kernel']})" if r.get("varlen_kernel") else "")
                                      if r.get("attention") else "",
                                      "" if r["status"] == "ran" else f"{r['status']}: {r['reason']}") if x)
         lines.append(
