@@ -263,7 +263,7 @@ def test_varlen_takes_cudnns_kernel_only_where_it_is_right_and_faster(monkeypatc
 
     monkeypatch.setattr(varlen, "kernel_failure", lambda device, dtype, kernel="flash": failure)
     monkeypatch.setattr(varlen, "kernel_ms", ms)
-    got = varlen.varlen_kernel.__wrapped__(torch.device("cuda"), torch.bfloat16)
+    got = varlen.choose_kernel(torch.device("cuda"), torch.bfloat16)
     assert got.kernel == want, got
     if failure:
         assert got.why == failure
@@ -271,7 +271,21 @@ def test_varlen_takes_cudnns_kernel_only_where_it_is_right_and_faster(monkeypatc
         assert got.why.startswith("the cudnn kernel failed on a longer micro-batch: RuntimeError: no plan"), got
     else:
         assert got.why.startswith(f"cudnn {cudnn_ms:.1f} ms, flash 10.0 ms over micro-batches of 4,096-16,384"), got
-    assert varlen.varlen_kernel.__wrapped__(torch.device("cpu"), torch.bfloat16).kernel == "flash"
+    assert varlen.choose_kernel(torch.device("cpu"), torch.bfloat16).kernel == "flash"
+
+
+def test_ranks_take_cudnns_kernel_only_where_every_rank_chose_it(monkeypatch):
+    import trainer.parallel
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(varlen, "_CHOSEN", {})
+    monkeypatch.setattr(varlen, "choose_kernel", lambda device, dtype: varlen.KernelChoice("cudnn", "8.0 ms"))
+    monkeypatch.setattr(trainer.parallel, "any_rank", lambda flag: flag)  # every rank as this one
+    assert varlen.agreed_kernel(cuda, torch.bfloat16).kernel == "cudnn"
+    monkeypatch.setattr(trainer.parallel, "any_rank", lambda flag: True)  # another rank chose flash
+    got = varlen.agreed_kernel(cuda, torch.bfloat16)
+    assert got == varlen.KernelChoice("flash", "another rank's is flash; this rank's 8.0 ms")
+    assert varlen.varlen_kernel(cuda, torch.bfloat16) == got  # what `attend` computes with from then on
 
 
 def test_the_chosen_kernel_computes_and_the_timing_sees_new_lengths(monkeypatch):

@@ -107,9 +107,9 @@ def start(config: Config) -> tuple[Run, Shutdown]:
         + (" (auto: trainer.attention chose it on this device)" if cfg.attention == "auto" else "")
         + (", each transformer block compiled (trainer.compile)" if where.compile else ""))
     if where.attention == "varlen" and where.device.type == "cuda":
-        from trainer.varlen import varlen_kernel
+        from trainer.varlen import agreed_kernel
 
-        say(f"trainer: varlen attention's kernel {varlen_kernel(where.device, where.dtype).line()}")
+        say(f"trainer: varlen attention's kernel {agreed_kernel(where.device, where.dtype).line()}")
     model, optimizer, scheduler, step = resume(
         r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps,

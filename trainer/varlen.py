@@ -292,12 +292,33 @@ class KernelChoice:
 TIMED_TOKENS = (2048, 4096, 6144, 8192, 12288, 16384)
 
 
-@functools.cache
+_CHOSEN: dict[tuple[torch.device, torch.dtype], KernelChoice] = {}  # this process's, once a device and dtype
+
+
 def varlen_kernel(device: torch.device, dtype: torch.dtype) -> KernelChoice:
-    """The kernel varlen attention computes with on `device` in `dtype`, chosen once: where both
-    match the reference (`kernel_failure`), cuDNN's where its forward and backward over
-    `TIMED_TOKENS`' micro-batches took under 0.9 of flash's, else flash (the kernel `flash_failure`
-    vouched for). Off CUDA, flash (never called: `reference` computes)."""
+    """The kernel varlen attention computes with on `device` in `dtype`: `choose_kernel`'s, made
+    once (`agreed_kernel` makes it alike on every rank)."""
+    if (device, dtype) not in _CHOSEN:
+        _CHOSEN[device, dtype] = choose_kernel(device, dtype)
+    return _CHOSEN[device, dtype]
+
+
+def agreed_kernel(device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """`varlen_kernel` alike on every rank (each times its own GPU, and a close call may differ):
+    cuDNN's only where every rank chose it. Every rank calls it (a collective under torchrun)."""
+    from trainer.parallel import any_rank
+
+    choice = varlen_kernel(device, dtype)
+    if any_rank(choice.kernel != "cudnn") and choice.kernel == "cudnn":
+        choice = _CHOSEN[device, dtype] = KernelChoice("flash", f"another rank's is flash; this rank's {choice.why}")
+    return choice
+
+
+def choose_kernel(device: torch.device, dtype: torch.dtype) -> KernelChoice:
+    """The kernel for `device` in `dtype`: where both match the reference (`kernel_failure`),
+    cuDNN's where its forward and backward over `TIMED_TOKENS`' micro-batches took under 0.9 of
+    flash's, else flash (the kernel `flash_failure` vouched for). Off CUDA, flash (never called:
+    `reference` computes)."""
     if device.type != "cuda" or dtype not in FLASH_DTYPES:
         return KernelChoice("flash", f"no choice on {device.type} in {dtype}")
     failure = kernel_failure(device, dtype, "cudnn")
