@@ -298,9 +298,17 @@ _CHOSEN: dict[tuple[torch.device, torch.dtype], KernelChoice] = {}  # this proce
 def varlen_kernel(device: torch.device, dtype: torch.dtype) -> KernelChoice:
     """The kernel varlen attention computes with on `device` in `dtype`: `choose_kernel`'s, made
     once (`agreed_kernel` makes it alike on every rank)."""
-    if (device, dtype) not in _CHOSEN:
-        _CHOSEN[device, dtype] = choose_kernel(device, dtype)
-    return _CHOSEN[device, dtype]
+    key = _key(device, dtype)
+    if key not in _CHOSEN:
+        _CHOSEN[key] = choose_kernel(device, dtype)
+    return _CHOSEN[key]
+
+
+def _key(device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
+    """`device` with its index ("cuda" and a tensor's "cuda:0" are one choice), and `dtype`."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    return device, dtype
 
 
 def agreed_kernel(device: torch.device, dtype: torch.dtype) -> KernelChoice:
@@ -310,7 +318,8 @@ def agreed_kernel(device: torch.device, dtype: torch.dtype) -> KernelChoice:
 
     choice = varlen_kernel(device, dtype)
     if any_rank(choice.kernel != "cudnn") and choice.kernel == "cudnn":
-        choice = _CHOSEN[device, dtype] = KernelChoice("flash", f"another rank's is flash; this rank's {choice.why}")
+        why = f"another rank's is flash; this rank's {choice.why}"
+        choice = _CHOSEN[_key(device, dtype)] = KernelChoice("flash", why)
     return choice
 
 
