@@ -21,8 +21,8 @@ def assert_trains_as_eager(found: dict) -> None:
     assert all(g == 0 for g in found["eager_graphs"]), found
     assert all(g > 0 for g in found["compiled_graphs"]), f"trainer.compile compiled nothing: {found}"
     assert found["names_same"], found  # state-dict names unchanged: checkpoints read as before
-    assert found["moved"] > 1e-5, f"the steps did not train: the comparison would be empty: {found}"
-    assert found["diff"] < 1e-5, f"compiled and eager weights differ by {found['diff']:.3g} ({found})"
+    assert found["moved"] > 1e-3, f"the steps did not train: the comparison would be empty: {found}"
+    assert found["diff"] < 1e-6, f"compiled and eager weights differ by {found['diff']:.3g} ({found})"
 
 
 @pytest.mark.parametrize(("attention", "checkpointing"), [("sdpa", False), ("varlen", True)])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-LR = 1e-4
+LR = 0.05  # SGD: an update proportional to the gradient (AdamW's would turn a rounding-sized gradient's sign into lr)
 STEPS = 2
 
 
@@ -39,7 +39,7 @@ def trained(model_dir: Path, where, groups) -> tuple[dict, dict, int]:
     torch._dynamo.reset()
     model = placed_model(model_dir, where)
     before = weights()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
     graphs = counters["stats"]["unique_graphs"]
     for step in range(STEPS):
         train_step(model, opt, groups, how=options(GrpoLoss(), pack=True), step=step)
