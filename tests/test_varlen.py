@@ -268,7 +268,7 @@ def test_varlen_takes_cudnns_kernel_only_where_it_is_right_and_faster(monkeypatc
     if failure:
         assert got.why == failure
     elif isinstance(cudnn_ms, Exception):
-        assert got.why.startswith("the cudnn kernel failed on a longer micro-batch: RuntimeError: no plan"), got
+        assert got.why.startswith("a kernel failed on a longer micro-batch: RuntimeError: no plan"), got
     else:
         assert got.why.startswith(f"cudnn {cudnn_ms:.1f} ms, flash 10.0 ms over micro-batches of 4,096-16,384"), got
     assert varlen.choose_kernel(torch.device("cpu"), torch.bfloat16).kernel == "flash"

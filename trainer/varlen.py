@@ -161,7 +161,7 @@ def _cudnn(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, scale: float) -> Ten
 # the CUDA kernels a trainer may compute varlen attention with: `varlen_kernel` checks each against
 # `reference` and takes the fastest that matches (flash unless cuDNN's is right and faster)
 KERNELS = {"flash": _flash, "cudnn": _cudnn}
-CUDNN_MAX_HEAD = 128  # cuDNN's fused attention: head sizes up to 128 on every GPU it runs on
+CUDNN_MAX_HEAD = 128  # cuDNN's kernel is taken up to this head size (checked and timed at 64 and 128); flash above
 
 
 def flash_takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -336,8 +336,7 @@ def choose_kernel(device: torch.device, dtype: torch.dtype) -> KernelChoice:
     try:
         ms = {name: kernel_ms(name, device, dtype) for name in ("flash", "cudnn")}
     except Exception as e:  # noqa: BLE001 - a kernel that fails on a longer micro-batch is not taken
-        return KernelChoice("flash", f"the cudnn kernel failed on a longer micro-batch: {type(e).__name__}: "
-                                     f"{str(e)[:300]}")
+        return KernelChoice("flash", f"a kernel failed on a longer micro-batch: {type(e).__name__}: {str(e)[:300]}")
     timed = (f"cudnn {ms['cudnn']:.1f} ms, flash {ms['flash']:.1f} ms over micro-batches of "
              f"{TIMED_TOKENS[1]:,}-{TIMED_TOKENS[-1]:,} tokens, forward and backward")
     return KernelChoice("cudnn" if ms["cudnn"] < 0.9 * ms["flash"] else "flash", timed)
