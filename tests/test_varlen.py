@@ -275,15 +275,11 @@ def test_varlen_takes_cudnns_kernel_only_where_it_is_right_and_faster(monkeypatc
 
 
 def test_ranks_take_cudnns_kernel_only_where_every_rank_chose_it(monkeypatch):
-    import trainer.parallel
-
     cuda = torch.device("cuda")
     monkeypatch.setattr(varlen, "_CHOSEN", {})
     monkeypatch.setattr(varlen, "choose_kernel", lambda device, dtype: varlen.KernelChoice("cudnn", "8.0 ms"))
-    monkeypatch.setattr(trainer.parallel, "any_rank", lambda flag: flag)  # every rank as this one
-    assert varlen.agreed_kernel(cuda, torch.bfloat16).kernel == "cudnn"
-    monkeypatch.setattr(trainer.parallel, "any_rank", lambda flag: True)  # another rank chose flash
-    got = varlen.agreed_kernel(cuda, torch.bfloat16)
+    assert varlen.agreed_kernel(cuda, torch.bfloat16, lambda flag: flag).kernel == "cudnn"  # every rank as this one
+    got = varlen.agreed_kernel(cuda, torch.bfloat16, lambda flag: True)  # another rank chose flash
     assert got == varlen.KernelChoice("flash", "another rank's is flash; this rank's 8.0 ms")
     assert varlen.varlen_kernel(cuda, torch.bfloat16) == got  # what `attend` computes with from then on
 

@@ -109,7 +109,7 @@ def start(config: Config) -> tuple[Run, Shutdown]:
     if where.attention == "varlen" and where.device.type == "cuda":
         from trainer.varlen import agreed_kernel
 
-        say(f"trainer: varlen attention's kernel {agreed_kernel(where.device, where.dtype).line()}")
+        say(f"trainer: varlen attention's kernel {agreed_kernel(where.device, where.dtype, any_rank).line()}")
     model, optimizer, scheduler, step = resume(
         r, keys, where=where, source_dir=source_dir, state_root=state_root, lr=cfg.lr, weight_decay=cfg.weight_decay,
         lr_schedule=cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps or cfg.max_steps,

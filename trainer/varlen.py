@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -311,11 +312,10 @@ def _key(device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.
     return device, dtype
 
 
-def agreed_kernel(device: torch.device, dtype: torch.dtype) -> KernelChoice:
+def agreed_kernel(device: torch.device, dtype: torch.dtype, any_rank: Callable[[bool], bool]) -> KernelChoice:
     """`varlen_kernel` alike on every rank (each times its own GPU, and a close call may differ):
-    cuDNN's only where every rank chose it. Every rank calls it (a collective under torchrun)."""
-    from trainer.parallel import any_rank
-
+    cuDNN's only where every rank chose it. Every rank calls it with trainer/parallel.py's
+    `any_rank` (a collective under torchrun)."""
     choice = varlen_kernel(device, dtype)
     if any_rank(choice.kernel != "cudnn") and choice.kernel == "cudnn":
         why = f"another rank's is flash; this rank's {choice.why}"
