@@ -101,7 +101,15 @@ def compile_each_block(model: torch.nn.Module, backend: str = "inductor") -> Non
     compiled, its parameters and state-dict names unchanged). The blocks share one code, so one
     compiled graph serves them all (recompiled once for lengths that vary, then dynamic).
     Activation checkpointing stays around each compiled call (transformers' checkpointing layer
-    calls it); attention inside runs eager (trainer/varlen.py `attention`)."""
+    calls it); attention inside runs eager (trainer/varlen.py `attention`). Refused where torch's
+    compiling is switched off (TORCH_COMPILE_DISABLE=1 in the environment), which would leave
+    every block eager without a word."""
+    if torch._dynamo.config.disable:
+        from common.config import ConfigError
+
+        raise ConfigError("trainer.compile = true, but torch.compile is disabled in this process "
+                          f"(TORCH_COMPILE_DISABLE={os.environ.get('TORCH_COMPILE_DISABLE', '')!r} in its "
+                          "environment): nothing would compile; unset it, or set trainer.compile = false")
     blocks = model.get_decoder().layers
     assert len(blocks) > 0, "model has no transformer blocks to compile"
     for block in blocks:
