@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -31,15 +30,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-PER_STEP, GROUP, SETTLING = 4, 4, 4  # the demo's prompts a step and completions a prompt; steps compiling
+SETTLING = 4  # the steps the compiled side compiles in
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM
-
     from common.config import GrpoLoss
+    from common.messages import decode_group
     from common.models import default_model_dir
-    from ops.lib.groups import make_group
+    from ops.bench.trainer_efficiency import PER_STEP, encoded_groups
     from trainer.checkpoints import adamw, load_model
     from trainer.parallel import compile_each_block
     from trainer.step import GrpoOptions, train_step
@@ -55,12 +53,7 @@ def main() -> None:
     assert args.steps > SETTLING, f"--steps must be above {SETTLING}: the first {SETTLING} compile"
     model_dir = args.model or default_model_dir()
     torch.manual_seed(0)
-    rng = random.Random(0)
-    behaviour = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    groups = [make_group(behaviour, f"bench:{g}", version=0, rng=rng,
-                         shape=(rng.randint(30, 45), [rng.randint(4, 24) for _ in range(GROUP)]))
-              for g in range(PER_STEP * args.steps)]
-    del behaviour
+    groups = [decode_group(b) for b in encoded_groups(model_dir, PER_STEP * args.steps)]  # the demo's shapes
     how = GrpoOptions(loss=GrpoLoss(clip_high=0.28), temperature=0.8, estimator="grpo", overlong="none",
                       overlong_penalty=0.0, micro_batch_size=8, micro_batch_tokens=0, updates=1, max_grad_norm=1.0,
                       max_new_tokens=24)
