@@ -63,6 +63,9 @@ def accounting(r: redis.Redis, keys: Keys) -> dict[str, int]:
     prompt is trained and the trainer will refuse them); `prompt_entries` and
     `sample_entries` are every entry ever added to the two streams; `outstanding` the admitted
     prompts neither trained nor dropped, by id, and `prompts_dropped` those dropped, by id.
+
+    Read it once no process of the run writes: its reads come one after another, and an admission
+    or a group written between two of them shows as a prompt admitted twice or lost.
     """
     t = read_trainer(r, keys)
     prompts_pending, prompts_waiting = group_backlog(r, keys.prompts, GENERATORS_GROUP)

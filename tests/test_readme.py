@@ -573,6 +573,15 @@ def test_two_runs_train_on_one_generator_killed_and_started_again(checkout, user
                     if "trainer" in p.cmdline() and "-m" in p.cmdline()]
         wait_for(lambda: stepped(3), timeout=900, what="both runs' third step", procs=[again.proc])
         psutil.wait_procs(trainers, timeout=120)  # each stops at its max_steps, its last acknowledgements written
+        # the producers admit and the generator writes groups on after the trainers stop: SIGKILL
+        # them (each write of theirs is one transaction) so the audit's reads, one after another,
+        # see one state (a read of `admitted` before an admission and of the stream after it differ)
+        producers = [p for p in psutil.Process(first.proc.pid).children(recursive=True)
+                     if "producers" in p.cmdline() and "-m" in p.cmdline()]
+        again.kill()
+        for p in producers:
+            p.kill()
+        psutil.wait_procs(producers, timeout=30)
         acc = {run: accounting(r, k) for run, k in keys.items()}  # while Redis runs
     finally:
         first.kill()
