@@ -15,15 +15,19 @@ its end (which on a CPU can be a minute away, past the launcher's grace): the jo
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from rq import get_current_job
 
 from common import rewards
-from common.checkpoints import adapter_base, adapter_rank, is_adapter_dir, verify_dir
+from common.checkpoints import CheckpointError, adapter_base, adapter_rank, is_adapter_dir, pin_checkpoint, verify_dir
 from common.config import GeneratorConfig, SourceConfig, source_config
 from common.evals import EvalRequest, EvalResult, read_request, record_eval
 from common.keys import Keys
@@ -39,6 +43,7 @@ _ENGINE: dict[str, Engine] = {}
 # Set by the worker on a stop request: the job in hand ends before its next CHUNK of problems.
 STOP = threading.Event()
 CHUNK = 8  # problems generated in one batch, between two looks at STOP
+PIN = ".pin-"  # a job's hard links to its checkpoint, beside it: .pin-<host>-<pid>-v<version>
 
 
 class Interrupted(Exception):
@@ -76,24 +81,84 @@ def engine_for(req: EvalRequest) -> Engine:
         print(f"evaluator: the {name} engine ({req.dtype}, {threads} thread{'s' * (threads > 1)}) on {opened_on}",
               flush=True)
     if engine.version != req.version:
-        engine.load_weights(req.path, version=req.version)
+        try:
+            engine.load_weights(req.path, version=req.version)
+        except BaseException:
+            # its weights may be part old, part new (vLLM's reload lets go of each layer's tensors
+            # as it goes): the next job opens an engine afresh instead of scoring those
+            _ENGINE.clear()
+            raise
     return engine
 
 
 def evaluate_checkpoint(*, spec: dict) -> dict:
     """Greedy pass@1 (and sampled pass@k if asked) of a checkpoint on each evaluation source's
     problems, scored by the source's own reward functions; the result (as written to the metrics
-    stream) is also the job's return value."""
+    stream) is also the job's return value. The job reads the checkpoint from a pin of its own
+    (`pin_for_job`); a checkpoint pruned before it was pinned is reported skipped."""
     req = read_request(spec)
     keys = Keys(req.run)
     r = get_current_job().connection
+    # The trainer holds the checkpoints of the newest queued evaluations (2: trainer.checkpoints.
+    # hold_for_eval); an evaluator further behind finds older ones gone, reported as skipped
+    # (retrying cannot bring them back).
+    before = EvalResult(step=req.step, version=req.version, skipped="checkpoint pruned before its evaluation ran")
     if not Path(req.path).is_dir():
-        # The trainer holds the checkpoints of the newest queued evaluations (2: trainer.checkpoints.
-        # hold_for_eval); an evaluator further behind finds older ones gone, reported as skipped
-        # (retrying cannot bring them back).
-        return report(r, keys, EvalResult(step=req.step, version=req.version,
-                                          skipped="checkpoint pruned before its evaluation ran"), req)
-    return report(r, keys, evaluate(req), req)
+        return report(r, keys, before, req)
+    try:
+        pin = pin_for_job(req)
+    except CheckpointError:
+        if Path(req.path).is_dir():
+            raise  # a listed file missing from a checkpoint that is there: the job fails
+        return report(r, keys, before, req)  # pruned between the look and the links
+    try:
+        result = evaluate(req if pin is None else replace(req, path=str(pin)))
+    except Interrupted:
+        raise
+    except Exception as err:
+        if pin is not None or Path(req.path).is_dir():
+            raise  # a bad checkpoint, or the engine's own failure: the job fails (and is retried)
+        # Unpinned (no links where it lies), pruned while the engine read it (as the hub's "Repo id
+        # must be in the form ..." where a tokenizer's directory went): skipped alike, not retried.
+        print(f"evaluator: version {req.version}: its checkpoint went while it was read "
+              f"({type(err).__name__}: {str(err)[:200]})", flush=True)
+        result = EvalResult(step=req.step, version=req.version, skipped="checkpoint pruned while its evaluation ran")
+    finally:
+        if pin is not None:
+            shutil.rmtree(pin, ignore_errors=True)
+    return report(r, keys, result, req)
+
+
+def pin_for_job(req: EvalRequest) -> Path | None:
+    """Hard links to the checkpoint's files in a directory of this job's own beside it
+    (common/checkpoints.py `pin_checkpoint`), which the job reads from: the trainer prunes the hold
+    of an evaluation more than two behind whenever it publishes, and an engine opening on the CPU
+    takes longer than the demo's ten steps. None where no links can be made there (read-only, or
+    no hard links): the checkpoint is read where it is. CheckpointError where a listed file is gone.
+    This host's pins of evaluators that have exited (SIGKILLed mid-job) are removed first."""
+    root, host = Path(req.path).parent, socket.gethostname()
+    for old in root.glob(f"{PIN}{host}-*"):
+        pid = old.name.removeprefix(f"{PIN}{host}-").split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    pin = root / f"{PIN}{host}-{os.getpid()}-v{req.version}"
+    shutil.rmtree(pin, ignore_errors=True)  # left by a job of this process's own that was stopped
+    try:
+        return pin_checkpoint(req.path, req.checksums, pin)
+    except CheckpointError:
+        raise
+    except OSError:  # no directory of our own can be made there
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def evaluate(req: EvalRequest) -> EvalResult:

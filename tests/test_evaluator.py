@@ -145,6 +145,103 @@ def test_a_checkpoint_pruned_before_its_evaluation_is_reported_skipped(tmp_path,
     assert [json.loads(line) for line in cfg.evals_path.read_text().splitlines()] == [result]
 
 
+def pruned_while_opening(monkeypatch, held: Path) -> list[str]:
+    """The evaluator's engine opening (evaluator/jobs.py), with the trainer's prune of the hold `held`
+    just before it: after the job found the hold and checked its files. The paths it opened on."""
+    import evaluator.jobs as jobs
+
+    opened, seen = jobs.open_for_settings, []
+
+    def pruned_first(name, path, **settings):
+        seen.append(path)
+        shutil.rmtree(held)  # trainer/checkpoints.py hold_for_eval's prune, an evaluation more than 2 behind
+        return opened(name, path, **settings)
+
+    monkeypatch.setattr(jobs, "open_for_settings", pruned_first)
+    monkeypatch.setattr(jobs, "_ENGINE", {})  # none left loaded by another test in this process
+    return seen
+
+
+def evaluate_in_process(r, redis_url, tmp_path, held: Path):
+    """The hold's evaluation queued and worked by an evaluator in this process; its job."""
+    from rq.serializers import JSONSerializer
+
+    from evaluator.worker import EvalWorker
+
+    wv = WeightVersion(version=2, step=2, path=str(held), format="safetensors", checksums=checksum_dir(held),
+                       created_at=0.0)
+    job = enqueue_eval(r, config(redis_url).model_copy(update={"output_dir": str(tmp_path / "run")}), wv)
+    EvalWorker([eval_queue(r, Keys(RUN))], connection=r, serializer=JSONSerializer).work(burst=True,
+                                                                                      logging_level="WARNING")
+    job.refresh()
+    return job
+
+
+def test_a_checkpoint_pruned_while_its_evaluation_opens_the_engine_is_scored_from_the_jobs_pin(
+        tmp_path, redis_url, r, tiny_model, monkeypatch):
+    """The job reads its checkpoint from hard links of its own beside the hold (evaluator/jobs.py
+    pin_for_job): the trainer's prune of the hold while the engine opens (longer on a CPU than the
+    demo's ten steps between two evaluations) takes nothing from it. Without the pin the engine's
+    tokenizer read failed with the hub's "Repo id must be in the form ...", and the job was retried."""
+    held = tmp_path / "run" / "checkpoints" / "evaluating" / "step_2"
+    shutil.copytree(tiny_model, held)
+    seen = pruned_while_opening(monkeypatch, held)
+    job = evaluate_in_process(r, redis_url, tmp_path, held)
+    assert job.get_status() == "finished" and job.retries_left == 1  # neither failed nor retried
+    result = json.loads(r.hget(Keys(RUN).evals, "2"))
+    assert "eval/skipped" not in result and result["eval/prompts"] == 4, result
+    assert len(seen) == 1 and Path(seen[0]).parent == held.parent and Path(seen[0]).name.startswith(".pin-"), seen
+    assert list(held.parent.iterdir()) == []  # the hold pruned, the job's pin removed at its end
+
+
+def test_a_checkpoint_that_cannot_be_pinned_and_is_pruned_while_read_is_reported_skipped(
+        tmp_path, redis_url, r, tiny_model, monkeypatch):
+    """Where no hard links can be made beside the hold (pin_checkpoint returns None: another file
+    system, none made there), the job reads the hold itself; pruned meanwhile, it is skipped as a
+    checkpoint pruned before its evaluation, not failed and retried."""
+    import evaluator.jobs as jobs
+
+    held = tmp_path / "run" / "checkpoints" / "evaluating" / "step_2"
+    shutil.copytree(tiny_model, held)
+    monkeypatch.setattr(jobs, "pin_checkpoint", lambda path, checksums, pin: None)
+    seen = pruned_while_opening(monkeypatch, held)
+    job = evaluate_in_process(r, redis_url, tmp_path, held)
+    assert seen == [str(held)]
+    assert job.get_status() == "finished" and job.retries_left == 1, job.latest_result()
+    result = json.loads(r.hget(Keys(RUN).evals, "2"))
+    assert result["eval/skipped"] == "checkpoint pruned while its evaluation ran", result
+    assert jobs._ENGINE == {}  # the engine that failed to open is not kept
+
+
+def test_a_job_removes_the_pins_of_this_hosts_evaluators_that_exited_and_keeps_the_others(tmp_path, tiny_model):
+    """A SIGKILLed evaluator leaves its pin (hard links: disk, once the checkpoint is pruned); the
+    next job on the host removes it, not a running evaluator's, nor another host's."""
+    import socket
+    import subprocess
+    import sys
+
+    from common.evals import EvalRequest
+    from evaluator.jobs import pin_for_job
+
+    held = tmp_path / "evaluating" / "step_3"
+    shutil.copytree(tiny_model, held)
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    gone = int(done.stdout)  # a process that has exited
+    dead, live, other = (held.parent / f".pin-{host}-{gone}-v1", held.parent / f".pin-{host}-{os.getppid()}-v2",
+                         held.parent / f".pin-elsewhere-{gone}-v1")
+    for d in (dead, live, other):
+        d.mkdir()
+    req = EvalRequest(run=RUN, version=3, step=3, path=str(held), checksums=checksum_dir(held), prompts=1, seed=0,
+                      pass_k=0, temperature=1.0, max_new_tokens=4, sources=[], holdout=0.0, pass_reward=1.0,
+                      dtype="float32", evals_path="", engine="hf", engine_settings={})
+    pin = pin_for_job(req)
+    assert pin == held.parent / f".pin-{host}-{os.getpid()}-v3"
+    assert sorted(p.name for p in pin.iterdir()) == sorted(req.checksums)
+    assert (pin / "model.safetensors").stat().st_ino == (held / "model.safetensors").stat().st_ino
+    assert not dead.exists() and live.exists() and other.exists()
+
+
 def test_the_evaluator_runs_only_evaluation_jobs(tmp_path, redis_url, r, tiny_model):
     """Whoever may write RQ's keys can queue a job naming any function; the evaluator fails every
     job but an evaluation (without running or importing what it names) and goes on working."""
