@@ -116,6 +116,8 @@ def evaluate_checkpoint(*, spec: dict) -> dict:
     except Interrupted:
         raise
     except Exception as err:
+        if pin is not None and isinstance(err, CheckpointError):  # named as published, not as the job's links
+            raise CheckpointError(str(err).replace(str(pin), req.path)) from None
         if pin is not None or Path(req.path).is_dir():
             raise  # a bad checkpoint, or the engine's own failure: the job fails (and is retried)
         # Unpinned (no links where it lies), pruned while the engine read it (as the hub's "Repo id

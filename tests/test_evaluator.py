@@ -128,7 +128,7 @@ def test_failing_eval_job_lands_in_the_failed_registry_after_its_retries(tmp_pat
     assert unfinished_evals(r, Keys(RUN)) == [] and failed_evals(r, Keys(RUN)) == [job.id]
     job.refresh()
     assert job.retries_left == 0
-    assert "model.safetensors has checksum" in job.latest_result().exc_string
+    assert f"checkpoint {corrupted}: model.safetensors has checksum" in job.latest_result().exc_string
     assert r.xlen(Keys(RUN).metrics) == 0
 
 
