@@ -139,17 +139,15 @@ def pin_for_job(req: EvalRequest) -> Path | None:
     no hard links): the checkpoint is read where it is. CheckpointError where a listed file is gone.
     This host's pins of evaluators that have exited (SIGKILLed mid-job) are removed first."""
     root, host = Path(req.path).parent, socket.gethostname()
-    for old in root.glob(f"{PIN}{host}-*"):
-        pid = old.name.removeprefix(f"{PIN}{host}-").split("-")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+    for old in root.glob(f"{PIN}*"):
+        named, pid, _ = ([*old.name.removeprefix(PIN).rsplit("-", 2), "", ""])[:3]  # a host's name may hold "-"
+        if named == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     pin = root / f"{PIN}{host}-{os.getpid()}-v{req.version}"
     shutil.rmtree(pin, ignore_errors=True)  # left by a job of this process's own that was stopped
     try:
         return pin_checkpoint(req.path, req.checksums, pin)
-    except CheckpointError:
-        raise
-    except OSError:  # no directory of our own can be made there
+    except OSError:  # no directory of our own can be made there (a file gone: CheckpointError)
         return None
 
 

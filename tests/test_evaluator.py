@@ -215,7 +215,8 @@ def test_a_checkpoint_that_cannot_be_pinned_and_is_pruned_while_read_is_reported
 
 def test_a_job_removes_the_pins_of_this_hosts_evaluators_that_exited_and_keeps_the_others(tmp_path, tiny_model):
     """A SIGKILLed evaluator leaves its pin (hard links: disk, once the checkpoint is pruned); the
-    next job on the host removes it, not a running evaluator's, nor another host's."""
+    next job on the host removes it, not a running evaluator's, nor another host's (one whose name
+    begins with this one's and a "-" too)."""
     import socket
     import subprocess
     import sys
@@ -230,7 +231,9 @@ def test_a_job_removes_the_pins_of_this_hosts_evaluators_that_exited_and_keeps_t
     gone = int(done.stdout)  # a process that has exited
     dead, live, other = (held.parent / f".pin-{host}-{gone}-v1", held.parent / f".pin-{host}-{os.getppid()}-v2",
                          held.parent / f".pin-elsewhere-{gone}-v1")
-    for d in (dead, live, other):
+    longer = held.parent / f".pin-{host}-{gone}-{gone}-v1"  # host "<ours>-<gone>"'s live evaluator's pin
+    odd = held.parent / ".pin-"  # a name of no pin's: left alone
+    for d in (dead, live, other, longer, odd):
         d.mkdir()
     req = EvalRequest(run=RUN, version=3, step=3, path=str(held), checksums=checksum_dir(held), prompts=1, seed=0,
                       pass_k=0, temperature=1.0, max_new_tokens=4, sources=[], holdout=0.0, pass_reward=1.0,
@@ -239,7 +242,7 @@ def test_a_job_removes_the_pins_of_this_hosts_evaluators_that_exited_and_keeps_t
     assert pin == held.parent / f".pin-{host}-{os.getpid()}-v3"
     assert sorted(p.name for p in pin.iterdir()) == sorted(req.checksums)
     assert (pin / "model.safetensors").stat().st_ino == (held / "model.safetensors").stat().st_ino
-    assert not dead.exists() and live.exists() and other.exists()
+    assert not dead.exists() and live.exists() and other.exists() and longer.exists() and odd.exists()
 
 
 def test_the_evaluator_runs_only_evaluation_jobs(tmp_path, redis_url, r, tiny_model):
